@@ -1,0 +1,93 @@
+"""Entry point of a harness worker process: runs one rank of one task at a time, forever.
+
+Kept free of imports from the rest of shardkit so that a worker starts as fast as ``import torch``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    # A worker stuck in a collective never reads its pipe again, so EOF alone cannot end it when the
+    # parent dies; poll the parent pid instead.
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def _reset_shardkit_state() -> None:
+    # Module-level state (graph-parallel groups, cached node groups) refers to the process group that
+    # is about to be destroyed; reset it so the next task on this worker starts clean.
+    state = sys.modules.get("shardkit.distributed.state")
+    if state is not None:
+        state.reset_all()
+
+
+def _run_task(task: dict) -> tuple:
+    import torch.distributed as dist
+
+    saved_env = {k: os.environ.get(k) for k in task["env"]}
+    for key, value in task["env"].items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    for entry in reversed(task["sys_path"]):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    rank = task["rank"]
+    try:
+        fn, args, kwargs = pickle.loads(task["payload"])
+        store = dist.FileStore(task["store_path"], task["world_size"])
+        dist.init_process_group(
+            task["backend"],
+            store=store,
+            rank=rank,
+            world_size=task["world_size"],
+            timeout=timedelta(seconds=task["timeout"]),
+        )
+        result = fn(*args, **kwargs)
+        reply = ("ok", rank, pickle.dumps(result))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent with its traceback
+        reply = ("error", rank, traceback.format_exc())
+    finally:
+        try:
+            _reset_shardkit_state()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            for key, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    return reply
+
+
+def worker_main(conn, parent_pid: int) -> None:
+    """Serve tasks from ``conn`` until it closes or a ``None`` task arrives."""
+    import torch
+
+    # ranks share 2 cores; intra-op threads per rank only add contention
+    torch.set_num_threads(1)
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        task = pickle.loads(data)
+        if task is None:
+            return
+        try:
+            conn.send_bytes(pickle.dumps(_run_task(task)))
+        except Exception:  # noqa: BLE001 - e.g. a result that cannot be pickled
+            conn.send_bytes(pickle.dumps(("error", task["rank"], traceback.format_exc())))

@@ -1,0 +1,223 @@
+"""Run a function on N local CPU ranks (gloo) in reusable worker processes.
+
+Starting Python with torch costs seconds on a small machine, so workers are started once and reused:
+each task initializes a fresh process group (new FileStore), runs the function, resets shardkit's
+module-level state and destroys the group. A task that fails recycles its workers; a task that
+outlives its timeout has its workers killed, so a hanging collective fails the test instead of the
+suite, and no process outlives the parent.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import time
+from multiprocessing.connection import wait
+from typing import Any, Callable, Mapping, Optional
+
+from shardkit.testing._worker import worker_main
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("SHARDKIT_TEST_TIMEOUT", "120"))
+# After one rank fails, how long the others get to finish (they usually fail fast because the failed
+# rank closes its connections) before they are killed.
+FAILURE_GRACE_S = 5.0
+
+
+class WorldError(AssertionError):
+    """One or more ranks failed or hung; the message has each rank's traceback or state."""
+
+
+class _Worker:
+    def __init__(self, ctx) -> None:
+        self.conn, child_conn = ctx.Pipe()
+        self.process = ctx.Process(target=worker_main, args=(child_conn, os.getpid()), daemon=True)
+        self.process.start()
+        child_conn.close()
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=10)
+        self.conn.close()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send_bytes(pickle.dumps(None))
+        except OSError:
+            pass
+        self.process.join(timeout=5)
+        self.kill()
+
+
+class WorkerPool:
+    """Worker processes reused across tasks; a task on N ranks uses the first N workers."""
+
+    def __init__(self) -> None:
+        self._ctx = multiprocessing.get_context("spawn")
+        self._workers: list[_Worker] = []
+        self._tmpdir = tempfile.mkdtemp(prefix="shardkit-world-")
+        self._task_counter = 0
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.process.pid for w in self._workers]
+
+    def _ensure(self, n: int) -> None:
+        self._workers = [w for w in self._workers if w.process.is_alive()] + []
+        while len(self._workers) < n:
+            self._workers.append(_Worker(self._ctx))
+
+    def _replace(self, index: int) -> None:
+        self._workers[index].kill()
+        self._workers[index] = _Worker(self._ctx)
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        world_size: int,
+        args: tuple,
+        kwargs: Mapping[str, Any],
+        *,
+        timeout: float,
+        backend: str,
+        local_world_size: Optional[int],
+        env: Optional[Mapping[str, Optional[str]]],
+    ) -> list[Any]:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        local = local_world_size or world_size
+        if world_size % local != 0:
+            raise ValueError(f"local_world_size {local} does not divide world_size {world_size}")
+        try:
+            payload = pickle.dumps((fn, tuple(args), dict(kwargs)))
+        except (pickle.PicklingError, AttributeError, TypeError) as err:
+            raise TypeError(
+                f"run_world needs a module-level function and picklable arguments: {err}"
+            ) from err
+        self._ensure(world_size)
+        self._task_counter += 1
+        store_path = os.path.join(self._tmpdir, f"store-{self._task_counter}")
+        for rank in range(world_size):
+            task_env = {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank % local),
+                "LOCAL_WORLD_SIZE": str(local),
+                "GROUP_RANK": str(rank // local),
+                "GROUP_WORLD_SIZE": str(world_size // local),
+                **(env or {}),
+            }
+            task = {
+                "rank": rank,
+                "world_size": world_size,
+                "backend": backend,
+                "timeout": timeout,
+                "store_path": store_path,
+                "env": task_env,
+                "sys_path": list(sys.path),
+                "payload": payload,
+            }
+            self._workers[rank].conn.send_bytes(pickle.dumps(task))
+        results, errors = self._collect(world_size, timeout)
+        try:
+            os.remove(store_path)
+        except OSError:
+            pass
+        if errors:
+            for rank in range(world_size):
+                self._replace(rank)  # a failed task may leave a worker in any state
+            report = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
+            raise WorldError(f"{len(errors)} of {world_size} ranks failed:\n{report}")
+        return [results[r] for r in range(world_size)]
+
+    def _collect(self, world_size: int, timeout: float) -> tuple[dict, dict]:
+        conns = {self._workers[r].conn: r for r in range(world_size)}
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while conns:
+            limit = deadline if not errors else min(deadline, first_error + FAILURE_GRACE_S)
+            ready = wait(list(conns), timeout=max(0.0, limit - time.monotonic()))
+            if not ready:
+                break
+            for conn in ready:
+                rank = conns.pop(conn)
+                try:
+                    status, _, body = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    code = self._workers[rank].process.exitcode
+                    status, body = "error", f"worker process died (exit code {code})\n"
+                if status == "ok":
+                    results[rank] = pickle.loads(body)
+                else:
+                    if not errors:
+                        first_error = time.monotonic()
+                    errors[rank] = body
+        for rank in conns.values():
+            why = "after another rank failed" if len(errors) else f"within the {timeout:.0f} s timeout"
+            errors[rank] = f"did not finish {why}; worker killed\n"
+        return results, errors
+
+    def shutdown(self) -> None:
+        for worker in self._workers:
+            worker.stop()
+        self._workers = []
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+
+_POOL: Optional[WorkerPool] = None
+
+
+def worker_pool() -> WorkerPool:
+    """The process-wide pool (created on first use, shut down at exit)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = WorkerPool()
+        atexit.register(shutdown_workers)
+    return _POOL
+
+
+def shutdown_workers() -> None:
+    """Stop all harness workers (idempotent)."""
+    global _POOL
+    if _POOL is not None:
+        _POOL.shutdown()
+        _POOL = None
+
+
+def run_world(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    backend: str = "gloo",
+    local_world_size: Optional[int] = None,
+    env: Optional[Mapping[str, Optional[str]]] = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return the per-rank results.
+
+    Each rank runs in a worker process with the default process group initialized (``backend``,
+    default gloo) and torchrun's environment variables set (RANK, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    GROUP_RANK, ...; ``local_world_size`` simulates several nodes on one machine). ``env`` adds or
+    (with None) removes variables for this task only. ``fn`` must be a module-level function; results
+    must be picklable.
+
+    Raises ``WorldError`` naming every failed rank with its traceback, or the ranks that did not
+    finish within ``timeout`` seconds (those workers are killed).
+    """
+    return worker_pool().run(
+        fn,
+        world_size,
+        args,
+        kwargs,
+        timeout=timeout,
+        backend=backend,
+        local_world_size=local_world_size,
+        env=env,
+    )

@@ -1,0 +1,92 @@
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardkit.testing import WorldError, run_world, worker_pool
+
+
+def _rank_and_sum():
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), t.item()
+
+
+def _fail_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("boom on purpose")
+    dist.barrier()  # the other ranks wait for rank 1, which never comes
+    return "unreachable"
+
+
+def _hang_on_rank_zero():
+    if dist.get_rank() == 0:
+        time.sleep(3600)
+    return os.getpid()
+
+
+def _env_view():
+    return {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "EXTRA")}
+
+
+def _pid():
+    return os.getpid()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_results_come_back_per_rank(world_size):
+    results = run_world(_rank_and_sum, world_size)
+    total = world_size * (world_size + 1) / 2
+    assert results == [(r, world_size, total) for r in range(world_size)]
+
+
+def test_failing_rank_reports_rank_and_traceback():
+    with pytest.raises(WorldError) as info:
+        run_world(_fail_on_rank_one, 2, timeout=60)
+    message = str(info.value)
+    assert "--- rank 1 ---" in message
+    assert "ValueError: boom on purpose" in message
+    assert "_fail_on_rank_one" in message
+
+
+def test_hanging_rank_times_out_and_is_killed():
+    start = time.monotonic()
+    with pytest.raises(WorldError) as info:
+        run_world(_hang_on_rank_zero, 2, timeout=5)
+    assert time.monotonic() - start < 30
+    assert "--- rank 0 ---" in str(info.value)
+    assert "did not finish within the 5 s timeout" in str(info.value)
+    # the pool replaced the killed worker and still works
+    assert run_world(_rank_and_sum, 2)[0] == (0, 2, 3.0)
+
+
+def test_killed_worker_leaves_no_process():
+    pids = run_world(_pid, 2)
+    with pytest.raises(WorldError):
+        run_world(_hang_on_rank_zero, 2, timeout=3)
+    assert not set(pids) & set(worker_pool().pids)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_workers_are_reused_between_tasks():
+    first = run_world(_pid, 2)
+    second = run_world(_pid, 2)
+    assert first == second
+    assert len(set(first)) == 2
+
+
+def test_environment_simulates_nodes_and_is_restored():
+    views = run_world(_env_view, 4, local_world_size=2, env={"EXTRA": "x"})
+    assert [v["LOCAL_RANK"] for v in views] == ["0", "1", "0", "1"]
+    assert [v["GROUP_RANK"] for v in views] == ["0", "0", "1", "1"]
+    assert all(v["LOCAL_WORLD_SIZE"] == "2" and v["EXTRA"] == "x" for v in views)
+    assert run_world(_env_view, 2)[0]["EXTRA"] is None
+
+
+def test_unpicklable_function_is_a_clear_error():
+    with pytest.raises(TypeError, match="module-level function"):
+        run_world(lambda: None, 2)
