@@ -20,9 +20,7 @@ def grid_layout(world_size: int, mp_size: int) -> list[list[int]]:
     if world_size < 1 or mp_size < 1:
         raise ValueError(f"world size and model-parallel size must be >= 1, got {world_size} and {mp_size}")
     if world_size % mp_size != 0:
-        raise ValueError(
-            f"model-parallel size {mp_size} does not divide the world size {world_size}"
-        )
+        raise ValueError(f"model-parallel size {mp_size} does not divide the world size {world_size}")
     return [list(range(r * mp_size, (r + 1) * mp_size)) for r in range(world_size // mp_size)]
 
 

@@ -140,6 +140,7 @@ class WorkerPool:
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout
+        first_error = 0.0
         while conns:
             limit = deadline if not errors else min(deadline, first_error + FAILURE_GRACE_S)
             ready = wait(list(conns), timeout=max(0.0, limit - time.monotonic()))
