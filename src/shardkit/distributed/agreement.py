@@ -49,24 +49,69 @@ def assert_same_on_all_ranks(obj: Any, what: str, group: Optional[ProcessGroup] 
         raise ValueError(f"ranks disagree on the {what}: {per_rank}")
 
 
-def gather_shapes(tensor: torch.Tensor, group: Optional[ProcessGroup] = None) -> list[tuple[int, ...]]:
+# dtypes get a small code in the shape exchange so that ranks can compare them cheaply
+_DTYPE_CODES = {
+    dtype: code
+    for code, dtype in enumerate(
+        (
+            torch.float32,
+            torch.float64,
+            torch.float16,
+            torch.bfloat16,
+            torch.int64,
+            torch.int32,
+            torch.int16,
+            torch.int8,
+            torch.uint8,
+            torch.bool,
+            torch.complex64,
+            torch.complex128,
+        )
+    )
+}
+_MAX_DIMS = 16
+_HEADER = 3  # ndim, dtype code, dim
+
+# torch 2.13 renamed all_gather_into_tensor (same arguments) and warns on the old name
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def gather_shapes(
+    tensor: torch.Tensor, group: Optional[ProcessGroup] = None, dim: Optional[int] = None
+) -> list[tuple[int, ...]]:
     """All-gather the shape of ``tensor`` from every rank of ``group`` (ranks may differ in ``ndim``).
 
-    One all-gather of a small int64 tensor of a fixed size (so it cannot itself mismatch), which
-    costs one host sync.
+    Also compares the dtype and, when given, the (normalized) ``dim`` a collective works along:
+    a mismatch of either, or a tensor of more than 16 dimensions on any rank, raises the same
+    ``ValueError`` on every rank. One all-gather of a small fixed-size int64 tensor (so it cannot
+    itself mismatch), which costs one host sync.
     """
     if group_size(group) == 1:
         return [tuple(tensor.shape)]
-    max_dims = 16
-    if tensor.dim() > max_dims:
-        raise ValueError(f"tensors of more than {max_dims} dimensions are not supported, got {tensor.dim()}")
-    meta = torch.full((max_dims + 1,), -1, dtype=torch.int64, device=tensor.device)
+    width = _HEADER + _MAX_DIMS
+    meta = torch.full((width,), -1, dtype=torch.int64)
     meta[0] = tensor.dim()
-    meta[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-    out = torch.empty(dist.get_world_size(group), max_dims + 1, dtype=torch.int64, device=tensor.device)
-    dist.all_gather_into_tensor(out, meta, group=group)
-    rows = out.tolist()
-    return [tuple(row[1 : 1 + row[0]]) for row in rows]
+    meta[1] = _DTYPE_CODES.get(tensor.dtype, -1)
+    meta[2] = -1 if dim is None else dim
+    if tensor.dim() <= _MAX_DIMS:
+        meta[_HEADER : _HEADER + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    meta = meta.to(tensor.device)
+    # a flat [world * width] buffer: gloo rejects a [world, width] output here
+    out = torch.empty(group_size(group) * width, dtype=torch.int64, device=tensor.device)
+    all_gather_flat(out, meta, group=group)
+    rows = out.view(-1, width).tolist()
+    too_many = [(rank, row[0]) for rank, row in enumerate(rows) if row[0] > _MAX_DIMS]
+    if too_many:
+        raise ValueError(
+            f"tensors of more than {_MAX_DIMS} dimensions are not supported: (rank, ndim) {too_many}"
+        )
+    if any(row[1] != rows[0][1] for row in rows):
+        codes = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+        dtypes = [codes.get(row[1], "another dtype") for row in rows]
+        raise ValueError(f"ranks passed tensors of different dtypes: {format_per_rank(dtypes)}")
+    if any(row[2] != rows[0][2] for row in rows):
+        raise ValueError(f"ranks passed different dims: {format_per_rank([row[2] for row in rows])}")
+    return [tuple(row[_HEADER : _HEADER + row[0]]) for row in rows]
 
 
 def format_per_rank(values: Sequence[Any]) -> str:

@@ -1,0 +1,79 @@
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import shardkit
+from shardkit.cli import env_report, launch
+from shardkit.cli.main import main
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"shardkit {shardkit.__version__}"
+
+
+def test_env_reports_torch_and_gloo(capsys):
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    import torch
+
+    assert f"torch: {torch.__version__}" in out
+    assert "gloo: yes" in out
+    facts = env_report.collect()
+    assert facts["backends"]["gloo"] is True
+    assert facts["cuda"]["available"] == torch.cuda.is_available()
+
+
+def test_launch_builds_a_standalone_torchrun_command():
+    assert launch.torchrun_args(3, "train.py", ["--lr", "0.1"]) == [
+        "--standalone",
+        "--nproc-per-node=3",
+        "train.py",
+        "--lr",
+        "0.1",
+    ]
+
+
+def test_launch_runs_a_script_on_two_ranks(tmp_path):
+    script = tmp_path / "script.py"
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, sys
+            import torch, torch.distributed as dist
+            dist.init_process_group("gloo")
+            t = torch.tensor([dist.get_rank() + 1.0])
+            dist.all_reduce(t)
+            with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}"), "w") as f:
+                f.write(f"{dist.get_world_size()} {t.item()} {sys.argv[2]}")
+            dist.destroy_process_group()
+            """
+        )
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardkit.cli.main",
+        "launch",
+        "-n",
+        "2",
+        str(script),
+        str(out_dir),
+        "--flag",
+    ]
+    subprocess.run(cmd, check=True, timeout=180, capture_output=True)
+    assert sorted(p.name for p in out_dir.iterdir()) == ["rank0", "rank1"]
+    assert (out_dir / "rank1").read_text() == "2 3.0 --flag"
+
+
+def test_demo_runs_and_matches_the_single_process_result(capsys):
+    assert main(["demo", "--nproc", "3", "--nodes", "31", "--edges", "120"]) == 0
+    out = capsys.readouterr().out
+    assert "result: sharded == unsharded" in out
+    assert out.count(" ok") == 3
