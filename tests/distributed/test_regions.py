@@ -415,3 +415,25 @@ def test_identity_without_torch_distributed():
     with pytest.raises(ValueError):
         scatter_to_region(X, 0, sizes=[2, 3])
     assert torch.equal(scatter_to_region(X, 0, sizes=[5]), X)
+
+
+def _dtype_and_dim_disagreements():
+    rank = dist.get_rank()
+    messages = {}
+    x = torch.ones(2, 2, dtype=torch.float64 if rank == 1 else torch.float32)
+    with pytest.raises(ValueError) as info:
+        gather_from_region(x, dim=0)
+    messages["dtype"] = str(info.value)
+    y = torch.ones(2, 2)
+    with pytest.raises(ValueError) as info:
+        gather_from_region(y, dim=1 if rank == 1 else 0)
+    messages["dim"] = str(info.value)
+    # -1 and ndim - 1 are the same dim and must agree
+    assert gather_from_region(y, dim=-1 if rank == 0 else 1).shape == (2, 2 * dist.get_world_size())
+    return messages
+
+
+def test_dtype_or_dim_disagreement_fails_on_every_rank():
+    for messages in run_world(_dtype_and_dim_disagreements, 3, timeout=60):
+        assert "different dtypes" in messages["dtype"] and "rank 1: torch.float64" in messages["dtype"]
+        assert "different dims" in messages["dim"] and "rank 1: 1" in messages["dim"]
