@@ -72,8 +72,10 @@ _DTYPE_CODES = {
 _MAX_DIMS = 16
 _HEADER = 3  # ndim, dtype code, dim
 
-# torch 2.13 renamed all_gather_into_tensor (same arguments) and warns on the old name
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (same arguments) and warns on the
+# old names; older releases have only the old ones
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def gather_shapes(

@@ -57,6 +57,7 @@ from shardkit.distributed.agreement import (
     gather_shapes,
     group_rank,
     group_size,
+    reduce_scatter_flat,
 )
 from shardkit.distributed.tensor_split import normalize_dim, pad_tensor, split_offsets, split_sizes
 from shardkit.distributed.validation import validation_enabled
@@ -133,6 +134,28 @@ def _all_reduce_copy(tensor: torch.Tensor, group: Optional[ProcessGroup]) -> tor
     return buffer
 
 
+def _reduce_scatter_chunk(
+    tensor: torch.Tensor, dim: int, sizes: Sizes, group: Optional[ProcessGroup]
+) -> torch.Tensor:
+    """Sum ``tensor`` over ``group`` and return this rank's chunk along ``dim`` (a new tensor).
+
+    One reduce-scatter: the chunks are moved to dim 0 and padded with zeros to the largest size, so
+    each rank receives 1/world of the data instead of all of it (as an all-reduce would).
+    """
+    rank = group_rank(group)
+    max_size = max(sizes)
+    if max_size == 0:
+        return tensor.narrow(dim, 0, 0).clone()
+    wide = _GLOO_SUM_DTYPE.get(tensor.dtype) if _is_gloo(tensor, group) else None
+    chunks = torch.split(tensor.movedim(dim, 0), list(sizes))
+    send = torch.cat([pad_tensor(chunk, 0, target_size=max_size) for chunk in chunks])
+    send = send.to(wide or tensor.dtype)  # torch.cat already made a contiguous copy
+    out = send.new_empty((max_size, *send.shape[1:]))
+    reduce_scatter_flat(out, send, group=group)
+    chunk = out[: sizes[rank]].to(tensor.dtype).movedim(0, dim)
+    return chunk.contiguous().reshape(-1).view(chunk.shape)  # standard strides, as _all_gather_cat
+
+
 def _exchange_split_sizes(
     tensor: torch.Tensor, dim: int, group: Optional[ProcessGroup], what: str
 ) -> tuple[int, Sizes]:
@@ -179,7 +202,10 @@ def _all_gather_cat(
     if max_size == 0:
         return tensor.clone()  # every chunk is empty: the result is empty along dim too
     # zeros, not uninitialized memory, so that the padding is deterministic
-    padded = pad_tensor(tensor, dim, target_size=max_size).contiguous()
+    padded = pad_tensor(tensor, dim, target_size=max_size)
+    # standard strides: a tensor that is "contiguous" may still carry odd strides on size-1 dims,
+    # which view(uint8) below rejects
+    padded = padded.contiguous().reshape(-1).view(padded.shape)
     send = padded
     if _is_gloo(tensor, group) and padded.dtype != torch.uint8:
         # a gather only moves bytes, and gloo rejects some dtypes (int16, older: bfloat16): send bytes
@@ -357,8 +383,7 @@ class ReduceScatterToRegion(torch.autograd.Function):
 
     ``apply(input, dim=-1, group=None, sizes=None)``: ``[..., n, ...]`` (same shape on every rank) ->
     ``[..., sizes[rank], ...]``, same dtype. ``sizes`` defaults to the array_split rule. Implemented as
-    an all-reduce then a narrow (uneven chunks need no padding and every backend has all-reduce; a
-    reduce-scatter would move 1/world of the data). Checks that shapes agree across ranks when
+    one reduce-scatter of chunks padded to the largest size. Checks that shapes agree across ranks when
     validation is on.
     Saved for backward: ``dim``, ``group``, all ranks' ``sizes`` (ints).
     """
@@ -380,9 +405,7 @@ class ReduceScatterToRegion(torch.autograd.Function):
             return input
         if validation_enabled():
             _check_same_shape(input, group, "reduce_scatter_to_region")
-        summed = _all_reduce_copy(input, group)
-        # a copy of the chunk, so that the other ranks' part of the summed buffer can be freed
-        return _own_chunk(summed, dim, sizes, rank).clone(memory_format=torch.contiguous_format)
+        return _reduce_scatter_chunk(input, dim, sizes, group)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
