@@ -54,7 +54,12 @@ def _run_task(task: dict) -> tuple:
             world_size=task["world_size"],
             timeout=timedelta(seconds=task["timeout"]),
         )
+        # gloo may finish init on one rank while a peer is still connecting to it: a rank that ran a
+        # collective-free fn and tore its group down at once would break the peer's connection.
+        # Barriers on both sides keep every rank's group alive until all ranks are done with it.
+        dist.barrier()
         result = fn(*args, **kwargs)
+        dist.barrier()
         reply = ("ok", rank, pickle.dumps(result))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent with its traceback
         reply = ("error", rank, traceback.format_exc())
