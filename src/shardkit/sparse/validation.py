@@ -1,0 +1,141 @@
+"""Input checks shared by the jagged types, and the rule for which of them cost a host sync.
+
+Checks on metadata (dtypes, devices, ``numel`` of each tensor, number of keys) are free and always run.
+Checks on tensor *contents* (lengths non-negative, lengths summing to the number of values, offsets
+consistent with lengths) need the device to report back to the host once. They run when a
+constructor is called with ``validate=True`` (the default) and are batched into one small
+``tolist()``; the per-key sums computed by that same sync are cached, so a validated
+KeyedJaggedTensor answers ``length_per_key()`` / ``offset_per_key()`` without another sync.
+Pass ``validate=False`` on a hot path whose inputs are known to be well formed; shardkit itself does so
+for every tensor it derives from an already validated one (permute, split, to_dict, concat).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from shardkit.sparse.jagged_ops import complete_cumsum, host_list_to_device
+
+
+def check_tensor(owner: str, name: str, tensor: torch.Tensor, integer: bool = False) -> None:
+    """Type / dtype checks that need no sync."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{owner}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if integer and (tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool):
+        raise TypeError(f"{owner}: {name} must have an integer dtype, got {tensor.dtype}")
+
+
+def check_1d(owner: str, name: str, tensor: torch.Tensor) -> None:
+    if tensor.dim() != 1:
+        raise ValueError(f"{owner}: {name} must be 1-D, got shape {tuple(tensor.shape)}")
+
+
+def check_same_device(owner: str, reference: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
+    for name, tensor in others.items():
+        if tensor is not None and tensor.device != reference.device:
+            raise ValueError(f"{owner}: {name} is on {tensor.device} but values are on {reference.device}")
+
+
+def check_weights(owner: str, values: torch.Tensor, weights: Optional[torch.Tensor]) -> None:
+    if weights is None:
+        return
+    check_tensor(owner, "weights", weights)
+    check_1d(owner, "weights", weights)
+    if weights.numel() != values.size(0):
+        raise ValueError(
+            f"{owner}: weights has {weights.numel()} elements but values has {values.size(0)}; "
+            "there must be one weight per value"
+        )
+
+
+def check_lengths_offsets_sizes(
+    owner: str, lengths: Optional[torch.Tensor], offsets: Optional[torch.Tensor]
+) -> int:
+    """Checks the shapes of lengths / offsets and returns the number of rows they describe."""
+    if lengths is None and offsets is None:
+        raise ValueError(f"{owner}: one of lengths or offsets is required")
+    if lengths is not None:
+        check_tensor(owner, "lengths", lengths, integer=True)
+        check_1d(owner, "lengths", lengths)
+    if offsets is not None:
+        check_tensor(owner, "offsets", offsets, integer=True)
+        check_1d(owner, "offsets", offsets)
+        if offsets.numel() == 0:
+            raise ValueError(f"{owner}: offsets must hold at least one element (the leading 0)")
+    if lengths is not None and offsets is not None and offsets.numel() != lengths.numel() + 1:
+        raise ValueError(
+            f"{owner}: offsets has {offsets.numel()} elements, expected lengths + 1 = {lengths.numel() + 1}"
+        )
+    return lengths.numel() if lengths is not None else offsets.numel() - 1
+
+
+def segment_offsets_with_sync(
+    owner: str,
+    lengths: Optional[torch.Tensor],
+    offsets: Optional[torch.Tensor],
+    row_bounds: Sequence[int],
+    num_values: int,
+    segment_names: Optional[Sequence[str]],
+    validate: bool,
+    extra_checks: Sequence[Tuple[torch.Tensor, str]] = (),
+) -> list[int]:
+    """Value offsets at the given row boundaries (one per segment + 1), in ONE host sync.
+
+    With ``validate`` the same sync also brings back the smallest length, the first offset and whether
+    the given offsets disagree with the given lengths, and errors name the segment (feature) at fault;
+    ``segment_names=None`` means one unnamed segment (a JaggedTensor). ``extra_checks`` are
+    (boolean scalar tensor that is True on failure, message) pairs brought back in the same sync.
+    """
+    full = offsets.long() if offsets is not None else complete_cumsum(lengths.long())
+    parts = [full[host_list_to_device(row_bounds, full.device)]]
+    if validate:
+        derived = full[1:] - full[:-1]
+        smallest = derived.min().view(1) if derived.numel() else full.new_zeros(1)
+        parts += [smallest, full[:1]]
+        if lengths is not None and offsets is not None:
+            parts.append((derived != lengths.long()).any().long().view(1))
+        parts += [failed.long().view(1) for failed, _ in extra_checks]
+    stats = torch.cat(parts).tolist()
+    seg = stats[: len(row_bounds)]
+    if validate:
+        smallest, first = stats[len(row_bounds)], stats[len(row_bounds) + 1]
+        if first != 0:
+            raise ValueError(f"{owner}: offsets must start at 0, got {first}")
+        if smallest < 0:
+            _raise_negative(owner, derived, row_bounds, segment_names, lengths is None)
+        consistency = stats[len(row_bounds) + 2 : len(stats) - len(extra_checks)]
+        if any(consistency):
+            raise ValueError(f"{owner}: offsets are not the cumulative sum of lengths")
+        failed_extra = stats[len(stats) - len(extra_checks) :] if extra_checks else []
+        for failed, (_, message) in zip(failed_extra, extra_checks):
+            if failed:
+                raise ValueError(f"{owner}: {message}")
+        if seg[-1] != num_values:
+            names = segment_names or ()
+            per_key = ", ".join(f"{n}={b - a}" for n, a, b in zip(names, seg, seg[1:]))
+            what = "lengths sum" if lengths is not None else "offsets end"
+            detail = f" (per key: {per_key})" if per_key else ""
+            raise ValueError(f"{owner}: {what} to {seg[-1]} but values has {num_values} elements{detail}")
+    return seg
+
+
+def _raise_negative(
+    owner: str,
+    derived: torch.Tensor,
+    row_bounds: Sequence[int],
+    segment_names: Optional[Sequence[str]],
+    from_offsets: bool,
+) -> None:
+    # only reached on the error path, so the extra syncs to locate the culprit cost nothing in practice
+    row = int(torch.nonzero(derived < 0)[0].item())
+    value = int(derived[row].item())
+    what = "offsets decrease" if from_offsets else "negative length"
+    if segment_names is None:
+        raise ValueError(f"{owner}: {what} ({value}) at row {row}")
+    segment = next(i for i in range(len(segment_names)) if row < row_bounds[i + 1])
+    raise ValueError(
+        f"{owner}: {what} ({value}) for feature {segment_names[segment]!r} at sample "
+        f"{row - row_bounds[segment]}"
+    )
