@@ -90,3 +90,15 @@ def test_environment_simulates_nodes_and_is_restored():
 def test_unpicklable_function_is_a_clear_error():
     with pytest.raises(TypeError, match="module-level function"):
         run_world(lambda: None, 2)
+
+
+def test_process_group_set_up_failure_is_retried_then_reported(monkeypatch, capfd):
+    from shardkit.testing import harness
+
+    monkeypatch.setattr(harness, "INIT_RETRIES", 1)
+    with pytest.raises(WorldError) as info:
+        run_world(_pid, 2, backend="no-such-backend", timeout=60)
+    assert "process group set-up failed" in str(info.value)
+    assert "no-such-backend" in str(info.value)
+    assert capfd.readouterr().err.count("retrying") == 1
+    assert len(run_world(_pid, 2)) == 2  # the pool recovered

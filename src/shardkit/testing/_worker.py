@@ -46,14 +46,16 @@ def _run_task(task: dict) -> tuple:
     rank = task["rank"]
     try:
         fn, args, kwargs = pickle.loads(task["payload"])
-        store = dist.FileStore(task["store_path"], task["world_size"])
-        dist.init_process_group(
-            task["backend"],
-            store=store,
-            rank=rank,
-            world_size=task["world_size"],
-            timeout=timedelta(seconds=task["timeout"]),
-        )
+        try:
+            dist.init_process_group(
+                task["backend"],
+                store=dist.FileStore(task["store_path"], task["world_size"]),
+                rank=rank,
+                world_size=task["world_size"],
+                timeout=timedelta(seconds=task["timeout"]),
+            )
+        except Exception:  # noqa: BLE001 - reported apart: the parent may retry the task
+            return ("init-error", rank, traceback.format_exc())
         # gloo may finish init on one rank while a peer is still connecting to it: a rank that ran a
         # collective-free fn and tore its group down at once would break the peer's connection.
         # Barriers on both sides keep every rank's group alive until all ranks are done with it.

@@ -28,6 +28,11 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("SHARDKIT_TEST_TIMEOUT", "120"))
 FAILURE_GRACE_S = 5.0
 
 
+# How often a task whose process group could not be set up is run again (see WorkerPool.run).
+INIT_RETRIES = 2
+_INIT_ERROR = "process group set-up failed:\n"
+
+
 class WorldError(AssertionError):
     """One or more ranks failed or hung; the message has each rank's traceback or state."""
 
@@ -99,6 +104,31 @@ class WorkerPool:
             raise TypeError(
                 f"run_world needs a module-level function and picklable arguments: {err}"
             ) from err
+        for attempt in range(1 + INIT_RETRIES):
+            results, errors = self._run_once(world_size, payload, timeout, backend, local, env)
+            if errors:
+                for rank in range(world_size):
+                    self._replace(rank)  # a failed task may leave a worker in any state
+            init_failed = [r for r, body in errors.items() if body.startswith(_INIT_ERROR)]
+            if not init_failed or attempt == INIT_RETRIES:
+                break
+            # Rarely, gloo's connection set-up between local processes fails ("Connection closed
+            # by peer") before any test code ran: that is the machine, not the test, so run it again.
+            print(f"run_world: process group set-up failed on ranks {init_failed}; retrying", file=sys.stderr)
+        if errors:
+            report = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
+            raise WorldError(f"{len(errors)} of {world_size} ranks failed:\n{report}")
+        return [results[r] for r in range(world_size)]
+
+    def _run_once(
+        self,
+        world_size: int,
+        payload: bytes,
+        timeout: float,
+        backend: str,
+        local: int,
+        env: Optional[Mapping[str, Optional[str]]],
+    ) -> tuple[dict, dict]:
         self._ensure(world_size)
         self._task_counter += 1
         store_path = os.path.join(self._tmpdir, f"store-{self._task_counter}")
@@ -123,17 +153,13 @@ class WorkerPool:
                 "payload": payload,
             }
             self._workers[rank].conn.send_bytes(pickle.dumps(task))
-        results, errors = self._collect(world_size, timeout)
         try:
-            os.remove(store_path)
-        except OSError:
-            pass
-        if errors:
-            for rank in range(world_size):
-                self._replace(rank)  # a failed task may leave a worker in any state
-            report = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
-            raise WorldError(f"{len(errors)} of {world_size} ranks failed:\n{report}")
-        return [results[r] for r in range(world_size)]
+            return self._collect(world_size, timeout)
+        finally:
+            try:
+                os.remove(store_path)
+            except OSError:
+                pass
 
     def _collect(self, world_size: int, timeout: float) -> tuple[dict, dict]:
         conns = {self._workers[r].conn: r for r in range(world_size)}
@@ -156,6 +182,8 @@ class WorkerPool:
                 if status == "ok":
                     results[rank] = pickle.loads(body)
                 else:
+                    if status == "init-error":
+                        body = _INIT_ERROR + body
                     if not errors:
                         first_error = time.monotonic()
                     errors[rank] = body
