@@ -1,0 +1,43 @@
+"""Unsharded embedding modules, their grouped (table-batched) lookup and fused sparse optimizers (L1).
+
+See docs/modules.md. Ids are validated against their table (one host sync per lookup); switch it off
+on a hot path with ``shardkit.distributed.validation.set_validation(False)`` or ``SHARDKIT_VALIDATE=0``.
+"""
+
+from shardkit.modules.embedding_bag_collection import EmbeddingBagCollection
+from shardkit.modules.embedding_collection import EmbeddingCollection
+from shardkit.modules.embedding_configs import (
+    BaseEmbeddingConfig,
+    DataType,
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+    PoolingType,
+    data_type_to_dtype,
+)
+from shardkit.modules.feature_processor import FeatureProcessor, PositionWeightedModule
+from shardkit.modules.fp_embedding_bag_collection import FeatureProcessedEmbeddingBagCollection
+from shardkit.modules.fused_optimizer_state import FusedOptimizer
+from shardkit.modules.fused_optimizers import FusedOptimizerConfig, OptimType, SparseRowOptimizer
+from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup, ShardSpec
+from shardkit.modules.grouped_tables import group_tables
+
+__all__ = [
+    "BaseEmbeddingConfig",
+    "DataType",
+    "EmbeddingBagCollection",
+    "EmbeddingBagConfig",
+    "EmbeddingCollection",
+    "EmbeddingConfig",
+    "FeatureProcessedEmbeddingBagCollection",
+    "FeatureProcessor",
+    "FusedOptimizer",
+    "FusedOptimizerConfig",
+    "GroupedEmbeddingLookup",
+    "OptimType",
+    "PoolingType",
+    "PositionWeightedModule",
+    "ShardSpec",
+    "SparseRowOptimizer",
+    "data_type_to_dtype",
+    "group_tables",
+]

@@ -1,0 +1,98 @@
+"""EmbeddingBagCollection: pooled embeddings of many sparse features, KeyedJaggedTensor -> KeyedTensor."""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import List, Optional
+
+import torch
+
+from shardkit.modules.embedding_configs import EmbeddingBagConfig
+from shardkit.modules.fused_optimizers import FusedOptimizerConfig
+from shardkit.modules.grouped_tables import GroupedTablesModule
+from shardkit.sparse import KeyedJaggedTensor, KeyedTensor
+
+
+class EmbeddingBagCollection(GroupedTablesModule):
+    """Pooled lookups of a collection of tables (SUM or MEAN per table, optionally weighted).
+
+    Args:
+        tables: one :class:`EmbeddingBagConfig` per table; several features may share a table, a
+            feature belongs to exactly one table.
+        is_weighted: pool with the input's per-id weights (weighted sum; MEAN divides it by the bag
+            length). The input must then carry weights.
+        device: where the tables live; ``torch.device("meta")`` defers allocation until
+            ``to_empty(device=...)`` + :meth:`reset_parameters`.
+        fused_optimizer: apply this sparse optimizer during backward (no gradient on the tables).
+
+    forward(features) -> KeyedTensor with one key per feature, tables in declaration order and each
+    table's features in order, ``values`` ``[B, sum of their embedding_dims]``; B is ``stride()``.
+    A variable batch per feature is expanded to B rows through ``inverse_indices``.
+    Dtype: the tables' (promoted across tables of different dtypes).
+    State dict: ``embedding_bags.<table>.weight``.
+    """
+
+    def __init__(
+        self,
+        tables: List[EmbeddingBagConfig],
+        is_weighted: bool = False,
+        device: Optional[torch.device] = None,
+        fused_optimizer: Optional[FusedOptimizerConfig] = None,
+    ) -> None:
+        super().__init__(tables, EmbeddingBagConfig, True, "embedding_bags", device, fused_optimizer)
+        self._is_weighted = is_weighted
+        self._embedding_names = self.feature_names()
+        dim_of = {f: t.embedding_dim for t in tables for f in t.feature_names}
+        self._lengths_per_embedding = [dim_of[f] for f in self._embedding_names]
+        # group outputs are concatenated group by group; this maps them to declaration order
+        group_cols, start = {}, 0
+        for f in self._group_feature_order:
+            group_cols[f] = range(start, start + dim_of[f])
+            start += dim_of[f]
+        columns = [c for f in self._embedding_names for c in group_cols[f]]
+        self._column_order: Optional[List[int]] = None if columns == list(range(start)) else columns
+        self._column_index = {}
+
+    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+        return list(self._tables)
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if self._is_weighted and features.weights_or_none() is None:
+            raise ValueError(
+                "EmbeddingBagCollection(is_weighted=True) needs a KeyedJaggedTensor with weights"
+            )
+        # with a variable batch per feature, the full batch is the width of inverse_indices
+        batch = (
+            features.inverse_indices()[1].shape[1]
+            if features.variable_stride_per_key()
+            else features.stride()
+        )
+        pooled = [
+            self._pool_group(lookup, kjt, batch)
+            for lookup, kjt in zip(self.lookups, self._split_by_group(features))
+        ]
+        values = torch.cat(pooled, dim=1) if len(pooled) > 1 else pooled[0]
+        if self._column_order is not None:
+            values = values.index_select(1, self._column_index_on(values.device))
+        return KeyedTensor(self._embedding_names, self._lengths_per_embedding, values)
+
+    def _pool_group(self, lookup, kjt: KeyedJaggedTensor, batch: int) -> torch.Tensor:
+        """``[B, features * dim]`` of one group: feature f in columns ``[f * dim, (f + 1) * dim)``."""
+        bags = kjt.stride_per_key()
+        weights = kjt.weights_or_none() if self._is_weighted else None
+        rows = lookup(kjt.values(), kjt.offsets(), bags, weights)  # [sum(bags), dim]
+        num_features, dim = len(bags), lookup.embedding_dim
+        if kjt.variable_stride_per_key():
+            # row of sample b for feature f: bag start of f + inverse_indices[f, b]
+            inverse = kjt.inverse_indices()[1].to(device=rows.device, dtype=torch.int64)
+            starts = torch.tensor(list(accumulate([0, *bags[:-1]])), device=rows.device)
+            rows = rows.index_select(0, (inverse + starts.unsqueeze(1)).reshape(-1))
+        return rows.view(num_features, batch, dim).transpose(0, 1).reshape(batch, num_features * dim)
+
+    def _column_index_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._column_index:
+            self._column_index[device] = torch.tensor(self._column_order, device=device)
+        return self._column_index[device]

@@ -1,0 +1,158 @@
+"""Table configurations of the embedding modules: what a table is, before any storage exists.
+
+A config names a table, its shape ``[num_embeddings, embedding_dim]``, its storage dtype, the features
+that look it up (several features may share one table) and how its rows are initialized. The modules
+build their parameters from a list of configs; :func:`check_table_configs` is the one place that
+rejects an inconsistent list.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum, unique
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+
+@unique
+class PoolingType(Enum):
+    """How the rows of one bag (the ids of one feature in one sample) are reduced."""
+
+    SUM = "SUM"
+    MEAN = "MEAN"  # an empty bag pools to zeros, as a sum does
+    NONE = "NONE"  # no pooling: one embedding per id (EmbeddingCollection)
+
+
+@unique
+class DataType(Enum):
+    """Storage dtype of a table. Optimizer state and accumulations are fp32 whatever this is."""
+
+    FP32 = "FP32"
+    FP16 = "FP16"
+    BF16 = "BF16"
+
+
+_TORCH_DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
+
+
+def data_type_to_dtype(data_type: DataType) -> torch.dtype:
+    """The torch dtype a table of ``data_type`` is stored in."""
+    return _TORCH_DTYPES[DataType(data_type)]
+
+
+@dataclass
+class BaseEmbeddingConfig:
+    """One table: ``num_embeddings`` rows of ``embedding_dim`` values of ``data_type``.
+
+    Rows are initialized by ``init_fn(weight)`` (in place, under no_grad) when given, otherwise uniformly
+    in ``[weight_init_min, weight_init_max]``, whose defaults are ``-/+ sqrt(1 / num_embeddings)``.
+    """
+
+    num_embeddings: int
+    embedding_dim: int
+    name: str = ""
+    data_type: DataType = DataType.FP32
+    feature_names: List[str] = field(default_factory=list)
+    weight_init_max: Optional[float] = None
+    weight_init_min: Optional[float] = None
+    init_fn: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("an embedding table config needs a non-empty name")
+        if self.num_embeddings <= 0 or self.embedding_dim <= 0:
+            raise ValueError(
+                f"table '{self.name}': num_embeddings and embedding_dim must be positive, "
+                f"got {self.num_embeddings} x {self.embedding_dim}"
+            )
+        self.data_type = DataType(self.data_type)
+        self.feature_names = list(self.feature_names)
+        seen = set()
+        for feature in self.feature_names:
+            if feature in seen:
+                raise ValueError(f"table '{self.name}' declares feature '{feature}' twice")
+            seen.add(feature)
+        if self.get_weight_init_min() > self.get_weight_init_max():
+            raise ValueError(
+                f"table '{self.name}': weight_init_min {self.get_weight_init_min()} > "
+                f"weight_init_max {self.get_weight_init_max()}"
+            )
+
+    def get_weight_init_max(self) -> float:
+        return math.sqrt(1.0 / self.num_embeddings) if self.weight_init_max is None else self.weight_init_max
+
+    def get_weight_init_min(self) -> float:
+        return -math.sqrt(1.0 / self.num_embeddings) if self.weight_init_min is None else self.weight_init_min
+
+    def num_features(self) -> int:
+        return len(self.feature_names)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return data_type_to_dtype(self.data_type)
+
+    def init_weight_(self, weight: torch.Tensor) -> None:
+        """Initialize ``weight`` (this table's rows, or a shard of them) in place."""
+        with torch.no_grad():
+            if self.init_fn is not None:
+                result = self.init_fn(weight)
+                # init_fn may work out of place and return the new values instead
+                if result is not None and result is not weight:
+                    weight.copy_(result)
+            else:
+                weight.uniform_(self.get_weight_init_min(), self.get_weight_init_max())
+
+
+@dataclass
+class EmbeddingBagConfig(BaseEmbeddingConfig):
+    """A table whose bags are pooled (SUM or MEAN) into one ``[embedding_dim]`` vector per sample."""
+
+    pooling: PoolingType = PoolingType.SUM
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.pooling = PoolingType(self.pooling)
+        if self.pooling is PoolingType.NONE:
+            raise ValueError(
+                f"table '{self.name}': an EmbeddingBagConfig pools (SUM or MEAN); "
+                "use EmbeddingConfig for unpooled (sequence) lookups"
+            )
+
+
+@dataclass
+class EmbeddingConfig(BaseEmbeddingConfig):
+    """A table looked up without pooling: one ``[embedding_dim]`` vector per id."""
+
+    @property
+    def pooling(self) -> PoolingType:
+        return PoolingType.NONE
+
+
+def check_table_configs(tables: Sequence[BaseEmbeddingConfig], config_type: type) -> Dict[str, str]:
+    """Validate a collection's tables; returns ``{feature name: table name}`` in declaration order.
+
+    Raises ``ValueError`` for an empty list, a config of the wrong type, a table without features,
+    duplicate table names, or a feature declared by two tables (its output key would be ambiguous).
+    """
+    if len(tables) == 0:
+        raise ValueError("an embedding collection needs at least one table")
+    feature_to_table: Dict[str, str] = {}
+    table_names = set()
+    for table in tables:
+        if not isinstance(table, config_type):
+            raise TypeError(f"expected {config_type.__name__} tables, got {type(table).__name__} '{table}'")
+        if table.name in table_names:
+            raise ValueError(f"duplicate table name '{table.name}'")
+        table_names.add(table.name)
+        if not table.feature_names:
+            raise ValueError(f"table '{table.name}' has no feature_names: nothing would look it up")
+        for feature in table.feature_names:
+            if feature in feature_to_table:
+                raise ValueError(
+                    f"feature '{feature}' is declared by tables '{feature_to_table[feature]}' and "
+                    f"'{table.name}'; each feature looks up exactly one table"
+                )
+            feature_to_table[feature] = table.name
+    return feature_to_table
