@@ -1,0 +1,319 @@
+"""Asynchronous exchange primitives of the comm ops, with codecs, and their cross-rank size check.
+
+Three primitives move flat chunks: ``all_to_all`` (chunk ``r`` to rank ``r``), ``reduce_scatter``
+(rank ``r`` gets the sum of every rank's chunk ``r``) and ``all_gather`` (every rank gets every rank's
+chunk). Each encodes its chunks with the codec (if any), starts one collective with ``async_op=True``
+and returns a ``Pending`` whose ``wait()`` completes the collective and decodes what arrived.
+
+Data travels as bytes (``uint8``): a byte exchange has no dtype for a backend to reject (gloo has no
+float8, older releases no bfloat16), and it lets the codec's wire dtype differ from the data's.
+Only a reduce-scatter that sums on the wire sends a real dtype.
+
+``checked_plan`` builds an op's plan and, with validation on, exchanges every rank's verdict and
+``Layout`` (sizes sent to and expected from every rank), so that bad arguments on one rank or a
+disagreement between ranks is the same ``ValueError`` on every rank before any data moves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Generic, Optional, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from shardkit.distributed.agreement import (
+    all_gather_flat,
+    gather_objects,
+    group_rank,
+    group_size,
+    reduce_scatter_flat,
+)
+from shardkit.distributed.codecs import QuantizedCommCodec, QuantizedCommCodecs
+from shardkit.distributed.validation import validation_enabled
+
+ProcessGroup = dist.ProcessGroup
+T = TypeVar("T")
+U = TypeVar("U")
+
+# dtypes a backend sums exactly as wide as they are; gloo sums float16 / bfloat16 with rounding at
+# every pairwise step (or rejects them), so those are summed after decoding instead
+_GLOO_SUMS = frozenset({torch.float32, torch.float64, torch.int32, torch.int64, torch.int8, torch.uint8})
+_OTHER_SUMS = _GLOO_SUMS | {torch.float16, torch.bfloat16}
+
+
+class Pending(Generic[T]):
+    """Started communication: ``wait()`` completes ``work`` (None: nothing to wait for) -> ``finish()``."""
+
+    def __init__(self, work: Optional[dist.Work], finish: Callable[[], T]) -> None:
+        self._work = work
+        self._finish = finish
+
+    def wait(self) -> T:
+        if self._work is not None:
+            self._work.wait()
+        return self._finish()
+
+    def then(self, post: Callable[[T], U]) -> Pending[U]:
+        """The same communication, with ``post`` applied to its result."""
+        finish = self._finish
+        return Pending(self._work, lambda: post(finish()))
+
+
+def world_of(group: Optional[ProcessGroup]) -> int:
+    """Size of ``group``; ``ValueError`` if this process is not a member (torch answers -1)."""
+    size = group_size(group)
+    if size < 1:
+        raise ValueError(f"global rank {dist.get_rank()} is not a member of the given process group")
+    return size
+
+
+# --------------------------------------------------------------------------------------------------
+# encoding
+
+
+def _wire_dtype(codec: Optional[QuantizedCommCodec], dtype: torch.dtype) -> torch.dtype:
+    return dtype if codec is None else codec.quantized_dtype
+
+
+def _wire_numel(numel: int, codec: Optional[QuantizedCommCodec]) -> int:
+    return numel if codec is None else codec.calc_quantized_size(numel)
+
+
+def _encode(chunk: torch.Tensor, codec: Optional[QuantizedCommCodec]) -> torch.Tensor:
+    flat = chunk.reshape(-1)
+    wire = flat if codec is None else codec.encode(flat)
+    return wire.reshape(-1).contiguous()
+
+
+def _decode(wire: torch.Tensor, codec: Optional[QuantizedCommCodec], dtype: torch.dtype) -> torch.Tensor:
+    return (wire if codec is None else codec.decode(wire)).to(dtype)
+
+
+def _bytes(wire: torch.Tensor) -> torch.Tensor:
+    return wire.view(torch.uint8)
+
+
+def _from_bytes(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # every piece starts at a multiple of the element size, so the view is aligned
+    return raw.view(dtype)
+
+
+def _pad_to(flat: torch.Tensor, numel: int) -> torch.Tensor:
+    return torch.cat([flat, flat.new_zeros(numel - flat.numel())])
+
+
+def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 or wider for floating and complex data, int64 for integers and bool."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.promote_types(dtype, torch.float32)
+    return torch.int64
+
+
+def _sums_on_wire(
+    codec: Optional[QuantizedCommCodec], dtype: torch.dtype, device: torch.device, group
+) -> bool:
+    if codec is not None and not getattr(codec, "sums_on_wire", False):
+        return False
+    backend = str(dist.get_backend(group))
+    # a group may carry one backend per device type, e.g. "cpu:gloo,cuda:nccl"
+    gloo = backend == "gloo" or f"{device.type}:gloo" in backend
+    return _wire_dtype(codec, dtype) in (_GLOO_SUMS if gloo else _OTHER_SUMS)
+
+
+# --------------------------------------------------------------------------------------------------
+# primitives
+
+
+def all_to_all(
+    chunks: Sequence[torch.Tensor],
+    recv_numels: Sequence[int],
+    dtype: torch.dtype,
+    codec: Optional[QuantizedCommCodec],
+    group: Optional[ProcessGroup],
+    decode_to: Optional[torch.dtype] = None,
+) -> Pending[list[torch.Tensor]]:
+    """Send ``chunks[r]`` (``dtype``, any shape, sent flat) to rank ``r``, get ``recv_numels[s]`` from ``s``.
+
+    ``wait()`` gives one flat tensor per source rank, of ``decode_to`` (default ``dtype``); views of
+    one receive buffer when no codec and no cast is involved.
+    """
+    wire_dtype = _wire_dtype(codec, dtype)
+    item = torch.empty(0, dtype=wire_dtype).element_size()
+    sends = [_bytes(_encode(chunk, codec)) for chunk in chunks]
+    send = torch.cat(sends)  # a new buffer even for one chunk: the result never aliases an input
+    recv_bytes = [_wire_numel(n, codec) * item for n in recv_numels]
+    if world_of(group) == 1:
+        recv, work = send, None
+    else:
+        recv = send.new_empty(sum(recv_bytes))
+        send_bytes = [chunk.numel() for chunk in sends]
+        work = dist.all_to_all_single(recv, send, recv_bytes, send_bytes, group=group, async_op=True)
+
+    def finish() -> list[torch.Tensor]:
+        pieces = recv.split(recv_bytes)
+        return [_decode(_from_bytes(piece, wire_dtype), codec, decode_to or dtype) for piece in pieces]
+
+    return Pending(work, finish)
+
+
+def reduce_scatter(
+    chunks: Sequence[torch.Tensor],
+    dtype: torch.dtype,
+    codec: Optional[QuantizedCommCodec],
+    group: Optional[ProcessGroup],
+) -> Pending[torch.Tensor]:
+    """Rank ``r`` receives the sum over ranks of each rank's ``chunks[r]`` (flat, same numel on every rank).
+
+    Summed on the wire (one padded reduce-scatter) when the backend sums the wire dtype exactly and
+    the codec allows it; otherwise each rank receives the others' chunks by all-to-all (the same
+    volume as a ring reduce-scatter) and sums them decoded, in float32 (float64 for float64 data).
+    """
+    rank, world = group_rank(group), world_of(group)
+    own = chunks[rank].numel()
+    device = chunks[rank].device
+    if world > 1 and _sums_on_wire(codec, dtype, device, group):
+        wires = [_encode(chunk, codec) for chunk in chunks]
+        width = max(wire.numel() for wire in wires)
+        send = torch.cat([_pad_to(wire, width) for wire in wires])
+        out = send.new_empty(width)
+        work = reduce_scatter_flat(out, send, group=group, async_op=True)
+        return Pending(work, lambda: _decode(out[: _wire_numel(own, codec)], codec, dtype))
+    accumulate = _accumulate_dtype(dtype)
+    received = all_to_all(chunks, [own] * world, dtype, codec, group, decode_to=accumulate)
+    return received.then(lambda pieces: torch.stack(pieces).sum(dim=0).to(dtype))
+
+
+def all_gather(
+    chunk: torch.Tensor,
+    numels: Sequence[int],
+    dtype: torch.dtype,
+    codec: Optional[QuantizedCommCodec],
+    group: Optional[ProcessGroup],
+) -> Pending[list[torch.Tensor]]:
+    """Every rank receives every rank's ``chunk`` (flat; rank ``r``'s has ``numels[r]`` elements).
+
+    One all-gather of byte buffers padded to the largest chunk; ``wait()`` gives one flat tensor of
+    ``dtype`` per rank.
+    """
+    wire_dtype = _wire_dtype(codec, dtype)
+    item = torch.empty(0, dtype=wire_dtype).element_size()
+    wire_bytes = [_wire_numel(n, codec) * item for n in numels]
+    width = max(wire_bytes)
+    send = _pad_to(_bytes(_encode(chunk, codec)), width)
+    world = len(numels)
+    if world == 1:
+        out, work = send, None
+    else:
+        out = send.new_empty(world * width)
+        work = all_gather_flat(out, send, group=group, async_op=True)
+
+    def finish() -> list[torch.Tensor]:
+        pieces = [out[r * width : r * width + wire_bytes[r]] for r in range(world)]
+        return [_decode(_from_bytes(piece, wire_dtype), codec, dtype) for piece in pieces]
+
+    return Pending(work, finish)
+
+
+# --------------------------------------------------------------------------------------------------
+# cross-rank check
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What one rank sends to and expects from every rank, in elements of the op's dtype.
+
+    ``agree``: further values that must be equal on every rank (dtype, codecs, shapes), by name.
+    """
+
+    send: tuple[int, ...]
+    recv: tuple[int, ...]
+    agree: tuple[tuple[str, object], ...] = ()
+
+
+def codec_key(codec: Optional[QuantizedCommCodec]) -> object:
+    """A picklable description of a codec that equal codecs share (wire dtype and size of 1000 values)."""
+    if codec is None:
+        return None
+    return (type(codec).__qualname__, str(codec.quantized_dtype), codec.calc_quantized_size(1000))
+
+
+def check_local(condition: bool, message: str) -> None:
+    """Raise ``ValueError(message)`` unless ``condition`` (argument checks that need no communication)."""
+    if not condition:
+        raise ValueError(message)
+
+
+def forward_codec(codecs: Optional[QuantizedCommCodecs]) -> Optional[QuantizedCommCodec]:
+    """The codec of the forward pass (None: send the data as it is)."""
+    return None if codecs is None else codecs.forward
+
+
+def backward_codec(codecs: Optional[QuantizedCommCodecs]) -> Optional[QuantizedCommCodec]:
+    """The codec of the gradients (None: send them as they are)."""
+    return None if codecs is None else codecs.backward
+
+
+def check_sizes(name: str, sizes: Sequence[int], world: int, rank: int) -> list[int]:
+    """``sizes`` as a list of ints, checked to have one non-negative entry per rank."""
+    sizes = [int(size) for size in sizes]
+    check_local(
+        len(sizes) == world,
+        f"{name} has {len(sizes)} entries {sizes} on rank {rank}, but the group has {world} ranks",
+    )
+    check_local(all(size >= 0 for size in sizes), f"{name} {sizes} on rank {rank} has a negative entry")
+    return sizes
+
+
+def agree_values(dtype: torch.dtype, codecs: Optional[QuantizedCommCodecs], *extra) -> tuple:
+    """``Layout.agree`` entries: the dtype, both codecs, and ``extra`` ``(name, value)`` pairs."""
+    codec_keys = (codec_key(forward_codec(codecs)), codec_key(backward_codec(codecs)))
+    return (("dtype", str(dtype)), ("codecs", codec_keys), *extra)
+
+
+P = TypeVar("P")
+
+
+def checked_plan(
+    what: str, group: Optional[ProcessGroup], build: Callable[[], P], layout: Callable[[P], Layout]
+) -> P:
+    """``build()``, checked against the other ranks' when validation is on and the group has >1 rank.
+
+    Every rank sends its verdict (the error ``build`` raised, or its ``layout``) in one small object
+    all-gather, and every rank raises the same ``ValueError`` when any rank's arguments are invalid,
+    when ranks disagree on an ``agree`` value, or when a rank sends another a different number of
+    elements than that rank expects. With validation off, local errors still raise (on that rank).
+    """
+    world = world_of(group)
+    try:
+        plan, error = build(), None
+    except (ValueError, IndexError, TypeError) as err:
+        plan, error = None, err
+    if world > 1 and validation_enabled():
+        verdict = f"{type(error).__name__}: {error}" if error is not None else None
+        views = gather_objects((verdict, None if plan is None else layout(plan)), group)
+        _raise_on_disagreement(what, views, error)
+    if error is not None:
+        raise error
+    return plan
+
+
+def _raise_on_disagreement(what: str, views: list, error: Optional[Exception]) -> None:
+    failed = [f"rank {rank}: {verdict}" for rank, (verdict, _) in enumerate(views) if verdict]
+    if failed:
+        raise ValueError(f"{what}: invalid arguments on {'; '.join(failed)}") from error
+    layouts: list[Layout] = [layout for _, layout in views]
+    for name, _ in layouts[0].agree:
+        values = [dict(layout.agree).get(name) for layout in layouts]
+        if any(value != values[0] for value in values[1:]):
+            per_rank = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
+            raise ValueError(f"{what}: ranks disagree on the {name}: {per_rank}")
+    world = len(layouts)
+    bad = [
+        f"rank {src} sends {layouts[src].send[dst]} to rank {dst}, which expects {layouts[dst].recv[src]}"
+        for src in range(world)
+        for dst in range(world)
+        if layouts[src].send[dst] != layouts[dst].recv[src]
+    ]
+    if bad:
+        raise ValueError(f"{what}: ranks disagree on the numbers of elements they exchange: {'; '.join(bad)}")
