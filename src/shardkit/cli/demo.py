@@ -136,6 +136,12 @@ def compare(ranks: list[dict], ref: dict) -> dict[str, float]:
 def run(args) -> int:
     from shardkit.testing import run_world
 
+    if args.nproc < 1 or args.nodes < args.nproc or args.edges < 0:
+        raise SystemExit(
+            f"shardkit demo: need --nproc >= 1, --nodes >= --nproc and --edges >= 0, got "
+            f"{args.nproc}, {args.nodes}, {args.edges}"
+        )
+
     print(
         f"graph-parallel message passing: {args.nodes} nodes, {args.edges} edges, "
         f"{args.nproc} local CPU ranks (gloo)"
