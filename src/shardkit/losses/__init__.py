@@ -1,0 +1,44 @@
+"""Layer 1: losses over a vocabulary split across tensor-parallel ranks (see docs/losses.md).
+
+Exact at every tensor-parallel size, computed without gathering the logits: log-softmax, per-token
+log-probs, cross-entropy (label smoothing, z-loss, soft-capping, temperature, ignore index, padded
+vocabularies), the fused linear cross-entropy that never materializes the logits, and RL helpers
+(entropy, argmax, top-k). Imports only torch and ``shardkit.distributed``.
+"""
+
+from shardkit.losses.checks import TargetOutOfRangeError
+from shardkit.losses.cross_entropy import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
+from shardkit.losses.fused_linear import vocab_parallel_linear_cross_entropy, vocab_parallel_linear_logprobs
+from shardkit.losses.log_softmax import _compute_distributed_log_softmax, distributed_log_softmax
+from shardkit.losses.logprobs import (
+    DistributedLogprob,
+    from_parallel_logits_to_logprobs,
+    vocab_parallel_logprobs,
+)
+from shardkit.losses.parallel_ce import (
+    CrossEntropyFunction,
+    ParallelCrossEntropy,
+    TEParallelCrossEntropy,
+    parallel_cross_entropy,
+)
+from shardkit.losses.rl_helpers import vocab_parallel_argmax, vocab_parallel_entropy, vocab_parallel_topk
+
+__all__ = [
+    "CrossEntropyFunction",
+    "DistributedLogprob",
+    "ParallelCrossEntropy",
+    "TEParallelCrossEntropy",
+    "TargetOutOfRangeError",
+    "VocabParallelCrossEntropy",
+    "_compute_distributed_log_softmax",
+    "distributed_log_softmax",
+    "from_parallel_logits_to_logprobs",
+    "parallel_cross_entropy",
+    "vocab_parallel_argmax",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_entropy",
+    "vocab_parallel_linear_cross_entropy",
+    "vocab_parallel_linear_logprobs",
+    "vocab_parallel_logprobs",
+    "vocab_parallel_topk",
+]

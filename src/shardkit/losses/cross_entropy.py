@@ -1,0 +1,348 @@
+"""Vocab-parallel cross-entropy: the loss of ``F.cross_entropy`` on logits split along the vocabulary.
+
+Each rank of ``group`` holds ``logits[..., start:end]`` (``[..., V/tp]``, any float dtype) and the full
+targets ``[...]`` (global token ids). The result equals ``F.cross_entropy`` on the gathered logits, for
+every tensor-parallel size, without ever gathering them.
+
+Per token, with ``z`` the transformed logits (soft-capping, then temperature), ``a`` the label
+smoothing, ``V`` the real vocabulary size and ``lse = logsumexp(z)``::
+
+    loss = lse - (1 - a) * z[target] - (a / V) * sum(z) + z_loss * lse**2
+
+(PyTorch's label smoothing: the mass ``a`` is spread over the whole vocabulary, not one shard.)
+Ignored tokens (``target == ignore_index``) have loss 0 and gradient exactly 0.
+
+Memory, in units of one ``[T, V/tp]`` tensor of the input dtype (``T`` tokens): forward saves a
+reference to the logits and target (no copy) and ``lse`` ``[T]`` fp32; it allocates only fp32 work
+blocks of ``chunk_size`` rows. Backward allocates the one gradient buffer (1 unit) and recomputes the
+softmax block by block, locally. A no-grad call saves nothing. Non-contiguous logits cost one copy.
+
+Communication per call: forward one all-gather of ``[T, 3]`` fp32 statistics (``[T, 4]`` with label
+smoothing) over ``group``, preceded by one small descriptor all-gather when validation is on (see
+``shardkit.losses.checks``), plus for ``reduction="mean"`` with ``dp_group`` one all-reduce of two
+numbers over ``dp_group``. Backward: none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from shardkit.losses import statistics as st
+from shardkit.losses.checks import option_problems, validate_call
+from shardkit.losses.dtensor import plain_tensor, resolve_vocab_shard
+
+
+@dataclass(frozen=True)
+class CrossEntropyOptions:
+    """Everything about a cross-entropy call except its tensors (hashable, passed through autograd)."""
+
+    group: Optional[dist.ProcessGroup]
+    shard: st.VocabShard
+    transform: st.LogitTransform
+    ignore_index: Optional[int]
+    label_smoothing: float
+    z_loss: float
+    reduction: str
+    dp_group: Optional[dist.ProcessGroup]
+    rows: int
+
+
+def prepare_cross_entropy(
+    op: str,
+    logits: Any,
+    target: Any,
+    group: Optional[dist.ProcessGroup],
+    vocab_start_index: Optional[int],
+    vocab_end_index: Optional[int],
+    *,
+    vocab_size: Optional[int] = None,
+    ignore_index: Optional[int] = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: Optional[float] = None,
+    temperature: float = 1.0,
+    reduction: str = "none",
+    dp_group: Optional[dist.ProcessGroup] = None,
+    chunk_size: Optional[int] = None,
+    problems: Sequence[str] = (),
+) -> tuple[torch.Tensor, torch.Tensor, CrossEntropyOptions]:
+    """Resolve the shard (DTensor, explicit or even offsets), validate on every rank, build the options.
+
+    Returns ``(local logits [..., w], target [...], options)``. Raises before any data collective.
+    """
+    logits, group, start, end = resolve_vocab_shard(logits, group, vocab_start_index, vocab_end_index, op)
+    target = plain_tensor(target)
+    options = (ignore_index, label_smoothing, z_loss, softcap, temperature, reduction, vocab_size)
+    problems = list(problems) + option_problems(
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+        temperature=temperature,
+        reduction=reduction,
+        chunk_size=chunk_size,
+    )
+    validate_call(
+        op,
+        group,
+        logits,
+        target,
+        start,
+        end,
+        vocab_size=vocab_size,
+        ignore_index=ignore_index,
+        options=options,
+        problems=problems,
+    )
+    shard = st.VocabShard.make(start, end, vocab_size)
+    return (
+        logits,
+        target,
+        CrossEntropyOptions(
+            group=group,
+            shard=shard,
+            transform=st.LogitTransform(softcap, float(temperature)),
+            ignore_index=ignore_index,
+            label_smoothing=float(label_smoothing),
+            z_loss=float(z_loss),
+            reduction=reduction,
+            dp_group=dp_group,
+            rows=st.chunk_rows(shard.width, chunk_size),
+        ),
+    )
+
+
+def _flat(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # reshape is a view for contiguous logits; a non-contiguous input is copied once (documented)
+    return logits.reshape(-1, logits.size(-1)), target.reshape(-1)
+
+
+def cross_entropy_forward(
+    logits: torch.Tensor, target: torch.Tensor, opts: CrossEntropyOptions
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(result, lse [T] fp32, token count (fp64 0-d, for "mean"), real vocabulary size (0-d))``."""
+    logits2d, target1d = _flat(logits, target)
+    return loss_from_source(lambda i0, i1: logits2d[i0:i1], logits2d.dtype, target1d, target.shape, opts)
+
+
+def loss_from_source(
+    source: st.Source,
+    dtype: torch.dtype,
+    target1d: torch.Tensor,
+    out_shape: torch.Size,
+    opts: CrossEntropyOptions,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward pass over logits produced block by block by ``source`` (a slice, or a matmul)."""
+    num_rows = target1d.numel()
+    index, owned, active = st.local_target_index(target1d, opts.shard, opts.ignore_index)
+    smoothing = opts.label_smoothing > 0.0
+    stats = st.shard_statistics(
+        source,
+        num_rows,
+        opts.shard,
+        opts.transform,
+        index,
+        owned,
+        opts.rows,
+        with_sum=smoothing,
+        device=target1d.device,
+        dtype=st.work_dtype(dtype),
+    )
+    gathered, vocab = st.gather_statistics(stats, opts.shard.real_width, opts.group)
+    lse = st.combine_logsumexp(gathered)
+    loss = lse - (1.0 - opts.label_smoothing) * gathered[..., st.TARGET].sum(0)
+    if smoothing:
+        loss = loss - (opts.label_smoothing / vocab) * gathered[..., st.SUM_Z].sum(0)
+    if opts.z_loss:
+        loss = loss + opts.z_loss * lse * lse
+    # where, not a multiply: an ignored row with non-finite logits must still give exactly 0
+    loss = torch.where(active, loss, torch.zeros_like(loss))
+    out, count = reduce_tokens(loss, active, opts.reduction, opts.dp_group, out_shape)
+    return out, lse, count, vocab
+
+
+def reduce_tokens(
+    loss: torch.Tensor,
+    active: torch.Tensor,
+    reduction: str,
+    dp_group: Optional[dist.ProcessGroup],
+    shape: torch.Size,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(reduced loss, token count)``: per-token ``shape``, the sum, or the mean over active tokens.
+
+    "mean" divides by the number of non-ignored tokens, summed over ``dp_group`` when given (one
+    all-reduce of [loss sum, count] in fp64), so that the value is the global mean on every rank. An
+    all-ignored batch gives 0, not NaN.
+    """
+    count = active.sum().to(torch.float64)
+    if reduction == "none":
+        return loss.view(shape), count
+    total = loss.sum()
+    if reduction == "sum":
+        return total, count
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        packed = torch.stack([total.to(torch.float64), count])
+        dist.all_reduce(packed, group=dp_group)
+        total, count = packed[0], packed[1]
+    return (total / count.clamp(min=1.0)).to(loss.dtype), count
+
+
+def per_token_grad(
+    grad_output: torch.Tensor, reduction: str, count: torch.Tensor, num_rows: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The incoming gradient as one coefficient per token, ``[T]`` in the work dtype."""
+    g = grad_output.to(dtype)
+    if reduction == "none":
+        return g.reshape(-1)
+    if reduction == "mean":
+        g = g / count.clamp(min=1.0).to(dtype)
+    return g.reshape(1).expand(num_rows)
+
+
+def cross_entropy_backward(
+    grad_output: torch.Tensor,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    count: torch.Tensor,
+    vocab: torch.Tensor,
+    opts: CrossEntropyOptions,
+) -> torch.Tensor:
+    """Gradient for the logits shard, same shape and dtype as ``logits``: one new buffer, no collective."""
+    logits2d, target1d = _flat(logits, target)
+    grad = torch.empty_like(logits2d, memory_format=torch.contiguous_format)
+    blocks = gradient_blocks(lambda i0, i1: logits2d[i0:i1], grad_output, target1d, lse, count, vocab, opts)
+    for i0, i1, block in blocks:
+        grad[i0:i1].copy_(block)
+    return grad.view(logits.shape)
+
+
+def gradient_blocks(
+    source: st.Source,
+    grad_output: torch.Tensor,
+    target1d: torch.Tensor,
+    lse: torch.Tensor,
+    count: torch.Tensor,
+    vocab: torch.Tensor,
+    opts: CrossEntropyOptions,
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """``(i0, i1, d loss / d logits[i0:i1])`` blocks in the work dtype, recomputed from ``lse``, locally."""
+    num_rows = target1d.numel()
+    index, owned, active = st.local_target_index(target1d, opts.shard, opts.ignore_index)
+    g = per_token_grad(grad_output, opts.reduction, count, num_rows, lse.dtype)
+    coef_p = g * (1.0 + 2.0 * opts.z_loss * lse) if opts.z_loss else g
+    coef_uniform = g * (opts.label_smoothing / vocab) if opts.label_smoothing else None
+    return st.softmax_gradient_blocks(
+        source,
+        num_rows,
+        opts.shard,
+        opts.transform,
+        lse,
+        index,
+        owned,
+        active,
+        coef_p,
+        g * (1.0 - opts.label_smoothing),
+        coef_uniform,
+        opts.rows,
+    )
+
+
+def save_for_backward(ctx, logits, target, lse, count, vocab, opts) -> None:
+    """What every cross-entropy Function keeps: two references, ``lse [T]``, the count, the vocab size."""
+    ctx.save_for_backward(logits, target, lse, count, vocab)
+    ctx.opts = opts
+
+
+def saved_backward(ctx, grad_output: torch.Tensor) -> torch.Tensor:
+    logits, target, lse, count, vocab = ctx.saved_tensors
+    return cross_entropy_backward(grad_output, logits, target, lse, count, vocab, ctx.opts)
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """``forward(ctx, logits [..., V/tp], target [...], opts)`` -> fp32 loss; see the module doc.
+
+    Saved for backward: the logits and target themselves (references), ``lse`` ``[T]`` fp32 and the
+    token count. Backward returns one gradient in the logits' dtype and communicates nothing.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, opts: CrossEntropyOptions):  # type: ignore[override]
+        out, lse, count, vocab = cross_entropy_forward(logits, target, opts)
+        save_for_backward(ctx, logits, target, lse, count, vocab, opts)
+        return out
+
+    @staticmethod
+    @once_differentiable  # backward is a closed-form kernel, not a graph: no double backward
+    def backward(ctx, grad_output):  # type: ignore[override]
+        return saved_backward(ctx, grad_output), None, None
+
+
+def apply_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, opts: CrossEntropyOptions
+) -> torch.Tensor:
+    """Run through autograd only when a gradient is wanted, so that a no-grad call saves nothing."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return VocabParallelCrossEntropy.apply(logits, target, opts)
+    with torch.no_grad():
+        return cross_entropy_forward(logits, target, opts)[0]
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    vocab_start_index: Optional[int] = None,
+    vocab_end_index: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: Optional[float] = None,
+    temperature: float = 1.0,
+    reduction: str = "none",
+    dp_group: Optional[dist.ProcessGroup] = None,
+    chunk_size: Optional[int] = None,
+) -> torch.Tensor:
+    """Cross-entropy of vocab-sharded logits against global target ids, exact at any tensor-parallel size.
+
+    Args:
+        logits: ``[..., V/tp]`` (e.g. ``[B, S, V/tp]`` or ``[S, B, V/tp]``), fp32 / bf16 / fp16 / fp64;
+            or a DTensor sharded on its last dim (then no group or offsets).
+        target: ``[...]`` integer global token ids, the same on every rank of ``group``.
+        group: the tensor-parallel group (None: the default group; one rank: no communication).
+        vocab_start_index, vocab_end_index: this rank's half-open slice; default even shards.
+        vocab_size: the real vocabulary size when the sharded vocabulary is padded; columns at and
+            past it never receive probability (nor gradient).
+        ignore_index: targets equal to it have loss 0 and gradient 0.
+        label_smoothing, z_loss, softcap, temperature: see the module doc.
+        reduction: "none" (``[...]`` fp32 per token), "sum", or "mean" over non-ignored tokens
+            (counted over ``dp_group`` too when given; an all-ignored batch gives 0).
+        chunk_size: tokens per fp32 work block (default: about 8M elements per block).
+    Returns:
+        fp32 loss, replicated on every rank of ``group``.
+    """
+    op = "vocab_parallel_cross_entropy"
+    local, target, opts = prepare_cross_entropy(
+        op,
+        logits,
+        target,
+        group,
+        vocab_start_index,
+        vocab_end_index,
+        vocab_size=vocab_size,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+        temperature=temperature,
+        reduction=reduction,
+        dp_group=dp_group,
+        chunk_size=chunk_size,
+    )
+    return apply_cross_entropy(local, target, opts)

@@ -1,0 +1,237 @@
+"""Per-token statistics of vocab-sharded logits and the softmax gradient, computed chunk by chunk.
+
+These are the kernels every loss in ``shardkit.losses`` is built from. A rank holds the columns
+``[start, end)`` of a vocabulary of ``V`` entries (``V`` may include padding columns past the real
+vocabulary size, which never receive probability). Shapes use ``T`` for the number of tokens and
+``w = V/tp`` for this rank's shard width.
+
+Memory discipline (why everything here is chunked): a ``[T, w]`` fp32 copy of a bf16 shard is twice
+the shard itself, so the fp32 math runs on ``[c, w]`` row blocks (``c`` rows at a time) and only
+``[T]``-sized statistics are kept. A ``source(i0, i1)`` callable produces the raw logits of rows
+``[i0, i1)``: a slice of a logits tensor, or a matmul of hidden states for the fused linear loss.
+
+Communication: ``gather_statistics`` is the one collective of a forward pass: a single all-gather of
+the per-row statistics ``[T, k]`` of every rank (plus the rank's real column count), after which every
+rank combines them locally. The gradient needs no communication: it is recomputed from the saved
+log-sum-exp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from shardkit.distributed.agreement import all_gather_flat, group_size
+
+Source = Callable[[int, int], torch.Tensor]
+
+# fp32 elements per [c, w] work block: 8M elements = 32 MiB per fp32 temporary; large enough that the
+# per-chunk Python overhead is negligible, small next to any logits tensor worth sharding
+DEFAULT_CHUNK_ELEMENTS = 1 << 23
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for fp32 / bf16 / fp16 inputs; fp64 inputs keep fp64 (so that gradcheck can be exact)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# columns of the per-row statistics
+MAX, SUMEXP, TARGET, SUM_Z = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """``z = softcap * tanh(x / softcap) / temperature`` (each part optional), in the work dtype.
+
+    Soft-capping comes first because it is part of the model (Gemma-style final-logit capping);
+    temperature is how the capped logits are sampled, so it applies to the capped value.
+    """
+
+    softcap: Optional[float] = None
+    temperature: float = 1.0
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """A fresh tensor ``z`` in the work dtype (never a view of ``x``: callers modify it in place)."""
+        if self.softcap is not None:
+            z = torch.tanh(x.to(work_dtype(x.dtype)) / self.softcap)
+            return z.mul_(self.softcap / self.temperature)
+        z = x.to(work_dtype(x.dtype), copy=True)
+        if self.temperature != 1.0:
+            z.div_(self.temperature)
+        return z
+
+    def apply_with_derivative(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(z, dz/dx)``; the derivative is None when it is the constant ``1 / temperature``."""
+        if self.softcap is None:
+            return self.apply(x), None
+        t = torch.tanh(x.to(work_dtype(x.dtype)) / self.softcap)
+        derivative = (1.0 - t * t).div_(self.temperature)
+        return t.mul_(self.softcap / self.temperature), derivative
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's slice ``[start, end)`` of the (possibly padded) vocabulary.
+
+    ``real_width`` counts the columns whose global id is below the real vocabulary size; the rest are
+    padding and are treated as logits of ``-inf``.
+    """
+
+    start: int
+    end: int
+    real_width: int
+
+    @property
+    def width(self) -> int:
+        return self.end - self.start
+
+    @staticmethod
+    def make(start: int, end: int, vocab_size: Optional[int]) -> VocabShard:
+        real_end = end if vocab_size is None else min(end, vocab_size)
+        return VocabShard(start, end, max(0, real_end - start))
+
+
+def chunk_rows(width: int, chunk_size: Optional[int]) -> int:
+    """Rows per work block: ``chunk_size`` when given, else about ``DEFAULT_CHUNK_ELEMENTS / width``."""
+    if chunk_size is not None:
+        return max(1, int(chunk_size))
+    return max(1, DEFAULT_CHUNK_ELEMENTS // max(1, width))
+
+
+def row_blocks(num_rows: int, rows: int) -> Iterator[tuple[int, int]]:
+    for i0 in range(0, num_rows, rows):
+        yield i0, min(num_rows, i0 + rows)
+
+
+def local_target_index(
+    target: torch.Tensor, shard: VocabShard, ignore_index: Optional[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(index [T] int64, owned [T] bool, active [T] bool)`` for flat global target ids ``[T]``.
+
+    ``owned``: the target is a real column of this shard. ``index``: its column within the shard,
+    clamped into range for rows not owned (so that gathers never go out of bounds, whatever the ids).
+    ``active``: the token is not ignored.
+    """
+    target = target.to(torch.int64)
+    active = torch.ones_like(target, dtype=torch.bool) if ignore_index is None else target != ignore_index
+    local = target - shard.start
+    owned = active & (local >= 0) & (local < shard.real_width)
+    index = torch.where(owned, local, torch.zeros_like(local))
+    return index, owned, active
+
+
+def _mask_padding(z: torch.Tensor, shard: VocabShard) -> None:
+    if shard.real_width < shard.width:
+        z[:, shard.real_width :] = float("-inf")
+
+
+def shard_statistics(
+    source: Source,
+    num_rows: int,
+    shard: VocabShard,
+    transform: LogitTransform,
+    index: torch.Tensor,
+    owned: torch.Tensor,
+    rows: int,
+    with_sum: bool,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Per-row statistics of this shard, ``[T, 3]`` (or ``[T, 4]`` with ``with_sum``), in ``dtype``.
+
+    ``dtype``: the work dtype (``work_dtype`` of the logits). Columns: local max of ``z``;
+    ``sum(exp(z - local max))``; ``z`` at the target (0 where this shard does not own it); with
+    ``with_sum``, the sum of ``z`` over the real columns (label smoothing).
+    Work memory: about two fp32 ``[rows, w]`` blocks.
+    """
+    k = 4 if with_sum else 3
+    stats = torch.zeros(num_rows, k, dtype=dtype, device=device)
+    if shard.width == 0:
+        stats[:, MAX] = float("-inf")
+        return stats
+    for i0, i1 in row_blocks(num_rows, rows):
+        z = transform.apply(source(i0, i1))
+        _mask_padding(z, shard)
+        picked = z.gather(1, index[i0:i1, None]).squeeze(1)
+        stats[i0:i1, TARGET] = torch.where(owned[i0:i1], picked, torch.zeros_like(picked))
+        if with_sum:
+            stats[i0:i1, SUM_Z] = z[:, : shard.real_width].sum(1)
+        local_max = z.amax(1)
+        stats[i0:i1, MAX] = local_max
+        # a row whose columns are all -inf (padding only) has max -inf: shift by 0 so that it sums to 0
+        shift = torch.where(torch.isfinite(local_max), local_max, torch.zeros_like(local_max))
+        stats[i0:i1, SUMEXP] = z.sub_(shift[:, None]).exp_().sum(1)
+    return stats
+
+
+def gather_statistics(
+    stats: torch.Tensor, real_width: int, group: Optional[dist.ProcessGroup]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's ``[T, k]`` statistics as ``[tp, T, k]`` and the real vocabulary size (one all-gather).
+
+    The real column count rides along as one extra element, so that the global vocabulary size is
+    known without a separate collective (exact in fp32 up to 2**24 columns). It stays a 0-d tensor
+    on the device: reading it would cost a host sync on every call.
+    """
+    tp = group_size(group)
+    if tp == 1:
+        return stats.unsqueeze(0), stats.new_tensor(float(real_width))
+    num_rows, k = stats.shape
+    send = torch.cat([stats.reshape(-1), stats.new_tensor([float(real_width)])])
+    out = torch.empty(tp * send.numel(), dtype=stats.dtype, device=stats.device)
+    all_gather_flat(out, send, group=group)
+    out = out.view(tp, send.numel())
+    return out[:, :-1].reshape(tp, num_rows, k), out[:, -1].sum()
+
+
+def combine_logsumexp(gathered: torch.Tensor) -> torch.Tensor:
+    """Global ``logsumexp(z)`` per row, ``[T]`` fp32, from every rank's (max, sum-exp) in ``[tp, T, k]``."""
+    maxes = gathered[..., MAX]
+    top = maxes.amax(0)
+    shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    total = (gathered[..., SUMEXP] * torch.exp(maxes - shift)).sum(0)
+    return shift + torch.log(total)
+
+
+def softmax_gradient_blocks(
+    source: Source,
+    num_rows: int,
+    shard: VocabShard,
+    transform: LogitTransform,
+    lse: torch.Tensor,
+    index: torch.Tensor,
+    owned: torch.Tensor,
+    active: torch.Tensor,
+    coef_p: torch.Tensor,
+    coef_target: torch.Tensor,
+    coef_uniform: Optional[torch.Tensor],
+    rows: int,
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Yield ``(i0, i1, d out / d x)`` for row blocks, fp32 ``[i1 - i0, w]``, with no communication.
+
+    The gradient with respect to ``z`` of every loss here has the form
+    ``coef_p * softmax(z) - coef_target * onehot(target) - coef_uniform * 1[real column]`` (all
+    coefficients ``[T]`` fp32 and already multiplied by the incoming gradient), chained through the
+    logit transform. Rows that are not ``active`` get exactly zero, even where their logits are not
+    finite. The yielded block is a fresh buffer the consumer may keep or modify.
+    """
+    if shard.width == 0:
+        return
+    for i0, i1 in row_blocks(num_rows, rows):
+        z, derivative = transform.apply_with_derivative(source(i0, i1))
+        _mask_padding(z, shard)
+        grad = z.sub_(lse[i0:i1, None]).exp_().mul_(coef_p[i0:i1, None])
+        if coef_uniform is not None and shard.real_width:
+            grad[:, : shard.real_width].sub_(coef_uniform[i0:i1, None])
+        # rows not owned here add 0 at their clamped index: no data-dependent indexing, no host sync
+        minus_target = torch.where(owned[i0:i1], -coef_target[i0:i1], torch.zeros_like(coef_target[i0:i1]))
+        grad.scatter_add_(1, index[i0:i1, None], minus_target[:, None])
+        if derivative is not None:
+            grad.mul_(derivative)
+        elif transform.temperature != 1.0:
+            grad.div_(transform.temperature)
+        grad.masked_fill_(~active[i0:i1, None], 0.0)
+        yield i0, i1, grad

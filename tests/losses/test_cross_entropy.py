@@ -1,0 +1,213 @@
+"""Vocab-parallel cross-entropy against F.cross_entropy on the gathered logits, at tp 1, 2, 3, 4."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardkit.losses import (
+    CrossEntropyFunction,
+    ParallelCrossEntropy,
+    TEParallelCrossEntropy,
+    parallel_cross_entropy,
+    vocab_parallel_cross_entropy,
+)
+from shardkit.testing import run_world
+from tests.losses.reference import (
+    randint,
+    randn,
+    reference_cross_entropy,
+    tolerances,
+    vocab_slice,
+)
+
+# 13 columns split unevenly at 2, 3 and 4 ranks (array_split: e.g. 4, 3, 3, 3); the last two are padding
+# in the padded-vocabulary cases
+VOCAB = 13
+OPTION_SETS = [
+    {},
+    {"label_smoothing": 0.1},
+    {"z_loss": 1e-2},
+    {"softcap": 2.0},
+    {"temperature": 0.7},
+    {"vocab_size": 11},
+    {"label_smoothing": 0.2, "z_loss": 1e-3, "softcap": 3.0, "temperature": 1.3, "vocab_size": 11},
+]
+
+
+def _targets(shape, vocab, seed, ignore_index=-100):
+    t = randint(vocab, shape, seed)
+    t.view(-1)[::4] = ignore_index  # every fourth token is ignored
+    return t
+
+
+def _check_options(world, rank):
+    checked = 0
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        rtol, atol = tolerances(dtype)
+        X = randn((2, 5, VOCAB), 1, dtype)
+        start, end = vocab_slice(VOCAB, world, rank)
+        for opts in OPTION_SETS:
+            t = _targets((2, 5), opts.get("vocab_size", VOCAB), 2)
+            for reduction in ("none", "sum", "mean"):
+                x = X[..., start:end].clone().requires_grad_()
+                x_before, t_before = x.detach().clone(), t.clone()
+                out = vocab_parallel_cross_entropy(
+                    x, t, vocab_start_index=start, vocab_end_index=end, reduction=reduction, **opts
+                )
+                ref_x = X.to(torch.float64, copy=True).requires_grad_()
+                ref = reference_cross_entropy(ref_x, t, reduction=reduction, **opts)
+                assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+                torch.testing.assert_close(
+                    out.double(), ref.detach(), rtol=max(rtol, 1e-5), atol=max(atol, 1e-5)
+                )
+                weight = (
+                    randn(out.shape, 3) if reduction == "none" else torch.tensor(1.7, dtype=torch.float64)
+                )
+                (out * weight.to(out.dtype)).sum().backward()
+                (ref * weight).sum().backward()
+                assert x.grad.dtype == dtype and x.grad.shape == x.shape
+                torch.testing.assert_close(x.grad.double(), ref_x.grad[..., start:end], rtol=rtol, atol=atol)
+                # ignored tokens: exactly zero gradient; inputs untouched by forward and backward
+                assert torch.all(x.grad[t == -100] == 0)
+                assert torch.equal(x.detach(), x_before) and torch.equal(t, t_before)
+                checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_options_match_torch(world_size):
+    expected = 3 * len(OPTION_SETS) * 3
+    assert run_world(_check_options_entry, world_size) == [expected] * world_size
+
+
+def _check_options_entry():
+    return _check_options(dist.get_world_size(), dist.get_rank())
+
+
+def _check_spec_api():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    vocab = 12  # even shards at 1, 2, 3 and 4 ranks
+    start, end = vocab_slice(vocab, world, rank, even=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        rtol, atol = tolerances(dtype)
+        X = randn((3, 4, vocab), 4, dtype)
+        t = _targets((3, 4), vocab, 5)
+        for smoothing in (0.0, 0.1):
+            for reduce_loss in (False, True):
+                # [B, S, V/tp] and the [S, B, V/tp] layout (target follows the logits' leading dims)
+                for logits, target in ((X, t), (X.transpose(0, 1).contiguous(), t.t().contiguous())):
+                    x = logits[..., start:end].clone().requires_grad_()
+                    ref_x = logits.to(torch.float64, copy=True).requires_grad_()
+                    ref = reference_cross_entropy(
+                        ref_x, target, label_smoothing=smoothing, reduction="mean" if reduce_loss else "none"
+                    )
+                    for fn in ("function", "apply"):
+                        x.grad = None
+                        if fn == "function":
+                            out = parallel_cross_entropy(x, target, smoothing, reduce_loss, None, -100)
+                        else:
+                            out = CrossEntropyFunction.apply(x, target, smoothing, reduce_loss, None, -100)
+                        assert out.dtype == torch.float32 and out.shape == ref.shape
+                        torch.testing.assert_close(out.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+                        out.sum().backward()
+                        if fn == "function":
+                            ref.sum().backward()
+                        torch.testing.assert_close(
+                            x.grad.double(), ref_x.grad[..., start:end], rtol=rtol, atol=atol
+                        )
+        # the module front end, its mask and its reductions; the labels are never modified
+        mask = torch.ones(3, 4, dtype=torch.bool)
+        mask[0, 1:3] = False
+        labels_before = t.clone()
+        for reduction in ("none", "sum", "mean"):
+            loss_fn = TEParallelCrossEntropy(ignore_index=-100, reduction=reduction, tp_group=None)
+            x = X[..., start:end].clone().requires_grad_()
+            out = loss_fn(x, t, mask=mask)
+            masked = torch.where(mask, t, torch.full_like(t, -100))
+            ref = reference_cross_entropy(X.double(), masked, reduction=reduction)
+            torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+            out.sum().backward()
+            assert torch.all(x.grad[~mask] == 0)
+            assert torch.equal(t, labels_before)
+    assert ParallelCrossEntropy is TEParallelCrossEntropy
+    return True
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_specification_api(world_size):
+    assert all(run_world(_check_spec_api, world_size))
+
+
+def _check_all_ignored_and_dp_mean():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    start, end = vocab_slice(VOCAB, world, rank)
+    X = randn((6, VOCAB), 6)
+    results = {}
+    t = torch.full((6,), -100)
+    for reduction in ("none", "sum", "mean"):
+        x = X[:, start:end].clone().requires_grad_()
+        out = vocab_parallel_cross_entropy(
+            x, t, vocab_start_index=start, vocab_end_index=end, reduction=reduction
+        )
+        out.sum().backward()
+        assert torch.isfinite(out).all() and torch.all(out == 0)
+        assert torch.all(x.grad == 0)
+        results[reduction] = out.sum().item()
+    # global mean over a data-parallel group: here every rank is its own dp replica holding different
+    # tokens (tp = 1), so the mean is over all ranks' non-ignored tokens
+    group_of_one = [dist.new_group([r]) for r in range(world)][rank]
+    Xs = randn((world, 5, VOCAB), 7)
+    ts = randint(VOCAB, (world, 5), 8)
+    ts[ts % 3 == 0] = -100
+    x = Xs[rank].clone().requires_grad_()
+    out = vocab_parallel_cross_entropy(x, ts[rank], group_of_one, reduction="mean", dp_group=dist.group.WORLD)
+    ref_x = Xs.clone().requires_grad_()
+    ref = reference_cross_entropy(ref_x.reshape(-1, VOCAB), ts.reshape(-1), reduction="mean")
+    torch.testing.assert_close(out, ref.detach())
+    out.backward()
+    ref.backward()
+    # each rank's gradient is its own tokens' part of the global mean
+    torch.testing.assert_close(x.grad, ref_x.grad[rank])
+    return results
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_all_ignored_batch_and_global_mean(world_size):
+    for result in run_world(_check_all_ignored_and_dp_mean, world_size):
+        assert result == {"none": 0.0, "sum": 0.0, "mean": 0.0}
+
+
+def _count_saved(fn):
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+def _check_saved_tensors():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    start, end = vocab_slice(VOCAB, world, rank)
+    X, t = randn((4, 6, VOCAB), 9, torch.bfloat16), _targets((4, 6), VOCAB, 10)
+    x = X[..., start:end].clone().requires_grad_()
+    kwargs = dict(vocab_start_index=start, vocab_end_index=end, label_smoothing=0.1, z_loss=1e-3, softcap=5.0)
+    with torch.no_grad():
+        out, saved = _count_saved(lambda: vocab_parallel_cross_entropy(x, t, **kwargs))
+    assert saved == [] and out.grad_fn is None
+    out, saved = _count_saved(lambda: vocab_parallel_cross_entropy(x, t, **kwargs))
+    # the logits are saved by reference (no copy); everything else is per token
+    big = [s for s in saved if s.numel() >= x.numel()]
+    assert len(big) == 1 and big[0].data_ptr() == x.data_ptr()
+    assert all(s.numel() <= t.numel() for s in saved if s.data_ptr() != x.data_ptr())
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_saves_only_a_reference_and_per_token_statistics(world_size):
+    assert all(run_world(_check_saved_tensors, world_size))

@@ -1,0 +1,112 @@
+"""Fused linear cross-entropy / log-probs against F.linear + the loss on the gathered weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardkit.losses import vocab_parallel_linear_cross_entropy, vocab_parallel_linear_logprobs
+from shardkit.testing import run_world
+from tests.losses.reference import randint, randn, reference_cross_entropy, reference_logprobs, vocab_slice
+
+VOCAB, HIDDEN = 13, 6
+OPTION_SETS = [
+    {},
+    {"label_smoothing": 0.2, "z_loss": 1e-3, "softcap": 3.0, "temperature": 1.3, "vocab_size": 11},
+]
+
+
+def _tol(dtype):
+    # bf16: logits and hidden gradients are bf16 matmuls, as in the unfused layer
+    return (1e-10, 1e-12) if dtype == torch.float64 else (3e-2, 3e-2)
+
+
+def _check_fused():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    start, end = vocab_slice(VOCAB, world, rank)
+    checked = 0
+    for dtype in (torch.float64, torch.bfloat16):
+        rtol, atol = _tol(dtype)
+        Hs, Ws = randn((2, 5, HIDDEN), 21, dtype), randn((VOCAB, HIDDEN), 22, dtype)
+        for opts in OPTION_SETS:
+            t = randint(opts.get("vocab_size", VOCAB), (2, 5), 23)
+            t[1, ::2] = -100
+            for reduction in ("none", "mean"):
+                h = Hs.clone().requires_grad_()
+                w = Ws[start:end].clone().requires_grad_()
+                out = vocab_parallel_linear_cross_entropy(
+                    h,
+                    w,
+                    t,
+                    vocab_start_index=start,
+                    vocab_end_index=end,
+                    reduction=reduction,
+                    chunk_size=3,
+                    **opts,
+                )
+                ref_h = Hs.to(torch.float64, copy=True).requires_grad_()
+                ref_w = Ws.to(torch.float64, copy=True).requires_grad_()
+                logits = ref_h @ ref_w.t()
+                if dtype == torch.bfloat16:  # the layer produces bf16 logits
+                    logits = logits + ((Hs @ Ws.t()).double() - logits).detach()
+                ref = reference_cross_entropy(logits, t, reduction=reduction, **opts)
+                torch.testing.assert_close(out.double(), ref.detach(), rtol=rtol, atol=atol)
+                G = randn(out.shape, 24)
+                (out * G.to(out.dtype)).sum().backward()
+                (ref * G).sum().backward()
+                assert h.grad.dtype == dtype and w.grad.dtype == dtype
+                torch.testing.assert_close(h.grad.double(), ref_h.grad, rtol=rtol, atol=atol)
+                torch.testing.assert_close(w.grad.double(), ref_w.grad[start:end], rtol=rtol, atol=atol)
+                assert torch.equal(h.detach(), Hs) and torch.equal(w.detach(), Ws[start:end])
+                checked += 1
+        # log-probs, and the partial hidden gradient for callers that reduce it themselves
+        t = randint(VOCAB, (2, 5), 25)
+        h = Hs.clone().requires_grad_()
+        w = Ws[start:end].clone().requires_grad_()
+        out = vocab_parallel_linear_logprobs(
+            h, w, t, vocab_start_index=start, vocab_end_index=end, reduce_hidden_grad=False
+        )
+        ref_h = Hs.to(torch.float64, copy=True).requires_grad_()
+        ref = reference_logprobs(ref_h @ Ws.double().t(), t)
+        torch.testing.assert_close(out.double(), ref.detach(), rtol=rtol, atol=atol)
+        out.sum().backward()
+        ref.sum().backward()
+        partial = h.grad.double()
+        dist.all_reduce(partial)
+        torch.testing.assert_close(partial, ref_h.grad, rtol=rtol, atol=atol)
+    return checked
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_fused_linear_matches_unfused(world_size):
+    assert run_world(_check_fused, world_size) == [2 * len(OPTION_SETS) * 2] * world_size
+
+
+def _check_saves_no_logits():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    start, end = vocab_slice(VOCAB, world, rank)
+    T = 16
+    h = randn((T, HIDDEN), 26, torch.bfloat16).requires_grad_()
+    w = randn((VOCAB, HIDDEN), 27, torch.bfloat16)[start:end].clone().requires_grad_()
+    t = randint(VOCAB, (T,), 28)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda s: packed.append(s) or s, lambda s: s):
+        out = vocab_parallel_linear_cross_entropy(
+            h, w, t, vocab_start_index=start, vocab_end_index=end, reduction="mean", chunk_size=4
+        )
+    inputs = {h.data_ptr(), w.data_ptr(), t.data_ptr()}
+    # the inputs by reference, plus per-token statistics: no [T, V/tp] logits tensor
+    assert all(s.data_ptr() in inputs or s.numel() <= T for s in packed), [tuple(s.shape) for s in packed]
+    out.backward()
+    packed.clear()
+    with torch.autograd.graph.saved_tensors_hooks(lambda s: packed.append(s) or s, lambda s: s):
+        out = vocab_parallel_linear_logprobs(
+            h, w, t, vocab_start_index=start, vocab_end_index=end, inference_only=True
+        )
+    assert packed == [] and out.grad_fn is None
+    return True
+
+
+def test_fused_linear_saves_no_logits():
+    assert all(run_world(_check_saves_no_logits, 2))
