@@ -11,10 +11,9 @@ from typing import List, Optional
 
 import torch
 
+from shardkit.sparse.jagged_fields import JaggedFields
 from shardkit.sparse.jagged_ops import (
-    complete_cumsum,
     host_list_to_device,
-    lengths_from_offsets,
     padded_dense,
 )
 from shardkit.sparse.validation import (
@@ -28,7 +27,7 @@ from shardkit.sparse.validation import (
 _OWNER = "JaggedTensor"
 
 
-class JaggedTensor:
+class JaggedTensor(JaggedFields):
     """B variable-length rows of ``values``.
 
     Args:
@@ -116,40 +115,6 @@ class JaggedTensor:
         flat_values = values.reshape(-1, *values.shape[2:]).index_select(0, kept)
         kept_weights = weights.reshape(-1).index_select(0, kept) if weights is not None else None
         return JaggedTensor(flat_values, kept_weights, lengths, validate=False)
-
-    def values(self) -> torch.Tensor:
-        """``[N, *D]``."""
-        return self._values
-
-    def weights(self) -> torch.Tensor:
-        """``[N]``; raises if the tensor is unweighted."""
-        if self._weights is None:
-            raise ValueError(f"{_OWNER} has no weights; use weights_or_none()")
-        return self._weights
-
-    def weights_or_none(self) -> Optional[torch.Tensor]:
-        return self._weights
-
-    def lengths(self) -> torch.Tensor:
-        """``[B]``, derived from offsets (and cached) if only those were given; no host sync."""
-        if self._lengths is None:
-            self._lengths = lengths_from_offsets(self._offsets)
-        return self._lengths
-
-    def lengths_or_none(self) -> Optional[torch.Tensor]:
-        return self._lengths
-
-    def offsets(self) -> torch.Tensor:
-        """``[B + 1]``, derived from lengths (and cached) if only those were given; no host sync."""
-        if self._offsets is None:
-            self._offsets = complete_cumsum(self._lengths)
-        return self._offsets
-
-    def offsets_or_none(self) -> Optional[torch.Tensor]:
-        return self._offsets
-
-    def device(self) -> torch.device:
-        return self._values.device
 
     def to_dense(self) -> List[torch.Tensor]:
         """The B rows as views ``[n_b, *D]`` of values; one host sync (the lengths)."""

@@ -25,10 +25,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from shardkit.sparse.jagged_fields import JaggedFields
 from shardkit.sparse.jagged_ops import (
-    complete_cumsum,
     host_list_to_device,
-    lengths_from_offsets,
     take_segments,
 )
 from shardkit.sparse.jagged_tensor import JaggedTensor
@@ -52,7 +51,7 @@ from shardkit.sparse.validation import (
 _OWNER = "KeyedJaggedTensor"
 
 
-class KeyedJaggedTensor:
+class KeyedJaggedTensor(JaggedFields):
     """Sparse features of a batch: per key, B variable-length lists of ids (see the module doc).
 
     Args:
@@ -262,40 +261,6 @@ class KeyedJaggedTensor:
 
     def keys(self) -> List[str]:
         return self._keys
-
-    def values(self) -> torch.Tensor:
-        """``[N]`` ids."""
-        return self._values
-
-    def weights(self) -> torch.Tensor:
-        """``[N]`` float weights; raises if unweighted."""
-        if self._weights is None:
-            raise ValueError(f"{_OWNER} has no weights; use weights_or_none()")
-        return self._weights
-
-    def weights_or_none(self) -> Optional[torch.Tensor]:
-        return self._weights
-
-    def lengths(self) -> torch.Tensor:
-        """``[sum(stride_per_key)]``; derived from offsets and cached if needed (no host sync)."""
-        if self._lengths is None:
-            self._lengths = lengths_from_offsets(self._offsets)
-        return self._lengths
-
-    def lengths_or_none(self) -> Optional[torch.Tensor]:
-        return self._lengths
-
-    def offsets(self) -> torch.Tensor:
-        """``[sum(stride_per_key) + 1]``; derived from lengths and cached if needed (no host sync)."""
-        if self._offsets is None:
-            self._offsets = complete_cumsum(self._lengths)
-        return self._offsets
-
-    def offsets_or_none(self) -> Optional[torch.Tensor]:
-        return self._offsets
-
-    def device(self) -> torch.device:
-        return self._values.device
 
     def stride(self) -> int:
         """Batch size B (with a variable batch per key: the largest per-key batch, as in torchrec)."""
