@@ -1,0 +1,242 @@
+"""KJTAllToAll: send each feature of a KeyedJaggedTensor to the rank that owns its table.
+
+Two phases, as chained awaitables:
+
+1. ``KJTAllToAll(pg, splits)(kjt)`` starts an all-to-all of one fixed-size header row per rank pair
+   (sizes, batch size, fingerprints of keys and settings, status; see ``kjt_splits``) and returns a
+   ``KJTAllToAllSplitsAwaitable``.
+2. Its ``wait()`` checks the headers (every rank raises the same ``ValueError`` on bad input or
+   disagreement), starts one all-to-all per tensor (lengths, values, weights, and per-key batch
+   sizes with a variable batch) and returns a ``KJTAllToAllTensorsAwaitable``, whose ``wait()`` gives
+   the output KeyedJaggedTensor.
+
+Output on rank ``me``: the ``splits[me]`` keys assigned to it, each with the rows of every rank's
+batch concatenated in rank order (or the ``stagger`` order, see ``recat``); stride ``sum`` of the
+ranks' batch sizes, or per-key per-rank strides when the input had a variable batch per feature.
+The KJT's weights are carried but are not differentiable through this exchange.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardkit.distributed.agreement import group_rank, group_size
+from shardkit.distributed.awaitable import Awaitable
+from shardkit.sharding.dist_data.kjt_splits import (
+    HEADER,
+    SendPlan,
+    build_send_plan,
+    check_headers,
+    header_rows,
+)
+from shardkit.sharding.dist_data.recat import expand_recat, feature_order, get_recat, jagged_segment_index
+from shardkit.sparse import KeyedJaggedTensor
+from shardkit.sparse.jagged_ops import host_list_to_device, take_segments
+
+
+def _start_all_to_all(
+    tensor: torch.Tensor, send: List[int], recv: List[int], pg
+) -> tuple[torch.Tensor, Optional[dist.Work]]:
+    """Start an uneven all-to-all of a 1-D tensor (sent as bytes, so any dtype works on any backend).
+
+    Returns the receive buffer (``[sum(recv)]`` of ``tensor.dtype``, valid after the work completes)
+    and the work (None with one rank, where the input is the output).
+    """
+    if group_size(pg) == 1:
+        return tensor, None
+    item = tensor.element_size()
+    out = torch.empty(sum(recv) * item, dtype=torch.uint8, device=tensor.device)
+    work = dist.all_to_all_single(
+        out,
+        tensor.contiguous().view(torch.uint8),
+        [n * item for n in recv],
+        [n * item for n in send],
+        group=pg,
+        async_op=True,
+    )
+    return out.view(tensor.dtype), work
+
+
+class KJTAllToAll(nn.Module):
+    """Redistributes a KeyedJaggedTensor's features to the ranks of ``pg`` (``splits[r]`` keys to rank r).
+
+    Args:
+        pg: the process group (None: the default group).
+        splits: ``W`` ints, the same on every rank: the input's keys, in order, go
+            ``splits[0]`` to rank 0, the next ``splits[1]`` to rank 1, ... (the input is assumed sorted
+            by destination rank; permute it first otherwise). Must sum to the number of keys.
+        stagger: order of the source ranks' rows in the output (``recat.feature_order``); 1 is rank
+            order. Must divide ``W``.
+
+    ``forward(input)`` -> ``KJTAllToAllSplitsAwaitable``; ``.wait()`` -> ``KJTAllToAllTensorsAwaitable``;
+    ``.wait()`` -> the output ``KeyedJaggedTensor``. Every rank must call forward with a KJT of the same
+    keys (in the same order), dtypes and weightedness; batch sizes may differ between ranks. Errors
+    (wrong splits, different keys on different ranks, ...) raise ``ValueError`` on every rank when the
+    splits awaitable is waited (at once with one rank), never a hang.
+    """
+
+    def __init__(self, pg: Optional[dist.ProcessGroup], splits: List[int], stagger: int = 1) -> None:
+        super().__init__()
+        self._pg = pg
+        self._splits = list(splits)
+        self._stagger = stagger
+
+    def forward(self, input: KeyedJaggedTensor) -> KJTAllToAllSplitsAwaitable:
+        """Start phase one (the sizes) for ``input``."""
+        return KJTAllToAllSplitsAwaitable(self._pg, input, self._splits, self._stagger)
+
+
+class KJTAllToAllSplitsAwaitable(Awaitable["KJTAllToAllTensorsAwaitable"]):
+    """Phase one in flight: the header exchange. ``wait()`` checks it and starts phase two.
+
+    One host sync in ``wait()`` (reading the received sizes), which phase two needs to size its
+    buffers; building the plan reads the input's ``length_per_key`` (cached on most KJTs).
+    """
+
+    def __init__(
+        self, pg: Optional[dist.ProcessGroup], input: KeyedJaggedTensor, splits: List[int], stagger: int
+    ) -> None:
+        super().__init__()
+        self._pg, self._input, self._stagger = pg, input, stagger
+        world, rank = group_size(pg), group_rank(pg)
+        self._world = world
+        self._plan: Optional[SendPlan] = None
+        self._error: Optional[Exception] = None
+        try:
+            self._plan = build_send_plan(input, splits, stagger, world, rank)
+        except Exception as err:  # any failure: the other ranks must still hear of it
+            if world == 1:
+                raise
+            # keep going: the other ranks are entering the header exchange and would wait for this one
+            self._error = err
+        device = input.device() if isinstance(input, KeyedJaggedTensor) else torch.device("cpu")
+        headers = header_rows(self._plan, world, device).view(-1)
+        width = len(HEADER)
+        self._headers, self._work = _start_all_to_all(headers, [width] * world, [width] * world, pg)
+
+    def _wait_impl(self) -> KJTAllToAllTensorsAwaitable:
+        if self._work is not None:
+            self._work.wait()
+        rows = self._headers.view(self._world, len(HEADER)).tolist()
+        received = check_headers(rows, self._plan, self._error, self._pg)
+        return KJTAllToAllTensorsAwaitable(
+            self._pg,
+            self._input,
+            self._plan,
+            received.lengths,
+            received.values,
+            received.batch,
+            self._stagger,
+        )
+
+
+class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
+    """Phase two in flight: the tensors' all-to-alls. ``wait()`` reorders them into the output KJT.
+
+    Attributes available before ``wait()`` (the sharding code records them for the output dist):
+        keys: the output's keys.
+        labels: the tensors exchanged, in order: ``"lengths"``, ``"values"``, ``"weights"`` (when
+            weighted), ``"strides"`` (per-key batch sizes, variable batch only).
+        input_splits / output_splits: label -> elements sent to / received from each rank (e.g.
+            ``output_splits["values"][s]`` ids came from rank ``s``).
+        stride_per_rank: each rank's batch size, in rank order (None with a variable batch per feature).
+        recat: see :attr:`recat`.
+
+    ``wait()`` itself does not sync with the host, except with a variable batch per feature (it reads
+    the received per-key batch sizes).
+    """
+
+    def __init__(
+        self,
+        pg: Optional[dist.ProcessGroup],
+        input: KeyedJaggedTensor,
+        plan: SendPlan,
+        recv_lengths: List[int],
+        recv_values: List[int],
+        batch_per_rank: List[int],
+        stagger: int,
+    ) -> None:
+        super().__init__()
+        world, rank = group_size(pg), group_rank(pg)
+        self._world, self._stagger = world, stagger
+        self._local = plan.splits[rank]
+        self.keys: List[str] = plan.keys[plan.key_bounds[rank] : plan.key_bounds[rank + 1]]
+        self.stride_per_rank: Optional[List[int]] = None if plan.variable_batch else list(batch_per_rank)
+        tensors: Dict[str, torch.Tensor] = {"lengths": input.lengths(), "values": input.values()}
+        self.input_splits: Dict[str, List[int]] = {"lengths": plan.lengths, "values": plan.values}
+        self.output_splits: Dict[str, List[int]] = {"lengths": recv_lengths, "values": recv_values}
+        if input.weights_or_none() is not None:
+            tensors["weights"] = input.weights()
+            self.input_splits["weights"], self.output_splits["weights"] = plan.values, recv_values
+        if plan.variable_batch:
+            tensors["strides"] = host_list_to_device(plan.stride_per_key, input.device())
+            self.input_splits["strides"] = list(plan.splits)
+            self.output_splits["strides"] = [self._local] * world
+        self.labels: List[str] = list(tensors)
+        self._pending = {
+            label: _start_all_to_all(tensor, self.input_splits[label], self.output_splits[label], pg)
+            for label, tensor in tensors.items()
+        }
+        self._segment_rows: Optional[List[int]] = None
+        if not plan.variable_batch:
+            self._segment_rows = [b for b in batch_per_rank for _ in range(self._local)]
+
+    @property
+    def recat(self) -> torch.Tensor:
+        """How the received rows were reordered into the output, as an int64 tensor on the input's device.
+
+        With equal batch sizes on all ranks (and no variable batch per feature): the segment order
+        ``get_recat(L, W, stagger)`` (``L * W`` entries; output segment ``k`` = received segment
+        ``recat[k]``, segment ``s * L + i`` = feature ``i`` from rank ``s``). Otherwise the same order
+        expanded to one entry per length entry. Valid after ``wait()`` for a variable batch per feature.
+        """
+        order = get_recat(self._local, self._world, self._stagger)
+        rows = self._rows()
+        device = self._pending["lengths"][0].device
+        if len(set(rows)) <= 1 and self.stride_per_rank is not None:
+            return host_list_to_device(order, device)
+        return expand_recat(order, rows, device)
+
+    def _rows(self) -> List[int]:
+        if self._segment_rows is None:
+            raise RuntimeError("KJTAllToAllTensorsAwaitable: the per-key batch sizes arrive with wait()")
+        return self._segment_rows
+
+    def _wait_impl(self) -> KeyedJaggedTensor:
+        received = {}
+        for label, (tensor, work) in self._pending.items():
+            if work is not None:
+                work.wait()
+            received[label] = tensor
+        local, world = self._local, self._world
+        stride_per_key_per_rank = None
+        if "strides" in received:
+            strides = received["strides"].tolist()  # [W * L]: source-major per-key batch sizes
+            self._segment_rows = strides
+            order = feature_order(world, self._stagger)
+            stride_per_key_per_rank = [[strides[s * local + i] for s in order] for i in range(local)]
+        recat = get_recat(local, world, self._stagger)
+        rows = self._rows()
+        lengths, values = received["lengths"], received["values"]
+        weights = received.get("weights")
+        if recat != sorted(recat):
+            index = jagged_segment_index(lengths, rows, recat, values.numel())
+            values = values[index]
+            weights = None if weights is None else weights[index]
+            lengths = take_segments(lengths, rows, recat)
+        return KeyedJaggedTensor(
+            self.keys,
+            values,
+            weights,
+            lengths=lengths,
+            stride=None if stride_per_key_per_rank is not None else sum(self.stride_per_rank),
+            stride_per_key_per_rank=stride_per_key_per_rank,
+            validate=False,
+        )
+
+
+__all__ = ["KJTAllToAll", "KJTAllToAllSplitsAwaitable", "KJTAllToAllTensorsAwaitable"]

@@ -1,0 +1,45 @@
+"""The recat helpers against a plain-Python model of segment reordering."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardkit.sharding.dist_data.recat import expand_recat, feature_order, get_recat, jagged_segment_index
+
+
+@st.composite
+def _segments(draw):
+    """Row lengths grouped in segments, and a permutation of the segments."""
+    num = draw(st.integers(0, 6))
+    segments = [draw(st.lists(st.integers(0, 3), max_size=4)) for _ in range(num)]
+    order = draw(st.permutations(range(num)))
+    return segments, list(order)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_segments())
+def test_jagged_segment_index_and_expand_recat_match_the_model(case):
+    segments, order = case
+    lengths = [n for seg in segments for n in seg]
+    # value j of row r is labelled (r, j) so that any misplacement shows
+    rows, label = [], 0
+    for n in lengths:
+        rows.append(list(range(label, label + n)))
+        label += n
+    values = torch.arange(label)
+    seg_rows = [len(seg) for seg in segments]
+    index = jagged_segment_index(torch.tensor(lengths, dtype=torch.int32), seg_rows, order, label)
+    starts = [sum(seg_rows[:j]) for j in range(len(segments))]
+    expected_rows = [r for j in order for r in range(starts[j], starts[j] + seg_rows[j])]
+    assert values[index].tolist() == [v for r in expected_rows for v in rows[r]]
+    assert expand_recat(order, seg_rows, torch.device("cpu")).tolist() == expected_rows
+
+
+def test_feature_order_and_recat():
+    assert feature_order(4, 1) == [0, 1, 2, 3]
+    assert feature_order(4, 2) == [0, 2, 1, 3]
+    assert feature_order(6, 3) == [0, 2, 4, 1, 3, 5]
+    assert get_recat(1, 3) == [0, 1, 2]
+    assert get_recat(3, 2) == [0, 3, 1, 4, 2, 5]
