@@ -1,0 +1,85 @@
+"""Teacher logits over shared memory: a second process sees the producer's buffer as a view."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from shardkit.distill import TeacherLogitsBuffer, rebuild_teacher_full_logits_from_ipc
+
+
+def _consumer(entries, to_producer, from_producer):
+    """Runs in a spawned process: open the microbatch view once, then watch it change.
+
+    Values travel back as lists: a tensor put on a queue would itself be shared, and would vanish
+    with this process.
+    """
+    try:
+        view = rebuild_teacher_full_logits_from_ipc({"teacher_full_logits_ipc": entries})
+        to_producer.put(("first", view.float().tolist(), view.dtype, tuple(view.shape)))
+        assert from_producer.get(timeout=60) == "updated"
+        # the same view object, not re-opened: it can only see the update if it aliases the buffer
+        to_producer.put(("second", view.float().tolist(), None, None))
+        view[0, 0, 0] = -123.0  # and writes travel the other way
+        to_producer.put(("wrote", None, None, None))
+    except Exception as err:  # noqa: BLE001 - report any failure to the test process
+        to_producer.put(("error", repr(err), None, None))
+
+
+def test_second_process_sees_a_view_and_updates():
+    buf = TeacherLogitsBuffer((4, 3, 5), dtype=torch.bfloat16)
+    first = torch.randn(4, 3, 5)
+    buf.update(first)
+    entries = buf.entries()[1:3]  # a microbatch: samples [1, 3)
+    ctx = mp.get_context("spawn")
+    to_producer, from_producer = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_consumer, args=(entries, to_producer, from_producer))
+    proc.start()
+    try:
+        tag, values, dtype, shape = to_producer.get(timeout=120)
+        assert tag == "first", values
+        assert dtype == torch.bfloat16 and shape == (2, 3, 5)
+        assert values == first.to(torch.bfloat16)[1:3].float().tolist()
+        second = torch.randn(4, 3, 5)
+        buf.update(second)
+        from_producer.put("updated")
+        tag, values, _, _ = to_producer.get(timeout=60)
+        assert tag == "second", values
+        assert values == second.to(torch.bfloat16)[1:3].float().tolist()
+        tag, err, _, _ = to_producer.get(timeout=60)
+        assert tag == "wrote", err
+        assert buf.tensor[1, 0, 0].item() == -123.0
+    finally:
+        proc.join(timeout=60)
+        buf.close()
+    assert proc.exitcode == 0
+
+
+def test_same_process_view_and_errors():
+    buf = TeacherLogitsBuffer((3, 2, 4))
+    buf.update(torch.arange(24.0).reshape(3, 2, 4))
+    entries = buf.entries()
+    assert all(e["rank_logits_ipc"] == entries[0]["rank_logits_ipc"] for e in entries)
+    view = rebuild_teacher_full_logits_from_ipc({"teacher_full_logits_ipc": entries[2:]})
+    assert view.shape == (1, 2, 4) and torch.equal(view, buf.tensor[2:])
+    buf.tensor[2].fill_(7.0)
+    assert torch.all(view == 7.0)
+    with pytest.raises(KeyError, match="teacher_full_logits_ipc"):
+        rebuild_teacher_full_logits_from_ipc({})
+    with pytest.raises(ValueError, match="consecutive"):
+        rebuild_teacher_full_logits_from_ipc({"teacher_full_logits_ipc": [entries[0], entries[2]]})
+    other = TeacherLogitsBuffer((3, 2, 4))
+    with pytest.raises(ValueError, match="different handle"):
+        rebuild_teacher_full_logits_from_ipc({"teacher_full_logits_ipc": [entries[0], other.entries()[1]]})
+    with pytest.raises(ValueError, match="shape"):
+        buf.update(torch.zeros(2, 2, 4))
+    path = buf.handle()["path"]
+    buf.close()
+    other.close()
+    assert not os.path.exists(path)
+    assert torch.all(view == 7.0)  # existing views outlive the name
+    with pytest.raises(FileNotFoundError, match="closed"):
+        rebuild_teacher_full_logits_from_ipc({"teacher_full_logits_ipc": entries})
