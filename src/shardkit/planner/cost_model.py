@@ -1,0 +1,80 @@
+"""The constants of the planner's cost model, in one place (see docs/planner.md for the formulas).
+
+Every estimated time is ``bytes / bandwidth`` plus a fixed overhead per lookup call. The defaults are
+round figures for the hardware class (an H100-class GPU node with NVLink and a 100 Gb/s NIC; a CPU
+node with gloo); :func:`shardkit.planner.calibrate` measures this machine's figures and returns a
+``CostModel`` to use instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Speeds the estimators divide bytes by. Bandwidths in bytes/s, times in seconds.
+
+    Attributes:
+        hbm_lookup_bw: bytes of embedding rows a lookup reads per second from device memory.
+        ddr_lookup_bw: the same from host memory by the CPU (the CPU kernels' speed).
+        uvm_lookup_bw: the same from host memory by the GPU over PCIe (FUSED_UVM kernels).
+        intra_node_bw: per-rank bandwidth of a collective among the ranks of one node.
+        cross_node_bw: per-rank bandwidth of a collective whose ranks span nodes.
+        bwd_compute_factor: backward lookup time (gradient scatter + fused optimizer) / forward.
+        lookup_overhead_s: fixed cost of one lookup call on a shard (kernel launch, bookkeeping).
+        cache_hit_rate: share of a FUSED_UVM_CACHING lookup served by the device-memory cache.
+    """
+
+    hbm_lookup_bw: float
+    ddr_lookup_bw: float
+    uvm_lookup_bw: float
+    intra_node_bw: float
+    cross_node_bw: float
+    bwd_compute_factor: float = 2.0
+    lookup_overhead_s: float = 10e-6
+    cache_hit_rate: float = 0.9
+
+    def __post_init__(self) -> None:
+        for name in ("hbm_lookup_bw", "ddr_lookup_bw", "uvm_lookup_bw", "intra_node_bw", "cross_node_bw"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"CostModel.{name} must be positive, got {getattr(self, name)}")
+        for name in ("bwd_compute_factor", "lookup_overhead_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"CostModel.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.cache_hit_rate <= 1.0:
+            raise ValueError(f"CostModel.cache_hit_rate must be in [0, 1], got {self.cache_hit_rate}")
+
+    @classmethod
+    def default(cls, compute_device: str) -> CostModel:
+        """The default constants for ``compute_device`` (``"cuda"`` or ``"cpu"``)."""
+        if compute_device == "cpu":
+            return cls(
+                hbm_lookup_bw=5 * GB,  # unused: a CPU rank has no HBM
+                ddr_lookup_bw=5 * GB,  # random 64-256 B rows from DRAM, one core per rank
+                uvm_lookup_bw=5 * GB,
+                intra_node_bw=2 * GB,  # gloo over loopback TCP
+                cross_node_bw=1.25 * GB,  # 10 Gb/s ethernet
+                lookup_overhead_s=20e-6,
+            )
+        return cls(
+            hbm_lookup_bw=1000 * GB,  # about a third of H100 peak: random rows, not streaming
+            ddr_lookup_bw=20 * GB,
+            uvm_lookup_bw=25 * GB,  # PCIe 4 x16, effective
+            intra_node_bw=150 * GB,  # NVLink all-to-all, per rank
+            cross_node_bw=12.5 * GB,  # 100 Gb/s NIC per rank
+            lookup_overhead_s=10e-6,
+        )
+
+    def replace(self, **changes: Any) -> CostModel:
+        """A copy with some constants changed (e.g. the ones :func:`calibrate` measured)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> Dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+__all__ = ["GB", "CostModel"]

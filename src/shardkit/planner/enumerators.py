@@ -1,0 +1,205 @@
+"""Find the tables a set of sharders can shard, and enumerate every allowed sharding of each.
+
+A submodule is planned by the first sharder whose ``module_type`` it is an instance of; its children
+are not searched further (the sharder shards it whole). Its tables come from the module's configs
+(``EmbeddingBagCollection`` / ``EmbeddingCollection``). A table's options are the product of the
+sharding types and compute kernels that both the sharder and the table's ``ParameterConstraints``
+allow, each with its shard layout; the estimators fill in storage and time.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from shardkit.distributed.tensor_split import split_offsets, split_sizes
+from shardkit.modules import OptimType, PoolingType
+from shardkit.planner.constraints import ParameterConstraints
+from shardkit.planner.errors import PlannerError
+from shardkit.planner.topology import Topology
+from shardkit.planner.types import ShardingOption, TableInfo
+from shardkit.sharding.sharding_plan import table_configs
+from shardkit.sharding.types import EmbeddingComputeKernel, ModuleSharder, ShardingType
+
+# optimizer state bytes (per row, per value) of each fused optimizer, fp32 state
+_STATE_BYTES = {
+    OptimType.SGD: (0, 0),
+    OptimType.ROWWISE_ADAGRAD: (4, 0),
+    OptimType.ADAGRAD: (0, 4),
+    OptimType.ADAM: (0, 8),
+}
+
+
+# kernels that run the module's fused optimizer in backward
+_FUSED_KERNELS = {
+    EmbeddingComputeKernel.FUSED.value,
+    EmbeddingComputeKernel.FUSED_UVM.value,
+    EmbeddingComputeKernel.FUSED_UVM_CACHING.value,
+}
+
+
+def shardable_modules(
+    module: nn.Module, sharders: Sequence[ModuleSharder[nn.Module]], prefix: str = ""
+) -> Iterator[Tuple[str, nn.Module, ModuleSharder[nn.Module]]]:
+    """``(path, submodule, sharder)`` for each submodule some sharder handles, in module order."""
+    for sharder in sharders:
+        if isinstance(module, sharder.module_type):
+            yield prefix, module, sharder
+            return
+    for name, child in module.named_children():
+        yield from shardable_modules(child, sharders, f"{prefix}.{name}" if prefix else name)
+
+
+def _per_feature(
+    values: Optional[List[float]], count: int, default: float, what: str, table: str
+) -> List[float]:
+    if values is None:
+        return [default] * count
+    if len(values) == 1:
+        return list(values) * count
+    if len(values) != count:
+        raise ValueError(f"table {table!r}: {len(values)} {what} for {count} features")
+    return list(values)
+
+
+def _optimizer_of(module: nn.Module) -> Optional[OptimType]:
+    """The ``OptimType`` of the module's fused optimizer; None when it was built without one."""
+    try:
+        fused = module.fused_optimizer
+    except (AttributeError, ValueError):  # no such property / built without a fused optimizer
+        return None
+    return fused.config.optimizer
+
+
+class EmbeddingEnumerator:
+    """Lists the tables and their candidate ``ShardingOption`` s.
+
+    Args:
+        topology: the ranks to plan for.
+        batch_size: per-rank batch size of every feature without a constraint saying otherwise.
+        constraints: table name -> ``ParameterConstraints``.
+        optimizer: the fused optimizer whose state the tables carry (default: the module's own, if it
+            was built with one; else no state).
+
+    A module built without a fused optimizer gets no FUSED* kernel options (its sharded version
+    could not apply one); its tables are planned with the other kernels the sharder offers.
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        batch_size: int = 512,
+        constraints: Optional[Dict[str, ParameterConstraints]] = None,
+        optimizer: Optional[OptimType] = None,
+    ) -> None:
+        self.topology = topology
+        self.batch_size = batch_size
+        self.constraints = constraints or {}
+        self.optimizer = optimizer
+
+    def tables(
+        self, module: nn.Module, sharders: Sequence[ModuleSharder[nn.Module]]
+    ) -> List[Tuple[TableInfo, ModuleSharder[nn.Module]]]:
+        """Every table of every shardable submodule, with its sharder."""
+        found = []
+        for path, sub, sharder in shardable_modules(module, sharders):
+            own_optim = _optimizer_of(sub)
+            optim = self.optimizer or own_optim
+            state_row, state_value = _STATE_BYTES[optim] if optim is not None else (0, 0)
+            # a weighted collection's ids travel with an fp32 weight each
+            weighted = bool(getattr(sub, "is_weighted", lambda: False)())
+            for config in table_configs(sub):
+                c = self.constraints.get(config.name, ParameterConstraints())
+                bad = [r for r in c.ranks or () if not 0 <= r < self.topology.world_size]
+                if bad:
+                    raise ValueError(
+                        f"table {config.name!r}: constraint ranks {bad} are outside a world of "
+                        f"{self.topology.world_size} ranks"
+                    )
+                features = max(1, config.num_features())
+                pooling = _per_feature(c.pooling_factors, features, 1.0, "pooling factors", config.name)
+                batches = _per_feature(c.batch_sizes, features, self.batch_size, "batch sizes", config.name)
+                table = TableInfo(
+                    module_path=path,
+                    name=config.name,
+                    rows=config.num_embeddings,
+                    cols=config.embedding_dim,
+                    element_size=config.dtype.itemsize,
+                    pooled=config.pooling is not PoolingType.NONE,
+                    bags=float(sum(batches)),
+                    ids=float(sum(b * p for b, p in zip(batches, pooling))),
+                    state_bytes_per_row=state_row,
+                    state_bytes_per_value=state_value,
+                    allowed_ranks=None if c.ranks is None else tuple(c.ranks),
+                    bytes_per_id=12 if weighted else 8,
+                    fused_optimizer=own_optim is not None,
+                )
+                found.append((table, sharder))
+        return found
+
+    def enumerate(self, table: TableInfo, sharder: ModuleSharder[nn.Module]) -> List[ShardingOption]:
+        """The options of one table; ``PlannerError`` naming the table when none is allowed."""
+        device = self.topology.compute_device
+        c = self.constraints.get(table.name, ParameterConstraints())
+        options = []
+        for sharding_type in sharder.sharding_types(device):
+            if c.sharding_types is not None and sharding_type not in c.sharding_types:
+                continue
+            layout = self._layout(table, sharding_type, c.min_partition)
+            if layout is None:
+                continue
+            for kernel in sharder.compute_kernels(sharding_type, device):
+                if c.compute_kernels is not None and kernel not in c.compute_kernels:
+                    continue
+                if kernel in _FUSED_KERNELS and not table.fused_optimizer:
+                    continue
+                options.append(ShardingOption(table, sharding_type, kernel, *layout))
+        if not options:
+            raise PlannerError(
+                f"table {table.fqn!r} has no sharding option: the sharder allows "
+                f"{sharder.sharding_types(device)} on {device}, the constraints allow sharding types "
+                f"{c.sharding_types} and kernels {c.compute_kernels} (TABLE_ROW_WISE / TABLE_COLUMN_WISE "
+                f"need more than one node; COLUMN_WISE needs at least 2 x min_partition="
+                f"{c.min_partition} columns; FUSED kernels need a module built with a fused_optimizer)"
+            )
+        return options
+
+    def _layout(
+        self, table: TableInfo, sharding_type: str, min_partition: int
+    ) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(sizes, offsets, ranks)`` of ``sharding_type``'s shards, or None when it does not apply."""
+        world, local = self.topology.world_size, self.topology.local_world_size
+        multi_node = self.topology.num_nodes > 1
+        st = ShardingType(sharding_type)
+        if st is ShardingType.DATA_PARALLEL:
+            return _rows(table, [table.rows] * world, offsets=[0] * world, ranks=range(world))
+        if st is ShardingType.TABLE_WISE:
+            return _rows(table, [table.rows], ranks=[-1])
+        if st is ShardingType.ROW_WISE:
+            return _rows(table, split_sizes(table.rows, world), ranks=range(world))
+        if st is ShardingType.TABLE_ROW_WISE:
+            return _rows(table, split_sizes(table.rows, local), ranks=range(local)) if multi_node else None
+        # column-wise: as many shards of at least min_partition columns as there are ranks to hold them
+        slots = local if st is ShardingType.TABLE_COLUMN_WISE else world
+        count = min(slots, table.cols // min_partition)
+        if count < 2 or (st is ShardingType.TABLE_COLUMN_WISE and not multi_node):
+            return None
+        widths = split_sizes(table.cols, count)
+        sizes = torch.tensor([[table.rows, w] for w in widths], dtype=torch.int64)
+        offsets = torch.tensor([[0, o] for o in split_offsets(widths)], dtype=torch.int64)
+        local_ranks = list(range(count)) if st is ShardingType.TABLE_COLUMN_WISE else [-1] * count
+        return sizes, offsets, torch.tensor(local_ranks, dtype=torch.int64)
+
+
+def _rows(
+    table: TableInfo, row_sizes, offsets=None, ranks=()
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    offsets = split_offsets(row_sizes) if offsets is None else offsets
+    sizes = torch.tensor([[r, table.cols] for r in row_sizes], dtype=torch.int64)
+    offs = torch.tensor([[o, 0] for o in offsets], dtype=torch.int64)
+    return sizes, offs, torch.tensor(list(ranks), dtype=torch.int64)
+
+
+__all__ = ["EmbeddingEnumerator", "shardable_modules"]

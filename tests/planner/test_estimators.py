@@ -1,0 +1,161 @@
+"""The cost model by hand: storage and time of each sharding type on a small table, and the inputs.
+
+Table: 100 rows x 10 fp32 columns, one feature, batch 10 per rank, pooling factor 2; 2 ranks on one
+CPU node; lookups at 1 GB/s, collectives at 0.1 GB/s, backward = 2 x forward, no fixed overhead.
+So per step: b = 10 bags and i = 20 ids per rank, B = 20 and I = 40 over the world.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shardkit.modules import EmbeddingBagConfig, EmbeddingConfig
+from shardkit.planner import (
+    CostModel,
+    EmbeddingEnumerator,
+    EmbeddingPerfEstimator,
+    EmbeddingStorageEstimator,
+    ParameterConstraints,
+    PlannerError,
+    Topology,
+)
+from shardkit.planner.estimators import CACHE_LOAD_FACTOR
+from tests.planner._sharder import ebc_sharder, ec_sharder, meta_ebc, meta_ec
+
+MODEL = CostModel(
+    hbm_lookup_bw=1e9,
+    ddr_lookup_bw=1e9,
+    uvm_lookup_bw=1e8,
+    intra_node_bw=1e8,
+    cross_node_bw=1e7,
+    bwd_compute_factor=2.0,
+    lookup_overhead_s=0.0,
+    cache_hit_rate=0.5,
+)
+TABLE = EmbeddingBagConfig(num_embeddings=100, embedding_dim=10, name="t", feature_names=["f"])
+
+
+def _options(topology, module=None, sharder=None, **constraints):
+    enumerator = EmbeddingEnumerator(
+        topology, batch_size=10, constraints={"t": ParameterConstraints(pooling_factors=[2.0], **constraints)}
+    )
+    ((table, found),) = enumerator.tables(module or meta_ebc([TABLE]), [sharder or ebc_sharder()])
+    options = enumerator.enumerate(table, found)
+    EmbeddingStorageEstimator().estimate(options, topology)
+    EmbeddingPerfEstimator().estimate(options, topology)
+    return {(o.sharding_type, o.compute_kernel): o for o in options}
+
+
+def _cpu(world=2, local=None):
+    return Topology(world_size=world, compute_device="cpu", local_world_size=local, cost_model=MODEL)
+
+
+def test_table_wise():
+    o = _options(_cpu())[("table_wise", "fused")]
+    assert o.compute.tolist() == pytest.approx([3 * 40 * 10 * 4 / 1e9])
+    assert o.comm.tolist() == pytest.approx([(40 * 8 + 2 * 20 * 10 * 4) / 1e8])
+    assert o.ddr.tolist() == pytest.approx([100 * 10 * 4 + 40 * 8 + 2 * 20 * 10 * 4])
+    assert o.hbm.tolist() == [0.0]
+
+
+def test_row_wise_splits_ids_and_reduce_scatters():
+    o = _options(_cpu())[("row_wise", "fused")]
+    assert o.sizes.tolist() == [[50, 10], [50, 10]]
+    assert o.compute.tolist() == pytest.approx([3 * 20 * 10 * 4 / 1e9] * 2)
+    assert o.comm.tolist() == pytest.approx([20 * 8 / 1e8 + 2 * 20 * 10 * 4 * 0.5 / 1e8] * 2)
+
+
+def test_data_parallel_pays_the_gradient_all_reduce():
+    o = _options(_cpu())[("data_parallel", "fused")]
+    assert o.compute.tolist() == pytest.approx([3 * 20 * 10 * 4 / 1e9] * 2)
+    assert o.comm.tolist() == pytest.approx([2 * 0.5 * 4000 / 1e8] * 2)
+
+
+def test_dense_kernel_adds_gradient_memory_and_update_time():
+    options = _options(_cpu())
+    fused, dense = options[("table_wise", "fused")], options[("table_wise", "dense")]
+    assert float(dense.ddr[0] - fused.ddr[0]) == pytest.approx(4000)
+    assert float(dense.compute[0] - fused.compute[0]) == pytest.approx(3 * 4000 / 1e9)
+
+
+def test_column_wise_needs_two_min_partitions():
+    wide = EmbeddingBagConfig(num_embeddings=100, embedding_dim=64, name="t", feature_names=["f"])
+    topology = _cpu(world=4)
+    options = _options(topology, module=meta_ebc([wide]), min_partition=16)
+    assert options[("column_wise", "fused")].sizes.tolist() == [[100, 16]] * 4
+    assert ("column_wise", "fused") not in _options(topology, module=meta_ebc([wide]), min_partition=40)
+
+
+def test_table_row_wise_reduces_within_the_node_first():
+    o = _options(_cpu(world=4, local=2))[("table_row_wise", "fused")]
+    out = 4 * 10 * 10 * 4  # B = 40 bags x 10 columns x 4 bytes
+    ids = 80 * 50 / 100
+    expected = ids * 8 / 1e7 + 2 * (out * 0.5 / 1e8 + out / 2 / 1e7)  # input dist crosses nodes
+    assert o.comm.tolist() == pytest.approx([expected] * 2)
+
+
+def test_sequence_tables_send_one_row_per_id():
+    seq = EmbeddingConfig(num_embeddings=100, embedding_dim=10, name="t", feature_names=["f"])
+    o = _options(_cpu(), module=meta_ec([seq]), sharder=ec_sharder())[("table_wise", "fused")]
+    assert o.comm.tolist() == pytest.approx([(40 * 8 + 2 * 40 * 10 * 4) / 1e8])
+
+
+def test_gpu_kernels_place_weights():
+    topology = Topology(world_size=2, compute_device="cuda", cost_model=MODEL)
+    kernels = ["fused", "fused_uvm", "fused_uvm_caching"]
+    options = _options(topology, sharder=ebc_sharder(kernels=kernels))
+    buffers = 40 * 8 + 2 * 20 * 10 * 4
+    fused, uvm, caching = (options[("table_wise", k)] for k in kernels)
+    assert (float(fused.hbm[0]), float(fused.ddr[0])) == pytest.approx((4000 + buffers, 0))
+    assert (float(uvm.hbm[0]), float(uvm.ddr[0])) == pytest.approx((buffers, 4000))
+    assert (float(caching.hbm[0]), float(caching.ddr[0])) == pytest.approx(
+        (buffers + CACHE_LOAD_FACTOR * 4000, 4000)
+    )
+    read = 3 * 40 * 10 * 4
+    assert float(uvm.compute[0]) == pytest.approx(read / 1e8)
+    assert float(caching.compute[0]) == pytest.approx(read * (0.5 / 1e9 + 0.5 / 1e8))
+
+
+def test_per_feature_figures_must_match_the_features():
+    enumerator = EmbeddingEnumerator(
+        _cpu(), constraints={"t": ParameterConstraints(pooling_factors=[1.0, 2.0])}
+    )
+    with pytest.raises(ValueError, match="2 pooling factors for 1 features"):
+        enumerator.tables(meta_ebc([TABLE]), [ebc_sharder()])
+
+
+def test_no_allowed_option_is_a_planner_error():
+    with pytest.raises(PlannerError, match="'t' has no sharding option"):
+        _options(_cpu(), sharding_types=["table_row_wise"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"world_size": 0}, "world_size must be >= 1"),
+        ({"world_size": 4, "local_world_size": 3}, "does not divide"),
+        ({"world_size": 2, "compute_device": "tpu"}, "unknown compute_device"),
+        ({"world_size": 2, "ddr_cap": -1}, "negative memory"),
+    ],
+)
+def test_topology_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Topology(**kwargs)
+
+
+def test_topology_bandwidth_overrides_the_cost_model():
+    t = Topology(world_size=4, compute_device="cpu", local_world_size=2, cost_model=MODEL, cross_node_bw=5.0)
+    assert t.cost_model.cross_node_bw == 5.0 and t.cost_model.intra_node_bw == MODEL.intra_node_bw
+    assert t.collective_bw == 5.0 and t.num_nodes == 2 and list(t.host_ranks(1)) == [2, 3]
+
+
+def test_cost_model_validation():
+    with pytest.raises(ValueError, match="hbm_lookup_bw must be positive"):
+        MODEL.replace(hbm_lookup_bw=0.0)
+    with pytest.raises(ValueError, match="cache_hit_rate"):
+        MODEL.replace(cache_hit_rate=1.5)
+
+
+def test_weighted_ids_carry_their_weights():
+    o = _options(_cpu(), module=meta_ebc([TABLE], is_weighted=True))[("table_wise", "fused")]
+    assert o.comm.tolist() == pytest.approx([(40 * 12 + 2 * 20 * 10 * 4) / 1e8])
