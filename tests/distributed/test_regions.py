@@ -396,8 +396,7 @@ def test_validation_env_var(monkeypatch):
 
 
 def test_identity_without_torch_distributed():
-    if dist.is_initialized():
-        pytest.skip("needs a process without an initialized default group")
+    assert not dist.is_initialized()  # the pytest process itself never initializes a default group
     X = _randn((5, 3), 24)
     for fn in (
         copy_to_region,
