@@ -1,0 +1,98 @@
+"""Data-parallel sharding: every rank holds every table whole and looks up its own samples.
+
+- input dist: none (the features are permuted into the lookup's group order, locally);
+- lookup: ``ShardedGroupedLookup`` of whole tables with the DENSE kernel: the tables get ordinary
+  gradients, which the data-parallel wrapper of the model (DDP, or an all-reduce of the gradients)
+  averages over ranks before a dense optimizer steps, exactly like the model's other replicated
+  parameters. A fused optimizer would update each replica from its own samples only and let them
+  drift apart, so only the DENSE kernel is accepted;
+- output dist: none (the result is already this rank's samples).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+from shardkit.distributed.awaitable import Awaitable, NoWait
+from shardkit.sharding.embedding_lookup import ShardedGroupedLookup, received_keys
+from shardkit.sharding.embedding_sharding import (
+    ColumnBlock,
+    EmbeddingSharding,
+    ShardingContext,
+    TableShard,
+    record_input,
+    split_sequence_rows,
+)
+from shardkit.sharding.types import EmbeddingComputeKernel
+from shardkit.sharding.variable_batch import expand_blocks
+from shardkit.sparse import KeyedJaggedTensor
+
+
+class _DataParallel(EmbeddingSharding):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for table in self.tables:
+            if table.compute_kernel != EmbeddingComputeKernel.DENSE.value:
+                raise ValueError(
+                    f"table {table.name!r}: a data_parallel table uses the dense kernel (its gradients are "
+                    f"averaged with the other replicated parameters), got {table.compute_kernel!r}"
+                )
+        self._whole = [
+            (t, TableShard(self.rank, 0, t.config.num_embeddings, 0, t.config.embedding_dim))
+            for t in self.tables
+        ]
+        self._keys: List[ColumnBlock] = received_keys(self._whole)
+        position = {f: i for i, f in enumerate(self.feature_names)}
+        self._permute = [position[f] for f, _, _ in self._keys]
+        self._dims = {f: t.config.embedding_dim for t in self.tables for f in t.config.feature_names}
+
+    def received_features(self) -> List[str]:
+        return [f for f, _, _ in self._keys]
+
+    def input_dist(
+        self, ctx: ShardingContext, features: KeyedJaggedTensor
+    ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        record_input(ctx, features)
+        ctx.sent_lengths_per_key = [features.length_per_key()[i] for i in self._permute]
+        local = features if self._permute == sorted(self._permute) else features.permute(self._permute)
+        ctx.sent_batches = local.stride_per_key()
+        return NoWait(NoWait(local))
+
+
+class DpPooledEmbeddingSharding(_DataParallel):
+    """Data-parallel pooled embeddings: ``[B_me, sum of dims]`` in :meth:`output_layout`."""
+
+    def create_lookup(self) -> ShardedGroupedLookup:
+        return ShardedGroupedLookup(self._whole, True, self.weighted, self.device, None)
+
+    def output_dist(self, ctx: ShardingContext, local_out: torch.Tensor) -> Awaitable[torch.Tensor]:
+        if ctx.variable_batch:
+            widths = [c1 - c0 for _, c0, c1 in self._keys]
+            return NoWait(
+                expand_blocks(local_out, widths, ctx.sent_batches, ctx.inverse_indices, self._permute)
+            )
+        return NoWait(local_out)
+
+    def output_layout(self) -> List[ColumnBlock]:
+        return list(self._keys)
+
+
+class DpSequenceEmbeddingSharding(_DataParallel):
+    """Data-parallel sequence embeddings: ``{feature: [ids of this rank, dim]}``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._width = max((t.config.embedding_dim for t in self.tables), default=0)
+
+    def create_lookup(self) -> ShardedGroupedLookup:
+        return ShardedGroupedLookup(self._whole, False, False, self.device, None, self._width)
+
+    def output_dist(
+        self, ctx: ShardingContext, local_out: torch.Tensor
+    ) -> Awaitable[Dict[str, torch.Tensor]]:
+        return NoWait(split_sequence_rows(local_out, ctx.sent_lengths_per_key, self._keys, self._dims))
+
+
+__all__ = ["DpPooledEmbeddingSharding", "DpSequenceEmbeddingSharding"]

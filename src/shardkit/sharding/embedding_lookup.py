@@ -1,0 +1,129 @@
+"""The lookup a rank runs on its own shards: shards grouped by (width, dtype), one kernel call per group.
+
+Every sharding type computes with this module; only which shards a rank holds and which features
+arrive differ. It reuses ``shardkit.modules.GroupedEmbeddingLookup`` (shards as ``ShardSpec`` row and
+column ranges of their tables, the fused optimizers in backward), so a shard is looked up by exactly
+the code the unsharded module runs.
+
+The received KeyedJaggedTensor must hold, in order, for each group, for each of its shards, the
+features of the shard's table (:attr:`ShardedGroupedLookup.keys`); the input dists send them so.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from shardkit.modules.fused_optimizers import FusedOptimizerConfig
+from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup
+from shardkit.sharding.embedding_sharding import ColumnBlock, ShardedTable, TableShard
+from shardkit.sparse import KeyedJaggedTensor
+
+PlacedShard = Tuple[ShardedTable, TableShard]
+
+
+def group_shards(shards: List[PlacedShard]) -> List[List[PlacedShard]]:
+    """Shards grouped by (width, dtype), groups and members in order of first appearance."""
+    groups: Dict[Tuple[int, torch.dtype], List[PlacedShard]] = {}
+    for table, shard in shards:
+        groups.setdefault((shard.col_end - shard.col_start, table.config.dtype), []).append((table, shard))
+    return list(groups.values())
+
+
+def received_keys(shards: List[PlacedShard]) -> List[ColumnBlock]:
+    """(feature, first column, end column) of each feature a rank holding ``shards`` receives, in order."""
+    return [
+        (f, shard.col_start, shard.col_end)
+        for group in group_shards(shards)
+        for table, shard in group
+        for f in table.config.feature_names
+    ]
+
+
+class ShardedGroupedLookup(nn.Module):
+    """This rank's shards in one ``GroupedEmbeddingLookup`` per (width, dtype) group.
+
+    Args:
+        shards: the (table, shard) pairs this rank holds (non-empty shards only).
+        pooled: bags or one row per id.
+        weighted: pool with the input's per-id weights (pooled only).
+        device, fused_optimizer: see ``GroupedEmbeddingLookup``.
+        sequence_width: sequence lookups pad every group's rows to this width, so that one output
+            dist carries all groups (the widest shard of the sharding, the same on every rank).
+
+    forward(kjt) with the features of :attr:`keys` in order, stride R (sum of the ranks' batches):
+
+    - pooled: ``[R, sum of the keys' widths]``, key k's block at its place in :attr:`keys`;
+    - sequence: ``[ids, sequence_width]``, key by key.
+
+    Both require grad even when this rank holds no shard (an empty ``[R, 0]`` / ``[0, width]``), since
+    every rank must take part in the output dist's backward.
+    """
+
+    def __init__(
+        self,
+        shards: List[PlacedShard],
+        pooled: bool,
+        weighted: bool = False,
+        device: Optional[torch.device] = None,
+        fused_optimizer: Optional[FusedOptimizerConfig] = None,
+        sequence_width: int = 0,
+    ) -> None:
+        super().__init__()
+        self.pooled, self.weighted, self.sequence_width = pooled, weighted, sequence_width
+        self.placed: List[List[PlacedShard]] = group_shards(shards)
+        self.lookups = nn.ModuleList(
+            GroupedEmbeddingLookup([t.spec(s) for t, s in group], pooled, device, fused_optimizer)
+            for group in self.placed
+        )
+        self.keys: List[ColumnBlock] = received_keys(shards)
+        self._group_sizes = [len(lookup.feature_names) for lookup in self.lookups]
+
+    @torch.no_grad()
+    def load_tables(self, table_weight) -> None:
+        """Copy each shard's rows and columns from ``table_weight(name)`` (a full ``[rows, cols]`` table)."""
+        for lookup, group in zip(self.lookups, self.placed):
+            for i, (table, shard) in enumerate(group):
+                full = table_weight(table.name)
+                lookup.shard_rows(i).copy_(
+                    full[shard.row_start : shard.row_end, shard.col_start : shard.col_end]
+                )
+
+    def local_shards(self) -> Dict[Tuple[str, int, int, int, int], torch.Tensor]:
+        """``(table, row_start, row_end, col_start, col_end)`` -> view of that shard's weights."""
+        return {
+            (t.name, s.row_start, s.row_end, s.col_start, s.col_end): lookup.shard_rows(i)
+            for lookup, group in zip(self.lookups, self.placed)
+            for i, (t, s) in enumerate(group)
+        }
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        flat = self.pooled and kjt.variable_stride_per_key()
+        if not self.lookups:
+            device = kjt.values().device
+            shape = (0,) if flat else (kjt.stride(), 0) if self.pooled else (0, self.sequence_width)
+            return torch.zeros(shape, device=device, requires_grad=True)
+        parts = kjt.split(self._group_sizes) if len(self.lookups) > 1 else [kjt]
+        outs = [self._lookup_group(lookup, part) for lookup, part in zip(self.lookups, parts)]
+        if len(outs) == 1:
+            return outs[0]
+        return torch.cat(outs, dim=1 if self.pooled and not flat else 0)
+
+    def _lookup_group(self, lookup: GroupedEmbeddingLookup, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        bags = kjt.stride_per_key()
+        weights = kjt.weights_or_none() if self.weighted else None
+        rows = lookup(kjt.values(), kjt.offsets(), bags, weights)
+        if not self.pooled:
+            pad = self.sequence_width - rows.size(1)
+            return rows if pad == 0 else torch.nn.functional.pad(rows, (0, pad))
+        if kjt.variable_stride_per_key():
+            # flat per-feature blocks [bags of feature f * width]: the variable-batch dists' layout
+            return rows.reshape(-1)
+        num_features, batch, width = len(bags), kjt.stride(), rows.size(1)
+        # feature-major bags -> [R, features * width], sample rows in the received (rank) order
+        return rows.view(num_features, batch, width).transpose(0, 1).reshape(batch, num_features * width)
+
+
+__all__ = ["PlacedShard", "ShardedGroupedLookup", "group_shards", "received_keys"]

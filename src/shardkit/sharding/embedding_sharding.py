@@ -1,0 +1,320 @@
+"""What every sharding type shares: the placed tables, the per-forward context, the sharding interface.
+
+A sharded embedding module splits its tables by sharding type and hands each type's tables to one
+``EmbeddingSharding`` (``table_wise.TwPooledEmbeddingSharding``, ``row_wise.RwSequenceEmbeddingSharding``,
+...). Each sharding builds the same three pieces (DESIGN.md, "data flow of a sharded embedding
+module"):
+
+- ``input_dist(ctx, features)``: the features of its tables (a KeyedJaggedTensor in
+  :attr:`EmbeddingSharding.feature_names` order, this rank's batch) -> ``Awaitable[Awaitable[KJT]]``
+  of the features this rank's shards look up;
+- ``compute(ctx, lookup, dist_input)``: the grouped lookup of this rank's shards
+  (``embedding_lookup.ShardedGroupedLookup``);
+- ``output_dist(ctx, local_out)``: the collective that sends the looked-up embeddings back to the ranks
+  that own the samples -> ``Awaitable[Tensor]``.
+
+Pooled shardings return ``[B_me, sum of output widths]`` whose column blocks :attr:`output_layout`
+describes; sequence shardings return one ``[ids of the feature, embedding_dim]`` tensor per feature.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from shardkit.distributed.awaitable import Awaitable
+from shardkit.distributed.codecs import QuantizedCommCodecs
+from shardkit.distributed.sharding_env import ShardingEnv
+from shardkit.modules.embedding_configs import BaseEmbeddingConfig
+from shardkit.modules.fused_optimizers import FusedOptimizerConfig
+from shardkit.modules.grouped_lookup import ShardSpec
+from shardkit.sharding.dist_data import KJTAllToAll, KJTAllToAllTensorsAwaitable
+from shardkit.sharding.types import CommOp, ParameterSharding, ShardingType
+from shardkit.sparse import KeyedJaggedTensor
+
+
+@dataclasses.dataclass(frozen=True)
+class TableShard:
+    """Rows ``[row_start, row_end)`` x columns ``[col_start, col_end)`` of a table, held by ``rank``."""
+
+    rank: int
+    row_start: int
+    row_end: int
+    col_start: int
+    col_end: int
+
+    @property
+    def empty(self) -> bool:
+        return self.row_end <= self.row_start or self.col_end <= self.col_start
+
+
+@dataclasses.dataclass
+class ShardedTable:
+    """A table config with its sharding type and its shards (plan order; DATA_PARALLEL: none)."""
+
+    config: BaseEmbeddingConfig
+    sharding_type: str
+    compute_kernel: str
+    shards: List[TableShard]
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def spec(self, shard: TableShard) -> ShardSpec:
+        """The grouped lookup's view of ``shard`` (rows and columns of this table)."""
+        return ShardSpec(self.config, shard.row_start, shard.row_end, shard.col_start, shard.col_end)
+
+
+def sharded_table(config: BaseEmbeddingConfig, sharding: ParameterSharding, world_size: int) -> ShardedTable:
+    """``config`` placed as ``sharding`` says; ``ValueError`` naming the table if it cannot be.
+
+    Checks the plan against the table (``ParameterSharding.check``: ranks in range, shards tile the
+    table) and the shape each type implies: TABLE_WISE one whole-table shard, ROW_WISE /
+    TABLE_ROW_WISE full-width row blocks (at most one non-empty block per rank), COLUMN_WISE /
+    TABLE_COLUMN_WISE full-height column blocks.
+    No communication, so every rank reaches the same verdict from the same plan.
+    """
+    shape = (config.num_embeddings, config.embedding_dim)
+    sharding.check(config.name, shape, world_size)
+    kind = ShardingType(sharding.sharding_type)
+    if kind is ShardingType.DATA_PARALLEL:
+        return ShardedTable(config, kind.value, sharding.compute_kernel, [])
+    shards = [
+        TableShard(
+            s.rank,
+            s.shard_offsets[0],
+            s.shard_offsets[0] + s.shard_sizes[0],
+            s.shard_offsets[1],
+            s.shard_offsets[1] + s.shard_sizes[1],
+        )
+        for s in sharding.sharding_spec.shards
+    ]
+    rows, cols = shape
+    full_height = all(s.row_start == 0 and s.row_end == rows for s in shards)
+    full_width = all(s.col_start == 0 and s.col_end == cols for s in shards)
+    if kind is ShardingType.TABLE_WISE and not (len(shards) == 1 and full_height and full_width):
+        raise ValueError(f"table {config.name!r}: a table_wise sharding has one shard of the whole table")
+    if kind in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
+        if not full_width:
+            raise ValueError(f"table {config.name!r}: {kind.value} shards must span all {cols} columns")
+        holders = [s.rank for s in shards if not s.empty]
+        if len(set(holders)) != len(holders):
+            # a rank's partial sums of one feature are one block of the output: one row block per rank
+            raise ValueError(f"table {config.name!r}: a rank holds two {kind.value} blocks (ranks {holders})")
+    if kind in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE) and not full_height:
+        raise ValueError(f"table {config.name!r}: {kind.value} shards must span all {rows} rows")
+    return ShardedTable(config, kind.value, sharding.compute_kernel, shards)
+
+
+@dataclasses.dataclass
+class ShardingContext:
+    """What one forward of one sharding carries from input_dist to output_dist.
+
+    stride_per_rank: each rank's batch size (None with a variable batch per feature).
+    input_splits / output_splits: ids sent to / received from each rank (the KJT all-to-all's "values").
+    recat: the KJT all-to-all's reordering of received rows (``KJTAllToAllTensorsAwaitable.recat``).
+    batch_size: this rank's batch size B_me.
+    sent_lengths_per_key: ids per key of the KJT this rank sent (sequence outputs split by it).
+    unbucketize: row-wise sequence: ``rows_in_input_order = returned.index_select(0, unbucketize)``.
+    received: the KJT this rank's shards looked up.
+    variable_batch: whether the input has a variable batch per feature; then
+    inverse_indices: the input's ``[F, B_me]`` inverse indices (sample -> bag, per feature), and
+    sent_batches: this rank's bags per sent key.
+    input_counts: ids per feature of this sharding's input (row-wise sequence outputs split by it).
+    """
+
+    stride_per_rank: Optional[List[int]] = None
+    input_splits: Optional[List[int]] = None
+    output_splits: Optional[List[int]] = None
+    recat: Optional[torch.Tensor] = None
+    batch_size: int = 0
+    sent_lengths_per_key: Optional[List[int]] = None
+    unbucketize: Optional[torch.Tensor] = None
+    received: Optional[KeyedJaggedTensor] = None
+    variable_batch: bool = False
+    inverse_indices: Optional[torch.Tensor] = None
+    sent_batches: Optional[List[int]] = None
+    input_counts: Optional[List[int]] = None
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        for tensor in (self.recat, self.unbucketize):
+            if tensor is not None:
+                tensor.record_stream(stream)
+
+
+def record_input(ctx: ShardingContext, features: KeyedJaggedTensor) -> None:
+    """Record the batch size and, with a variable batch per feature, the input's inverse indices."""
+    ctx.batch_size = features.stride()
+    ctx.variable_batch = features.variable_stride_per_key()
+    if ctx.variable_batch:
+        if features.inverse_indices_or_none() is None:
+            raise ValueError("a KeyedJaggedTensor with a variable batch per feature needs inverse_indices")
+        ctx.inverse_indices = features.inverse_indices()[1]
+
+
+def start_kjt_all_to_all(
+    ctx: ShardingContext,
+    pg: Optional[dist.ProcessGroup],
+    send: KeyedJaggedTensor,
+    splits: List[int],
+    stagger: int = 1,
+    need_recat: bool = False,
+) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+    """Start ``KJTAllToAll(pg, splits, stagger)(send)``, recording into ``ctx`` what the output dist needs.
+
+    ``need_recat`` (sequence shardings) reads the awaitable's ``recat`` once the KJT has arrived.
+    """
+    ctx.sent_lengths_per_key = send.length_per_key()
+    if ctx.variable_batch:
+        ctx.sent_batches = send.stride_per_key()
+    splits_awaitable = KJTAllToAll(pg, splits, stagger)(send)
+
+    def record(tensors: KJTAllToAllTensorsAwaitable) -> KJTAllToAllTensorsAwaitable:
+        ctx.stride_per_rank = tensors.stride_per_rank
+        ctx.input_splits = tensors.input_splits["values"]
+        ctx.output_splits = tensors.output_splits["values"]
+
+        def keep(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+            ctx.received = kjt
+            if need_recat:
+                ctx.recat = tensors.recat
+            return kjt
+
+        tensors.callbacks.append(keep)
+        return tensors
+
+    splits_awaitable.callbacks.append(record)
+    return splits_awaitable
+
+
+# (feature, first column, end column) of one block of a pooled output
+ColumnBlock = Tuple[str, int, int]
+
+
+class EmbeddingSharding(abc.ABC):
+    """The tables of one sharding type in one sharded module: input dist, lookup and output dist.
+
+    Args:
+        tables: the tables (all of this sharding's type), in the module's declaration order.
+        env: the world (``env.process_group``, ``env.world_size``, ``env.rank``).
+        pooled: bags (EmbeddingBagCollection) or one row per id (EmbeddingCollection).
+        fused_optimizer: the optimizer applied in the lookups' backward (None: dense gradients).
+        device: where this rank's shards live.
+        qcomm_codecs_registry: ``CommOp`` value -> wire precision of that output dist (None: full).
+        weighted: pool with the input's per-id weights.
+    """
+
+    def __init__(
+        self,
+        tables: List[ShardedTable],
+        env: ShardingEnv,
+        pooled: bool,
+        fused_optimizer: Optional[FusedOptimizerConfig] = None,
+        device: Optional[torch.device] = None,
+        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+        weighted: bool = False,
+    ) -> None:
+        self.tables = list(tables)
+        self.env = env
+        self.pooled = pooled
+        self.fused_optimizer = fused_optimizer
+        self.device = device
+        self.weighted = weighted
+        self._codecs = dict(qcomm_codecs_registry or {})
+        self.feature_names: List[str] = [f for t in self.tables for f in t.config.feature_names]
+
+    @property
+    def pg(self) -> Optional[dist.ProcessGroup]:
+        return self.env.process_group
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    def codecs(self, op: CommOp) -> Optional[QuantizedCommCodecs]:
+        """The wire precision configured for ``op`` (None: full precision)."""
+        return self._codecs.get(op.value)
+
+    @abc.abstractmethod
+    def received_features(self) -> List[str]:
+        """The feature of each key of the KJT this rank's lookup receives, in order."""
+
+    @abc.abstractmethod
+    def create_lookup(self) -> torch.nn.Module:
+        """This rank's lookup module (holds this rank's shards); built once by the sharded module."""
+
+    @abc.abstractmethod
+    def input_dist(
+        self, ctx: ShardingContext, features: KeyedJaggedTensor
+    ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        """Start sending ``features`` (``feature_names`` order, this rank's batch) to the shards' ranks."""
+
+    def compute(self, ctx: ShardingContext, lookup: torch.nn.Module, dist_input: KeyedJaggedTensor):
+        """This rank's lookup of ``dist_input`` (pooled ``[rows, cols]`` or sequence ``[ids, width]``)."""
+        return lookup(dist_input)
+
+    @abc.abstractmethod
+    def output_dist(self, ctx: ShardingContext, local_out):
+        """Start sending ``local_out`` back: pooled -> ``Awaitable[[B_me, sum widths]]``, sequence ->
+        ``Awaitable[Dict[feature, [ids, dim]]]``."""
+
+    def output_layout(self) -> List[ColumnBlock]:
+        """Pooled: the column blocks of the output dist's result, in order (same on every rank)."""
+        raise NotImplementedError(f"{type(self).__name__} is not pooled")
+
+
+class MappedAwaitable(Awaitable):
+    """``fn(inner.wait())``: post-processing attached to an awaitable without waiting for it."""
+
+    def __init__(self, inner: Awaitable, fn) -> None:
+        super().__init__()
+        self._inner, self._fn = inner, fn
+
+    def _wait_impl(self):
+        return self._fn(self._inner.wait())
+
+
+def split_sequence_rows(
+    rows: torch.Tensor, counts: List[int], keys: List[Tuple[str, int, int]], dims: Dict[str, int]
+) -> Dict[str, torch.Tensor]:
+    """Per-feature ``[ids, dim]`` rows from a sequence output dist's ``[sum counts, width]`` result.
+
+    ``rows`` holds, key by key, ``counts[k]`` rows of which the first ``c1 - c0`` columns are columns
+    ``[c0, c1)`` of feature ``keys[k] = (feature, c0, c1)``; a feature's column blocks (column-wise
+    shards) are put side by side in column order.
+    """
+    pieces: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
+    for (feature, c0, c1), part in zip(keys, rows.split(counts)):
+        pieces.setdefault(feature, []).append((c0, part[:, : c1 - c0]))
+    out = {}
+    for feature, parts in pieces.items():
+        parts.sort(key=lambda p: p[0])
+        out[feature] = parts[0][1] if len(parts) == 1 else torch.cat([p for _, p in parts], dim=1)
+        if out[feature].size(1) != dims[feature]:
+            raise RuntimeError(
+                f"feature {feature!r}: column blocks give {out[feature].size(1)} of {dims[feature]}"
+            )
+    return out
+
+
+__all__ = [
+    "ColumnBlock",
+    "EmbeddingSharding",
+    "MappedAwaitable",
+    "ShardedTable",
+    "ShardingContext",
+    "TableShard",
+    "record_input",
+    "sharded_table",
+    "split_sequence_rows",
+    "start_kjt_all_to_all",
+]

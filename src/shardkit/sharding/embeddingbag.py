@@ -1,0 +1,162 @@
+"""ShardedEmbeddingBagCollection and its sharder (the specification's ``embeddingbag``).
+
+``shardkit.modules`` has no single-table ``EmbeddingBag`` module, so there is no
+``ShardedEmbeddingBag`` / ``EmbeddingBagSharder``: a one-table EmbeddingBagCollection is its equivalent.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Type
+
+import torch
+
+from shardkit.distributed.awaitable import Awaitable, LazyAwaitable
+from shardkit.distributed.codecs import QuantizedCommCodecs
+from shardkit.distributed.sharding_env import ShardingEnv
+from shardkit.modules import EmbeddingBagCollection
+from shardkit.sharding.column_wise import CwPooledEmbeddingSharding
+from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding
+from shardkit.sharding.embedding_sharding import ColumnBlock
+from shardkit.sharding.kjt_list import KJTList
+from shardkit.sharding.row_wise import RwPooledEmbeddingSharding
+from shardkit.sharding.sharded_embedding_module import EmbeddingShardingContext, ShardedEmbeddingModule
+from shardkit.sharding.table_column_wise import TwCwPooledEmbeddingSharding
+from shardkit.sharding.table_row_wise import TwRwPooledEmbeddingSharding
+from shardkit.sharding.table_wise import TwPooledEmbeddingSharding
+from shardkit.sharding.types import (
+    EmbeddingComputeKernel,
+    EmbeddingModuleShardingPlan,
+    ModuleSharder,
+    ShardingType,
+)
+from shardkit.sparse import KeyedTensor
+
+POOLED_SHARDINGS = {
+    ShardingType.DATA_PARALLEL.value: DpPooledEmbeddingSharding,
+    ShardingType.TABLE_WISE.value: TwPooledEmbeddingSharding,
+    ShardingType.COLUMN_WISE.value: CwPooledEmbeddingSharding,
+    ShardingType.ROW_WISE.value: RwPooledEmbeddingSharding,
+    ShardingType.TABLE_ROW_WISE.value: TwRwPooledEmbeddingSharding,
+    ShardingType.TABLE_COLUMN_WISE.value: TwCwPooledEmbeddingSharding,
+}
+
+
+def column_permutation(
+    blocks: List[ColumnBlock], names: List[str], dims: Dict[str, int]
+) -> Optional[List[int]]:
+    """Index of each output column (features ``names`` in order, all their columns) among the
+    concatenated ``blocks``; None when the blocks are already in that order."""
+    where: Dict[tuple, int] = {}
+    start = 0
+    for feature, c0, c1 in blocks:
+        for c in range(c0, c1):
+            where[(feature, c)] = start + c - c0
+        start += c1 - c0
+    index = [where[(f, c)] for f in names for c in range(dims[f])]
+    return None if index == list(range(len(index))) else index
+
+
+class _PooledOutputAwaitable(LazyAwaitable[KeyedTensor]):
+    """Waits each sharding's output dist and assembles the KeyedTensor of the unsharded module."""
+
+    def __init__(self, parts: List[Awaitable[torch.Tensor]], names, dims, permutation) -> None:
+        super().__init__()
+        self._parts, self._names, self._dims, self._permutation = parts, names, dims, permutation
+
+    def _wait_impl(self) -> KeyedTensor:
+        tensors = [aw.wait() for aw in self._parts]
+        values = torch.cat(tensors, dim=1) if len(tensors) > 1 else tensors[0]
+        if self._permutation is not None:
+            values = values.index_select(1, self._permutation.to(values.device))
+        return KeyedTensor(self._names, self._dims, values)
+
+
+class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
+    """An EmbeddingBagCollection whose tables are placed by a plan.
+
+    forward(features: KeyedJaggedTensor of this rank's batch B_me, all features) ->
+    ``LazyAwaitable[KeyedTensor]`` with the unsharded module's keys, key order and dims:
+    ``values`` ``[B_me, sum of dims]``, equal to the unsharded module's rows of these samples.
+    The tables' initial values are copied from ``module``. Every rank must call forward (and
+    backward) the same number of times: each step runs collectives over the group.
+    """
+
+    def __init__(
+        self,
+        module: EmbeddingBagCollection,
+        table_name_to_parameter_sharding: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+    ) -> None:
+        on_meta = any(p.device.type == "meta" for p in module.parameters())
+        super().__init__(
+            module.embedding_bag_configs(),
+            table_name_to_parameter_sharding,
+            env,
+            True,
+            POOLED_SHARDINGS,
+            module._fused_optimizer.config if module._fused_optimizer is not None else None,
+            None if on_meta else module.table_weight,
+            device,
+            qcomm_codecs_registry,
+            module.is_weighted(),
+        )
+        self._embedding_names = module.feature_names()
+        self._dims = {f: t.embedding_dim for t in module.embedding_bag_configs() for f in t.feature_names}
+        blocks = [block for s in self._shardings for block in s.output_layout()]
+        permutation = column_permutation(blocks, self._embedding_names, self._dims)
+        self._permutation = None if permutation is None else torch.tensor(permutation)
+
+    def compute(self, ctx: EmbeddingShardingContext, dist_input: KJTList) -> List[torch.Tensor]:
+        return [
+            s.compute(c, lk, kjt)
+            for s, c, lk, kjt in zip(self._shardings, ctx.sharding_contexts, self.lookups, dist_input)
+        ]
+
+    def output_dist(
+        self, ctx: EmbeddingShardingContext, output: List[torch.Tensor]
+    ) -> LazyAwaitable[KeyedTensor]:
+        parts = [s.output_dist(c, out) for s, c, out in zip(self._shardings, ctx.sharding_contexts, output)]
+        return self._assemble(parts)
+
+    def compute_and_output_dist(
+        self, ctx: EmbeddingShardingContext, input: KJTList
+    ) -> LazyAwaitable[KeyedTensor]:
+        return self._assemble(self._compute_and_start(ctx, input))
+
+    def _assemble(self, parts: List[Awaitable[torch.Tensor]]) -> LazyAwaitable[KeyedTensor]:
+        lengths = [self._dims[f] for f in self._embedding_names]
+        return _PooledOutputAwaitable(parts, self._embedding_names, lengths, self._permutation)
+
+
+class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
+    """Shards an EmbeddingBagCollection: every sharding type; FUSED or DENSE kernels (DENSE only for
+    data-parallel tables, whose gradients the model's data-parallel wrapper averages)."""
+
+    @property
+    def module_type(self) -> Type[EmbeddingBagCollection]:
+        return EmbeddingBagCollection
+
+    def shard(
+        self,
+        module: EmbeddingBagCollection,
+        params: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+    ) -> ShardedEmbeddingBagCollection:
+        return ShardedEmbeddingBagCollection(module, params, env, device, self.qcomm_codecs_registry)
+
+    def shardable_parameters(self, module: EmbeddingBagCollection) -> Dict[str, torch.Tensor]:
+        return {t.name: module.table_weight(t.name) for t in module.embedding_bag_configs()}
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return [t.value for t in ShardingType]
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        if sharding_type == ShardingType.DATA_PARALLEL.value:
+            return [EmbeddingComputeKernel.DENSE.value]
+        return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value]
+
+
+__all__ = ["EmbeddingBagCollectionSharder", "ShardedEmbeddingBagCollection", "column_permutation"]

@@ -1,0 +1,191 @@
+"""Sharded FeatureProcessedEmbeddingBagCollection: position-weighted features on any sharding type.
+
+A position weight depends on where an id sits in its bag, which row-wise bucketization changes (a
+rank receives only part of each bag). So before the input dist each id of a processed feature gets
+its *position* as its KJT weight (float32, exact below 2^24); the positions travel with the ids, and
+on the rank that looks the id up the processor's ``position_weight[position]`` becomes the weight.
+Features without a processor keep their input weights (1 when the input has none), as unsharded.
+
+Gradients: each rank's ``position_weight.grad`` holds the part of the gradient that comes from the
+ids its shards looked up (which already carries the output dists' gradient division); the *sum* over
+ranks (an all-reduce SUM, not DDP's mean) is the gradient of the unsharded module on the global batch
+(divided by the world size while ``get_gradient_division()``, like the tables' gradients).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Dict, List, Optional, Type
+
+import torch
+from torch import nn
+
+from shardkit.distributed.awaitable import LazyAwaitable
+from shardkit.distributed.codecs import QuantizedCommCodecs
+from shardkit.distributed.comm_ops import get_gradient_division
+from shardkit.distributed.sharding_env import ShardingEnv
+from shardkit.modules import FeatureProcessedEmbeddingBagCollection, PositionWeightedModule
+from shardkit.modules.lookup_kernels import bag_of_each_id
+from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding
+from shardkit.sharding.embedding_sharding import EmbeddingSharding
+from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
+from shardkit.sharding.kjt_list import KJTList
+from shardkit.sharding.sharded_embedding_module import EmbeddingShardingContext
+from shardkit.sharding.types import EmbeddingModuleShardingPlan
+from shardkit.sparse import KeyedJaggedTensor, KeyedTensor
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def _with_weights(kjt: KeyedJaggedTensor, weights: torch.Tensor) -> KeyedJaggedTensor:
+    """``kjt`` with its weights replaced (everything else shared)."""
+    return KeyedJaggedTensor(
+        kjt.keys(),
+        kjt.values(),
+        weights,
+        lengths=kjt.lengths(),
+        stride=None if kjt.variable_stride_per_key() else kjt.stride(),
+        stride_per_key_per_rank=kjt.stride_per_key_per_rank() if kjt.variable_stride_per_key() else None,
+        length_per_key=kjt.length_per_key(),
+        inverse_indices=kjt.inverse_indices_or_none(),
+        validate=False,
+    )
+
+
+class ShardedFeatureProcessedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+    """A FeatureProcessedEmbeddingBagCollection whose tables are placed by a plan.
+
+    Args:
+        module: the unsharded module; its processors must be ``PositionWeightedModule`` (copied, so the
+            sharded module owns its parameters).
+        table_name_to_parameter_sharding, env, device, qcomm_codecs_registry: as for
+            ``ShardedEmbeddingBagCollection``.
+
+    forward(features) -> ``LazyAwaitable[KeyedTensor]``, as the unsharded module's on this rank's samples.
+    A bag longer than a processor's ``max_feature_length`` raises ``ValueError`` on every rank.
+    """
+
+    def __init__(
+        self,
+        module: FeatureProcessedEmbeddingBagCollection,
+        table_name_to_parameter_sharding: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+    ) -> None:
+        processors = dict(module._feature_processors)
+        unsupported = [f for f, p in processors.items() if not isinstance(p, PositionWeightedModule)]
+        if unsupported:
+            raise TypeError(f"features {unsupported}: only PositionWeightedModule processors can be sharded")
+        super().__init__(
+            module.embedding_bag_collection,
+            table_name_to_parameter_sharding,
+            env,
+            device,
+            qcomm_codecs_registry,
+        )
+        self.feature_processors = nn.ModuleDict({f: copy.deepcopy(p) for f, p in processors.items()})
+        self._extra_input_check = self._check_bag_lengths
+
+    def _check_bag_lengths(self, features: KeyedJaggedTensor) -> None:
+        for key, jt in features.to_dict().items():
+            if key in self.feature_processors and jt.lengths().numel():
+                longest, limit = int(jt.lengths().max()), self.feature_processors[key].max_feature_length
+                if longest > limit:
+                    raise ValueError(
+                        f"feature {key!r}: a bag has {longest} ids, more than max_feature_length {limit}"
+                    )
+
+    def input_dist(self, ctx: EmbeddingShardingContext, features: KeyedJaggedTensor):
+        return super().input_dist(ctx, self._positions_as_weights(features))
+
+    def _positions_as_weights(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """Processed features' weights := each id's position in its bag; others keep theirs (or 1)."""
+        values = features.values()
+        offsets = features.offsets().to(torch.int64)
+        positions = torch.arange(values.numel(), device=values.device) - offsets.index_select(
+            0, bag_of_each_id(offsets, values.numel())
+        )
+        original = features.weights_or_none()
+        counts = features.length_per_key()
+        pieces = []
+        for key, pos, old in zip(
+            features.keys(),
+            positions.split(counts),
+            original.split(counts) if original is not None else [None] * len(counts),
+        ):
+            if key in self.feature_processors:
+                pieces.append(pos.to(torch.float32))
+            else:
+                pieces.append(
+                    old.to(torch.float32) if old is not None else torch.ones_like(pos, dtype=torch.float32)
+                )
+        weights = torch.cat(pieces) if pieces else torch.zeros(0, device=values.device)
+        return _with_weights(features, weights)
+
+    def _weigh(self, sharding: EmbeddingSharding, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """Received positions -> position weights, for the processed features ``sharding`` looks up."""
+        features = sharding.received_features()
+        if not any(f in self.feature_processors for f in features):
+            return kjt
+        # a data-parallel lookup has no output dist to divide its gradient by the world size, as the
+        # other shardings' dists do; dividing here gives every position weight the same convention
+        scale = 1.0
+        if isinstance(sharding, DpPooledEmbeddingSharding) and get_gradient_division():
+            scale = 1.0 / sharding.world_size
+        pieces = []
+        for feature, piece in zip(features, kjt.weights().split(kjt.length_per_key())):
+            if feature in self.feature_processors:
+                table = self.feature_processors[feature].position_weight
+                if scale != 1.0:
+                    table = _ScaleGrad.apply(table, scale)
+                piece = table.index_select(0, piece.to(torch.int64)).to(torch.float32)
+            pieces.append(piece)
+        return _with_weights(kjt, torch.cat(pieces))
+
+    def compute(self, ctx: EmbeddingShardingContext, dist_input: KJTList) -> List[torch.Tensor]:
+        return super().compute(ctx, self._weigh_all(dist_input))
+
+    def compute_and_output_dist(
+        self, ctx: EmbeddingShardingContext, input: KJTList
+    ) -> LazyAwaitable[KeyedTensor]:
+        return super().compute_and_output_dist(ctx, self._weigh_all(input))
+
+    def _weigh_all(self, dist_input: KJTList) -> KJTList:
+        return KJTList([self._weigh(s, kjt) for s, kjt in zip(self._shardings, dist_input)])
+
+
+class FeatureProcessedEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+    """Shards a FeatureProcessedEmbeddingBagCollection (every sharding type; see the module doc)."""
+
+    @property
+    def module_type(self) -> Type[FeatureProcessedEmbeddingBagCollection]:
+        return FeatureProcessedEmbeddingBagCollection
+
+    def shard(
+        self,
+        module: FeatureProcessedEmbeddingBagCollection,
+        params: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+    ) -> ShardedFeatureProcessedEmbeddingBagCollection:
+        return ShardedFeatureProcessedEmbeddingBagCollection(
+            module, params, env, device, self.qcomm_codecs_registry
+        )
+
+    def shardable_parameters(self, module: FeatureProcessedEmbeddingBagCollection) -> Dict[str, torch.Tensor]:
+        return super().shardable_parameters(module.embedding_bag_collection)
+
+
+__all__ = ["FeatureProcessedEmbeddingBagCollectionSharder", "ShardedFeatureProcessedEmbeddingBagCollection"]

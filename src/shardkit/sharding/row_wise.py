@@ -1,0 +1,244 @@
+"""Row-wise sharding: each table's rows are cut into blocks, block ``r`` on rank ``r`` (uneven and
+empty blocks allowed: the plan's shard sizes are the blocks).
+
+- input dist: *block bucketization*: every id goes to the rank whose block holds its row; bag ``b``
+  of feature ``f`` becomes one (possibly empty) bag per rank, holding that rank's ids of the bag in
+  their original order. One stable sort of the ids by (destination key, bag), then one ``KJTAllToAll``.
+- lookup: ``ShardedGroupedLookup`` of the rank's block of each table (ids stay table ids; the grouped
+  lookup shifts them into its buffer), over every rank's samples.
+- output dist: pooled, each rank holds partial sums of every sample, so ``PooledEmbeddingsReduceScatter``
+  sums them and gives each rank its samples; sequence, ``SequenceEmbeddingsAllToAll`` returns each id's
+  row and the inverse of the bucketization sort puts the rows back in input order.
+
+Table-row-wise sharding (blocks over one node's ranks) reuses :class:`RowBucketRouting`.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import Dict, List, Tuple
+
+import torch
+
+from shardkit.distributed.awaitable import Awaitable
+from shardkit.modules.lookup_kernels import bag_of_each_id
+from shardkit.sharding.dist_data import (
+    PooledEmbeddingsReduceScatter,
+    SequenceEmbeddingsAllToAll,
+    VariableBatchPooledEmbeddingsReduceScatter,
+)
+from shardkit.sharding.embedding_lookup import ShardedGroupedLookup, group_shards, received_keys
+from shardkit.sharding.embedding_sharding import (
+    ColumnBlock,
+    EmbeddingSharding,
+    MappedAwaitable,
+    ShardingContext,
+    TableShard,
+    record_input,
+    split_sequence_rows,
+    start_kjt_all_to_all,
+)
+from shardkit.sharding.types import CommOp
+from shardkit.sharding.variable_batch import (
+    bags_per_rank_per_feature,
+    expand_blocks,
+    feature_major_to_rank_major,
+)
+from shardkit.sparse import KeyedJaggedTensor
+
+
+class RowBucketRouting(EmbeddingSharding):
+    """Shardings whose shards are full-width row blocks: each id goes to the one block holding its row.
+
+    ``stagger`` is the KJT all-to-all's (table-row-wise interleaves the source ranks by node).
+    """
+
+    stagger = 1
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        per_rank = [
+            [(t, s) for t in self.tables for s in t.shards if s.rank == r and not s.empty]
+            for r in range(self.world_size)
+        ]
+        self._per_rank = per_rank
+        self._local_shards = per_rank[self.rank]
+        position = {f: i for i, f in enumerate(self.feature_names)}
+        # one sent key per (rank, shard, feature of the shard's table), rank by rank
+        sent: List[Tuple[int, int, int]] = []  # (input feature, first row of the block, rank)
+        for r, shards in enumerate(per_rank):
+            # the order of received_keys: groups, their shards, each shard's table's features
+            for group in group_shards(shards):
+                for table, shard in group:
+                    sent += [(position[f], shard.row_start, r) for f in table.config.feature_names]
+        self._sent_feature = [i for i, _, _ in sent]
+        self._sent_names = [f"{self.feature_names[i]}@{r}" for i, _, r in sent]
+        self._splits = [sum(1 for _, _, r in sent if r == rank) for rank in range(self.world_size)]
+        # per input feature: its blocks' first rows (ascending) and the sent key of each block
+        self._block_starts: List[List[int]] = []
+        self._block_keys: List[List[int]] = []
+        for i in range(len(self.feature_names)):
+            blocks = sorted((row, k) for k, (j, row, _) in enumerate(sent) if j == i)
+            self._block_starts.append([row for row, _ in blocks])
+            self._block_keys.append([k for _, k in blocks])
+        self._dims = {f: t.config.embedding_dim for t in self.tables for f in t.config.feature_names}
+        # every rank holds a non-empty block of every table (no rank pads missing features)
+        names = {t.name for t in self.tables}
+        self._blocks_everywhere = all({t.name for t, _ in shards} == names for shards in per_rank)
+
+    def received_features(self) -> List[str]:
+        return [f for f, _, _ in received_keys(self._local_shards)]
+
+    def _route(self, ctx: ShardingContext, features: KeyedJaggedTensor, need_recat: bool):
+        record_input(ctx, features)
+        send, order = self.bucketize(features)
+        if need_recat:
+            ctx.unbucketize = torch.empty_like(order).index_copy_(
+                0, order, torch.arange(order.numel(), device=order.device)
+            )
+        return start_kjt_all_to_all(ctx, self.pg, send, self._splits, self.stagger, need_recat)
+
+    def bucketize(self, features: KeyedJaggedTensor) -> Tuple[KeyedJaggedTensor, torch.Tensor]:
+        """The KJT to send (keys ``feature@rank``, rank by rank) and the sort ``order`` of the input ids
+        (sent ids = ``values[order]``). No host sync beyond the input's cached ``length_per_key``.
+        """
+        values, device = features.values(), features.values().device
+        bags = features.stride_per_key()
+        counts = features.length_per_key()
+        key_of_id = []
+        for i, ids in enumerate(values.split(counts)):
+            starts = torch.tensor(self._block_starts[i], dtype=ids.dtype, device=device)
+            keys = torch.tensor(self._block_keys[i], dtype=torch.int64, device=device)
+            block = (torch.searchsorted(starts, ids, right=True) - 1).clamp_(min=0)
+            key_of_id.append(keys.index_select(0, block))
+        key = torch.cat(key_of_id) if key_of_id else values.new_zeros(0, dtype=torch.int64)
+        bag_start = [0, *accumulate(bags)]
+        sent_bags = [bags[i] for i in self._sent_feature]
+        row_start = torch.tensor(list(accumulate([0, *sent_bags[:-1]])), dtype=torch.int64, device=device)
+        feature_start = torch.tensor(
+            [bag_start[i] for i in self._sent_feature], dtype=torch.int64, device=device
+        )
+        bag = bag_of_each_id(features.offsets().to(torch.int64), values.numel())
+        segment = row_start.index_select(0, key) + bag - feature_start.index_select(0, key)
+        # stable: the ids of one bag keep their order, so a block's bag is the original bag filtered
+        order = torch.argsort(segment, stable=True)
+        lengths = torch.bincount(segment, minlength=sum(sent_bags))
+        weights = features.weights_or_none()
+        spkpr = features.stride_per_key_per_rank() if features.variable_stride_per_key() else None
+        send = KeyedJaggedTensor(
+            self._sent_names,
+            values.index_select(0, order),
+            None if weights is None else weights.index_select(0, order),
+            lengths=lengths,
+            stride=None if spkpr is not None else features.stride(),
+            stride_per_key_per_rank=None if spkpr is None else [spkpr[i] for i in self._sent_feature],
+            validate=False,
+        )
+        return send, order
+
+    def _full_keys(self, tables) -> List[ColumnBlock]:
+        """Pooled column layout of ``tables``' features (what a rank holding every block would output)."""
+        whole = [(t, TableShard(-1, 0, t.config.num_embeddings, 0, t.config.embedding_dim)) for t in tables]
+        return received_keys(whole)
+
+    def _pad_to(self, local_out: torch.Tensor, local_keys, full_keys) -> torch.Tensor:
+        """Pooled ``[R, local widths]`` -> ``[R, full widths]``, zeros for blocks held elsewhere."""
+        if local_keys == full_keys:
+            return local_out
+        start, column = 0, {}
+        for f, c0, c1 in full_keys:
+            column[f] = start
+            start += c1 - c0
+        index = [column[f] + c for f, c0, c1 in local_keys for c in range(c1 - c0)]
+        full = local_out.new_zeros(local_out.size(0), start)
+        if not index:
+            # nothing held here, but the collective's backward needs this rank: keep local_out's graph
+            return full + local_out.sum() * 0
+        return full.index_copy(1, torch.tensor(index, device=local_out.device), local_out)
+
+
+class RwPooledEmbeddingSharding(RowBucketRouting):
+    """Row-wise pooled embeddings: ``[B_me, sum of dims]`` in :meth:`output_layout`."""
+
+    def create_lookup(self) -> ShardedGroupedLookup:
+        return ShardedGroupedLookup(
+            self._local_shards, True, self.weighted, self.device, self.fused_optimizer
+        )
+
+    def input_dist(
+        self, ctx: ShardingContext, features: KeyedJaggedTensor
+    ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        if features.variable_stride_per_key() and not self._blocks_everywhere:
+            # the same verdict on every rank (it depends on the plan only)
+            raise ValueError(
+                "row_wise with a variable batch per feature needs a non-empty block of every table on "
+                f"every rank; tables {[t.name for t in self.tables]}"
+            )
+        return self._route(ctx, features, need_recat=False)
+
+    def output_dist(self, ctx: ShardingContext, local_out: torch.Tensor) -> Awaitable[torch.Tensor]:
+        codecs = self.codecs(CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER)
+        if ctx.variable_batch:
+            return self._variable_batch_output_dist(ctx, local_out, codecs)
+        full = self._pad_to(local_out, received_keys(self._local_shards), self.output_layout())
+        dist = PooledEmbeddingsReduceScatter(self.pg, codecs)
+        return dist(full, input_splits=ctx.stride_per_rank)
+
+    def _variable_batch_output_dist(self, ctx, local_out, codecs) -> Awaitable[torch.Tensor]:
+        """Partial sums of flat per-feature blocks, reduce-scattered, then expanded to ``[B_me, dims]``."""
+        keys = self.output_layout()
+        widths = [c1 - c0 for _, c0, c1 in keys]
+        bags = ctx.received.stride_per_key_per_rank()  # [keys][source rank]
+        send = feature_major_to_rank_major(local_out, widths, bags)
+        dist = VariableBatchPooledEmbeddingsReduceScatter(self.pg, codecs)
+        awaitable = dist(send, bags_per_rank_per_feature(bags, self.world_size), widths)
+        mine = [b[self.rank] for b in bags]
+        position = {f: i for i, f in enumerate(self.feature_names)}
+        features = [position[f] for f, _, _ in keys]
+        return MappedAwaitable(
+            awaitable, lambda flat: expand_blocks(flat, widths, mine, ctx.inverse_indices, features)
+        )
+
+    def output_layout(self) -> List[ColumnBlock]:
+        return self._full_keys(self.tables)
+
+
+class RwSequenceEmbeddingSharding(RowBucketRouting):
+    """Row-wise sequence embeddings: ``{feature: [ids of this rank, dim]}``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._width = max((t.config.embedding_dim for t in self.tables), default=0)
+
+    def create_lookup(self) -> ShardedGroupedLookup:
+        return ShardedGroupedLookup(
+            self._local_shards, False, False, self.device, self.fused_optimizer, self._width
+        )
+
+    def input_dist(
+        self, ctx: ShardingContext, features: KeyedJaggedTensor
+    ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        ctx.input_counts = features.length_per_key()
+        return self._route(ctx, features, need_recat=True)
+
+    def output_dist(
+        self, ctx: ShardingContext, local_out: torch.Tensor
+    ) -> Awaitable[Dict[str, torch.Tensor]]:
+        dist = SequenceEmbeddingsAllToAll(
+            self.pg, self._splits, codecs=self.codecs(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL)
+        )
+        awaitable = dist(
+            local_out,
+            ctx.received.lengths(),
+            ctx.input_splits,
+            ctx.output_splits,
+            unbucketize_permute_tensor=ctx.unbucketize,
+            batch_size_per_rank=ctx.stride_per_rank,
+            sparse_features_recat=ctx.recat,
+        )
+        keys = [(f, 0, self._dims[f]) for f in self.feature_names]
+        counts = ctx.input_counts
+        return MappedAwaitable(awaitable, lambda rows: split_sequence_rows(rows, counts, keys, self._dims))
+
+
+__all__ = ["RowBucketRouting", "RwPooledEmbeddingSharding", "RwSequenceEmbeddingSharding"]

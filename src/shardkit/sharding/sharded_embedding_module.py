@@ -1,0 +1,292 @@
+"""What ShardedEmbeddingBagCollection and ShardedEmbeddingCollection share.
+
+- the plan: every table placed (``sharded_table``), checked on every rank and agreed between ranks
+  before anything else communicates, so a bad or diverging plan is a ``ValueError`` on every rank;
+- one ``EmbeddingSharding`` per (sharding type, compute kernel), in ``ShardingType`` order, each with
+  its lookup (the rank's shards, initialized from the unsharded module's tables);
+- the forward's input side: the cross-rank input check and the split of the input by sharding;
+  ``input_dist`` starts every sharding's KJT all-to-all and returns ``Awaitable[Awaitable[KJTList]]``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Type
+
+import torch
+from torch import nn
+
+from shardkit.distributed.agreement import gather_objects
+from shardkit.distributed.awaitable import Awaitable
+from shardkit.distributed.codecs import QuantizedCommCodecs
+from shardkit.distributed.sharding_env import ShardingEnv
+from shardkit.distributed.validation import validation_enabled
+from shardkit.modules.embedding_configs import BaseEmbeddingConfig
+from shardkit.modules.fused_optimizer_state import FusedOptimizer
+from shardkit.modules.fused_optimizers import FusedOptimizerConfig
+from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding, DpSequenceEmbeddingSharding
+from shardkit.sharding.embedding_sharding import (
+    EmbeddingSharding,
+    ShardedTable,
+    ShardingContext,
+    sharded_table,
+)
+from shardkit.sharding.kjt_list import KJTList
+from shardkit.sharding.types import (
+    EmbeddingComputeKernel,
+    EmbeddingModuleShardingPlan,
+    ShardedModule,
+    ShardingType,
+)
+from shardkit.sparse import KeyedJaggedTensor
+
+_DATA_PARALLEL = (DpPooledEmbeddingSharding, DpSequenceEmbeddingSharding)
+
+
+class EmbeddingShardingContext:
+    """One forward's context: a ``ShardingContext`` per sharding, in the module's sharding order, and
+    (sequence modules) the input ``features``, whose lengths the output keeps."""
+
+    def __init__(self, num_shardings: int) -> None:
+        self.sharding_contexts = [ShardingContext() for _ in range(num_shardings)]
+        self.features: Optional[KeyedJaggedTensor] = None
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        for ctx in self.sharding_contexts:
+            ctx.record_stream(stream)
+
+
+def _plan_fingerprint(tables: List[BaseEmbeddingConfig], plan: EmbeddingModuleShardingPlan):
+    """A picklable summary of the tables and the plan that ranks compare."""
+    shapes = [(t.name, t.num_embeddings, t.embedding_dim, tuple(t.feature_names)) for t in tables]
+    shardings = []
+    for name in sorted(plan):
+        ps = plan[name]
+        spec = (
+            None
+            if ps.sharding_spec is None
+            else [(tuple(s.shard_offsets), tuple(s.shard_sizes), s.rank) for s in ps.sharding_spec.shards]
+        )
+        shardings.append((name, ps.sharding_type, ps.compute_kernel, spec))
+    return shapes, shardings
+
+
+def place_tables(
+    tables: List[BaseEmbeddingConfig], plan: EmbeddingModuleShardingPlan, env: ShardingEnv
+) -> List[ShardedTable]:
+    """Every table placed by ``plan``; raises ``ValueError`` / ``KeyError`` on every rank if the plan is
+    bad on any rank (unknown or missing table, invalid ranks or shards) or differs between ranks."""
+    error: Optional[str] = None
+    placed: List[ShardedTable] = []
+    try:
+        names = [t.name for t in tables]
+        unknown = [name for name in plan if name not in names]
+        if unknown:
+            raise KeyError(f"the plan names unknown table(s) {unknown}; tables: {names}")
+        missing = [name for name in names if name not in plan]
+        if missing:
+            raise KeyError(f"the plan has no sharding for table(s) {missing}")
+        placed = [sharded_table(t, plan[t.name], env.world_size) for t in tables]
+    except (KeyError, ValueError) as err:
+        error = f"{type(err).__name__}: {err}"
+    if env.world_size == 1:
+        if error is not None:
+            raise ValueError(error)
+        return placed
+    verdicts = gather_objects((error, _plan_fingerprint(tables, plan)), env.process_group)
+    problems = [f"rank {r}: {e}" for r, (e, _) in enumerate(verdicts) if e is not None]
+    if problems:
+        raise ValueError("invalid sharding plan: " + "; ".join(problems))
+    if any(fp != verdicts[0][1] for _, fp in verdicts[1:]):
+        raise ValueError("ranks disagree on the tables or the sharding plan")
+    return placed
+
+
+def check_input(
+    features: KeyedJaggedTensor,
+    tables: List[ShardedTable],
+    weighted: bool,
+    owner: str,
+    env: ShardingEnv,
+    extra_check: Optional[Callable[[KeyedJaggedTensor], None]] = None,
+) -> None:
+    """Raise ``ValueError`` on every rank if any rank's input is bad: keys that are not the module's
+    features, a missing weight, an id outside its table, a variable batch per feature on some ranks
+    only, or one without inverse indices; ``extra_check(features)`` may raise more (its ``KeyError`` /
+    ``ValueError`` / ``IndexError`` is reported the same way). One small all-gather and one host sync per
+    forward; skipped when validation is off (``shardkit.distributed.validation``)."""
+    if not validation_enabled():
+        return
+    error = None
+    try:
+        rows = {f: t.config.num_embeddings for t in tables for f in t.config.feature_names}
+        keys = features.keys()
+        if sorted(keys) != sorted(rows) or len(set(keys)) != len(keys):
+            raise KeyError(f"{owner}: input keys {keys} are not the features {list(rows)}")
+        if features.variable_stride_per_key() and features.inverse_indices_or_none() is None:
+            raise ValueError(f"{owner}: a variable batch per feature needs the input's inverse_indices")
+        if weighted and features.weights_or_none() is None:
+            raise ValueError(f"{owner}: a weighted module needs a KeyedJaggedTensor with weights")
+        for key, ids in zip(keys, features.values().split(features.length_per_key())):
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows[key]):
+                bad = ids[(ids < 0) | (ids >= rows[key])][0]
+                raise IndexError(
+                    f"{owner}: id {int(bad)} of feature {key!r} is out of range [0, {rows[key]})"
+                )
+        if extra_check is not None:
+            extra_check(features)
+    except (KeyError, ValueError, IndexError) as err:
+        error = f"{type(err).__name__}: {err}"
+    variable = features.variable_stride_per_key() if isinstance(features, KeyedJaggedTensor) else None
+    verdicts = (
+        [(error, variable)] if env.world_size == 1 else gather_objects((error, variable), env.process_group)
+    )
+    problems = [f"rank {r}: {e}" for r, (e, _) in enumerate(verdicts) if e is not None]
+    if problems:
+        raise ValueError("invalid input: " + "; ".join(problems))
+    if len({v for _, v in verdicts}) > 1:
+        per_rank = ", ".join(f"rank {r}: {v}" for r, (_, v) in enumerate(verdicts))
+        raise ValueError(f"ranks disagree on whether the input has a variable batch per feature ({per_rank})")
+
+
+class _InputDistAwaitable(Awaitable[Awaitable[KJTList]]):
+    """Phase one of every sharding's input dist; ``wait()`` starts their phase two."""
+
+    def __init__(self, splits: List[Awaitable[Awaitable[KeyedJaggedTensor]]]) -> None:
+        super().__init__()
+        self._splits = splits
+
+    def _wait_impl(self) -> Awaitable[KJTList]:
+        return _TensorsAwaitable([aw.wait() for aw in self._splits])
+
+
+class _TensorsAwaitable(Awaitable[KJTList]):
+    def __init__(self, tensors: List[Awaitable[KeyedJaggedTensor]]) -> None:
+        super().__init__()
+        self._tensors = tensors
+
+    def _wait_impl(self) -> KJTList:
+        return KJTList([aw.wait() for aw in self._tensors])
+
+
+class ShardedEmbeddingModule(ShardedModule):
+    """Base of the sharded collections: the shardings, their lookups and the input side of forward.
+
+    Args:
+        tables: the unsharded module's table configs, in declaration order.
+        plan: table name -> ``ParameterSharding``; every table must be in it.
+        env: the world.
+        pooled: EmbeddingBagCollection (True) or EmbeddingCollection (False).
+        sharding_classes: ``ShardingType`` value -> the ``EmbeddingSharding`` class for it.
+        fused_optimizer: the unsharded module's (used by FUSED-kernel tables).
+        table_weight: ``name -> [rows, cols]`` full table to copy the shards from (None: initialize
+            each shard from its config).
+        device, qcomm_codecs_registry, weighted: see ``EmbeddingSharding``.
+    """
+
+    def __init__(
+        self,
+        tables: List[BaseEmbeddingConfig],
+        plan: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        pooled: bool,
+        sharding_classes: Dict[str, Type[EmbeddingSharding]],
+        fused_optimizer: Optional[FusedOptimizerConfig],
+        table_weight,
+        device: Optional[torch.device] = None,
+        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+        weighted: bool = False,
+    ) -> None:
+        super().__init__(qcomm_codecs_registry)
+        self._env = env
+        # more input checks of a subclass, run inside check_input so that every rank hears of a failure
+        self._extra_input_check: Optional[Callable[[KeyedJaggedTensor], None]] = None
+        self._weighted = weighted
+        self._owner = type(self).__name__
+        placed = place_tables(tables, plan, env)
+        self._tables = placed
+        by_kind: Dict[Tuple[str, str], List[ShardedTable]] = {}
+        order = {t.value: i for i, t in enumerate(ShardingType)}
+        for table in sorted(placed, key=lambda t: order[t.sharding_type]):
+            by_kind.setdefault((table.sharding_type, table.compute_kernel), []).append(table)
+        self._shardings: List[EmbeddingSharding] = []
+        for (kind, kernel), members in by_kind.items():
+            fused = kernel != EmbeddingComputeKernel.DENSE.value
+            if fused and fused_optimizer is None:
+                raise ValueError(
+                    f"tables {[t.name for t in members]} use the {kernel} kernel, which needs a module built "
+                    f"with a fused_optimizer"
+                )
+            self._shardings.append(
+                sharding_classes[kind](
+                    members,
+                    env,
+                    pooled,
+                    fused_optimizer if fused else None,
+                    device,
+                    qcomm_codecs_registry,
+                    weighted,
+                )
+            )
+        self.lookups = nn.ModuleList(s.create_lookup() for s in self._shardings)
+        if table_weight is not None:
+            for lookup in self.lookups:
+                lookup.load_tables(table_weight)
+        self._input_order = [f for s in self._shardings for f in s.feature_names]
+        self._input_sizes = [len(s.feature_names) for s in self._shardings]
+        self._permutations: Dict[Tuple[str, ...], Optional[List[int]]] = {}
+        grouped = [lk for lookup in self.lookups for lk in lookup.lookups if lk.optimizer is not None]
+        self._fused = None if not grouped else FusedOptimizer(fused_optimizer, grouped)
+
+    @property
+    def fused_optimizer(self) -> FusedOptimizer:
+        """The fused optimizer of this rank's shards (learning rate; the update runs in backward)."""
+        if self._fused is None:
+            raise ValueError(f"{self._owner} has no fused-kernel table on this rank")
+        return self._fused
+
+    def local_shards(self) -> Dict[Tuple[str, int, int, int, int], torch.Tensor]:
+        """``(table, row_start, row_end, col_start, col_end)`` -> view of this rank's shard weights."""
+        out = {}
+        for lookup in self.lookups:
+            out.update(lookup.local_shards())
+        return out
+
+    def sharded_parameter_names(self, prefix: str = "") -> Iterator[str]:
+        """Names of the parameters holding shards: every lookup's but the data-parallel ones, which are
+        replicas for the model's data-parallel wrapper to keep in sync."""
+        for i, (sharding, lookup) in enumerate(zip(self._shardings, self.lookups)):
+            if isinstance(sharding, _DATA_PARALLEL):
+                continue
+            for name, _ in lookup.named_parameters(f"{prefix}{'.' if prefix else ''}lookups.{i}"):
+                yield name
+
+    def create_context(self) -> EmbeddingShardingContext:
+        return EmbeddingShardingContext(len(self._shardings))
+
+    def input_dist(
+        self, ctx: EmbeddingShardingContext, features: KeyedJaggedTensor
+    ) -> Awaitable[Awaitable[KJTList]]:
+        """Check the input on every rank, split it by sharding and start each sharding's input dist."""
+        check_input(features, self._tables, self._weighted, self._owner, self._env, self._extra_input_check)
+        keys = tuple(features.keys())
+        if keys not in self._permutations:
+            position = {k: i for i, k in enumerate(keys)}
+            permute = [position[f] for f in self._input_order]
+            self._permutations[keys] = None if permute == list(range(len(keys))) else permute
+        permute = self._permutations[keys]
+        if permute is not None:
+            features = features.permute(permute)
+        parts = features.split(self._input_sizes) if len(self._shardings) > 1 else [features]
+        return _InputDistAwaitable(
+            [s.input_dist(c, part) for s, c, part in zip(self._shardings, ctx.sharding_contexts, parts)]
+        )
+
+    def _compute_and_start(self, ctx: EmbeddingShardingContext, dist_input: KJTList) -> List[Awaitable]:
+        """Each sharding's lookup, its output dist started right after it."""
+        return [
+            s.output_dist(c, s.compute(c, lookup, kjt))
+            for s, c, lookup, kjt in zip(self._shardings, ctx.sharding_contexts, self.lookups, dist_input)
+        ]
+
+
+__all__ = ["EmbeddingShardingContext", "ShardedEmbeddingModule", "check_input", "place_tables"]
