@@ -1,0 +1,72 @@
+"""CombinedOptimizer: several optimizers stepped, zeroed, saved and loaded as one.
+
+A model under ``DistributedModelParallel`` is trained by two kinds of optimizer: the fused optimizers of
+the sharded tables (their update already ran inside backward; ``step`` does nothing) and a regular
+``torch.optim`` optimizer of the dense, data-parallel parameters. A training loop or a train pipeline
+takes one optimizer; this class is that one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence, Tuple, Union
+
+Named = Tuple[str, Any]
+
+
+class CombinedOptimizer:
+    """Steps, zeroes, saves and loads a list of optimizers, each under a key.
+
+    Args:
+        optimizers: optimizers (``torch.optim.Optimizer``, ``FusedOptimizer``, another
+            ``CombinedOptimizer``, anything with ``step`` / ``zero_grad`` / ``state_dict`` /
+            ``load_state_dict``), each optionally as ``(key, optimizer)``. Unnamed ones are keyed by
+            their position (``"0"``, ``"1"``, ...). Keys must be unique.
+
+    ``state_dict()`` is ``{key: optimizer.state_dict()}``; ``load_state_dict`` needs every key.
+    """
+
+    def __init__(self, optimizers: Sequence[Union[Any, Named]]) -> None:
+        named: List[Named] = []
+        for i, entry in enumerate(optimizers):
+            key, optimizer = entry if isinstance(entry, tuple) else (str(i), entry)
+            named.append((key, optimizer))
+        keys = [k for k, _ in named]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"CombinedOptimizer: repeated keys in {keys}")
+        self._optimizers = named
+
+    @property
+    def optimizers(self) -> List[Named]:
+        """``(key, optimizer)`` in order."""
+        return list(self._optimizers)
+
+    def step(self, closure: Any = None) -> None:
+        """Step every optimizer, in order (a closure is not supported: it would run once per optimizer)."""
+        if closure is not None:
+            raise ValueError("CombinedOptimizer.step does not take a closure")
+        for _, optimizer in self._optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for _, optimizer in self._optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {key: optimizer.state_dict() for key, optimizer in self._optimizers}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        missing = [key for key, _ in self._optimizers if key not in state_dict]
+        unexpected = [key for key in state_dict if key not in dict(self._optimizers)]
+        if missing or unexpected:
+            raise KeyError(
+                f"CombinedOptimizer.load_state_dict: missing keys {missing}, unexpected keys {unexpected}"
+            )
+        for key, optimizer in self._optimizers:
+            optimizer.load_state_dict(state_dict[key])
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{key}: {type(opt).__name__}" for key, opt in self._optimizers)
+        return f"CombinedOptimizer({inner})"
+
+
+__all__ = ["CombinedOptimizer"]
