@@ -248,3 +248,21 @@ def _tracing_worker() -> bool:
 
 def test_tracing_finds_the_batch_fed_modules_only():
     assert all(run_world(_tracing_worker, 2))
+
+
+def _uneven_data_worker() -> str:
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    messages = []
+    for pipeline_type in (TrainPipelineBase, TrainPipelineSparseDist, PrefetchTrainPipelineSparseDist):
+        dmp, optimizer = _dmp(d.make_model(), world_size)
+        pipeline = pipeline_type(dmp, optimizer, torch.device("cpu"))
+        data = CountingIterator(rank, NUM_BATCHES - rank, [])  # rank 1 has one batch fewer
+        with pytest.raises(ValueError) as info:
+            _drain(pipeline, data)
+        messages.append(str(info.value))
+    return "\n".join(messages)
+
+
+def test_data_ending_on_some_ranks_only_is_an_error_on_every_rank():
+    for message in run_world(_uneven_data_worker, 2, timeout=120):
+        assert message.count("the data ended on ranks [1] while the other ranks drew another batch") == 3

@@ -10,7 +10,10 @@
 Each batch moves through stages (``_Stage``); after every forward, each later batch in flight advances
 one stage. The model's forward must take the batch and return ``(losses, output)``; ``progress`` runs
 ``losses.sum().backward()`` and the optimizer step when the model is training, and returns ``output``.
-Every rank must draw the same number of batches: the input dists are collectives.
+Every rank must draw the same number of batches: the input dists and the model's forward are
+collectives. With validation on (the default; ``shardkit.distributed.set_validation``) the ranks
+agree on every draw (one all-gather of a flag, a host sync), so data that ends on some ranks only is
+a ``ValueError`` on every rank instead of a hang.
 
 Once an iterator has ended, ``progress`` with it raises ``StopIteration`` without asking it again;
 ``progress`` with a new iterator (the next epoch) starts over.
@@ -27,6 +30,8 @@ from typing import Any, Deque, Generic, Iterator, List, Optional, Type, TypeVar
 import torch
 from torch import nn
 
+from shardkit.distributed.agreement import all_gather_flat, group_size
+from shardkit.distributed.validation import validation_enabled
 from shardkit.model_parallel import get_unwrapped_module
 from shardkit.pipeline.context import PrefetchTrainPipelineContext, TrainPipelineContext
 from shardkit.pipeline.forwards import BaseForward, PipelinedForward, PrefetchPipelinedForward
@@ -34,6 +39,26 @@ from shardkit.pipeline.tracing import build_args, find_pipelineable_modules
 
 In = TypeVar("In")
 Out = TypeVar("Out")
+
+
+def _every_rank_drew(drew: bool, device: torch.device) -> bool:
+    """Whether this draw produced a batch; ``ValueError`` on every rank when only some ranks got one.
+
+    The default group's ranks exchange a flag (skipped when validation is off or on a single rank).
+    """
+    world = group_size(None)
+    if world == 1 or not validation_enabled():
+        return drew
+    flags = torch.empty(world, dtype=torch.int64, device=device)
+    all_gather_flat(flags, torch.tensor([int(drew)], dtype=torch.int64, device=device))
+    flags = flags.tolist()
+    if min(flags) != max(flags):
+        ended = [rank for rank, flag in enumerate(flags) if not flag]
+        raise ValueError(
+            f"the data ended on ranks {ended} while the other ranks drew another batch: every rank "
+            f"must draw the same number of batches"
+        )
+    return drew
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
@@ -82,10 +107,13 @@ class TrainPipelineBase(_Trainer, TrainPipeline[In, Out]):
         if dataloader_iter is self._ended:
             return None
         try:
-            return _to_device(next(dataloader_iter), self._device)
+            batch = next(dataloader_iter)
         except StopIteration:
+            batch = None
+        if not _every_rank_drew(batch is not None, self._device):
             self._ended = dataloader_iter
             return None
+        return _to_device(batch, self._device)
 
     def progress(self, dataloader_iter: Iterator[In]) -> Out:
         batch = self._next if self._next is not None else self._fetch(dataloader_iter)
@@ -180,6 +208,8 @@ class TrainPipelineSparseDist(_Trainer, TrainPipeline[In, Out]):
         try:
             batch = next(dataloader_iter)
         except StopIteration:
+            batch = None
+        if not _every_rank_drew(batch is not None, self._device):
             self._ended = dataloader_iter
             return False
         self._in_flight.append(_InFlight(_to_device(batch, self._device), self._context_type()))
