@@ -7,7 +7,7 @@ global batch anywhere. Rank r has ``2 + r`` samples (uneven batches).
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -121,6 +121,23 @@ def _with_rank_weights(per_rank, features, step, offset_rank: int = 0) -> KeyedJ
         torch.tensor(weights, dtype=torch.float32),
         lengths=torch.tensor(lengths, dtype=torch.int64),
     )
+
+
+def with_leaf_weights(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """``kjt`` with its weights replaced by a copy that requires grad (a leaf, for ``.grad``)."""
+    weights = kjt.weights().detach().clone().requires_grad_()
+    return KeyedJaggedTensor(kjt.keys(), kjt.values(), weights, lengths=kjt.lengths())
+
+
+def weight_grads(kjt: KeyedJaggedTensor, rows: Optional[slice] = None) -> Dict[str, torch.Tensor]:
+    """Per feature, the gradient of the weights of the ids of samples ``rows`` (all by default)."""
+    grads = KeyedJaggedTensor(kjt.keys(), kjt.values(), kjt.weights().grad, lengths=kjt.lengths())
+    out = {}
+    for key, jt in grads.to_dict().items():
+        offsets = jt.offsets().tolist()
+        start, stop, _ = (rows or slice(None)).indices(len(offsets) - 1)
+        out[key] = jt.weights()[offsets[start] : offsets[stop]]
+    return out
 
 
 def my_rows(rank: int, batch_per_rank: List[int]) -> slice:

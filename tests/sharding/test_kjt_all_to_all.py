@@ -76,8 +76,21 @@ def _spec_example(weighted):
     return out.keys(), out.lengths().tolist(), out.values().tolist()
 
 
+def _weights_gradient():
+    """The weights' gradient comes back to the rank and position each weight was sent from."""
+    rank = dist.get_rank()
+    kjt = _kjt(SPEC_INPUT[rank], weighted=True)
+    weights = kjt.weights().clone().requires_grad_()
+    kjt = KeyedJaggedTensor(kjt.keys(), kjt.values(), weights, lengths=kjt.lengths())
+    out = KJTAllToAll(None, [2, 1])(kjt).wait().wait()
+    assert out.weights().requires_grad
+    (out.weights() * out.values().to(torch.float32)).sum().backward()  # d/d weight = its id
+    assert torch.equal(weights.grad, kjt.values().to(torch.float32))
+
+
 def _spec_worker():
     _spec_example(weighted=True)
+    _weights_gradient()
     return _spec_example(weighted=False)
 
 
@@ -187,6 +200,12 @@ def _bad_input_worker():
     # weighted on one rank only
     weighted = build_kjt(rows, "equal", True)
     _expect_error(lambda: run(weighted if rank == 0 else good, splits), "disagree on the weights dtype")
+    # weights requiring grad on one rank only: its backward would wait for the others
+    learned = build_kjt(rows, "equal", True)
+    learned = KeyedJaggedTensor(
+        learned.keys(), learned.values(), learned.weights().requires_grad_(), lengths=learned.lengths()
+    )
+    _expect_error(lambda: run(learned if rank == 0 else weighted, splits), "weights requiring grad")
     # not a KJT on one rank
     _expect_error(lambda: run("features" if rank == 0 else good, splits), "must be a KeyedJaggedTensor")
     # a stagger that does not divide the world

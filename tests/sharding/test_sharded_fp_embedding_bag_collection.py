@@ -1,8 +1,8 @@
 """Position-weighted features, sharded every way, equal the unsharded FeatureProcessedEmbeddingBagCollection.
 
-Forward values, table weights after fused steps, and the position weights' gradient (the sum over
-ranks of each rank's part) match the unsharded module on the global batch. Bags longer than
-``max_feature_length`` fail on every rank.
+Forward values, table weights after fused steps, the position weights' gradient (the sum over
+ranks of each rank's part) and the input weights' gradient match the unsharded module on the global
+batch. Bags longer than ``max_feature_length`` fail on every rank.
 """
 
 from __future__ import annotations
@@ -70,6 +70,8 @@ def _worker() -> bool:
     features = [(f, rows) for _, rows, _, feats, _ in case.TABLES for f in feats]
     for step in range(case.STEPS):
         global_kjt, local_kjt, batch = case.global_and_local(step, rank, world_size, features, weighted=True)
+        # learnable input weights: the unprocessed features' reach the input, the processed ones' get 0
+        global_kjt, local_kjt = case.with_leaf_weights(global_kjt), case.with_leaf_weights(local_kjt)
         expected = reference(global_kjt)
         grad = torch.randn(expected.values().shape, generator=torch.Generator().manual_seed(step))
         (expected.values() * grad).sum().div(world_size).backward()
@@ -77,6 +79,9 @@ def _worker() -> bool:
         mine = case.my_rows(rank, batch)
         torch.testing.assert_close(out.values(), expected.values()[mine].detach(), **TOL)
         (out.values() * grad[mine]).sum().backward()
+        expected_grads = case.weight_grads(global_kjt, mine)
+        for key, got in case.weight_grads(local_kjt).items():
+            torch.testing.assert_close(got, expected_grads[key], **TOL, msg=f"input weight grads of {key}")
         for f in PROCESSED:
             weight = sharded.feature_processors[f].position_weight
             # a rank whose shards looked up no id of f has no part of its gradient

@@ -1,12 +1,59 @@
-"""Layer 2: sharding plans, sharded-module interfaces and the distribution modules.
+"""Layer 2: sharding plans, sharded embedding modules, their sharders and their state.
 
-``types`` holds the plan types (``ShardingType``, ``ParameterSharding``, ``ShardingPlan``, ...) and the
-interfaces every sharded module implements (``ShardedModule``, ``ModuleSharder``); ``dist_data`` the
-modules that move features and embeddings between ranks. See docs/sharding.md.
+- ``types``: the plan types (``ShardingType``, ``ParameterSharding``, ``ShardingPlan``, ...) and the
+  interfaces every sharded module implements (``ShardedModule``, ``ModuleSharder``);
+- ``sharding_plan``: the plan constructors (``table_wise()``, ``row_wise()``, ...,
+  ``construct_module_sharding_plan``);
+- the sharded modules and their sharders (``embeddingbag``, ``embedding``, ``fp_embeddingbag``), built
+  from one ``EmbeddingSharding`` per sharding type (``data_parallel``, ``table_wise``, ``column_wise``,
+  ``row_wise``, ``table_row_wise``, ``table_column_wise``);
+- their state (``state_layout``, ``sharded_state``, ``sharded_module_state``) and the specification's
+  ``utils``; ``dist_data`` holds the modules that move features and embeddings between ranks.
+
+See docs/sharding.md and docs/sharded_state.md.
 """
 
+from shardkit.sharding.column_wise import CwPooledEmbeddingSharding, CwSequenceEmbeddingSharding
+from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding, DpSequenceEmbeddingSharding
+from shardkit.sharding.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
+from shardkit.sharding.embedding_sharding import EmbeddingSharding, ShardingContext
+from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
+from shardkit.sharding.fp_embeddingbag import (
+    FeatureProcessedEmbeddingBagCollectionSharder,
+    ShardedFeatureProcessedEmbeddingBagCollection,
+)
 from shardkit.sharding.kjt_list import KJTList
+from shardkit.sharding.row_wise import RwPooledEmbeddingSharding, RwSequenceEmbeddingSharding
+from shardkit.sharding.sharded_embedding_module import EmbeddingShardingContext, ShardedEmbeddingModule
+from shardkit.sharding.sharded_module_state import ShardedFusedOptimizer
+from shardkit.sharding.sharded_state import (
+    StateValue,
+    dtensor_shard_dim,
+    full_table,
+    load_full_table,
+    load_state_value,
+    to_state_value,
+)
+from shardkit.sharding.sharding_plan import (
+    ParameterShardingGenerator,
+    build_parameter_sharding,
+    column_shards,
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    placement,
+    row_shards,
+    row_wise,
+    table_column_wise,
+    table_configs,
+    table_row_wise,
+    table_wise,
+)
 from shardkit.sharding.sharding_spec import EnumerableShardingSpec, ShardMetadata
+from shardkit.sharding.state_layout import ShardLayout, row_state_layout, table_layout
+from shardkit.sharding.table_column_wise import TwCwPooledEmbeddingSharding, TwCwSequenceEmbeddingSharding
+from shardkit.sharding.table_row_wise import TwRwPooledEmbeddingSharding, TwRwSequenceEmbeddingSharding
+from shardkit.sharding.table_wise import TwPooledEmbeddingSharding, TwSequenceEmbeddingSharding
 from shardkit.sharding.types import (
     CommOp,
     ComputeKernel,
@@ -25,8 +72,21 @@ from shardkit.sharding.types import (
     ShardingType,
     get_tensor_size_bytes,
 )
+from shardkit.sharding.utils import (
+    CopyableMixin,
+    add_params_from_parameter_sharding,
+    add_prefix_to_state_dict,
+    append_prefix,
+    copy_to_device,
+    filter_state_dict,
+    get_unsharded_module_names,
+    merge_fused_params,
+    none_throws,
+    optimizer_type_to_emb_opt_type,
+)
 
 __all__ = [
+    # plan and module types
     "CommOp",
     "ComputeKernel",
     "EmbeddingComputeKernel",
@@ -46,4 +106,64 @@ __all__ = [
     "ShardingPlanner",
     "ShardingType",
     "get_tensor_size_bytes",
+    # plan constructors
+    "ParameterShardingGenerator",
+    "build_parameter_sharding",
+    "column_shards",
+    "column_wise",
+    "construct_module_sharding_plan",
+    "data_parallel",
+    "placement",
+    "row_shards",
+    "row_wise",
+    "table_column_wise",
+    "table_configs",
+    "table_row_wise",
+    "table_wise",
+    # sharded modules and sharders
+    "EmbeddingBagCollectionSharder",
+    "EmbeddingCollectionSharder",
+    "EmbeddingShardingContext",
+    "FeatureProcessedEmbeddingBagCollectionSharder",
+    "ShardedEmbeddingBagCollection",
+    "ShardedEmbeddingCollection",
+    "ShardedEmbeddingModule",
+    "ShardedFeatureProcessedEmbeddingBagCollection",
+    "ShardedFusedOptimizer",
+    # per sharding type
+    "CwPooledEmbeddingSharding",
+    "CwSequenceEmbeddingSharding",
+    "DpPooledEmbeddingSharding",
+    "DpSequenceEmbeddingSharding",
+    "EmbeddingSharding",
+    "RwPooledEmbeddingSharding",
+    "RwSequenceEmbeddingSharding",
+    "ShardingContext",
+    "TwCwPooledEmbeddingSharding",
+    "TwCwSequenceEmbeddingSharding",
+    "TwPooledEmbeddingSharding",
+    "TwRwPooledEmbeddingSharding",
+    "TwRwSequenceEmbeddingSharding",
+    "TwSequenceEmbeddingSharding",
+    # state
+    "ShardLayout",
+    "StateValue",
+    "dtensor_shard_dim",
+    "full_table",
+    "load_full_table",
+    "load_state_value",
+    "row_state_layout",
+    "table_layout",
+    "to_state_value",
+    # the specification's utils
+    "CopyableMixin",
+    "add_params_from_parameter_sharding",
+    "add_prefix_to_state_dict",
+    "append_prefix",
+    "copy_to_device",
+    "filter_state_dict",
+    "get_unsharded_module_names",
+    "merge_fused_params",
+    "none_throws",
+    "optimizer_type_to_emb_opt_type",
 ]

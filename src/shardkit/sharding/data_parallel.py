@@ -6,7 +6,9 @@
   averages over ranks before a dense optimizer steps, exactly like the model's other replicated
   parameters. A fused optimizer would update each replica from its own samples only and let them
   drift apart, so only the DENSE kernel is accepted;
-- output dist: none (the result is already this rank's samples).
+- output dist: none (the result is already this rank's samples). The gradient of input weights
+  that require grad is divided by the world size here instead, as the other shardings' output dists
+  divide it (while ``get_gradient_division()``).
 """
 
 from __future__ import annotations
@@ -16,14 +18,17 @@ from typing import Dict, List
 import torch
 
 from shardkit.distributed.awaitable import Awaitable, NoWait
+from shardkit.distributed.comm_ops import get_gradient_division
 from shardkit.sharding.embedding_lookup import ShardedGroupedLookup, received_keys
 from shardkit.sharding.embedding_sharding import (
     ColumnBlock,
     EmbeddingSharding,
+    ScaleGrad,
     ShardingContext,
     TableShard,
     record_input,
     split_sequence_rows,
+    with_weights,
 )
 from shardkit.sharding.types import EmbeddingComputeKernel
 from shardkit.sharding.variable_batch import expand_blocks
@@ -57,6 +62,11 @@ class _DataParallel(EmbeddingSharding):
         record_input(ctx, features)
         ctx.sent_lengths_per_key = [features.length_per_key()[i] for i in self._permute]
         local = features if self._permute == sorted(self._permute) else features.permute(self._permute)
+        weights = local.weights_or_none()
+        if weights is not None and weights.requires_grad and get_gradient_division() and self.world_size > 1:
+            # no output dist divides this gradient by the world size, as the other shardings' do: the
+            # input weights' gradients then follow one convention whatever a feature's sharding
+            local = with_weights(local, ScaleGrad.apply(weights, 1.0 / self.world_size))
         ctx.sent_batches = local.stride_per_key()
         return NoWait(NoWait(local))
 
@@ -65,7 +75,9 @@ class DpPooledEmbeddingSharding(_DataParallel):
     """Data-parallel pooled embeddings: ``[B_me, sum of dims]`` in :meth:`output_layout`."""
 
     def create_lookup(self) -> ShardedGroupedLookup:
-        return ShardedGroupedLookup(self._whole, True, self.weighted, self.device, None)
+        return ShardedGroupedLookup(
+            self._whole, True, self.weighted, self.device, None, dtype=self.output_dtype
+        )
 
     def output_dist(self, ctx: ShardingContext, local_out: torch.Tensor) -> Awaitable[torch.Tensor]:
         if ctx.variable_batch:
@@ -87,7 +99,9 @@ class DpSequenceEmbeddingSharding(_DataParallel):
         self._width = max((t.config.embedding_dim for t in self.tables), default=0)
 
     def create_lookup(self) -> ShardedGroupedLookup:
-        return ShardedGroupedLookup(self._whole, False, False, self.device, None, self._width)
+        return ShardedGroupedLookup(
+            self._whole, False, False, self.device, None, self._width, self.output_dtype
+        )
 
     def output_dist(
         self, ctx: ShardingContext, local_out: torch.Tensor

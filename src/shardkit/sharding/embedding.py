@@ -64,7 +64,10 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule):
     ``LazyAwaitable[Dict[str, JaggedTensor]]``: per feature in declaration order, values
     ``[ids of this rank's feature, embedding_dim]`` (lengths as in the input; with ``need_indices`` the
     ids as weights), equal to the unsharded module's. Tables are copied from ``module``.
+    ``state_dict()`` keys are the unsharded module's, ``embeddings.<table>.weight``.
     """
+
+    table_key = "embeddings"
 
     def __init__(
         self,

@@ -52,6 +52,8 @@ class ShardedGroupedLookup(nn.Module):
         device, fused_optimizer: see ``GroupedEmbeddingLookup``.
         sequence_width: sequence lookups pad every group's rows to this width, so that one output
             dist carries all groups (the widest shard of the sharding, the same on every rank).
+        dtype: the output's dtype, the same on every rank (default: float32); groups of another
+            dtype are converted.
 
     forward(kjt) with the features of :attr:`keys` in order, stride R (sum of the ranks' batches):
 
@@ -59,7 +61,8 @@ class ShardedGroupedLookup(nn.Module):
     - sequence: ``[ids, sequence_width]``, key by key.
 
     Both require grad even when this rank holds no shard (an empty ``[R, 0]`` / ``[0, width]``), since
-    every rank must take part in the output dist's backward.
+    every rank must take part in the output dist's backward; weights that require grad are then kept
+    in the graph too, for the KJT all-to-all's backward.
     """
 
     def __init__(
@@ -70,9 +73,11 @@ class ShardedGroupedLookup(nn.Module):
         device: Optional[torch.device] = None,
         fused_optimizer: Optional[FusedOptimizerConfig] = None,
         sequence_width: int = 0,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         self.pooled, self.weighted, self.sequence_width = pooled, weighted, sequence_width
+        self.dtype = dtype
         self.placed: List[List[PlacedShard]] = group_shards(shards)
         self.lookups = nn.ModuleList(
             GroupedEmbeddingLookup([t.spec(s) for t, s in group], pooled, device, fused_optimizer)
@@ -104,9 +109,14 @@ class ShardedGroupedLookup(nn.Module):
         if not self.lookups:
             device = kjt.values().device
             shape = (0,) if flat else (kjt.stride(), 0) if self.pooled else (0, self.sequence_width)
-            return torch.zeros(shape, device=device, requires_grad=True)
+            empty = torch.zeros(shape, dtype=self.dtype, device=device, requires_grad=True)
+            weights = kjt.weights_or_none() if self.weighted else None
+            if weights is not None and weights.requires_grad:
+                # the received weights' backward is an all-to-all that the ranks using theirs wait in
+                return empty + weights.sum() * 0
+            return empty
         parts = kjt.split(self._group_sizes) if len(self.lookups) > 1 else [kjt]
-        outs = [self._lookup_group(lookup, part) for lookup, part in zip(self.lookups, parts)]
+        outs = [self._lookup_group(lookup, part).to(self.dtype) for lookup, part in zip(self.lookups, parts)]
         if len(outs) == 1:
             return outs[0]
         return torch.cat(outs, dim=1 if self.pooled and not flat else 0)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -240,6 +241,12 @@ class EmbeddingSharding(abc.ABC):
     def rank(self) -> int:
         return self.env.rank
 
+    @property
+    def output_dtype(self) -> torch.dtype:
+        """The dtype of every rank's lookup output (the tables' dtypes promoted): the output dists
+        need the same dtype on every rank, also on ranks that hold no table or tables of one dtype."""
+        return functools.reduce(torch.promote_types, [t.config.dtype for t in self.tables])
+
     def codecs(self, op: CommOp) -> Optional[QuantizedCommCodecs]:
         """The wire precision configured for ``op`` (None: full precision)."""
         return self._codecs.get(op.value)
@@ -283,6 +290,34 @@ class MappedAwaitable(Awaitable):
         return self._fn(self._inner.wait())
 
 
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def with_weights(kjt: KeyedJaggedTensor, weights: torch.Tensor) -> KeyedJaggedTensor:
+    """``kjt`` with its weights replaced (everything else shared)."""
+    return KeyedJaggedTensor(
+        kjt.keys(),
+        kjt.values(),
+        weights,
+        lengths=kjt.lengths(),
+        stride=None if kjt.variable_stride_per_key() else kjt.stride(),
+        stride_per_key_per_rank=kjt.stride_per_key_per_rank() if kjt.variable_stride_per_key() else None,
+        length_per_key=kjt.length_per_key(),
+        inverse_indices=kjt.inverse_indices_or_none(),
+        validate=False,
+    )
+
+
 def split_sequence_rows(
     rows: torch.Tensor, counts: List[int], keys: List[Tuple[str, int, int]], dims: Dict[str, int]
 ) -> Dict[str, torch.Tensor]:
@@ -310,6 +345,7 @@ __all__ = [
     "ColumnBlock",
     "EmbeddingSharding",
     "MappedAwaitable",
+    "ScaleGrad",
     "ShardedTable",
     "ShardingContext",
     "TableShard",
@@ -317,4 +353,5 @@ __all__ = [
     "sharded_table",
     "split_sequence_rows",
     "start_kjt_all_to_all",
+    "with_weights",
 ]

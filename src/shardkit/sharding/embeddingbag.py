@@ -79,7 +79,12 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
     ``values`` ``[B_me, sum of dims]``, equal to the unsharded module's rows of these samples.
     The tables' initial values are copied from ``module``. Every rank must call forward (and
     backward) the same number of times: each step runs collectives over the group.
+
+    State: ``state_dict()`` has the unsharded module's keys, ``embedding_bags.<table>.weight``, each a
+    DTensor or ShardedTensor of this rank's shards (see ``ShardedEmbeddingModule``).
     """
+
+    table_key = "embedding_bags"
 
     def __init__(
         self,

@@ -27,40 +27,12 @@ from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.modules import FeatureProcessedEmbeddingBagCollection, PositionWeightedModule
 from shardkit.modules.lookup_kernels import bag_of_each_id
 from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding
-from shardkit.sharding.embedding_sharding import EmbeddingSharding
+from shardkit.sharding.embedding_sharding import EmbeddingSharding, ScaleGrad, with_weights
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
 from shardkit.sharding.kjt_list import KJTList
 from shardkit.sharding.sharded_embedding_module import EmbeddingShardingContext
 from shardkit.sharding.types import EmbeddingModuleShardingPlan
 from shardkit.sparse import KeyedJaggedTensor, KeyedTensor
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by ``scale``."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
-
-
-def _with_weights(kjt: KeyedJaggedTensor, weights: torch.Tensor) -> KeyedJaggedTensor:
-    """``kjt`` with its weights replaced (everything else shared)."""
-    return KeyedJaggedTensor(
-        kjt.keys(),
-        kjt.values(),
-        weights,
-        lengths=kjt.lengths(),
-        stride=None if kjt.variable_stride_per_key() else kjt.stride(),
-        stride_per_key_per_rank=kjt.stride_per_key_per_rank() if kjt.variable_stride_per_key() else None,
-        length_per_key=kjt.length_per_key(),
-        inverse_indices=kjt.inverse_indices_or_none(),
-        validate=False,
-    )
 
 
 class ShardedFeatureProcessedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
@@ -74,7 +46,12 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedEmbeddingBagCollectio
 
     forward(features) -> ``LazyAwaitable[KeyedTensor]``, as the unsharded module's on this rank's samples.
     A bag longer than a processor's ``max_feature_length`` raises ``ValueError`` on every rank.
+    ``state_dict()`` keys are the unsharded module's:
+    ``_embedding_bag_collection.embedding_bags.<table>.weight`` (sharded values) and
+    ``_feature_processors.<feature>.position_weight`` (replicated, plain tensors).
     """
+
+    table_key = "_embedding_bag_collection.embedding_bags"
 
     def __init__(
         self,
@@ -95,8 +72,14 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedEmbeddingBagCollectio
             device,
             qcomm_codecs_registry,
         )
-        self.feature_processors = nn.ModuleDict({f: copy.deepcopy(p) for f, p in processors.items()})
+        # the unsharded module's attribute name, so that state-dict keys match
+        self._feature_processors = nn.ModuleDict({f: copy.deepcopy(p) for f, p in processors.items()})
         self._extra_input_check = self._check_bag_lengths
+
+    @property
+    def feature_processors(self) -> nn.ModuleDict:
+        """Feature -> its ``PositionWeightedModule`` (a replica on every rank)."""
+        return self._feature_processors
 
     def _check_bag_lengths(self, features: KeyedJaggedTensor) -> None:
         for key, jt in features.to_dict().items():
@@ -132,7 +115,7 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedEmbeddingBagCollectio
                     old.to(torch.float32) if old is not None else torch.ones_like(pos, dtype=torch.float32)
                 )
         weights = torch.cat(pieces) if pieces else torch.zeros(0, device=values.device)
-        return _with_weights(features, weights)
+        return with_weights(features, weights)
 
     def _weigh(self, sharding: EmbeddingSharding, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Received positions -> position weights, for the processed features ``sharding`` looks up."""
@@ -144,15 +127,21 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedEmbeddingBagCollectio
         scale = 1.0
         if isinstance(sharding, DpPooledEmbeddingSharding) and get_gradient_division():
             scale = 1.0 / sharding.world_size
+        received = kjt.weights()
         pieces = []
-        for feature, piece in zip(features, kjt.weights().split(kjt.length_per_key())):
+        for feature, piece in zip(features, received.split(kjt.length_per_key())):
             if feature in self.feature_processors:
                 table = self.feature_processors[feature].position_weight
                 if scale != 1.0:
-                    table = _ScaleGrad.apply(table, scale)
+                    table = ScaleGrad.apply(table, scale)
                 piece = table.index_select(0, piece.to(torch.int64)).to(torch.float32)
             pieces.append(piece)
-        return _with_weights(kjt, torch.cat(pieces))
+        weights = torch.cat(pieces)
+        if received.requires_grad:
+            # the received weights' backward is an all-to-all: keep them in this rank's graph even
+            # where positions replace them all, or the ranks that use theirs would wait for this one
+            weights = weights + received * 0
+        return with_weights(kjt, weights)
 
     def compute(self, ctx: EmbeddingShardingContext, dist_input: KJTList) -> List[torch.Tensor]:
         return super().compute(ctx, self._weigh_all(dist_input))

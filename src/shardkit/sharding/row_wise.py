@@ -162,7 +162,12 @@ class RwPooledEmbeddingSharding(RowBucketRouting):
 
     def create_lookup(self) -> ShardedGroupedLookup:
         return ShardedGroupedLookup(
-            self._local_shards, True, self.weighted, self.device, self.fused_optimizer
+            self._local_shards,
+            True,
+            self.weighted,
+            self.device,
+            self.fused_optimizer,
+            dtype=self.output_dtype,
         )
 
     def input_dist(
@@ -212,7 +217,13 @@ class RwSequenceEmbeddingSharding(RowBucketRouting):
 
     def create_lookup(self) -> ShardedGroupedLookup:
         return ShardedGroupedLookup(
-            self._local_shards, False, False, self.device, self.fused_optimizer, self._width
+            self._local_shards,
+            False,
+            False,
+            self.device,
+            self.fused_optimizer,
+            self._width,
+            self.output_dtype,
         )
 
     def input_dist(

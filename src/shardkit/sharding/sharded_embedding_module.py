@@ -5,7 +5,11 @@
 - one ``EmbeddingSharding`` per (sharding type, compute kernel), in ``ShardingType`` order, each with
   its lookup (the rank's shards, initialized from the unsharded module's tables);
 - the forward's input side: the cross-rank input check and the split of the input by sharding;
-  ``input_dist`` starts every sharding's KJT all-to-all and returns ``Awaitable[Awaitable[KJTList]]``.
+  ``input_dist`` starts every sharding's KJT all-to-all and returns ``Awaitable[Awaitable[KJTList]]``;
+- the state: ``state_dict()`` holds one DTensor / ShardedTensor per table under the unsharded module's
+  key, ``load_state_dict`` takes those or full tables, ``full_table`` / ``load_full_table`` convert
+  to and from the unsharded table, and the fused optimizer's state follows the same layout
+  (``sharded_module_state``; docs/sharded_state.md).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from shardkit.distributed.codecs import QuantizedCommCodecs
 from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.distributed.validation import validation_enabled
 from shardkit.modules.embedding_configs import BaseEmbeddingConfig
-from shardkit.modules.fused_optimizer_state import FusedOptimizer
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig
 from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding, DpSequenceEmbeddingSharding
 from shardkit.sharding.embedding_sharding import (
@@ -31,6 +34,7 @@ from shardkit.sharding.embedding_sharding import (
     sharded_table,
 )
 from shardkit.sharding.kjt_list import KJTList
+from shardkit.sharding.sharded_module_state import ShardedFusedOptimizer, TableStates
 from shardkit.sharding.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
@@ -181,7 +185,12 @@ class ShardedEmbeddingModule(ShardedModule):
         table_weight: ``name -> [rows, cols]`` full table to copy the shards from (None: initialize
             each shard from its config).
         device, qcomm_codecs_registry, weighted: see ``EmbeddingSharding``.
+
+    Subclasses set ``table_key``: the state-dict name of the tables' module in the unsharded module
+    (table ``t``'s key is ``<table_key>.t.weight``).
     """
+
+    table_key = ""
 
     def __init__(
         self,
@@ -234,15 +243,35 @@ class ShardedEmbeddingModule(ShardedModule):
         self._input_order = [f for s in self._shardings for f in s.feature_names]
         self._input_sizes = [len(s.feature_names) for s in self._shardings]
         self._permutations: Dict[Tuple[str, ...], Optional[List[int]]] = {}
+        self._states = TableStates(placed, plan, env.world_size, env.rank, list(self.lookups))
         grouped = [lk for lookup in self.lookups for lk in lookup.lookups if lk.optimizer is not None]
-        self._fused = None if not grouped else FusedOptimizer(fused_optimizer, grouped)
+        self._fused = None if not grouped else ShardedFusedOptimizer(fused_optimizer, grouped, self._states)
+        # the lookups' buffers stay out of the state dict: each table is one value under its own key
+        self.register_state_dict_post_hook(_tables_to_state_dict)
+        self.register_load_state_dict_pre_hook(_tables_from_state_dict)
 
     @property
-    def fused_optimizer(self) -> FusedOptimizer:
-        """The fused optimizer of this rank's shards (learning rate; the update runs in backward)."""
+    def fused_optimizer(self) -> ShardedFusedOptimizer:
+        """The fused optimizer of this rank's shards (learning rate, state dict; the update runs in
+        backward). ``ValueError`` on a rank without fused-kernel shards."""
         if self._fused is None:
             raise ValueError(f"{self._owner} has no fused-kernel table on this rank")
         return self._fused
+
+    def full_table(self, name: str, dst: Optional[int] = None) -> Optional[torch.Tensor]:
+        """The unsharded ``[rows, dim]`` table ``name`` on every rank (``dst=None``) or on rank ``dst``
+        only (None elsewhere). A collective: every rank must call it."""
+        return self._states.full(self._table_name(name), dst)
+
+    def load_full_table(self, name: str, full: torch.Tensor) -> None:
+        """Copy this rank's shards of table ``name`` out of the unsharded ``full`` ``[rows, dim]``
+        (every rank passes the same tensor; no communication; ``full`` is not modified)."""
+        self._states.load_full(self._table_name(name), full)
+
+    def _table_name(self, name: str) -> str:
+        if name not in self._states.layouts:
+            raise KeyError(f"{self._owner}: unknown table {name!r}; tables: {list(self._states.layouts)}")
+        return name
 
     def local_shards(self) -> Dict[Tuple[str, int, int, int, int], torch.Tensor]:
         """``(table, row_start, row_end, col_start, col_end)`` -> view of this rank's shard weights."""
@@ -287,6 +316,39 @@ class ShardedEmbeddingModule(ShardedModule):
             s.output_dist(c, s.compute(c, lookup, kjt))
             for s, c, lookup, kjt in zip(self._shardings, ctx.sharding_contexts, self.lookups, dist_input)
         ]
+
+
+def _tables_to_state_dict(module: ShardedEmbeddingModule, state_dict, prefix: str, local_metadata) -> None:
+    for key in [k for k in state_dict if k.startswith(f"{prefix}lookups.")]:
+        del state_dict[key]
+    for name in module._states.layouts:  # declaration order
+        state_dict[f"{prefix}{module.table_key}.{name}.weight"] = module._states.state_value(name)
+
+
+def _tables_from_state_dict(
+    module: ShardedEmbeddingModule,
+    state_dict,
+    prefix: str,
+    local_metadata,
+    strict: bool,
+    missing_keys: List[str],
+    unexpected_keys: List[str],
+    error_msgs: List[str],
+) -> None:
+    # state_dict is nn.Module's own copy of the caller's dict: the table keys are consumed here, and
+    # each lookup buffer's key maps to the buffer itself, so nn.Module's loading of the lookups copies
+    # nothing and reports nothing missing
+    for name in module._states.layouts:
+        key = f"{prefix}{module.table_key}.{name}.weight"
+        if key in state_dict:
+            try:
+                module._states.load_value(name, state_dict.pop(key))
+            except ValueError as err:
+                error_msgs.append(str(err))
+        elif strict:
+            missing_keys.append(key)
+    for name, param in module.lookups.named_parameters(f"{prefix}lookups"):
+        state_dict[name] = param
 
 
 __all__ = ["EmbeddingShardingContext", "ShardedEmbeddingModule", "check_input", "place_tables"]

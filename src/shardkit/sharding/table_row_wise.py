@@ -62,7 +62,12 @@ class TwRwPooledEmbeddingSharding(RowBucketRouting):
 
     def create_lookup(self) -> ShardedGroupedLookup:
         return ShardedGroupedLookup(
-            self._local_shards, True, self.weighted, self.device, self.fused_optimizer
+            self._local_shards,
+            True,
+            self.weighted,
+            self.device,
+            self.fused_optimizer,
+            dtype=self.output_dtype,
         )
 
     def input_dist(

@@ -78,7 +78,12 @@ class TwPooledEmbeddingSharding(PermuteRouting):
 
     def create_lookup(self) -> ShardedGroupedLookup:
         return ShardedGroupedLookup(
-            self._local_shards, True, self.weighted, self.device, self.fused_optimizer
+            self._local_shards,
+            True,
+            self.weighted,
+            self.device,
+            self.fused_optimizer,
+            dtype=self.output_dtype,
         )
 
     def input_dist(
@@ -121,7 +126,13 @@ class TwSequenceEmbeddingSharding(PermuteRouting):
 
     def create_lookup(self) -> ShardedGroupedLookup:
         return ShardedGroupedLookup(
-            self._local_shards, False, False, self.device, self.fused_optimizer, self._width
+            self._local_shards,
+            False,
+            False,
+            self.device,
+            self.fused_optimizer,
+            self._width,
+            self.output_dtype,
         )
 
     def input_dist(

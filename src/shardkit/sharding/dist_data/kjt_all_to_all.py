@@ -13,7 +13,10 @@ Two phases, as chained awaitables:
 Output on rank ``me``: the ``splits[me]`` keys assigned to it, each with the rows of every rank's
 batch concatenated in rank order (or the ``stagger`` order, see ``recat``); stride ``sum`` of the
 ranks' batch sizes, or per-key per-rank strides when the input had a variable batch per feature.
-The KJT's weights are carried but are not differentiable through this exchange.
+The KJT's weights are differentiable: when they require grad, the output's weights do too, and their
+gradient goes back by the reverse all-to-all (send and receive sizes swapped) in backward. Ranks
+must then agree on whether the weights require grad (checked with the other settings), and every
+rank's backward must reach its output weights (the sharded lookups see to that).
 """
 
 from __future__ import annotations
@@ -50,15 +53,39 @@ def _start_all_to_all(
         return tensor, None
     item = tensor.element_size()
     out = torch.empty(sum(recv) * item, dtype=torch.uint8, device=tensor.device)
+    # contiguous() keeps a one-element expanded tensor (e.g. a gradient of a sum) at stride 0,
+    # which cannot be viewed as bytes
+    flat = tensor.clone(memory_format=torch.contiguous_format) if tensor.stride() != (1,) else tensor
     work = dist.all_to_all_single(
         out,
-        tensor.contiguous().view(torch.uint8),
+        flat.view(torch.uint8),
         [n * item for n in recv],
         [n * item for n in send],
         group=pg,
         async_op=True,
     )
     return out.view(tensor.dtype), work
+
+
+class _WeightsAllToAll(torch.autograd.Function):
+    """Gives the received weights a gradient path back to the sent ones.
+
+    forward(sent ``[sum(send)]``, received ``[sum(recv)]`` (the finished all-to-all of ``sent``)) ->
+    ``received``; backward sends the gradient back with the sizes swapped (a blocking all-to-all).
+    Nothing is saved for backward but the splits.
+    """
+
+    @staticmethod
+    def forward(ctx, sent: torch.Tensor, received: torch.Tensor, send: List[int], recv: List[int], pg):
+        ctx.send, ctx.recv, ctx.pg = send, recv, pg
+        return received.view_as(received)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        back, work = _start_all_to_all(grad, ctx.recv, ctx.send, ctx.pg)
+        if work is not None:
+            work.wait()
+        return back, None, None, None, None
 
 
 class KJTAllToAll(nn.Module):
@@ -177,6 +204,9 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
             self.input_splits["strides"] = list(plan.splits)
             self.output_splits["strides"] = [self._local] * world
         self.labels: List[str] = list(tensors)
+        # the weights' gradient path; the settings fingerprint made every rank agree on it
+        self._sent_weights = tensors["weights"] if "weights" in tensors and plan.weights_grad else None
+        self._pg = pg
         self._pending = {
             label: _start_all_to_all(tensor, self.input_splits[label], self.output_splits[label], pg)
             for label, tensor in tensors.items()
@@ -223,6 +253,14 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         rows = self._rows()
         lengths, values = received["lengths"], received["values"]
         weights = received.get("weights")
+        if self._sent_weights is not None and world > 1:
+            weights = _WeightsAllToAll.apply(
+                self._sent_weights,
+                weights,
+                self.input_splits["weights"],
+                self.output_splits["weights"],
+                self._pg,
+            )
         if recat != sorted(recat):
             index = jagged_segment_index(lengths, rows, recat, values.numel())
             values = values[index]

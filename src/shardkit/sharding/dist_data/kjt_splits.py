@@ -50,6 +50,11 @@ class SendPlan:
     settings: tuple
 
     @property
+    def weights_grad(self) -> bool:
+        """Whether the weights' gradient flows back through the exchange."""
+        return bool(self.settings[-1])
+
+    @property
     def variable_batch(self) -> bool:
         return self.batch == VARIABLE_BATCH
 
@@ -88,6 +93,8 @@ def build_send_plan(
         str(input.lengths().dtype),
         None if weights is None else str(weights.dtype),
         input.variable_stride_per_key(),
+        # backward exchanges the weights' gradient, so every rank must take part or none
+        weights is not None and weights.requires_grad and torch.is_grad_enabled(),
     )
     return SendPlan(
         keys=keys,
@@ -142,7 +149,15 @@ def check_headers(
         keys = gather_objects(plan.keys, pg)
         raise ValueError(f"KJTAllToAll: ranks disagree on the keys of the input: {format_per_rank(keys)}")
     if any(row[_SETTINGS] != rows[0][_SETTINGS] for row in rows):
-        names = ("splits", "stagger", "values dtype", "lengths dtype", "weights dtype", "variable batch")
+        names = (
+            "splits",
+            "stagger",
+            "values dtype",
+            "lengths dtype",
+            "weights dtype",
+            "variable batch",
+            "weights requiring grad",
+        )
         settings = gather_objects(plan.settings, pg)
         differ = [
             f"{name} ({format_per_rank([s[i] for s in settings])})"
