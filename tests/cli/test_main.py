@@ -73,7 +73,7 @@ def test_launch_runs_a_script_on_two_ranks(tmp_path):
 
 
 def test_demo_runs_and_matches_the_single_process_result(capsys):
-    assert main(["demo", "--nproc", "3", "--nodes", "31", "--edges", "120"]) == 0
+    assert main(["demo", "--model", "gnn", "--nproc", "3", "--nodes", "31", "--edges", "120"]) == 0
     out = capsys.readouterr().out
     assert "result: sharded == unsharded" in out
     assert out.count(" ok") == 3

@@ -1,171 +1,112 @@
-"""``shardkit demo``: the main job on local CPU ranks, checked against a single-process run.
+"""``shardkit demo``: the library's main job on local ranks, checked against an unsharded run.
 
-Until the recommender demo exists, the demo is a graph-parallel message-passing network: the nodes of
-one graph are split over N ranks, each rank computes the messages into its own nodes, and the energy,
-the forces (gradient of the energy w.r.t. positions, which differentiates through the collectives
-twice) and the parameter gradients must equal the single-process result.
+``--model dlrm`` (default, :mod:`shardkit.cli.demo_dlrm`): plan, shard and train a recommender.
+``--model gnn`` (:mod:`shardkit.cli.demo_gnn`): graph-parallel message passing.
+
+Bad input ends in one line on stderr and exit code 2, before any process starts: a user mistyping an
+option should read what is wrong, not a usage block or a traceback from a rank.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Optional
+import os
+import sys
 
-import torch
-import torch.distributed as dist
-from torch import nn
-
-from shardkit.distributed.regions import gather_from_region_sum_grad, reduce_from_region
-from shardkit.distributed.tensor_split import split_sizes
-
-HIDDEN = 16
-NUM_SPECIES = 4
-
-
-def make_graph(num_nodes: int, num_edges: int, seed: int) -> dict[str, torch.Tensor]:
-    """A random molecule-like graph: positions ``[N, 3]`` float64, species ``[N]``, edges ``[E]``."""
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        "pos": torch.randn(num_nodes, 3, generator=gen, dtype=torch.float64),
-        "species": torch.randint(0, NUM_SPECIES, (num_nodes,), generator=gen),
-        "src": torch.randint(0, num_nodes, (num_edges,), generator=gen),
-        "dst": torch.randint(0, num_nodes, (num_edges,), generator=gen),
-    }
+PROG = "shardkit demo"
+# More ranks than this per CPU core only measures the scheduler; the demo refuses them.
+MAX_RANKS_PER_CPU = 4
+MAX_TABLES = 100
+MAX_BATCH = 65_536
+SHARDING_TYPES = (
+    "data_parallel",
+    "table_wise",
+    "row_wise",
+    "column_wise",
+    "table_row_wise",
+    "table_column_wise",
+)
 
 
-def make_model(seed: int) -> nn.ModuleDict:
-    """Species embedding, edge message MLP and per-node energy readout, float64."""
-    torch.manual_seed(seed)
-    model = nn.ModuleDict(
-        {
-            "embed": nn.Embedding(NUM_SPECIES, HIDDEN),
-            "message": nn.Sequential(nn.Linear(2 * HIDDEN + 1, HIDDEN), nn.SiLU(), nn.Linear(HIDDEN, HIDDEN)),
-            "readout": nn.Linear(HIDDEN, 1),
-        }
-    )
-    return model.double()
+def _one_line_error(message: str) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
-def energy_and_loss(
-    model: nn.ModuleDict,
-    graph: dict[str, torch.Tensor],
-    pos: torch.Tensor,
-    node_range: tuple[int, int],
-    group: Optional[dist.ProcessGroup],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Energy, forces of this rank's nodes ``[n_own, 3]`` and the training loss (energy + force term).
+def check_args(args) -> str:
+    """The first problem with the options (in words), or an empty string."""
+    import torch
+    import torch.distributed as dist
 
-    This rank owns nodes ``[start, end)``; it gathers every node's features (the sum-grad gather,
-    because each rank uses the gathered nodes for its own edges) and computes the edges into its nodes.
-    Without a process group the regions are identities and this is the plain single-process model.
-    """
-    start, end = node_range
-    own = slice(start, end)
-    x_own = model["embed"](graph["species"][own])
-    x_all = gather_from_region_sum_grad(x_own, group=group, dim=0)
-    pos_all = gather_from_region_sum_grad(pos[own], group=group, dim=0)
-    src, dst = graph["src"], graph["dst"]
-    mine = (dst >= start) & (dst < end)
-    src, dst = src[mine], dst[mine]
-    distance = (pos_all[src] - pos_all[dst]).norm(dim=-1, keepdim=True)
-    messages = model["message"](torch.cat([x_all[src], x_all[dst], distance], dim=-1))
-    aggregated = torch.zeros_like(x_own).index_add(0, dst - start, messages)
-    node_energy = model["readout"](torch.nn.functional.silu(x_own + aggregated))
-    energy = reduce_from_region(node_energy.sum(), group=group)
-    (grad_pos,) = torch.autograd.grad(energy, pos, create_graph=True)
-    forces = -grad_pos[own]
-    loss = energy + 0.1 * reduce_from_region(forces.pow(2).sum(), group=group)
-    return energy, forces, loss
+    cpus = os.cpu_count() or 1
+    if args.nproc < 1:
+        return f"--nproc must be >= 1, got {args.nproc}"
+    if args.device == "cpu" and args.nproc > MAX_RANKS_PER_CPU * cpus:
+        return f"--nproc {args.nproc} is more than {MAX_RANKS_PER_CPU} ranks per CPU core ({cpus} cores here)"
+    if args.device == "cuda":
+        if args.model == "gnn":
+            return "--model gnn runs on CPU ranks only; drop --device cuda"
+        if not torch.cuda.is_available() or not dist.is_nccl_available():
+            return "--device cuda needs CUDA and NCCL, and this torch build or machine has neither"
+        if args.nproc > torch.cuda.device_count():
+            return f"--nproc {args.nproc} is more than the {torch.cuda.device_count()} CUDA devices here"
+    if args.tolerance is not None and not args.tolerance >= 0:
+        return f"--tolerance must be >= 0, got {args.tolerance}"
+    if args.model == "gnn":
+        from shardkit.cli import demo_gnn
 
-
-def run_rank(num_nodes: int, num_edges: int, seed: int) -> dict:
-    """One rank's part: returns the energy, this rank's forces and the gp-summed parameter gradients."""
-    from shardkit.graph_parallel import cleanup_gp, get_gp_group, get_gp_rank, get_gp_world_size, setup_gp
-
-    setup_gp({"gp_gpus": dist.get_world_size(), "distributed_backend": "gloo"})
-    try:
-        group, rank, size = get_gp_group(), get_gp_rank(), get_gp_world_size()
-        sizes = split_sizes(num_nodes, size)
-        start = sum(sizes[:rank])
-        graph, model = make_graph(num_nodes, num_edges, seed), make_model(seed)
-        pos = graph["pos"].clone().requires_grad_(True)
-        begin = time.perf_counter()
-        energy, forces, loss = energy_and_loss(model, graph, pos, (start, start + sizes[rank]), group)
-        loss.backward()
-        # each rank's parameter gradient covers its own nodes' edges; the full gradient is their sum
-        for param in model.parameters():
-            dist.all_reduce(param.grad, group=group)
-        seconds = time.perf_counter() - begin
-        return {
-            "energy": energy.item(),
-            "forces": forces.detach(),
-            "grads": {n: p.grad for n, p in model.named_parameters()},
-            "nodes": sizes[rank],
-            "edges": int(((graph["dst"] >= start) & (graph["dst"] < start + sizes[rank])).sum()),
-            "seconds": seconds,
-        }
-    finally:
-        cleanup_gp()
-
-
-def reference(num_nodes: int, num_edges: int, seed: int) -> dict:
-    """The same computation in this process, unsharded."""
-    graph, model = make_graph(num_nodes, num_edges, seed), make_model(seed)
-    pos = graph["pos"].clone().requires_grad_(True)
-    energy, forces, loss = energy_and_loss(model, graph, pos, (0, num_nodes), None)
-    loss.backward()
-    return {
-        "energy": energy.item(),
-        "forces": forces.detach(),
-        "grads": {n: p.grad for n, p in model.named_parameters()},
-    }
-
-
-def compare(ranks: list[dict], ref: dict) -> dict[str, float]:
-    """Max abs differences of energy, forces and parameter gradients (sharded vs reference)."""
-    forces = torch.cat([r["forces"] for r in ranks])
-    return {
-        "energy": max(abs(r["energy"] - ref["energy"]) for r in ranks),
-        "forces": (forces - ref["forces"]).abs().max().item(),
-        "parameter gradients": max(
-            (r["grads"][n] - g).abs().max().item() for r in ranks for n, g in ref["grads"].items()
-        ),
-    }
+        return demo_gnn.check_args(args)
+    if args.steps < 1:
+        return f"--steps must be >= 1, got {args.steps}"
+    if not 1 <= args.tables <= MAX_TABLES:
+        return f"--tables must be between 1 and {MAX_TABLES}, got {args.tables}"
+    if not 1 <= args.batch_size <= MAX_BATCH:
+        return f"--batch-size must be between 1 and {MAX_BATCH}, got {args.batch_size}"
+    if args.max_rows is not None and args.max_rows < 1:
+        return f"--max-rows must be >= 1, got {args.max_rows}"
+    return ""
 
 
 def run(args) -> int:
-    from shardkit.testing import run_world
+    problem = check_args(args)
+    if problem:
+        _one_line_error(problem)
+    if args.model == "gnn":
+        from shardkit.cli import demo_gnn
 
-    if args.nproc < 1 or args.nodes < args.nproc or args.edges < 0:
-        raise SystemExit(
-            f"shardkit demo: need --nproc >= 1, --nodes >= --nproc and --edges >= 0, got "
-            f"{args.nproc}, {args.nodes}, {args.edges}"
-        )
+        return demo_gnn.run(args)
+    from shardkit.cli import demo_dlrm
 
-    print(
-        f"graph-parallel message passing: {args.nodes} nodes, {args.edges} edges, "
-        f"{args.nproc} local CPU ranks (gloo)"
-    )
-    ranks = run_world(run_rank, args.nproc, args.nodes, args.edges, args.seed)
-    print(f"{'rank':>4} {'nodes':>6} {'edges':>6} {'step ms':>8}")
-    for rank, result in enumerate(ranks):
-        print(f"{rank:>4} {result['nodes']:>6} {result['edges']:>6} {1000 * result['seconds']:>8.1f}")
-    diffs = compare(ranks, reference(args.nodes, args.edges, args.seed))
-    print(f"energy {ranks[0]['energy']:.6f}; check against one process (float64):")
-    ok = True
-    for name, diff in diffs.items():
-        passed = diff <= args.tolerance
-        ok &= passed
-        print(f"  max abs difference of {name:<20} {diff:.3e}  {'ok' if passed else 'FAILED'}")
-    print("result: sharded == unsharded" if ok else "result: MISMATCH")
-    return 0 if ok else 1
+    return demo_dlrm.run(args)
 
 
 def add_parser(commands) -> None:
-    parser = commands.add_parser("demo", help="run the main job on local CPU ranks and check it")
+    parser = commands.add_parser(
+        "demo",
+        help="shard and train a model on local ranks and check it against the unsharded model",
+        description="Shard and train a model on local ranks; check it against the unsharded model.",
+    )
+    parser.error = _one_line_error  # argparse's own errors (bad choice, not an int) in one line too
+    parser.add_argument("--model", choices=("dlrm", "gnn"), default="dlrm", help="default dlrm")
     parser.add_argument("--nproc", type=int, default=2, help="number of local ranks (default 2)")
-    parser.add_argument("--nodes", type=int, default=200, help="graph nodes (default 200)")
-    parser.add_argument("--edges", type=int, default=1000, help="graph edges (default 1000)")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo, default) or cuda (NCCL)"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tolerance", type=float, default=1e-9, help="max abs difference allowed")
+    parser.add_argument(
+        "--tolerance", type=float, help="max abs difference allowed (default 1e-4 dlrm, 1e-9 gnn)"
+    )
+    dlrm = parser.add_argument_group("dlrm")
+    dlrm.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
+    dlrm.add_argument("--tables", type=int, default=8, help="embedding tables (default 8)")
+    dlrm.add_argument("--batch-size", type=int, default=256, help="samples per rank and step (default 256)")
+    dlrm.add_argument("--max-rows", type=int, help="cap every table's rows (default: no cap, up to 100,000)")
+    dlrm.add_argument(
+        "--sharding-type",
+        choices=SHARDING_TYPES,
+        metavar="TYPE",
+        help=f"shard every table this way instead of planning: {', '.join(SHARDING_TYPES)}",
+    )
+    gnn = parser.add_argument_group("gnn")
+    gnn.add_argument("--nodes", type=int, default=200, help="graph nodes (default 200)")
+    gnn.add_argument("--edges", type=int, default=1000, help="graph edges (default 1000)")
     parser.set_defaults(run=run)

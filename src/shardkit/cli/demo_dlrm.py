@@ -1,0 +1,210 @@
+"""``shardkit demo`` (``--model dlrm``, the default): plan, shard and train a DLRM, then prove it exact.
+
+The parent process builds the model, plans its sharding (the planner, or one forced sharding type for
+every table) and prints the plan. The ranks (``shardkit.testing.run_world``: local processes, gloo or
+NCCL) each wrap a copy of the same initial model in ``DistributedModelParallel`` and train it with
+``TrainPipelineSparseDist`` on their own synthetic batches; rank 0 draws a progress bar. The parent
+then trains an unsharded copy on the global batches (every rank's samples of a step together) and
+compares losses, dense weights and every table shard with it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from shardkit.cli.dlrm_model import DLRM, TableSpec, dense_parameters
+from shardkit.cli.synthetic_clicks import SyntheticClicks
+from shardkit.cli.textplot import ProgressBar, curve
+
+DENSE_IN = 13  # as in Criteo
+DENSE_OUT = 16
+LR = 0.5  # one SGD rate for tables and dense layers: a replicated table trains like a sharded one
+# (rows, dim, mean ids per bag), cycled: big and small tables, narrow (interacting) and wide ones
+_TABLE_SHAPES = [
+    (100_000, 16, 1.0),
+    (2_000, 16, 3.0),
+    (20_000, 32, 1.0),
+    (50, 16, 1.0),
+    (10_000, 16, 2.0),
+    (500, 64, 4.0),
+    (50_000, 16, 1.0),
+    (5_000, 32, 2.0),
+]
+
+
+def demo_tables(count: int, max_rows: Optional[int] = None) -> List[TableSpec]:
+    """``count`` tables of mixed sizes (rows capped at ``max_rows``)."""
+    specs = []
+    for i in range(count):
+        rows, dim, pooling = _TABLE_SHAPES[i % len(_TABLE_SHAPES)]
+        specs.append(TableSpec(f"t{i}", min(rows, max_rows or rows), dim, pooling))
+    return specs
+
+
+def make_model(tables: Sequence[TableSpec], seed: int, device: Optional[torch.device] = None) -> DLRM:
+    torch.manual_seed(seed)
+    return DLRM(tables, DENSE_IN, DENSE_OUT, lr=LR, device=device)
+
+
+def plan_sharding(model: DLRM, tables: Sequence[TableSpec], args) -> tuple:
+    """``(ShardingPlan, printable table)``: the planner's plan and report, or the forced type's plan."""
+    from shardkit.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from shardkit.sharding import sharding_plan as sp
+    from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
+    from shardkit.sharding.types import ShardingPlan
+
+    world = args.nproc
+    if args.sharding_type is None:
+        planner = EmbeddingShardingPlanner(
+            topology=Topology(world_size=world, compute_device=args.device),
+            batch_size=args.batch_size,
+            constraints={t.name: ParameterConstraints(pooling_factors=[t.pooling]) for t in tables},
+        )
+        plan = planner.plan(model, [EmbeddingBagCollectionSharder()])
+        return plan, str(planner.last_report)
+    make = {
+        "data_parallel": lambda i: sp.data_parallel(),
+        "table_wise": lambda i: sp.table_wise(rank=i % world),
+        "row_wise": lambda i: sp.row_wise(),
+        "column_wise": lambda i: sp.column_wise(ranks=[(i + k) % world for k in range(min(world, 2))]),
+        "table_row_wise": lambda i: sp.table_row_wise(host_index=0),
+        "table_column_wise": lambda i: sp.table_column_wise(host_index=0),
+    }[args.sharding_type]
+    module_plan = sp.construct_module_sharding_plan(
+        model.ebc, {t.name: make(i) for i, t in enumerate(tables)}, world, world, args.device
+    )
+    rows = [("table", "shape", "sharding", "kernel", "ranks", "shards [rows,cols]")]
+    for t in tables:
+        ps = module_plan[t.name]
+        shards = ps.sharding_spec.shards if ps.sharding_spec is not None else []
+        rows.append(
+            (
+                t.name,
+                f"{t.rows}x{t.dim}",
+                ps.sharding_type,
+                ps.compute_kernel,
+                ",".join(str(s.rank) for s in shards) or "all",
+                " ".join(f"[{s.shard_sizes[0]},{s.shard_sizes[1]}]" for s in shards) or "replicated",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    text = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    return ShardingPlan({"ebc": module_plan}), f"forced plan: every table {args.sharding_type}\n{text}"
+
+
+def run_rank(model: DLRM, plan, tables, batch_size: int, steps: int, seed: int, device_type: str) -> dict:
+    """One rank: shard ``model``, train ``steps`` pipelined steps; losses, weights and seconds."""
+    from shardkit.model_parallel import CombinedOptimizer, DistributedModelParallel
+    from shardkit.pipeline import TrainPipelineSparseDist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        device = torch.device("cuda", rank)  # one node: local rank == rank
+        torch.cuda.set_device(device)
+    dmp = DistributedModelParallel(model.to(device), device=device, plan=plan)
+    dense = torch.optim.SGD(dict(dmp.bare_named_parameters()).values(), lr=LR)
+    optimizer = CombinedOptimizer([("fused", dmp.fused_optimizer), ("dense", dense)])
+    pipeline = TrainPipelineSparseDist(dmp, optimizer, device)
+    data = SyntheticClicks(tables, batch_size, DENSE_IN, seed)
+    batches = (data.batch(step, rank) for step in range(steps))
+    bar = ProgressBar(steps) if rank == 0 else None
+    losses = []
+    dist.barrier()
+    begin = time.perf_counter()
+    for step in range(steps):
+        losses.append(pipeline.progress(batches))
+        if bar is not None:
+            bar.update(step + 1, f"loss {losses[-1].item():.4f}")
+    seconds = time.perf_counter() - begin
+    # each rank's loss is the mean over its samples; equal batches make their mean the global loss
+    mean_losses = torch.stack(losses).double()  # on the device: NCCL reduces device tensors
+    dist.all_reduce(mean_losses)
+    bare = dmp.module
+    return {
+        "losses": (mean_losses / world).cpu().tolist(),
+        "seconds": seconds,
+        "dense": {n: p.detach().cpu() for n, p in bare.named_parameters() if not n.startswith("ebc.")},
+        "shards": {k: w.detach().cpu() for k, w in bare.ebc.local_shards().items()},
+    }
+
+
+def train_reference(model: DLRM, tables, batch_size: int, steps: int, seed: int, world: int) -> List[float]:
+    """Train the unsharded ``model`` in place on the global batches; its loss at each step."""
+    data = SyntheticClicks(tables, batch_size, DENSE_IN, seed)
+    optimizer = torch.optim.SGD(dense_parameters(model), lr=LR)
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss, _ = model(data.global_batch(step, world))
+        loss.backward()  # the tables' fused SGD updates them here
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def differences(ranks: List[dict], reference: DLRM, reference_losses: List[float]) -> Dict[str, float]:
+    """Max abs difference of the losses, the dense weights and the table shards against the reference."""
+    dense = dict(reference.named_parameters())
+    return {
+        "losses": max(abs(a - b) for a, b in zip(ranks[0]["losses"], reference_losses)),
+        "dense weights": max(
+            (w - dense[n].detach()).abs().max().item() for r in ranks for n, w in r["dense"].items()
+        ),
+        "embedding tables": max(
+            (w - reference.ebc.table_weight(t)[r0:r1, c0:c1].detach()).abs().max().item()
+            for r in ranks
+            for (t, r0, r1, c0, c1), w in r["shards"].items()
+            if w.numel()
+        ),
+    }
+
+
+def run(args) -> int:
+    """Run the demo as parsed by ``shardkit.cli.demo``; returns the exit code."""
+    from shardkit.testing import run_world
+
+    tables = demo_tables(args.tables, args.max_rows)
+    model = make_model(tables, args.seed)
+    rows = sum(t.rows for t in tables)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    print(
+        f"DLRM: {len(tables)} tables ({rows:,} rows, {sum(t.rows * t.dim for t in tables):,} embedding "
+        f"values), {args.nproc} local {args.device.upper()} ranks ({backend}), "
+        f"batch {args.batch_size} per rank, {args.steps} steps"
+    )
+    plan, plan_text = plan_sharding(model, tables, args)
+    print(plan_text, flush=True)  # before the ranks' progress bar
+    ranks = run_world(
+        run_rank,
+        args.nproc,
+        model,  # pickled: each rank gets its own copy of the same initial weights
+        plan,
+        tables,
+        args.batch_size,
+        args.steps,
+        args.seed,
+        args.device,
+        backend=backend,
+    )
+    seconds = max(r["seconds"] for r in ranks)
+    samples = args.steps * args.batch_size * args.nproc
+    print(f"throughput: {samples / seconds:,.0f} samples/s ({samples:,} samples in {seconds:.2f} s)")
+    losses = ranks[0]["losses"]
+    print(f"loss (global batch mean): {losses[0]:.4f} -> {losses[-1]:.4f}")
+    print(curve(losses))
+
+    reference_losses = train_reference(model, tables, args.batch_size, args.steps, args.seed, args.nproc)
+    tolerance = 1e-4 if args.tolerance is None else args.tolerance
+    print(f"check against an unsharded replica trained on the same global batches (tolerance {tolerance:g}):")
+    ok = True
+    for name, diff in differences(ranks, model, reference_losses).items():
+        passed = diff <= tolerance
+        ok &= passed
+        print(f"  max abs difference of {name:<17} {diff:.3e}  {'ok' if passed else 'FAILED'}")
+    print("result: sharded == unsharded" if ok else "result: MISMATCH")
+    return 0 if ok else 1
