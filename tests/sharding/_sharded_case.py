@@ -36,6 +36,9 @@ TABLES = [
     ("t_twcw", 8, 6, ["f_twcw"], PoolingType.MEAN),
     ("t_tw2", 5, 4, ["f_tw2"], PoolingType.SUM),
     ("t_rw_small", 2, 4, ["f_rw_small"], PoolingType.SUM),  # fewer rows than ranks: empty row blocks
+    # MEAN under row splits: each rank holds part of a bag, the mean is of the whole bag
+    ("t_rw_mean", 9, 4, ["f_rw_mean"], PoolingType.MEAN),
+    ("t_twrw_mean", 7, 3, ["f_twrw_mean"], PoolingType.MEAN),
 ]
 
 
@@ -56,6 +59,8 @@ def plan_generators(world_size: int, local_size: int, with_dp: bool) -> Dict[str
         "t_rw_small": row_wise(),
         "t_twrw": table_row_wise(host_index=hosts - 1),
         "t_twcw": table_column_wise(host_index=0),
+        "t_rw_mean": row_wise(),
+        "t_twrw_mean": table_row_wise(host_index=0),
     }
     if with_dp:
         gens["t_dp"] = data_parallel()

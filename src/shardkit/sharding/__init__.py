@@ -4,7 +4,8 @@
   interfaces every sharded module implements (``ShardedModule``, ``ModuleSharder``);
 - ``sharding_plan``: the plan constructors (``table_wise()``, ``row_wise()``, ...,
   ``construct_module_sharding_plan``);
-- the sharded modules and their sharders (``embeddingbag``, ``embedding``, ``fp_embeddingbag``), built
+- the sharded modules and their sharders (``embeddingbag``, ``embedding_bag_module`` for a plain
+  ``nn.EmbeddingBag``, ``embedding``, ``fp_embeddingbag``), built
   from one ``EmbeddingSharding`` per sharding type (``data_parallel``, ``table_wise``, ``column_wise``,
   ``row_wise``, ``table_row_wise``, ``table_column_wise``);
 - their state (``state_layout``, ``sharded_state``, ``sharded_module_state``) and the specification's
@@ -16,6 +17,7 @@ See docs/sharding.md and docs/sharded_state.md.
 from shardkit.sharding.column_wise import CwPooledEmbeddingSharding, CwSequenceEmbeddingSharding
 from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding, DpSequenceEmbeddingSharding
 from shardkit.sharding.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
+from shardkit.sharding.embedding_bag_module import EmbeddingBagSharder, ShardedEmbeddingBag
 from shardkit.sharding.embedding_sharding import EmbeddingSharding, ShardingContext
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
 from shardkit.sharding.fp_embeddingbag import (
@@ -122,9 +124,11 @@ __all__ = [
     "table_wise",
     # sharded modules and sharders
     "EmbeddingBagCollectionSharder",
+    "EmbeddingBagSharder",
     "EmbeddingCollectionSharder",
     "EmbeddingShardingContext",
     "FeatureProcessedEmbeddingBagCollectionSharder",
+    "ShardedEmbeddingBag",
     "ShardedEmbeddingBagCollection",
     "ShardedEmbeddingCollection",
     "ShardedEmbeddingModule",

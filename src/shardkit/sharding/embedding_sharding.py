@@ -127,6 +127,7 @@ class ShardingContext:
     inverse_indices: the input's ``[F, B_me]`` inverse indices (sample -> bag, per feature), and
     sent_batches: this rank's bags per sent key.
     input_counts: ids per feature of this sharding's input (row-wise sequence outputs split by it).
+    mean_bag_lengths: row-wise pooled: ``[B_me]`` bag lengths of each MEAN feature of the input.
     """
 
     stride_per_rank: Optional[List[int]] = None
@@ -141,6 +142,7 @@ class ShardingContext:
     inverse_indices: Optional[torch.Tensor] = None
     sent_batches: Optional[List[int]] = None
     input_counts: Optional[List[int]] = None
+    mean_bag_lengths: Optional[Dict[str, torch.Tensor]] = None
 
     def record_stream(self, stream: torch.Stream) -> None:
         for tensor in (self.recat, self.unbucketize):

@@ -1,7 +1,7 @@
 """ShardedEmbeddingBagCollection and its sharder (the specification's ``embeddingbag``).
 
-``shardkit.modules`` has no single-table ``EmbeddingBag`` module, so there is no
-``ShardedEmbeddingBag`` / ``EmbeddingBagSharder``: a one-table EmbeddingBagCollection is its equivalent.
+The sharded plain ``nn.EmbeddingBag`` (``ShardedEmbeddingBag`` / ``EmbeddingBagSharder``) is in
+``embedding_bag_module.py``, built on this collection.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ empty blocks allowed: the plan's shard sizes are the blocks).
 - lookup: ``ShardedGroupedLookup`` of the rank's block of each table (ids stay table ids; the grouped
   lookup shifts them into its buffer), over every rank's samples.
 - output dist: pooled, each rank holds partial sums of every sample, so ``PooledEmbeddingsReduceScatter``
-  sums them and gives each rank its samples; sequence, ``SequenceEmbeddingsAllToAll`` returns each id's
+  sums them and gives each rank its samples (a MEAN table is looked up as a SUM, and the summed bag is
+  divided by its full length on the rank that owns the sample: the mean of per-block means is not
+  the bag's mean); sequence, ``SequenceEmbeddingsAllToAll`` returns each id's
   row and the inverse of the bucketization sort puts the rows back in input order.
 
 Table-row-wise sharding (blocks over one node's ranks) reuses :class:`RowBucketRouting`.
@@ -15,12 +17,14 @@ Table-row-wise sharding (blocks over one node's ranks) reuses :class:`RowBucketR
 
 from __future__ import annotations
 
+import dataclasses
 from itertools import accumulate
 from typing import Dict, List, Tuple
 
 import torch
 
 from shardkit.distributed.awaitable import Awaitable
+from shardkit.modules.embedding_configs import PoolingType
 from shardkit.modules.lookup_kernels import bag_of_each_id
 from shardkit.sharding.dist_data import (
     PooledEmbeddingsReduceScatter,
@@ -85,6 +89,12 @@ class RowBucketRouting(EmbeddingSharding):
         # every rank holds a non-empty block of every table (no rank pads missing features)
         names = {t.name for t in self.tables}
         self._blocks_everywhere = all({t.name for t, _ in shards} == names for shards in per_rank)
+        self._mean_features = [
+            f
+            for t in self.tables
+            if getattr(t.config, "pooling", None) is PoolingType.MEAN
+            for f in t.config.feature_names
+        ]
 
     def received_features(self) -> List[str]:
         return [f for f, _, _ in received_keys(self._local_shards)]
@@ -136,6 +146,35 @@ class RowBucketRouting(EmbeddingSharding):
         )
         return send, order
 
+    def _sum_pooled_shards(self) -> list:
+        """This rank's shards with MEAN tables looked up as SUM (the mean is taken after the reduce)."""
+        return [
+            (dataclasses.replace(t, config=dataclasses.replace(t.config, pooling=PoolingType.SUM)), s)
+            if t.config.pooling is PoolingType.MEAN
+            else (t, s)
+            for t, s in self._local_shards
+        ]
+
+    def _record_mean_lengths(self, ctx: ShardingContext, features: KeyedJaggedTensor) -> None:
+        if self._mean_features:
+            ctx.mean_bag_lengths = {f: features[f].lengths() for f in self._mean_features}
+
+    def _divide_means(self, pooled: torch.Tensor, ctx: ShardingContext) -> torch.Tensor:
+        """``[B_me, widths]`` bag sums in :meth:`output_layout` order -> MEAN features' blocks divided
+        by their bag lengths (an empty bag stays 0), as the unsharded lookup does."""
+        lengths = ctx.mean_bag_lengths
+        if not lengths:
+            return pooled
+        blocks, start = [], 0
+        for feature, c0, c1 in self.output_layout():
+            block = pooled[:, start : start + c1 - c0]
+            start += c1 - c0
+            if feature in lengths:
+                scale = lengths[feature].clamp(min=1).to(torch.float32).reciprocal()
+                block = block * scale.to(block.dtype).unsqueeze(1)
+            blocks.append(block)
+        return torch.cat(blocks, dim=1)
+
     def _full_keys(self, tables) -> List[ColumnBlock]:
         """Pooled column layout of ``tables``' features (what a rank holding every block would output)."""
         whole = [(t, TableShard(-1, 0, t.config.num_embeddings, 0, t.config.embedding_dim)) for t in tables]
@@ -162,7 +201,7 @@ class RwPooledEmbeddingSharding(RowBucketRouting):
 
     def create_lookup(self) -> ShardedGroupedLookup:
         return ShardedGroupedLookup(
-            self._local_shards,
+            self._sum_pooled_shards(),
             True,
             self.weighted,
             self.device,
@@ -179,6 +218,12 @@ class RwPooledEmbeddingSharding(RowBucketRouting):
                 "row_wise with a variable batch per feature needs a non-empty block of every table on "
                 f"every rank; tables {[t.name for t in self.tables]}"
             )
+        if features.variable_stride_per_key() and self._mean_features:
+            raise ValueError(
+                f"row_wise MEAN features {self._mean_features} do not support a variable batch per "
+                "feature; use SUM pooling, or table_wise / column_wise for these tables"
+            )
+        self._record_mean_lengths(ctx, features)
         return self._route(ctx, features, need_recat=False)
 
     def output_dist(self, ctx: ShardingContext, local_out: torch.Tensor) -> Awaitable[torch.Tensor]:
@@ -187,7 +232,12 @@ class RwPooledEmbeddingSharding(RowBucketRouting):
             return self._variable_batch_output_dist(ctx, local_out, codecs)
         full = self._pad_to(local_out, received_keys(self._local_shards), self.output_layout())
         dist = PooledEmbeddingsReduceScatter(self.pg, codecs)
-        return dist(full, input_splits=ctx.stride_per_rank)
+        summed = dist(full, input_splits=ctx.stride_per_rank)
+        return (
+            MappedAwaitable(summed, lambda out: self._divide_means(out, ctx))
+            if self._mean_features
+            else summed
+        )
 
     def _variable_batch_output_dist(self, ctx, local_out, codecs) -> Awaitable[torch.Tensor]:
         """Partial sums of flat per-feature blocks, reduce-scattered, then expanded to ``[B_me, dims]``."""

@@ -27,7 +27,7 @@ from shardkit.distributed.awaitable import Awaitable
 from shardkit.distributed.topology import intra_and_cross_node_pg
 from shardkit.sharding.dist_data import PooledEmbeddingsAllToAll, PooledEmbeddingsReduceScatter
 from shardkit.sharding.embedding_lookup import ShardedGroupedLookup, received_keys
-from shardkit.sharding.embedding_sharding import ColumnBlock, ShardingContext
+from shardkit.sharding.embedding_sharding import ColumnBlock, MappedAwaitable, ShardingContext
 from shardkit.sharding.row_wise import RowBucketRouting, RwSequenceEmbeddingSharding
 from shardkit.sharding.types import CommOp
 from shardkit.sparse import KeyedJaggedTensor
@@ -62,7 +62,7 @@ class TwRwPooledEmbeddingSharding(RowBucketRouting):
 
     def create_lookup(self) -> ShardedGroupedLookup:
         return ShardedGroupedLookup(
-            self._local_shards,
+            self._sum_pooled_shards(),
             True,
             self.weighted,
             self.device,
@@ -78,6 +78,7 @@ class TwRwPooledEmbeddingSharding(RowBucketRouting):
                 f"table_row_wise tables {[t.name for t in self.tables]} do not support a variable batch per "
                 "feature; use row_wise or table_wise"
             )
+        self._record_mean_lengths(ctx, features)
         return self._route(ctx, features, need_recat=False)
 
     def output_dist(self, ctx: ShardingContext, local_out: torch.Tensor) -> Awaitable[torch.Tensor]:
@@ -98,7 +99,12 @@ class TwRwPooledEmbeddingSharding(RowBucketRouting):
         cross_batch = [batch[h * L + self._local_rank] for h in range(H)]
         # the second collective needs the first's result; it is started here rather than when the
         # output is first used, so that every rank issues its collectives in the same order
-        return all_to_all(summed.wait(), batch_size_per_rank=cross_batch)
+        out = all_to_all(summed.wait(), batch_size_per_rank=cross_batch)
+        return (
+            MappedAwaitable(out, lambda pooled: self._divide_means(pooled, ctx))
+            if self._mean_features
+            else out
+        )
 
     def output_layout(self) -> List[ColumnBlock]:
         return [key for tables in self._tables_per_node for key in self._full_keys(tables)]
