@@ -278,7 +278,8 @@ class EmbeddingSharding(abc.ABC):
 
     def output_layout(self) -> List[ColumnBlock]:
         """Pooled: the column blocks of the output dist's result, in order (same on every rank)."""
-        raise NotImplementedError(f"{type(self).__name__} is not pooled")
+        # only pooled shardings override this; a sequence sharding's output is a dict, not columns
+        raise TypeError(f"{type(self).__name__} is a sequence sharding: its output has no column layout")
 
 
 class MappedAwaitable(Awaitable):
