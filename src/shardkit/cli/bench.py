@@ -91,9 +91,17 @@ def chart(json_path: Path) -> Path:
     fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, height * nrows), squeeze=False)
     for ax in axes.flat[len(metrics) :]:
         ax.axis("off")
+    # rows of one name at several sizes would share one bar: number the repeats
+    labels, seen = [], {}
+    for row in rows:
+        name = str(row["name"])
+        seen[name] = seen.get(name, 0) + 1
+        labels.append(name if seen[name] == 1 else f"{name} ({seen[name]})")
     for ax, metric in zip(axes.flat, metrics):
-        shown = [r for r in rows if isinstance(r.get(metric), (int, float))]
-        ax.barh([str(r["name"]) for r in shown], [r[metric] for r in shown])
+        shown = [
+            (label, r[metric]) for label, r in zip(labels, rows) if isinstance(r.get(metric), (int, float))
+        ]
+        ax.barh([label for label, _ in shown], [value for _, value in shown])
         ax.set_title(metric, fontsize=9)
         ax.invert_yaxis()  # rows top to bottom in table order
         ax.tick_params(labelsize=7)
