@@ -26,7 +26,11 @@ from shardkit.sharding.fp_embeddingbag import (
 )
 from shardkit.sharding.kjt_list import KJTList
 from shardkit.sharding.row_wise import RwPooledEmbeddingSharding, RwSequenceEmbeddingSharding
-from shardkit.sharding.sharded_embedding_module import EmbeddingShardingContext, ShardedEmbeddingModule
+from shardkit.sharding.sharded_embedding_module import (
+    BaseEmbeddingSharder,
+    EmbeddingShardingContext,
+    ShardedEmbeddingModule,
+)
 from shardkit.sharding.sharded_module_state import ShardedFusedOptimizer
 from shardkit.sharding.sharded_state import (
     StateValue,
@@ -123,6 +127,7 @@ __all__ = [
     "table_row_wise",
     "table_wise",
     # sharded modules and sharders
+    "BaseEmbeddingSharder",
     "EmbeddingBagCollectionSharder",
     "EmbeddingBagSharder",
     "EmbeddingCollectionSharder",

@@ -14,14 +14,16 @@ from shardkit.sharding.column_wise import CwSequenceEmbeddingSharding
 from shardkit.sharding.data_parallel import DpSequenceEmbeddingSharding
 from shardkit.sharding.kjt_list import KJTList
 from shardkit.sharding.row_wise import RwSequenceEmbeddingSharding
-from shardkit.sharding.sharded_embedding_module import EmbeddingShardingContext, ShardedEmbeddingModule
+from shardkit.sharding.sharded_embedding_module import (
+    BaseEmbeddingSharder,
+    EmbeddingShardingContext,
+    ShardedEmbeddingModule,
+)
 from shardkit.sharding.table_column_wise import TwCwSequenceEmbeddingSharding
 from shardkit.sharding.table_row_wise import TwRwSequenceEmbeddingSharding
 from shardkit.sharding.table_wise import TwSequenceEmbeddingSharding
 from shardkit.sharding.types import (
-    EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
-    ModuleSharder,
     ShardingType,
 )
 from shardkit.sparse import JaggedTensor, KeyedJaggedTensor
@@ -118,7 +120,7 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule):
         )
 
 
-class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):
+class EmbeddingCollectionSharder(BaseEmbeddingSharder[EmbeddingCollection]):
     """Shards an EmbeddingCollection: every sharding type; FUSED or DENSE kernels (DENSE only for
     data-parallel tables)."""
 
@@ -137,14 +139,6 @@ class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):
 
     def shardable_parameters(self, module: EmbeddingCollection) -> Dict[str, torch.Tensor]:
         return {t.name: module.table_weight(t.name) for t in module.embedding_configs()}
-
-    def sharding_types(self, compute_device_type: str) -> List[str]:
-        return [t.value for t in ShardingType]
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        if sharding_type == ShardingType.DATA_PARALLEL.value:
-            return [EmbeddingComputeKernel.DENSE.value]
-        return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value]
 
 
 __all__ = ["EmbeddingCollectionSharder", "ShardedEmbeddingCollection"]

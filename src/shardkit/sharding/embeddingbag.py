@@ -19,14 +19,16 @@ from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding
 from shardkit.sharding.embedding_sharding import ColumnBlock
 from shardkit.sharding.kjt_list import KJTList
 from shardkit.sharding.row_wise import RwPooledEmbeddingSharding
-from shardkit.sharding.sharded_embedding_module import EmbeddingShardingContext, ShardedEmbeddingModule
+from shardkit.sharding.sharded_embedding_module import (
+    BaseEmbeddingSharder,
+    EmbeddingShardingContext,
+    ShardedEmbeddingModule,
+)
 from shardkit.sharding.table_column_wise import TwCwPooledEmbeddingSharding
 from shardkit.sharding.table_row_wise import TwRwPooledEmbeddingSharding
 from shardkit.sharding.table_wise import TwPooledEmbeddingSharding
 from shardkit.sharding.types import (
-    EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
-    ModuleSharder,
     ShardingType,
 )
 from shardkit.sparse import KeyedTensor
@@ -135,7 +137,7 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
         return _PooledOutputAwaitable(parts, self._embedding_names, lengths, self._permutation)
 
 
-class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
+class EmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]):
     """Shards an EmbeddingBagCollection: every sharding type; FUSED or DENSE kernels (DENSE only for
     data-parallel tables, whose gradients the model's data-parallel wrapper averages)."""
 
@@ -154,14 +156,6 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
 
     def shardable_parameters(self, module: EmbeddingBagCollection) -> Dict[str, torch.Tensor]:
         return {t.name: module.table_weight(t.name) for t in module.embedding_bag_configs()}
-
-    def sharding_types(self, compute_device_type: str) -> List[str]:
-        return [t.value for t in ShardingType]
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        if sharding_type == ShardingType.DATA_PARALLEL.value:
-            return [EmbeddingComputeKernel.DENSE.value]
-        return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value]
 
 
 __all__ = ["EmbeddingBagCollectionSharder", "ShardedEmbeddingBagCollection", "column_permutation"]

@@ -38,6 +38,8 @@ from shardkit.sharding.sharded_module_state import ShardedFusedOptimizer, TableS
 from shardkit.sharding.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
+    M,
+    ModuleSharder,
     ShardedModule,
     ShardingType,
 )
@@ -351,4 +353,23 @@ def _tables_from_state_dict(
         state_dict[name] = param
 
 
-__all__ = ["EmbeddingShardingContext", "ShardedEmbeddingModule", "check_input", "place_tables"]
+class BaseEmbeddingSharder(ModuleSharder[M]):
+    """What the embedding collections' sharders share: every sharding type; FUSED or DENSE kernels,
+    DENSE only for data-parallel tables (their gradients are averaged by the data-parallel wrapper)."""
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return [t.value for t in ShardingType]
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        if sharding_type == ShardingType.DATA_PARALLEL.value:
+            return [EmbeddingComputeKernel.DENSE.value]
+        return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value]
+
+
+__all__ = [
+    "BaseEmbeddingSharder",
+    "EmbeddingShardingContext",
+    "ShardedEmbeddingModule",
+    "check_input",
+    "place_tables",
+]
