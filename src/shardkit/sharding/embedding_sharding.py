@@ -33,7 +33,7 @@ from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.modules.embedding_configs import BaseEmbeddingConfig
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig
 from shardkit.modules.grouped_lookup import ShardSpec
-from shardkit.sharding.dist_data import KJTAllToAll, KJTAllToAllTensorsAwaitable
+from shardkit.sharding.dist_data import KJTAllToAll, KJTAllToAllTensorsAwaitable, SequenceEmbeddingsAllToAll
 from shardkit.sharding.types import CommOp, ParameterSharding, ShardingType
 from shardkit.sparse import KeyedJaggedTensor
 
@@ -275,6 +275,33 @@ class EmbeddingSharding(abc.ABC):
     def output_dist(self, ctx: ShardingContext, local_out):
         """Start sending ``local_out`` back: pooled -> ``Awaitable[[B_me, sum widths]]``, sequence ->
         ``Awaitable[Dict[feature, [ids, dim]]]``."""
+
+    def sequence_output_dist(
+        self,
+        ctx: ShardingContext,
+        local_out: torch.Tensor,
+        splits: List[int],
+        counts: List[int],
+        keys: List[ColumnBlock],
+        dims: Dict[str, int],
+        unbucketize: Optional[torch.Tensor] = None,
+    ) -> Awaitable[Dict[str, torch.Tensor]]:
+        """Send looked-up rows ``[ids, width]`` back to the ranks their ids came from (the reverse of
+        the KJT all-to-all with ``splits`` keys per rank), then split them into ``{feature: [ids, dim]}``
+        by ``counts`` ids per key of ``keys``; ``unbucketize`` restores the input order of row-wise ids."""
+        dist = SequenceEmbeddingsAllToAll(
+            self.pg, splits, codecs=self.codecs(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL)
+        )
+        awaitable = dist(
+            local_out,
+            ctx.received.lengths(),
+            ctx.input_splits,
+            ctx.output_splits,
+            unbucketize_permute_tensor=unbucketize,
+            batch_size_per_rank=ctx.stride_per_rank,
+            sparse_features_recat=ctx.recat,
+        )
+        return MappedAwaitable(awaitable, lambda rows: split_sequence_rows(rows, counts, keys, dims))
 
     def output_layout(self) -> List[ColumnBlock]:
         """Pooled: the column blocks of the output dist's result, in order (same on every rank)."""

@@ -28,7 +28,6 @@ from shardkit.modules.embedding_configs import PoolingType
 from shardkit.modules.lookup_kernels import bag_of_each_id
 from shardkit.sharding.dist_data import (
     PooledEmbeddingsReduceScatter,
-    SequenceEmbeddingsAllToAll,
     VariableBatchPooledEmbeddingsReduceScatter,
 )
 from shardkit.sharding.embedding_lookup import ShardedGroupedLookup, group_shards, received_keys
@@ -39,7 +38,6 @@ from shardkit.sharding.embedding_sharding import (
     ShardingContext,
     TableShard,
     record_input,
-    split_sequence_rows,
     start_kjt_all_to_all,
 )
 from shardkit.sharding.types import CommOp
@@ -285,21 +283,10 @@ class RwSequenceEmbeddingSharding(RowBucketRouting):
     def output_dist(
         self, ctx: ShardingContext, local_out: torch.Tensor
     ) -> Awaitable[Dict[str, torch.Tensor]]:
-        dist = SequenceEmbeddingsAllToAll(
-            self.pg, self._splits, codecs=self.codecs(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL)
-        )
-        awaitable = dist(
-            local_out,
-            ctx.received.lengths(),
-            ctx.input_splits,
-            ctx.output_splits,
-            unbucketize_permute_tensor=ctx.unbucketize,
-            batch_size_per_rank=ctx.stride_per_rank,
-            sparse_features_recat=ctx.recat,
-        )
         keys = [(f, 0, self._dims[f]) for f in self.feature_names]
-        counts = ctx.input_counts
-        return MappedAwaitable(awaitable, lambda rows: split_sequence_rows(rows, counts, keys, self._dims))
+        return self.sequence_output_dist(
+            ctx, local_out, self._splits, ctx.input_counts, keys, self._dims, ctx.unbucketize
+        )
 
 
 __all__ = ["RowBucketRouting", "RwPooledEmbeddingSharding", "RwSequenceEmbeddingSharding"]

@@ -20,7 +20,6 @@ import torch
 from shardkit.distributed.awaitable import Awaitable
 from shardkit.sharding.dist_data import (
     PooledEmbeddingsAllToAll,
-    SequenceEmbeddingsAllToAll,
     VariableBatchPooledEmbeddingsAllToAll,
 )
 from shardkit.sharding.embedding_lookup import ShardedGroupedLookup, received_keys
@@ -30,7 +29,6 @@ from shardkit.sharding.embedding_sharding import (
     MappedAwaitable,
     ShardingContext,
     record_input,
-    split_sequence_rows,
     start_kjt_all_to_all,
 )
 from shardkit.sharding.types import CommOp
@@ -143,20 +141,8 @@ class TwSequenceEmbeddingSharding(PermuteRouting):
     def output_dist(
         self, ctx: ShardingContext, local_out: torch.Tensor
     ) -> Awaitable[Dict[str, torch.Tensor]]:
-        dist = SequenceEmbeddingsAllToAll(
-            self.pg, self._splits, codecs=self.codecs(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL)
-        )
-        awaitable = dist(
-            local_out,
-            ctx.received.lengths(),
-            ctx.input_splits,
-            ctx.output_splits,
-            batch_size_per_rank=ctx.stride_per_rank,
-            sparse_features_recat=ctx.recat,
-        )
-        counts = ctx.sent_lengths_per_key
-        return MappedAwaitable(
-            awaitable, lambda rows: split_sequence_rows(rows, counts, self._sent_keys, self._dims)
+        return self.sequence_output_dist(
+            ctx, local_out, self._splits, ctx.sent_lengths_per_key, self._sent_keys, self._dims
         )
 
 
