@@ -8,13 +8,13 @@ sharded modules' output dists (which divide gradients by the world size) train.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.cli.dlrm_model import Batch  # the demo's batch type: dense, sparse, labels
 from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig, OptimType
 from shardkit.sparse import KeyedJaggedTensor
 
@@ -37,22 +37,6 @@ TABLES: List[Tuple[str, int, int, List[str]]] = [
     ("t9", 50, 4, ["f9"]),
 ]
 FEATURES = [(f, rows) for _, rows, _, feats in TABLES for f in feats]
-
-
-@dataclasses.dataclass
-class Batch:
-    """One step's input: dense features ``[B, DENSE_IN]``, sparse features, labels ``[B]``."""
-
-    dense_features: torch.Tensor
-    sparse_features: KeyedJaggedTensor
-    labels: torch.Tensor
-
-    def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
-        return Batch(
-            self.dense_features.to(device, non_blocking=non_blocking),
-            self.sparse_features.to(device, non_blocking=non_blocking),
-            self.labels.to(device, non_blocking=non_blocking),
-        )
 
 
 class DLRM(nn.Module):
