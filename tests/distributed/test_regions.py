@@ -15,6 +15,7 @@ from shardkit.distributed import regions
 from shardkit.distributed.regions import (
     copy_to_region,
     gather_from_region,
+    gather_from_region_local_grad,
     gather_from_region_sum_grad,
     reduce_from_region,
     reduce_scatter_to_region,
@@ -176,6 +177,203 @@ def _double_backward_matches_reference():
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_double_backward_through_gather_and_reduce(world_size):
     assert all(run_world(_double_backward_matches_reference, world_size))
+
+
+# ---------------------------------------------------------------------------------------------------
+# double-backward audit: every mapping, second-order terms that couple the chunks and the ranks
+#
+# E_r (first-order loss) and P_r (second-order loss of a gradient) are smooth functions whose Hessians
+# couple every entry, so a double backward that keeps only a rank's own chunk, or only its own term,
+# shows. The references are single-process graphs on the global tensors: replicated tensors are one
+# tensor (the logical contract of the module doc), each rank's terms are summed. The per-rank gather
+# is checked against per-rank graphs in which the other ranks' chunks are constants.
+
+
+def _E(y, w):
+    """A first-order loss whose Hessian couples all entries of ``y`` (``w``: per-rank weights)."""
+    return (y.sin() * w).sum() ** 2 + (y.pow(2) * w).sum() * y.sum()
+
+
+def _P(g, d):
+    """A second-order loss of a gradient ``g``, non-linear so that its own gradient depends on ``g``."""
+    return (g.pow(2) * d).sum() + g.sum() ** 2 * d.mean()
+
+
+def _first_and_second(x, loss_of):
+    """``(F, H)``: ``F = dE/dx`` with a graph, ``H = dP/dx`` for the losses given by ``loss_of``."""
+    E, P_of = loss_of
+    (F,) = torch.autograd.grad(E(x), x, create_graph=True)
+    (H,) = torch.autograd.grad(P_of(F), x)
+    return F.detach(), H
+
+
+def _double_backward_audit(dim):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    shape = (5, 4)  # uneven along both dims at 2 and 3 ranks
+    W, D = _randn((world, *shape), 30), _randn((world, *shape), 31)
+    X = _randn(shape, 32)
+    Xs = _randn((world, *shape), 33)
+    checked = []
+
+    def leaf(t):
+        return t.clone().requires_grad_()
+
+    # copy: replicated input used for different work by each rank (gradient summed over ranks); the
+    # replicated gradient is then used identically (P with one weight), as the contract asks
+    F, H = _first_and_second(leaf(X), (lambda x: _E(copy_to_region(x), W[rank]), lambda g: _P(g, D[0])))
+    ref = leaf(X)
+    RF, RH = _first_and_second(ref, (lambda x: sum(_E(x, W[r]) for r in range(world)), lambda g: _P(g, D[0])))
+    _close(F, RF), _close(H, RH)
+    checked.append("copy")
+
+    # reduce: each rank's x_r is its own variable; the sum is used identically; each rank's gradient
+    # is its own tensor, so each rank's second-order loss is its own
+    F, H = _first_and_second(
+        leaf(Xs[rank]), (lambda x: _E(reduce_from_region(x), W[0]), lambda g: _P(g, D[rank]))
+    )
+    RF, RH = _first_and_second(
+        leaf(Xs), (lambda x: _E(x.sum(0), W[0]), lambda g: sum(_P(g[r], D[r]) for r in range(world)))
+    )
+    _close(F, RF[rank]), _close(H, RH[rank])
+    checked.append("reduce")
+
+    # scatter: each rank works on its own chunk; the replicated gradient is used identically
+    F, H = _first_and_second(
+        leaf(X),
+        (lambda x: _E(scatter_to_region(x, dim), _chunk(W[rank], dim, world, rank)), lambda g: _P(g, D[0])),
+    )
+    RF, RH = _first_and_second(
+        leaf(X),
+        (
+            lambda x: sum(_E(_chunk(x, dim, world, r), _chunk(W[r], dim, world, r)) for r in range(world)),
+            lambda g: _P(g, D[0]),
+        ),
+    )
+    _close(F, RF), _close(H, RH)
+    checked.append("scatter")
+
+    # gather: the gathered tensor is used identically; each rank's gradient chunk is its own
+    x_r = _chunk(X, dim, world, rank)
+    F, H = _first_and_second(
+        leaf(x_r),
+        (lambda x: _E(gather_from_region(x, dim), W[0]), lambda g: _P(g, _chunk(D[rank], dim, world, rank))),
+    )
+    RF, RH = _first_and_second(
+        leaf(X),
+        (
+            lambda x: _E(x, W[0]),
+            lambda g: sum(_P(_chunk(g, dim, world, r), _chunk(D[r], dim, world, r)) for r in range(world)),
+        ),
+    )
+    _close(F, _chunk(RF, dim, world, rank)), _close(H, _chunk(RH, dim, world, rank))
+    checked.append("gather")
+
+    # sum-grad gather: different work on every rank, each rank's second-order loss its own
+    F, H = _first_and_second(
+        leaf(x_r),
+        (
+            lambda x: _E(gather_from_region_sum_grad(x, dim), W[rank]),
+            lambda g: _P(g, _chunk(D[rank], dim, world, rank)),
+        ),
+    )
+    RF, RH = _first_and_second(
+        leaf(X),
+        (
+            lambda x: sum(_E(x, W[r]) for r in range(world)),
+            lambda g: sum(_P(_chunk(g, dim, world, r), _chunk(D[r], dim, world, r)) for r in range(world)),
+        ),
+    )
+    _close(F, _chunk(RF, dim, world, rank)), _close(H, _chunk(RH, dim, world, rank))
+    checked.append("gather_sum_grad")
+
+    # reduce-scatter: each rank's x_r is its own variable, each rank works on its chunk of the sum
+    F, H = _first_and_second(
+        leaf(Xs[rank]),
+        (
+            lambda x: _E(reduce_scatter_to_region(x, dim), _chunk(W[rank], dim, world, rank)),
+            lambda g: _P(g, D[rank]),
+        ),
+    )
+    RF, RH = _first_and_second(
+        leaf(Xs),
+        (
+            lambda x: sum(
+                _E(_chunk(x.sum(0), dim, world, r), _chunk(W[r], dim, world, r)) for r in range(world)
+            ),
+            lambda g: sum(_P(g[r], D[r]) for r in range(world)),
+        ),
+    )
+    _close(F, RF[rank]), _close(H, RH[rank])
+    checked.append("reduce_scatter")
+
+    # local-grad gather: per-rank contract, different work on every rank; rank r's reference graph
+    # holds the other ranks' chunks as constants
+    F, H = _first_and_second(
+        leaf(x_r),
+        (
+            lambda x: _E(gather_from_region_local_grad(x, dim), W[rank]),
+            lambda g: _P(g, _chunk(D[rank], dim, world, rank)),
+        ),
+    )
+    pieces = [_chunk(X, dim, world, r) for r in range(world)]
+
+    def own_graph(x):
+        return _E(torch.cat(pieces[:rank] + [x] + pieces[rank + 1 :], dim=dim), W[rank])
+
+    RF, RH = _first_and_second(leaf(x_r), (own_graph, lambda g: _P(g, _chunk(D[rank], dim, world, rank))))
+    _close(F, RF), _close(H, RH)
+    checked.append("gather_local_grad")
+    return checked
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("dim", DIMS)
+def test_double_backward_audit_of_every_mapping(world_size, dim):
+    expected = [
+        "copy",
+        "reduce",
+        "scatter",
+        "gather",
+        "gather_sum_grad",
+        "reduce_scatter",
+        "gather_local_grad",
+    ]
+    assert run_world(_double_backward_audit, world_size, dim) == [expected] * world_size
+
+
+def _gather_contracts_on_the_issue_example():
+    """x_r = [r + 2], E_r = (prod(gathered) + r + 1) ** 2: the two gathers differ at second order only."""
+    rank = dist.get_rank()
+    results = {}
+    for name, gather in (("local", gather_from_region_local_grad), ("logical", gather_from_region)):
+        x = torch.tensor([rank + 2.0], dtype=torch.float64, requires_grad=True)
+        energy = (gather(x, 0).prod() + rank + 1) ** 2
+        (force,) = torch.autograd.grad(energy, x, create_graph=True)
+        (hess,) = torch.autograd.grad(force, x)
+        results[name] = (force.item(), hess.item())
+    return results
+
+
+def _gather_expanded_gradient():
+    # a gradient expanded from a scalar has stride 0 on a size-1 dim: the byte view must not reject it
+    rank = dist.get_rank()
+    x = torch.tensor(float(rank + 1)).expand(1)
+    assert x.stride() == (0,)
+    return [gather_from_region(x, 0).tolist(), gather_from_region_sum_grad(x, 0).tolist()]
+
+
+def test_gather_of_an_expanded_tensor():
+    assert run_world(_gather_expanded_gradient, 2) == [[[1.0, 2.0], [1.0, 2.0]]] * 2
+
+
+def test_local_and_logical_gather_on_a_per_rank_loss():
+    # per rank with the other chunk constant: F_0 = 2(x0 x1 + 1) x1 = 42, dF_0/dx0 = 2 x1^2 = 18;
+    # F_1 = 2(x0 x1 + 2) x0 = 32, dF_1/dx1 = 2 x0^2 = 8
+    by_rank = run_world(_gather_contracts_on_the_issue_example, 2)
+    assert [r["local"] for r in by_rank] == [pytest.approx((42.0, 18.0)), pytest.approx((32.0, 8.0))]
+    # the logical gather's second order assumes the gathered tensor is used identically, which a
+    # per-rank loss is not: the other rank's second-order term comes in (18 + 26, 8 + 28)
+    assert [r["logical"] for r in by_rank] == [pytest.approx((42.0, 44.0)), pytest.approx((32.0, 36.0))]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ its dual mapping (called through ``.apply``, so that double backward works):
   keep own chunk (``reduce_scatter_to_region``).
 - ``reduce_scatter_to_region``: forward sum over ranks, then keep own chunk; backward gather
   (``gather_from_region_sum_grad``).
+- ``gather_from_region_local_grad``: forward as ``gather_from_region``; backward keep own chunk by a
+  local slice, whose own backward is local zero padding (the per-rank contract below).
 
 Gradient convention (Megatron's): a tensor that every rank holds identically (the output of a gather
 or an all-reduce) is used identically on every rank, so its gradient is the same on every rank and
@@ -25,6 +27,17 @@ The dual pairs are copy <-> reduce, scatter <-> gather and reduce-scatter <-> su
 last pairing matters for double backward only: the gradient of a reduce-scatter's input is gathered
 (the same values as a plain gather), and the work each rank did to produce that input differs, so
 what flows back into that gather is a per-rank partial sum.
+
+Double backward. A backward is itself a computation, so its backward (the second order) depends on
+what the replicated tensors mean. Here a replicated tensor (the output of a gather or an all-reduce,
+and also a replicated gradient: the output of the backward of a copy or a scatter) is one logical
+tensor used identically on every rank, so the second-order reference is one single-process graph on
+the global tensors, with each rank's second-order terms summed. Every mapping above is exact against
+it at first and second order (tests/distributed/test_regions.py checks each with Hessians that couple
+the chunks). ``gather_from_region_local_grad`` has the per-rank contract of fairchem's gp_utils
+instead: each rank's gathered tensor is its own and the other ranks' chunks are constants to it, so
+each rank's gradients, of every order, come from its own loss only. The two contracts agree at first
+order and differ at second order only where a rank's loss couples its own chunk with another's.
 
 Chunks follow numpy's ``array_split`` rule (``shardkit.distributed.tensor_split.split_sizes``) unless
 explicit per-rank ``sizes`` are given; a rank's chunk may be empty. Gathers handle uneven sizes by
@@ -194,6 +207,17 @@ def _trusted_split_sizes(
     return dim, tuple(sizes)
 
 
+def _with_standard_strides(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when its strides are the row-major ones of its shape, else a row-major copy."""
+    expected, step = [], 1
+    for size in reversed(tensor.shape):
+        expected.append(step)
+        step *= max(size, 1)
+    if tensor.stride() == tuple(reversed(expected)):
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
 def _all_gather_cat(
     tensor: torch.Tensor, dim: int, sizes: Sizes, group: Optional[ProcessGroup]
 ) -> torch.Tensor:
@@ -203,9 +227,9 @@ def _all_gather_cat(
         return tensor.clone()  # every chunk is empty: the result is empty along dim too
     # zeros, not uninitialized memory, so that the padding is deterministic
     padded = pad_tensor(tensor, dim, target_size=max_size)
-    # standard strides: a tensor that is "contiguous" may still carry odd strides on size-1 dims,
-    # which view(uint8) below rejects
-    padded = padded.contiguous().reshape(-1).view(padded.shape)
+    # standard strides: a tensor that is "contiguous" may still carry odd strides on size-1 dims (a
+    # gradient expanded from a scalar has stride 0 there), which view(uint8) below rejects
+    padded = _with_standard_strides(padded)
     send = padded
     if _is_gloo(tensor, group) and padded.dtype != torch.uint8:
         # a gather only moves bytes, and gloo rejects some dtypes (int16, older: bfloat16): send bytes
@@ -350,6 +374,39 @@ class GatherFromRegion(torch.autograd.Function):
         return ScatterToRegion.apply(grad_output, ctx.dim, ctx.group, ctx.sizes), None, None, None
 
 
+class GatherFromRegionLocalGrad(torch.autograd.Function):
+    """Forward as ``GatherFromRegion``; backward keeps own chunk with a plain, rank-local slice.
+
+    ``apply(input, dim=-1, group=None, sizes=None)``: shapes as in ``GatherFromRegion``. The contract is
+    per rank, not logical: each rank's gathered tensor is its own (the other ranks' chunks are constants
+    to it), so rank ``r``'s gradient comes only from rank ``r``'s own loss, at every order. The backward
+    is therefore a local slice whose own backward (the double backward) is zero padding, with no
+    communication; this is the gather of fairchem's gp_utils (and of Megatron, whose backward is a
+    plain split). ``GatherFromRegion`` instead treats the gathered tensor as one logical tensor used
+    identically everywhere, so its double backward gathers. Both agree at first order.
+    Saved for backward: ``dim``, ``group``, all ranks' ``n_r`` (ints).
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        input: torch.Tensor,
+        dim: int = -1,
+        group: Optional[ProcessGroup] = None,
+        sizes: Optional[Sequence[int]] = None,
+    ) -> torch.Tensor:
+        return _gather_forward(ctx, input, dim, group, sizes, "gather_from_region_local_grad")
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        if len(ctx.sizes) == 1:
+            return grad_output, None, None, None
+        # narrow + contiguous are recorded by autograd under create_graph: their adjoint is the local
+        # zero padding, which is exactly the double backward this contract needs
+        own = _own_chunk(grad_output, ctx.dim, ctx.sizes, group_rank(ctx.group)).contiguous()
+        return own, None, None, None
+
+
 class GatherFromRegionSumGrad(torch.autograd.Function):
     """Like ``GatherFromRegion``, but the backward sums the gradient over ranks before keeping own chunk.
 
@@ -447,6 +504,17 @@ def gather_from_region(
     return GatherFromRegion.apply(input, dim, group)
 
 
+def gather_from_region_local_grad(
+    input: torch.Tensor, dim: int = -1, group: Optional[ProcessGroup] = None
+) -> torch.Tensor:
+    """All-gather + concat along ``dim``, backward own chunk by a local slice at every order.
+
+    See ``GatherFromRegionLocalGrad``: each rank's gradient comes only from its own loss, also in a
+    double backward (whose adjoint is zero padding, not a gather).
+    """
+    return GatherFromRegionLocalGrad.apply(input, dim, group)
+
+
 def gather_from_region_sum_grad(
     input: torch.Tensor, dim: int = -1, group: Optional[ProcessGroup] = None
 ) -> torch.Tensor:
@@ -470,12 +538,14 @@ def reduce_scatter_to_region(
 __all__ = [
     "CopyToRegion",
     "GatherFromRegion",
+    "GatherFromRegionLocalGrad",
     "GatherFromRegionSumGrad",
     "ReduceFromRegion",
     "ReduceScatterToRegion",
     "ScatterToRegion",
     "copy_to_region",
     "gather_from_region",
+    "gather_from_region_local_grad",
     "gather_from_region_sum_grad",
     "reduce_from_region",
     "reduce_scatter_to_region",

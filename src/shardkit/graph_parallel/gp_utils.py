@@ -33,7 +33,7 @@ from shardkit.distributed.agreement import format_per_rank, gather_objects
 from shardkit.distributed.grid import ParallelGrid
 from shardkit.distributed.regions import (
     CopyToRegion,
-    GatherFromRegion,
+    GatherFromRegionLocalGrad,
     GatherFromRegionSumGrad,
     ReduceFromRegion,
     ScatterToRegion,
@@ -225,6 +225,56 @@ def trim_tensor(
 
 
 # ---------------------------------------------------------------------------------------------------
+# the specification's private collectives (imported by user code and tests written against it)
+
+
+def _reduce(ctx: Any, input: torch.Tensor) -> torch.Tensor:
+    """Sum ``input`` over the gp group: ``[*]`` -> ``[*]``, same dtype, same shape on every gp rank.
+
+    ``ctx`` is accepted for the specification's signature and not used. Unlike the specified helper,
+    which sums in place (and marks ``ctx`` dirty), this returns a new tensor and leaves the caller's
+    alone; like it, the result is not connected to autograd (a plain collective). With one gp rank the
+    input itself comes back.
+    """
+    del ctx  # the specification passes the autograd ctx; nothing here needs it
+    with torch.no_grad():
+        return ReduceFromRegion.apply(input.detach(), get_gp_group())
+
+
+def _split(input: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """This gp rank's array_split chunk of ``input`` along ``dim`` (contiguous, a new tensor).
+
+    ``[..., n, ...]`` -> ``[..., n_r, ...]``. No communication. Differentiable as a plain slice: the
+    gradient is this rank's own, padded with zeros.
+    """
+    world_size = get_gp_world_size()
+    if world_size == 1:
+        return input
+    dim = normalize_dim(input, dim)
+    return split_tensor(input, world_size, dim)[get_gp_rank()].contiguous()
+
+
+def _gather_with_padding(input: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every gp rank's ``input`` along ``dim``; the ranks' sizes there may differ.
+
+    ``[..., n_r, ...]`` -> ``[..., sum n_r, ...]`` (chunks padded with zeros to the largest for the
+    all-gather, then trimmed); all other dims must agree (``ValueError`` on every rank otherwise).
+    Autograd sees this rank's chunk only, the others being constants, as in the specification, whose
+    helper places the input itself in the gathered list: the backward is a local slice.
+    """
+    return GatherFromRegionLocalGrad.apply(input, dim, get_gp_group())
+
+
+def _gather(input: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every gp rank's ``input`` along ``dim`` (``[..., n, ...]`` -> ``[..., gp * n, ...]``).
+
+    The specified helper needs equal sizes along ``dim``; this one also takes uneven ones (it is
+    ``_gather_with_padding``). Autograd sees this rank's chunk only (see ``_gather_with_padding``).
+    """
+    return _gather_with_padding(input, dim)
+
+
+# ---------------------------------------------------------------------------------------------------
 # region mappings on the graph-parallel group
 #
 # Each class reuses the generic Function's forward and backward with the gp group filled in; the
@@ -277,21 +327,25 @@ class ScatterToModelParallelRegion(ScatterToRegion):
         return ScatterToRegion.backward(ctx, grad_output)[:2]
 
 
-class GatherFromModelParallelRegion(GatherFromRegion):
+class GatherFromModelParallelRegion(GatherFromRegionLocalGrad):
     """Forward all-gather + concat along ``dim`` over the gp group (uneven sizes padded with zeros),
-    backward keep own chunk of the gradient (which must be the same on every gp rank).
+    backward keep own chunk of the gradient, by a rank-local slice.
 
+    Per-rank contract (fairchem's): each gp rank's gathered tensor is its own, the other ranks' chunks
+    are constants to it, so a rank's gradient comes only from its own loss, at every order: the double
+    backward is local zero padding (see ``GatherFromRegionLocalGrad``). When the other ranks'
+    contributions are wanted, use ``gather_from_model_parallel_region_sum_grad``.
     ``apply(input, dim=-1)``: ``[..., n_r, ...]`` -> ``[..., sum n_r, ...]``. Saved for backward:
     ``dim``, the gp group and all chunk sizes.
     """
 
     @staticmethod
     def forward(ctx, input: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        return GatherFromRegion.forward(ctx, input, dim, get_gp_group())
+        return GatherFromRegionLocalGrad.forward(ctx, input, dim, get_gp_group())
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        return GatherFromRegion.backward(ctx, grad_output)[:2]
+        return GatherFromRegionLocalGrad.backward(ctx, grad_output)[:2]
 
 
 class GatherFromModelParallelRegionSumGrad(GatherFromRegionSumGrad):
@@ -361,6 +415,11 @@ def scale_backward_grad(input: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "CopyToModelParallelRegion",
+    "_gather",
+    "_gather_with_padding",
+    "_reduce",
+    "_split",
+    "_split_tensor",
     "GatherFromModelParallelRegion",
     "GatherFromModelParallelRegionSumGrad",
     "ReduceFromModelParallelRegion",
