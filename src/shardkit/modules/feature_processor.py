@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from shardkit.distributed.validation import validation_enabled
-from shardkit.modules.lookup_kernels import bag_of_each_id
+from shardkit.kernels import bag_of_each_id
 from shardkit.sparse import JaggedTensor
 
 

@@ -1,9 +1,10 @@
 """Sparse optimizers fused into the backward of an embedding lookup: only the touched rows change.
 
-The lookup's backward sums the gradients of repeated ids into one gradient per touched row and hands
-them to :meth:`SparseRowOptimizer.step_rows_`; the optimizer rule runs on those rows alone and writes
-them back in place; no ``[num_rows, dim]`` gradient ever exists. Each rule computes
-in fp32 (whatever the table dtype) and is numerically the rule of a ``torch.optim`` optimizer:
+The lookup's backward sums the gradients of repeated ids into one gradient per touched row and applies
+the rule to those rows alone, in place (:mod:`shardkit.kernels`: the rules in pure torch in
+``row_optimizer.py``, natively in ``csrc/embedding.cpp``); no ``[num_rows, dim]`` gradient ever exists.
+Each rule computes in fp32 (whatever the table dtype) and is numerically the rule of a ``torch.optim``
+optimizer:
 
 - ``SGD``: ``torch.optim.SGD`` (no momentum) - untouched rows have zero gradient and do not move.
 - ``ADAGRAD``: ``torch.optim.Adagrad`` - likewise exact, state ``sum`` ``[rows, dim]``.
@@ -16,13 +17,14 @@ in fp32 (whatever the table dtype) and is numerically the rule of a ``torch.opti
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from enum import Enum, unique
 from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
+
+from shardkit.kernels.row_optimizer import RowOptimizerArgs
 
 
 @unique
@@ -103,50 +105,14 @@ class SparseRowOptimizer(nn.Module):
             for name, buf in self.named_buffers(recurse=False):
                 buf.fill_(self.config.initial_accumulator_value if name == "sum" else 0.0)
 
-    @torch.no_grad()
-    def step_rows_(self, weight: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> None:
-        """One optimizer step on ``rows`` of ``weight``, in place; the other rows are not read.
-
-        weight: ``[num_rows, dim]`` (any float dtype). rows: int64 ``[U]``, distinct. grad: fp32
-        ``[U, dim]``, the summed gradient of each row.
-        """
+    def step_args(self) -> RowOptimizerArgs:
+        """Count one step and describe it for a kernel backend (state tensors by reference)."""
         self.step_count += 1
-        if rows.numel() == 0:
-            return
-        if self.config.optimizer is OptimType.SGD and weight.dtype == torch.float32:
-            # stateless and already fp32: scatter the step straight into the table
-            weight.index_add_(0, rows, grad, alpha=-self.lr)
-            return
-        param = weight.index_select(0, rows).to(torch.float32)
-        self._rule(param, grad, rows)
-        weight.index_copy_(0, rows, param.to(weight.dtype))
-
-    def _rule(self, param: torch.Tensor, grad: torch.Tensor, rows: torch.Tensor) -> None:
-        # each branch mirrors the op sequence of its torch.optim counterpart so results agree bitwise
-        # or to the last ulp, not merely to a tolerance
-        opt, lr, eps = self.config.optimizer, self.lr, self.config.get_eps()
-        if opt is OptimType.SGD:
-            param.add_(grad, alpha=-lr)
-        elif opt is OptimType.ADAGRAD:
-            state_sum = self.sum.index_select(0, rows)
-            state_sum.addcmul_(grad, grad, value=1)
-            param.addcdiv_(grad, state_sum.sqrt().add_(eps), value=-lr)
-            self.sum.index_copy_(0, rows, state_sum)
-        elif opt is OptimType.ROWWISE_ADAGRAD:
-            state_sum = self.sum.index_select(0, rows)
-            state_sum.add_(grad.pow(2).mean(dim=1))
-            param.addcdiv_(grad, state_sum.sqrt().add_(eps).unsqueeze(1), value=-lr)
-            self.sum.index_copy_(0, rows, state_sum)
-        else:
-            beta1, beta2 = self.config.betas
-            old_avg = self.exp_avg.index_select(0, rows)
-            old_avg_sq = self.exp_avg_sq.index_select(0, rows)
-            avg = grad.sub(old_avg).mul_(1 - beta1).add_(old_avg)
-            avg_sq = grad.pow(2).sub_(old_avg_sq).mul_(1 - beta2).add_(old_avg_sq)
-            self.exp_avg.index_copy_(0, rows, avg)
-            self.exp_avg_sq.index_copy_(0, rows, avg_sq)
-            step_size = lr * math.sqrt(1 - beta2**self.step_count) / (1 - beta1**self.step_count)
-            param.add_(avg.div(avg_sq.sqrt().add_(eps)), alpha=-step_size)
+        beta1, beta2 = self.config.betas
+        state = tuple(buf for _, buf in self.named_buffers(recurse=False))
+        return RowOptimizerArgs(
+            self.config.optimizer.value, self.lr, self.config.get_eps(), beta1, beta2, self.step_count, state
+        )
 
     def state_slices(self, row_start: int, row_end: int) -> Dict[str, torch.Tensor]:
         """Views of the state tensors restricted to buffer rows ``[row_start, row_end)``."""

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from shardkit.distributed.validation import validation_enabled
+from shardkit.kernels import RowOutOfRange
 from shardkit.modules.embedding_configs import BaseEmbeddingConfig, PoolingType
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig, SparseRowOptimizer
 from shardkit.modules.lookup_kernels import lookup
@@ -112,6 +113,7 @@ class GroupedEmbeddingLookup(nn.Module):
         bounds = {(s.row_start, s.row_end) for s in self.shards}
         self._uniform_bounds: Optional[Tuple[int, int]] = bounds.pop() if len(bounds) == 1 else None
         self._constants: Dict[torch.device, _DeviceConstants] = {}
+        self._last_bag_shift: Optional[Tuple[Tuple[torch.device, Tuple[int, ...]], torch.Tensor]] = None
         self.weight = nn.Parameter(
             torch.empty(self.row_offsets[-1], self.embedding_dim, dtype=dtypes.pop(), device=device)
         )
@@ -180,19 +182,27 @@ class GroupedEmbeddingLookup(nn.Module):
         if weights is not None and not self.pooled:
             raise ValueError("per-id weights apply only to pooled lookups")
         offsets = offsets.to(torch.int64)
-        rows = ids.to(torch.int64)
-        check = validation_enabled()
-        if check:
-            self._check_ids(rows, offsets, bag_bounds)
-        if any(self._shifts):
-            shift = self._device_constants(ids.device).shift
-            rows = rows + self._per_id(shift, offsets, bag_bounds, rows.numel())
-        if weights is not None:
-            weights = weights.to(self.weight.dtype)
-        out = lookup(self.weight, rows, offsets if self.pooled else None, weights, self.optimizer)
-        if self._has_mean:
-            out = out * self._mean_scale(offsets, bags_per_feature).to(out.dtype).unsqueeze(1)
-        return out
+        if validation_enabled():
+            self._check_ids(ids.to(torch.int64), offsets, bag_bounds)
+        bag_shift = self._bag_shift(ids.device, bags_per_feature) if any(self._shifts) else None
+        bag_scale = self._mean_scale(offsets, bags_per_feature) if self._has_mean else None
+        try:
+            return lookup(
+                self.weight, ids, offsets, bag_shift, weights, bag_scale, self.pooled, self.optimizer
+            )
+        except RowOutOfRange:
+            # validation was off and an id left the buffer: name its feature and table
+            self._check_ids(ids.to(torch.int64), offsets, bag_bounds)
+            raise
+
+    def _bag_shift(self, device: torch.device, bags_per_feature: Sequence[int]) -> torch.Tensor:
+        """int64 ``[sum(bags_per_feature)]``: each bag's shift from table id to buffer row (cached)."""
+        key = (device, tuple(bags_per_feature))
+        if self._last_bag_shift is None or self._last_bag_shift[0] != key:
+            shift = self._device_constants(device).shift
+            counts = torch.tensor(key[1], device=device)
+            self._last_bag_shift = (key, torch.repeat_interleave(shift, counts, output_size=sum(key[1])))
+        return self._last_bag_shift[1]
 
     def _per_id(
         self, per_feature: torch.Tensor, offsets: torch.Tensor, bag_bounds: List[int], num_ids: int
@@ -211,7 +221,7 @@ class GroupedEmbeddingLookup(nn.Module):
         return marks[:num_ids].cumsum(0)
 
     def _mean_scale(self, offsets: torch.Tensor, bags_per_feature: Sequence[int]) -> torch.Tensor:
-        # MEAN = SUM / bag length (an empty bag stays 0); applying it after the kernel lets SUM and
+        # MEAN = SUM / bag length (an empty bag stays 0); a per-bag scale in the kernel lets SUM and
         # MEAN tables share one buffer and one call, and keeps per-sample weights meaning weighted mean
         const = self._device_constants(offsets.device)
         is_mean = torch.repeat_interleave(

@@ -24,8 +24,8 @@ from shardkit.distributed.awaitable import LazyAwaitable
 from shardkit.distributed.codecs import QuantizedCommCodecs
 from shardkit.distributed.comm_ops import get_gradient_division
 from shardkit.distributed.sharding_env import ShardingEnv
+from shardkit.kernels import bag_of_each_id
 from shardkit.modules import FeatureProcessedEmbeddingBagCollection, PositionWeightedModule
-from shardkit.modules.lookup_kernels import bag_of_each_id
 from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding
 from shardkit.sharding.embedding_sharding import EmbeddingSharding, ScaleGrad, with_weights
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection

@@ -24,8 +24,8 @@ from typing import Dict, List, Tuple
 import torch
 
 from shardkit.distributed.awaitable import Awaitable
+from shardkit.kernels import bag_of_each_id
 from shardkit.modules.embedding_configs import PoolingType
-from shardkit.modules.lookup_kernels import bag_of_each_id
 from shardkit.sharding.dist_data import (
     PooledEmbeddingsReduceScatter,
     VariableBatchPooledEmbeddingsReduceScatter,

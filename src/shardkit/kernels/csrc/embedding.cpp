@@ -1,0 +1,386 @@
+// Native CPU kernels of the grouped embedding lookup, built on the user's machine against the
+// installed torch (see shardkit/kernels/native_build.py). Registered as torch ops in the namespace
+// `shardkit_native`; every op has a pure-torch twin in shardkit/kernels/embedding_torch.py and the
+// tests compare the two.
+//
+// Numerics: sums accumulate in fp32 in id order (the order of torch's CPU embedding_bag), and each
+// optimizer rule uses the same sequence of fp32 operations as its torch.optim counterpart, so that
+// fp32 results agree with the pure-torch path (bitwise for unweighted bags; the build disables FMA
+// contraction so that `a + b * c` rounds twice, as torch's elementwise kernels do).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+enum Optim : int64_t { kSGD = 0, kAdagrad = 1, kRowwiseAdagrad = 2, kAdam = 3 };
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::Half x) { return static_cast<float>(x); }
+inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+
+template <typename scalar_t>
+inline scalar_t from_float(float x) { return static_cast<scalar_t>(x); }
+
+// Rows are read in id order; fetching a few ids ahead hides part of the DRAM latency of random rows.
+constexpr int64_t kPrefetch = 16;
+
+// Asks for every cache line of `count` elements at `p` (one prefetch covers 64 bytes only).
+template <typename T>
+inline void prefetch_row(const T* p, int64_t count) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t k = 0; k < count * static_cast<int64_t>(sizeof(T)); k += 64) __builtin_prefetch(bytes + k);
+}
+
+// Calls f(std::integral_constant<int64_t, W>) with the widest block W in {64, 32, 16, 8} that divides
+// dim, or W = 0 (run-time width) when none does: fixed-width blocks keep the accumulators in vector
+// registers, which a loop over a run-time dim does not.
+template <typename F>
+inline void with_block_width(int64_t dim, F&& f) {
+  if (dim % 64 == 0) f(std::integral_constant<int64_t, 64>());
+  else if (dim % 32 == 0) f(std::integral_constant<int64_t, 32>());
+  else if (dim % 16 == 0) f(std::integral_constant<int64_t, 16>());
+  else if (dim % 8 == 0) f(std::integral_constant<int64_t, 8>());
+  else f(std::integral_constant<int64_t, 0>());
+}
+
+// Bag b's ids are [offsets[b], offsets[b+1]); row of id i = ids[i] + shift[b]. Checks every row
+// against [0, num_rows) and returns the position of the first id outside it (or -1): the caller
+// raises, nothing is read out of bounds.
+template <int64_t W, typename scalar_t, typename index_t>
+int64_t forward_kernel(const at::Tensor& weight, const at::Tensor& ids, const at::Tensor& offsets,
+                       const int64_t* shift, const float* psw, const float* scale, bool pooled,
+                       at::Tensor& out) {
+  const int64_t num_rows = weight.size(0), dim = weight.size(1);
+  const int64_t width = W > 0 ? W : dim;  // columns summed per pass over a bag's ids
+  const int64_t bags = offsets.numel() - 1;
+  const scalar_t* table = weight.data_ptr<scalar_t>();
+  const index_t* id = ids.data_ptr<index_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  scalar_t* dst = out.data_ptr<scalar_t>();
+  const int64_t total = off[bags];
+  std::vector<int64_t> first_bad(at::get_num_threads() + 1, std::numeric_limits<int64_t>::max());
+  at::parallel_for(0, bags, 64, [&](int64_t b0, int64_t b1) {
+    std::vector<float> acc_storage(width);
+    float* acc = acc_storage.data();
+    int64_t bad = std::numeric_limits<int64_t>::max();
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t s = shift ? shift[b] : 0;
+      const int64_t lo = off[b], hi = off[b + 1];
+      bool any_bad = false;
+      for (int64_t i = lo; i < hi; ++i) {
+        const int64_t row = static_cast<int64_t>(id[i]) + s;
+        if (row < 0 || row >= num_rows) {
+          bad = std::min(bad, i);
+          any_bad = true;
+        }
+      }
+      if (any_bad) continue;  // the caller raises; the output of this bag is never used
+      if (!pooled) {
+        for (int64_t i = lo; i < hi; ++i) {
+          const scalar_t* src = table + (static_cast<int64_t>(id[i]) + s) * dim;
+          std::copy(src, src + dim, dst + i * dim);
+        }
+        continue;
+      }
+      for (int64_t c0 = 0; c0 < dim; c0 += width) {
+        float local[W > 0 ? W : 1];
+        float* a = W > 0 ? local : acc;
+        for (int64_t j = 0; j < width; ++j) a[j] = 0.0f;
+        for (int64_t i = lo; i < hi; ++i) {
+          const int64_t ahead = i + kPrefetch;
+          if (ahead < total) {
+            // past this bag, the next bag's shift is right for most ids (a wrong guess costs nothing)
+            const int64_t next = (ahead < hi ? s : (shift && b + 1 < bags ? shift[b + 1] : s)) + id[ahead];
+            prefetch_row(table + std::min(std::max<int64_t>(next, 0), num_rows - 1) * dim + c0, width);
+          }
+          const scalar_t* src = table + (static_cast<int64_t>(id[i]) + s) * dim + c0;
+          if (psw) {
+            const float w = psw[i];
+            for (int64_t j = 0; j < width; ++j) a[j] = std::fma(w, to_float(src[j]), a[j]);
+          } else {
+            for (int64_t j = 0; j < width; ++j) a[j] += to_float(src[j]);
+          }
+        }
+        scalar_t* o = dst + b * dim + c0;
+        const float c = scale ? scale[b] : 1.0f;
+        if (scale) {
+          for (int64_t j = 0; j < width; ++j) o[j] = from_float<scalar_t>(a[j] * c);
+        } else {
+          for (int64_t j = 0; j < width; ++j) o[j] = from_float<scalar_t>(a[j]);
+        }
+      }
+    }
+    if (bad != std::numeric_limits<int64_t>::max()) {
+      first_bad[at::get_thread_num()] = std::min(first_bad[at::get_thread_num()], bad);
+    }
+  });
+  const int64_t bad = *std::min_element(first_bad.begin(), first_bad.end());
+  return bad == std::numeric_limits<int64_t>::max() ? -1 : bad;
+}
+
+void check_common(const at::Tensor& weight, const at::Tensor& ids, const at::Tensor& offsets,
+                  const c10::optional<at::Tensor>& shift, const c10::optional<at::Tensor>& psw,
+                  const c10::optional<at::Tensor>& scale) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be a contiguous [rows, dim] tensor");
+  TORCH_CHECK(ids.dim() == 1 && ids.is_contiguous(), "ids must be a contiguous 1-d tensor");
+  TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, "ids must be int32 or int64");
+  TORCH_CHECK(offsets.dim() == 1 && offsets.scalar_type() == at::kLong && offsets.is_contiguous(),
+              "offsets must be contiguous int64 [bags + 1]");
+  const int64_t bags = offsets.numel() - 1;
+  TORCH_CHECK(bags >= 0, "offsets must hold at least one entry");
+  if (shift) {
+    TORCH_CHECK(shift->scalar_type() == at::kLong && shift->numel() == bags && shift->is_contiguous(),
+                "bag_shift must be contiguous int64 [bags]");
+  }
+  if (psw) {
+    TORCH_CHECK(psw->scalar_type() == at::kFloat && psw->numel() == ids.numel() && psw->is_contiguous(),
+                "per_sample_weights must be contiguous fp32 [ids]");
+  }
+  if (scale) {
+    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->numel() == bags && scale->is_contiguous(),
+                "bag_scale must be contiguous fp32 [bags]");
+  }
+}
+
+// Returns (out, first_bad): out [bags, dim] (pooled) or [ids, dim] in weight's dtype; first_bad is a
+// one-element int64 tensor, -1 when every id was in range.
+std::tuple<at::Tensor, at::Tensor> embedding_forward(const at::Tensor& weight, const at::Tensor& ids,
+                                                     const at::Tensor& offsets,
+                                                     const c10::optional<at::Tensor>& bag_shift,
+                                                     const c10::optional<at::Tensor>& per_sample_weights,
+                                                     const c10::optional<at::Tensor>& bag_scale, bool pooled) {
+  check_common(weight, ids, offsets, bag_shift, per_sample_weights, bag_scale);
+  TORCH_CHECK(offsets.numel() == 0 || offsets[-1].item<int64_t>() == ids.numel(),
+              "offsets must end at the number of ids");
+  const int64_t rows_out = pooled ? offsets.numel() - 1 : ids.numel();
+  at::Tensor out = at::empty({rows_out, weight.size(1)}, weight.options());
+  const int64_t* shift = bag_shift ? bag_shift->data_ptr<int64_t>() : nullptr;
+  const float* psw = per_sample_weights ? per_sample_weights->data_ptr<float>() : nullptr;
+  const float* scale = bag_scale ? bag_scale->data_ptr<float>() : nullptr;
+  int64_t bad = -1;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "embedding_forward", [&] {
+    with_block_width(weight.size(1), [&](auto w) {
+      constexpr int64_t W = decltype(w)::value;
+      if (ids.scalar_type() == at::kLong) {
+        bad = forward_kernel<W, scalar_t, int64_t>(weight, ids, offsets, shift, psw, scale, pooled, out);
+      } else {
+        bad = forward_kernel<W, scalar_t, int32_t>(weight, ids, offsets, shift, psw, scale, pooled, out);
+      }
+    });
+  });
+  return {out, at::full({1}, bad, offsets.options())};
+}
+
+// Stable LSD radix sort of packed (row << 32 | position) keys by row, 11 bits a pass.
+void radix_sort_by_row(std::vector<uint64_t>& keys, int64_t num_rows) {
+  int bits = 0;
+  while (bits < 32 && (int64_t(1) << bits) < num_rows) ++bits;
+  std::vector<uint64_t> tmp(keys.size());
+  constexpr int kDigit = 11;
+  for (int shift = 32; shift < 32 + bits; shift += kDigit) {
+    std::vector<int64_t> count((1 << kDigit) + 1, 0);
+    for (uint64_t k : keys) ++count[((k >> shift) & ((1 << kDigit) - 1)) + 1];
+    for (int d = 0; d < (1 << kDigit); ++d) count[d + 1] += count[d];
+    for (uint64_t k : keys) tmp[count[(k >> shift) & ((1 << kDigit) - 1)]++] = k;
+    keys.swap(tmp);
+  }
+}
+
+struct OptimArgs {
+  int64_t kind;
+  float lr, eps, beta1_complement, beta2_complement, step_size;
+  float* state0;  // Adagrad / row-wise Adagrad: sum; Adam: exp_avg
+  float* state1;  // Adam: exp_avg_sq
+};
+
+// One optimizer step on one row: p (fp32 copy of the row) and its summed gradient g, both [dim].
+// Each line mirrors the op order of the torch path (shardkit/kernels/row_optimizer.py).
+inline void apply_rule(const OptimArgs& o, int64_t row, int64_t dim, float* p, const float* g) {
+  switch (o.kind) {
+    case kSGD:
+      for (int64_t j = 0; j < dim; ++j) p[j] = std::fma(-o.lr, g[j], p[j]);
+      break;
+    case kAdagrad: {
+      float* s = o.state0 + row * dim;
+      for (int64_t j = 0; j < dim; ++j) {
+        s[j] = std::fma(g[j], g[j], s[j]);
+        p[j] = p[j] + (-o.lr) * g[j] / (std::sqrt(s[j]) + o.eps);
+      }
+      break;
+    }
+    case kRowwiseAdagrad: {
+      float sq = 0.0f;
+      for (int64_t j = 0; j < dim; ++j) sq += g[j] * g[j];
+      float& s = o.state0[row];
+      s = s + sq / static_cast<float>(dim);
+      const float denom = std::sqrt(s) + o.eps;
+      for (int64_t j = 0; j < dim; ++j) p[j] = p[j] + (-o.lr) * g[j] / denom;
+      break;
+    }
+    default: {  // Adam (lazy, as torch.optim.SparseAdam)
+      float* m = o.state0 + row * dim;
+      float* v = o.state1 + row * dim;
+      for (int64_t j = 0; j < dim; ++j) {
+        m[j] = (g[j] - m[j]) * o.beta1_complement + m[j];
+        v[j] = (g[j] * g[j] - v[j]) * o.beta2_complement + v[j];
+        p[j] = std::fma(-o.step_size, m[j] / (std::sqrt(v[j]) + o.eps), p[j]);
+      }
+    }
+  }
+}
+
+template <typename scalar_t, typename index_t>
+void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::Tensor& offsets,
+                           const int64_t* shift, const float* psw, const float* scale, const float* grad,
+                           bool pooled, const OptimArgs& optim, float* psw_grad) {
+  const int64_t num_rows = weight.size(0), dim = weight.size(1);
+  const int64_t bags = offsets.numel() - 1, n = ids.numel();
+  scalar_t* table = weight.data_ptr<scalar_t>();
+  const index_t* id = ids.data_ptr<index_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+
+  // 1. per id: its row (packed with its position for the sort) and the row of grad it reads
+  std::vector<uint64_t> keys(n);
+  std::vector<int32_t> source(n);
+  at::parallel_for(0, bags, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t s = shift ? shift[b] : 0;
+      for (int64_t i = off[b]; i < off[b + 1]; ++i) {
+        const int64_t row = static_cast<int64_t>(id[i]) + s;
+        TORCH_CHECK(row >= 0 && row < num_rows, "id at position ", i, " maps to row ", row,
+                    " outside the buffer of ", num_rows, " rows");
+        keys[i] = (static_cast<uint64_t>(row) << 32) | static_cast<uint64_t>(i);
+        source[i] = static_cast<int32_t>(pooled ? b : i);
+      }
+    }
+  });
+
+  // 2. gradient of each per-sample weight: scale_b * <grad[b], row before the update>
+  if (psw_grad) {
+    at::parallel_for(0, n, 1024, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = source[i];
+        const scalar_t* w = table + static_cast<int64_t>(keys[i] >> 32) * dim;
+        const float* g = grad + b * dim;
+        const float c = scale ? scale[b] : 1.0f;
+        float dot = 0.0f;
+        for (int64_t j = 0; j < dim; ++j) dot += (g[j] * c) * to_float(w[j]);
+        psw_grad[i] = dot;
+      }
+    });
+  }
+
+  // 3. group the ids by row (stable: each row's ids stay in position order)
+  radix_sort_by_row(keys, num_rows);
+
+  // 4. each distinct row: sum its ids' gradients in fp32, then one optimizer step; a thread owns
+  //    whole runs of equal rows (chunks start at the first id of a row), so no row is written twice
+  at::parallel_for(0, n, 2048, [&](int64_t k0, int64_t k1) {
+    while (k0 < k1 && k0 > 0 && (keys[k0] >> 32) == (keys[k0 - 1] >> 32)) ++k0;
+    std::vector<float> acc(dim), param(dim);
+    int64_t k = k0;
+    while (k < k1) {
+      const uint64_t row = keys[k] >> 32;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (; k < n && (keys[k] >> 32) == row; ++k) {
+        if (k + kPrefetch < n) {
+          const uint64_t ahead = keys[k + kPrefetch];
+          prefetch_row(grad + static_cast<int64_t>(source[ahead & 0xffffffffu]) * dim, dim);
+          prefetch_row(table + static_cast<int64_t>(ahead >> 32) * dim, dim);
+        }
+        const int64_t i = static_cast<int64_t>(keys[k] & 0xffffffffu);
+        const int64_t b = source[i];
+        const float* g = grad + b * dim;
+        if (scale && psw) {
+          const float c = scale[b], w = psw[i];
+          for (int64_t j = 0; j < dim; ++j) acc[j] = std::fma(w, g[j] * c, acc[j]);
+        } else if (scale) {
+          const float c = scale[b];
+          for (int64_t j = 0; j < dim; ++j) acc[j] += g[j] * c;
+        } else if (psw) {
+          const float w = psw[i];
+          for (int64_t j = 0; j < dim; ++j) acc[j] = std::fma(w, g[j], acc[j]);
+        } else {
+          for (int64_t j = 0; j < dim; ++j) acc[j] += g[j];
+        }
+      }
+      scalar_t* w = table + static_cast<int64_t>(row) * dim;
+      for (int64_t j = 0; j < dim; ++j) param[j] = to_float(w[j]);
+      apply_rule(optim, static_cast<int64_t>(row), dim, param.data(), acc.data());
+      for (int64_t j = 0; j < dim; ++j) w[j] = from_float<scalar_t>(param[j]);
+    }
+  });
+}
+
+// Sums each touched row's gradient and applies one optimizer step to it in place (weight, state).
+// grad: fp32 [bags, dim] (pooled) or [ids, dim]. Returns the per-sample weights' gradient (fp32 [ids])
+// when want_psw_grad, else an empty tensor.
+at::Tensor embedding_fused_backward(at::Tensor& weight, const at::Tensor& ids, const at::Tensor& offsets,
+                                    const c10::optional<at::Tensor>& bag_shift,
+                                    const c10::optional<at::Tensor>& per_sample_weights,
+                                    const c10::optional<at::Tensor>& bag_scale, const at::Tensor& grad,
+                                    bool pooled, int64_t optimizer, double lr, double eps, double beta1,
+                                    double beta2, double step_size, at::TensorList state,
+                                    bool want_psw_grad) {
+  check_common(weight, ids, offsets, bag_shift, per_sample_weights, bag_scale);
+  const int64_t n = ids.numel(), dim = weight.size(1);
+  TORCH_CHECK(n < (int64_t(1) << 31) && weight.size(0) < (int64_t(1) << 32),
+              "the native backward handles < 2^31 ids and < 2^32 rows per call");
+  TORCH_CHECK(grad.scalar_type() == at::kFloat && grad.is_contiguous() && grad.dim() == 2 &&
+                  grad.size(0) == (pooled ? offsets.numel() - 1 : n) && grad.size(1) == dim,
+              "grad must be contiguous fp32 [", pooled ? offsets.numel() - 1 : n, ", ", dim, "]");
+  const size_t needed = optimizer == kSGD ? 0 : (optimizer == kAdam ? 2 : 1);
+  TORCH_CHECK(state.size() == needed, "optimizer ", optimizer, " needs ", needed, " state tensors");
+  for (const auto& t : state) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.size(0) == weight.size(0),
+                "optimizer state must be contiguous fp32 with one entry per row");
+  }
+  OptimArgs o{optimizer,
+              static_cast<float>(lr),
+              static_cast<float>(eps),
+              static_cast<float>(1.0 - beta1),
+              static_cast<float>(1.0 - beta2),
+              static_cast<float>(step_size),
+              needed > 0 ? state[0].data_ptr<float>() : nullptr,
+              needed > 1 ? state[1].data_ptr<float>() : nullptr};
+  at::Tensor psw_grad = want_psw_grad ? at::empty({n}, grad.options()) : at::empty({0}, grad.options());
+  const int64_t* shift = bag_shift ? bag_shift->data_ptr<int64_t>() : nullptr;
+  const float* psw = per_sample_weights ? per_sample_weights->data_ptr<float>() : nullptr;
+  const float* scale = bag_scale ? bag_scale->data_ptr<float>() : nullptr;
+  if (n == 0) return psw_grad;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "embedding_backward", [&] {
+    if (ids.scalar_type() == at::kLong) {
+      fused_backward_kernel<scalar_t, int64_t>(weight, ids, offsets, shift, psw, scale, grad.data_ptr<float>(),
+                                               pooled, o, want_psw_grad ? psw_grad.data_ptr<float>() : nullptr);
+    } else {
+      fused_backward_kernel<scalar_t, int32_t>(weight, ids, offsets, shift, psw, scale, grad.data_ptr<float>(),
+                                               pooled, o, want_psw_grad ? psw_grad.data_ptr<float>() : nullptr);
+    }
+  });
+  return psw_grad;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(shardkit_native, m) {
+  m.def(
+      "embedding_forward(Tensor weight, Tensor ids, Tensor offsets, Tensor? bag_shift, "
+      "Tensor? per_sample_weights, Tensor? bag_scale, bool pooled) -> (Tensor, Tensor)");
+  m.def(
+      "embedding_fused_backward(Tensor(a!) weight, Tensor ids, Tensor offsets, Tensor? bag_shift, "
+      "Tensor? per_sample_weights, Tensor? bag_scale, Tensor grad, bool pooled, int optimizer, float lr, "
+      "float eps, float beta1, float beta2, float step_size, Tensor(b!)[] state, bool want_psw_grad) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(shardkit_native, CPU, m) {
+  m.impl("embedding_forward", &embedding_forward);
+  m.impl("embedding_fused_backward", &embedding_fused_backward);
+}

@@ -1,0 +1,202 @@
+"""The embedding-lookup kernels behind one interface, with the backend chosen at run time.
+
+Two ops, each with a pure-torch backend (always), a native C++ backend (CPU tensors, built on this
+machine: :mod:`shardkit.kernels.native_build`) and a Triton backend (CUDA tensors, when ``triton``
+imports and :mod:`shardkit.kernels.triton_embedding` exists):
+
+- :func:`embedding_forward`: pooled (weighted) sums of rows per bag, or one row per id;
+- :func:`embedding_fused_backward`: sums each touched row's gradient and applies one sparse
+  optimizer step to it in place; no ``[N, D]`` intermediate and no gradient tensor for the table.
+
+Common arguments (N ids in B bags; rows of one ``[R, D]`` buffer holding several tables' shards):
+
+- weight: ``[R, D]`` fp32 / fp16 / bf16, contiguous.
+- ids: int32 or int64 ``[N]``; offsets: int64 ``[B + 1]``, from 0 to N.
+- bag_shift: int64 ``[B]`` or None: buffer row = ``ids[i] + bag_shift[bag of i]`` (a table's id 0
+  is its shard's first buffer row minus the shard's first table row).
+- per_sample_weights: float ``[N]`` or None (pooled only). bag_scale: fp32 ``[B]`` or None: multiplies
+  bag b's sum (``1 / length`` for MEAN pooling).
+- pooled: True for ``[B, D]`` bag sums, False for ``[N, D]`` rows (then weights and scale are unused).
+
+:func:`kernel_backend` picks a backend for a block of code (tests compare the backends this way);
+``SHARDKIT_NATIVE=0`` keeps the native one off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Iterator, Optional
+
+import torch
+
+from shardkit.kernels import embedding_torch
+from shardkit.kernels.native_build import native_ops
+from shardkit.kernels.row_optimizer import RowOptimizerArgs
+
+BACKENDS = ("torch", "native", "triton")
+_forced: Optional[str] = None
+_NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class RowOutOfRange(IndexError):
+    """An id whose buffer row is outside ``[0, R)``; ``position`` is its index in ids."""
+
+    def __init__(self, position: int, row: int, num_rows: int) -> None:
+        super().__init__(f"id at position {position} maps to buffer row {row}, outside [0, {num_rows})")
+        self.position = position
+
+
+@contextlib.contextmanager
+def kernel_backend(name: Optional[str]) -> Iterator[None]:
+    """Use backend ``name`` (one of :data:`BACKENDS`, or None for automatic) inside the block.
+
+    Raises RuntimeError inside the block if that backend cannot run the tensors given.
+    """
+    global _forced
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend '{name}'; expected one of {BACKENDS}")
+    previous, _forced = _forced, name
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+def _triton_module():
+    try:
+        return importlib.import_module("shardkit.kernels.triton_embedding")
+    except ImportError:
+        return None
+
+
+def _native_can_run(weight: torch.Tensor, ids: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and ids.device.type == "cpu"
+        and weight.dtype in _NATIVE_DTYPES
+        and ids.dtype in (torch.int32, torch.int64)
+        and weight.is_contiguous()
+        and native_ops() is not None
+    )
+
+
+def select_backend(weight: torch.Tensor, ids: torch.Tensor) -> str:
+    """The backend that runs these tensors: the forced one, else the fastest available."""
+    if _forced is not None:
+        if _forced == "native" and not _native_can_run(weight, ids):
+            raise RuntimeError("the native kernel backend is not available for these tensors")
+        if _forced == "triton" and (_triton_module() is None or not _triton_module().available(weight)):
+            raise RuntimeError("the triton kernel backend is not available for these tensors")
+        return _forced
+    if weight.device.type == "cuda":
+        triton = _triton_module()
+        return "triton" if triton is not None and triton.available(weight) else "torch"
+    return "native" if _native_can_run(weight, ids) else "torch"
+
+
+def _native_args(ids, offsets, bag_shift, per_sample_weights, bag_scale):
+    return (
+        ids.contiguous(),
+        offsets.to(torch.int64).contiguous(),
+        None if bag_shift is None else bag_shift.to(torch.int64).contiguous(),
+        None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous(),
+        None if bag_scale is None else bag_scale.to(torch.float32).contiguous(),
+    )
+
+
+def embedding_forward(
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    bag_shift: Optional[torch.Tensor] = None,
+    per_sample_weights: Optional[torch.Tensor] = None,
+    bag_scale: Optional[torch.Tensor] = None,
+    pooled: bool = True,
+) -> torch.Tensor:
+    """``[B, D]`` (pooled) or ``[N, D]`` rows in weight's dtype; not differentiable (see module doc).
+
+    Raises :class:`RowOutOfRange` (an IndexError) for an id outside the buffer on the native backend.
+    """
+    backend = select_backend(weight, ids)
+    if backend == "native":
+        ids, offsets, bag_shift, psw, bag_scale = _native_args(
+            ids, offsets, bag_shift, per_sample_weights, bag_scale
+        )
+        out, first_bad = native_ops().embedding_forward(
+            weight, ids, offsets, bag_shift, psw, bag_scale, pooled
+        )
+        position = int(first_bad[0])
+        if position >= 0:
+            rows = embedding_torch.buffer_rows(ids, offsets, bag_shift)
+            raise RowOutOfRange(position, int(rows[position]), weight.shape[0])
+        return out
+    if backend == "triton":
+        return _triton_module().embedding_forward(
+            weight, ids, offsets, bag_shift, per_sample_weights, bag_scale, pooled
+        )
+    with torch.no_grad():
+        return embedding_torch.embedding_forward(
+            weight, ids, offsets, bag_shift, per_sample_weights, bag_scale, pooled
+        )
+
+
+def embedding_fused_backward(
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    bag_shift: Optional[torch.Tensor],
+    per_sample_weights: Optional[torch.Tensor],
+    bag_scale: Optional[torch.Tensor],
+    grad: torch.Tensor,
+    pooled: bool,
+    optimizer: RowOptimizerArgs,
+    want_psw_grad: bool = False,
+) -> Optional[torch.Tensor]:
+    """Apply ``optimizer`` to every row the forward read, in place; ``weight`` gets no gradient.
+
+    grad: ``[B, D]`` (pooled) or ``[N, D]``, any float dtype (used in fp32). Each distinct row is
+    updated once with the fp32 sum over its ids of ``w_i * scale_b * grad[b]``, summed in id order.
+    Returns the per-sample weights' gradient (fp32 ``[N]``: ``scale_b * <grad[b], row before the
+    update>``) when ``want_psw_grad``, else None.
+    """
+    backend = select_backend(weight, ids)
+    if backend == "native":
+        ids, offsets, bag_shift, psw, bag_scale = _native_args(
+            ids, offsets, bag_shift, per_sample_weights, bag_scale
+        )
+        psw_grad = native_ops().embedding_fused_backward(
+            weight,
+            ids,
+            offsets,
+            bag_shift,
+            psw,
+            bag_scale,
+            grad.to(torch.float32).contiguous(),
+            pooled,
+            optimizer.code,
+            optimizer.lr,
+            optimizer.eps,
+            optimizer.beta1,
+            optimizer.beta2,
+            optimizer.adam_step_size,
+            list(optimizer.state),
+            want_psw_grad,
+        )
+        return psw_grad if want_psw_grad else None
+    if backend == "triton":
+        return _triton_module().embedding_fused_backward(
+            weight,
+            ids,
+            offsets,
+            bag_shift,
+            per_sample_weights,
+            bag_scale,
+            grad,
+            pooled,
+            optimizer,
+            want_psw_grad,
+        )
+    return embedding_torch.embedding_fused_backward(
+        weight, ids, offsets, bag_shift, per_sample_weights, bag_scale, grad, pooled, optimizer, want_psw_grad
+    )

@@ -1,0 +1,216 @@
+"""The native C++ embedding kernels against the pure-torch reference, op by op and through a module.
+
+Bounds asserted here (and stated in docs/performance.md): fp32 forward bitwise equal; fp32 SGD bitwise
+equal; Adagrad / row-wise Adagrad / Adam within 1e-6 relative over several steps (the order of a
+reduction inside one rule differs); fp16 / bf16 forward within one rounding of the table dtype (the
+native path accumulates in fp32, torch's CPU kernel may not).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from shardkit.kernels import (
+    RowOptimizerArgs,
+    RowOutOfRange,
+    embedding_forward,
+    embedding_fused_backward,
+    kernel_backend,
+    native_enabled_by_env,
+    native_ops,
+)
+
+NATIVE_OFF = not native_enabled_by_env()
+needs_native = pytest.mark.skipif(NATIVE_OFF, reason="SHARDKIT_NATIVE=0: the native kernels are switched off")
+
+ROWS, DIM, BAGS = 300, 24, 40
+HALF_TOL = {torch.float32: 0.0, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _batch(id_dtype=torch.int64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 7, (BAGS,), generator=gen)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    ids = torch.randint(0, ROWS // 2, (int(lengths.sum()),), generator=gen).to(id_dtype)
+    shift = torch.randint(0, ROWS // 2, (BAGS,), generator=gen)
+    psw = torch.rand(ids.numel(), generator=gen) + 0.5
+    scale = 1.0 / lengths.clamp(min=1).to(torch.float32)
+    return ids, offsets, shift, psw, scale
+
+
+def _state(kind, dtype=torch.float32):
+    return {
+        "SGD": (),
+        "ADAGRAD": (torch.zeros(ROWS, DIM),),
+        "ROWWISE_ADAGRAD": (torch.zeros(ROWS),),
+        "ADAM": (torch.zeros(ROWS, DIM), torch.zeros(ROWS, DIM)),
+    }[kind]
+
+
+def test_native_kernels_build_on_this_machine():
+    # CI has a compiler: the native path must really be in use there, not silently replaced
+    if NATIVE_OFF:
+        assert native_ops() is None
+    else:
+        assert native_ops() is not None
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("pooled", [True, False])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_forward_matches_torch(dtype, id_dtype, pooled, weighted, scaled):
+    weight = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(3)).to(dtype)
+    ids, offsets, shift, psw, scale = _batch(id_dtype)
+    args = (weight, ids, offsets, shift, psw if weighted else None, scale if scaled else None, pooled)
+    with kernel_backend("torch"):
+        expected = embedding_forward(*args)
+    with kernel_backend("native"):
+        got = embedding_forward(*args)
+    assert got.dtype == dtype and got.shape == expected.shape
+    if dtype == torch.float32 or not pooled:
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(
+            got.float(), expected.float(), rtol=HALF_TOL[dtype], atol=HALF_TOL[dtype] * 8
+        )
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["SGD", "ADAGRAD", "ROWWISE_ADAGRAD", "ADAM"])
+@pytest.mark.parametrize("pooled", [True, False])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_backward_matches_torch(kind, pooled, weighted, dtype):
+    ids, offsets, shift, psw, scale = _batch(seed=1)
+    results = {}
+    for backend in ("torch", "native"):
+        weight = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(4)).to(dtype)
+        state = _state(kind)
+        psw_grads = []
+        for step in range(1, 4):
+            rows_out = BAGS if pooled else ids.numel()
+            grad = torch.randn(rows_out, DIM, generator=torch.Generator().manual_seed(10 + step))
+            optimizer = RowOptimizerArgs(kind, lr=0.05, eps=1e-8, step=step, state=state)
+            with kernel_backend(backend):
+                psw_grads.append(
+                    embedding_fused_backward(
+                        weight,
+                        ids,
+                        offsets,
+                        shift,
+                        psw if weighted and pooled else None,
+                        scale if pooled else None,
+                        grad,
+                        pooled,
+                        optimizer,
+                        want_psw_grad=weighted and pooled,
+                    )
+                )
+        results[backend] = (weight, state, psw_grads)
+    (w_t, s_t, g_t), (w_n, s_n, g_n) = results["torch"], results["native"]
+    if kind == "SGD" and dtype == torch.float32:
+        assert torch.equal(w_n, w_t)
+    elif dtype == torch.float32:
+        torch.testing.assert_close(w_n, w_t, rtol=1e-6, atol=1e-6)
+    else:  # both round the fp32 result to bf16: at most one bf16 step apart
+        torch.testing.assert_close(w_n.float(), w_t.float(), rtol=8e-3, atol=8e-3)
+    for a, b in zip(s_n, s_t):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g_n, g_t):
+        if a is None or b is None:
+            assert a is None and b is None
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # rows that no id reads keep their exact initial values
+    ids_rows = (ids.to(torch.int64) + torch.repeat_interleave(shift, offsets.diff())).unique()
+    untouched = torch.ones(ROWS, dtype=torch.bool)
+    untouched[ids_rows] = False
+    initial = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(4)).to(dtype)
+    assert torch.equal(w_n[untouched], initial[untouched])
+
+
+@needs_native
+def test_native_out_of_range_id_raises_and_reads_nothing():
+    weight = torch.randn(ROWS, DIM)
+    ids = torch.tensor([1, 2, ROWS + 5, 3])
+    offsets = torch.tensor([0, 2, 4])
+    with kernel_backend("native"), pytest.raises(RowOutOfRange) as info:
+        embedding_forward(weight, ids, offsets)
+    assert info.value.position == 2 and f"outside [0, {ROWS})" in str(info.value)
+    with kernel_backend("native"), pytest.raises(RuntimeError, match="outside the buffer"):
+        embedding_fused_backward(
+            weight, ids, offsets, None, None, None, torch.ones(2, DIM), True, RowOptimizerArgs("SGD", 0.1)
+        )
+
+
+def _run_child(code: str, **env: str) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k != "SHARDKIT_NATIVE"}
+    full_env.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=300
+    )
+
+
+_CHILD = """
+import torch
+from shardkit.kernels import native_ops, native_failure
+from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig
+from shardkit.sparse import KeyedJaggedTensor
+ebc = EmbeddingBagCollection([EmbeddingBagConfig(10, 4, name="t", feature_names=["f"])],
+                             fused_optimizer=FusedOptimizerConfig("SGD", lr=0.1))
+kjt = KeyedJaggedTensor(["f"], torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1]))
+for _ in range(2):
+    ebc(kjt).values().sum().backward()
+print("native", native_ops() is not None, "failure", native_failure())
+"""
+
+
+def test_without_a_compiler_the_torch_path_runs_with_one_notice(tmp_path):
+    done = _run_child(_CHILD, CXX=str(tmp_path / "no-such-compiler"), SHARDKIT_CACHE=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "native False" in done.stdout
+    notices = [line for line in done.stderr.splitlines() if "native CPU kernels off" in line]
+    assert len(notices) == 1 and "no C++ compiler" in notices[0], done.stderr
+
+
+def test_shardkit_native_0_switches_the_native_path_off(tmp_path):
+    done = _run_child(_CHILD, SHARDKIT_NATIVE="0", SHARDKIT_CACHE=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "native False" in done.stdout and "SHARDKIT_NATIVE=0" in done.stderr
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["SGD", "ADAGRAD"])
+def test_collection_trains_the_same_on_both_backends(kind):
+    from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig, PoolingType
+    from shardkit.sparse import KeyedJaggedTensor
+
+    tables = [
+        EmbeddingBagConfig(50, 8, name="a", feature_names=["f0", "f1"]),
+        EmbeddingBagConfig(30, 8, name="b", feature_names=["f2"], pooling=PoolingType.MEAN),
+    ]
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(0, 4, (3 * 6,), generator=gen)
+    values = torch.randint(0, 30, (int(lengths.sum()),), generator=gen)
+    kjt = KeyedJaggedTensor(["f0", "f1", "f2"], values, lengths=lengths)
+    trained = {}
+    for backend in ("torch", "native"):
+        torch.manual_seed(0)
+        ebc = EmbeddingBagCollection(tables, fused_optimizer=FusedOptimizerConfig(kind, lr=0.1))
+        with kernel_backend(backend):
+            for _ in range(3):
+                ebc(kjt).values().pow(2).sum().backward()
+        trained[backend] = {name: ebc.table_weight(name).clone() for name in ("a", "b")}
+    for name in ("a", "b"):
+        if kind == "SGD":
+            assert torch.equal(trained["native"][name], trained["torch"][name])
+        else:
+            torch.testing.assert_close(trained["native"][name], trained["torch"][name], rtol=1e-6, atol=1e-6)
