@@ -205,9 +205,90 @@ def _check_saved_tensors():
     big = [s for s in saved if s.numel() >= x.numel()]
     assert len(big) == 1 and big[0].data_ptr() == x.data_ptr()
     assert all(s.numel() <= t.numel() for s in saved if s.data_ptr() != x.data_ptr())
+    # exactly what the docs list: the logits and target by reference, lse [T] fp32 (the one new
+    # per-token tensor, as in TE's kernel), the token count and the vocabulary size (0-d scalars)
+    refs = (x.data_ptr(), t.data_ptr())
+    by_ref = [s for s in saved if s.data_ptr() in refs]
+    new = sorted(((tuple(s.shape), s.dtype) for s in saved if s.data_ptr() not in refs), key=str)
+    assert len(by_ref) == 2 and len(saved) == 5
+    assert new[-1] == ((t.numel(),), torch.float32) and all(shape == () for shape, _ in new[:-1])
     return True
 
 
 @pytest.mark.parametrize("world_size", [2])
 def test_saves_only_a_reference_and_per_token_statistics(world_size):
     assert all(run_world(_check_saved_tensors, world_size))
+
+
+# ---------------------------------------------------------------------------------------------------
+# drop-in calls: Megatron's positional label_smoothing, TE / NeMo Automodel's names
+
+EVEN_VOCAB = 12  # Megatron's calls take even shards (no offsets): 12 divides by 1, 2 and 3
+
+
+def _check_megatron_call():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    start, end = vocab_slice(EVEN_VOCAB, world, rank)
+    X, t = randn((3, 4, EVEN_VOCAB), 40), _targets((3, 4), EVEN_VOCAB, 41)
+    ref_x = X.clone().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(
+        ref_x.reshape(-1, EVEN_VOCAB), t.reshape(-1), label_smoothing=0.1, reduction="none"
+    )
+    ref.sum().backward()
+    results = []
+    # Megatron's call, and the same with the group under Megatron-style and shardkit names
+    calls = [
+        lambda x: vocab_parallel_cross_entropy(x, t, 0.1),
+        lambda x: vocab_parallel_cross_entropy(x, t, 0.1, tp_group=dist.group.WORLD),
+        lambda x: vocab_parallel_cross_entropy(x, t, label_smoothing=0.1, group=dist.group.WORLD),
+    ]
+    for call in calls:
+        x = X[..., start:end].clone().requires_grad_()
+        out = call(x)
+        torch.testing.assert_close(out.reshape(-1), ref.detach())
+        out.sum().backward()
+        torch.testing.assert_close(x.grad, ref_x.grad.view(X.shape)[..., start:end])
+        results.append(True)
+    # earlier shardkit code passed the group third: a ProcessGroup there is the group, no smoothing
+    x = X[..., start:end]
+    plain = torch.nn.functional.cross_entropy(X.reshape(-1, EVEN_VOCAB), t.reshape(-1), reduction="none")
+    torch.testing.assert_close(vocab_parallel_cross_entropy(x, t, dist.group.WORLD).reshape(-1), plain)
+    with pytest.raises(TypeError, match="not both"):
+        vocab_parallel_cross_entropy(x, t, group=dist.group.WORLD, tp_group=dist.group.WORLD)
+    with pytest.raises(TypeError, match="both as the third"):
+        vocab_parallel_cross_entropy(x, t, dist.group.WORLD, group=dist.group.WORLD)
+    # the smoothing must be a number in [0, 1]: anything else fails on every rank, never silently
+    with pytest.raises(ValueError):
+        vocab_parallel_cross_entropy(x, t, 1.5)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_megatron_positional_label_smoothing_is_exact(world_size):
+    assert run_world(_check_megatron_call, world_size) == [[True] * 3] * world_size
+
+
+def _check_num_label_tokens():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    start, end = vocab_slice(EVEN_VOCAB, world, rank)
+    X, t = randn((2, 5, EVEN_VOCAB), 42), _targets((2, 5), EVEN_VOCAB, 43)
+    t[0, :2] = -100
+    summed = torch.nn.functional.cross_entropy(X.reshape(-1, EVEN_VOCAB), t.reshape(-1), reduction="sum")
+    loss_fn = TEParallelCrossEntropy(reduction="sum", tp_group=dist.group.WORLD)
+    out = loss_fn(X[..., start:end], t, num_label_tokens=24)  # e.g. tokens over 3 micro-batches
+    torch.testing.assert_close(out, summed / 24)
+    torch.testing.assert_close(loss_fn(X[..., start:end], t, num_label_tokens=torch.tensor(8.0)), summed / 8)
+    with pytest.raises(ValueError, match="num_label_tokens"):
+        TEParallelCrossEntropy(reduction="mean")(X[..., start:end], t, num_label_tokens=8)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_num_label_tokens_divides_the_summed_loss(world_size):
+    assert all(run_world(_check_num_label_tokens, world_size))
+
+
+def test_te_availability_names():
+    from shardkit.losses import HAVE_TE_PARALLEL_CE, MISSING_TE_PARALLEL_CE_MSG
+
+    assert HAVE_TE_PARALLEL_CE is True and isinstance(MISSING_TE_PARALLEL_CE_MSG, str)

@@ -43,8 +43,16 @@ def _check_rl_helpers():
             values, ids = vocab_parallel_topk(x, k, vocab_start_index=start, vocab_end_index=end)
             ref_values, _ = X.topk(k, -1)
             assert values.dtype == dtype and torch.equal(values, ref_values)
+            fp32, fp32_ids = vocab_parallel_topk(
+                x, k, vocab_start_index=start, vocab_end_index=end, out_dtype=torch.float32
+            )
+            # NeMo RL's fp32 values: the same selection, converted exactly
+            assert fp32.dtype == torch.float32 and torch.equal(fp32, ref_values.float())
+            assert torch.equal(fp32_ids, ids)
             assert torch.equal(X.gather(-1, ids), values)  # the ids point at those values
             assert torch.equal(ids.sort(-1).values, ids.sort(-1).values.unique_consecutive(dim=-1))
+        with pytest.raises(ValueError, match="out_dtype"):
+            vocab_parallel_topk(x, 2, vocab_start_index=start, vocab_end_index=end, out_dtype=torch.int64)
         with pytest.raises(ValueError, match="larger than the real vocabulary"):
             vocab_parallel_topk(x, 12, vocab_start_index=start, vocab_end_index=end, vocab_size=11)
     # ties across shards go to the lowest global id, as torch.argmax

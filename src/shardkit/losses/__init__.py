@@ -16,6 +16,8 @@ from shardkit.losses.logprobs import (
     vocab_parallel_logprobs,
 )
 from shardkit.losses.parallel_ce import (
+    HAVE_TE_PARALLEL_CE,
+    MISSING_TE_PARALLEL_CE_MSG,
     CrossEntropyFunction,
     ParallelCrossEntropy,
     TEParallelCrossEntropy,
@@ -24,6 +26,8 @@ from shardkit.losses.parallel_ce import (
 from shardkit.losses.rl_helpers import vocab_parallel_argmax, vocab_parallel_entropy, vocab_parallel_topk
 
 __all__ = [
+    "HAVE_TE_PARALLEL_CE",
+    "MISSING_TE_PARALLEL_CE_MSG",
     "CrossEntropyFunction",
     "DistributedLogprob",
     "ParallelCrossEntropy",

@@ -13,9 +13,10 @@ smoothing, ``V`` the real vocabulary size and ``lse = logsumexp(z)``::
 Ignored tokens (``target == ignore_index``) have loss 0 and gradient exactly 0.
 
 Memory, in units of one ``[T, V/tp]`` tensor of the input dtype (``T`` tokens): forward saves a
-reference to the logits and target (no copy) and ``lse`` ``[T]`` fp32; it allocates only fp32 work
-blocks of ``chunk_size`` rows. Backward allocates the one gradient buffer (1 unit) and recomputes the
-softmax block by block, locally. A no-grad call saves nothing. Non-contiguous logits cost one copy.
+reference to the logits and target (no copy), ``lse`` ``[T]`` fp32 and two 0-d scalars; it allocates
+only fp32 work blocks of ``chunk_size`` rows. Backward allocates the one gradient buffer (1 unit) and
+recomputes the softmax block by block, locally. A no-grad call saves nothing. Non-contiguous logits
+cost one copy.
 
 Communication per call: forward one all-gather of ``[T, 3]`` fp32 statistics (``[T, 4]`` with label
 smoothing) over ``group``, preceded by one small descriptor all-gather when validation is on (see
@@ -30,11 +31,11 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 from shardkit.losses import statistics as st
 from shardkit.losses.checks import option_problems, validate_call
 from shardkit.losses.dtensor import plain_tensor, resolve_vocab_shard
+from shardkit.losses.first_order import first_order_only
 
 
 @dataclass(frozen=True)
@@ -266,8 +267,9 @@ def saved_backward(ctx, grad_output: torch.Tensor) -> torch.Tensor:
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """``forward(ctx, logits [..., V/tp], target [...], opts)`` -> fp32 loss; see the module doc.
 
-    Saved for backward: the logits and target themselves (references), ``lse`` ``[T]`` fp32 and the
-    token count. Backward returns one gradient in the logits' dtype and communicates nothing.
+    Saved for backward: the logits and target themselves (references, no copy), ``lse`` ``[T]`` fp32
+    (the only new per-token tensor) and two 0-d scalars (the token count, the real vocabulary size).
+    Backward returns one gradient in the logits' dtype and communicates nothing.
     """
 
     @staticmethod
@@ -277,7 +279,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # backward is a closed-form kernel, not a graph: no double backward
+    @first_order_only  # backward is a closed-form kernel, not a graph: double backward raises
     def backward(ctx, grad_output):  # type: ignore[override]
         return saved_backward(ctx, grad_output), None, None
 
@@ -292,16 +294,37 @@ def apply_cross_entropy(
         return cross_entropy_forward(logits, target, opts)[0]
 
 
+def _label_smoothing_and_group(
+    label_smoothing: Any, group: Optional[dist.ProcessGroup], tp_group: Optional[dist.ProcessGroup]
+) -> tuple[float, Optional[dist.ProcessGroup]]:
+    """Megatron's third positional parameter is ``label_smoothing``; earlier shardkit code passed the
+    group there. A number always means label smoothing; a ProcessGroup can only mean the group."""
+    if group is not None and tp_group is not None:
+        raise TypeError("vocab_parallel_cross_entropy: pass group= or tp_group=, not both")
+    group = group if group is not None else tp_group
+    if label_smoothing is None:
+        return 0.0, group
+    if isinstance(label_smoothing, dist.ProcessGroup):
+        if group is not None:
+            raise TypeError(
+                "vocab_parallel_cross_entropy: a process group was passed both as the third positional "
+                "argument (Megatron's label_smoothing) and as group= / tp_group="
+            )
+        return 0.0, label_smoothing
+    return label_smoothing, group
+
+
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
-    group: Optional[dist.ProcessGroup] = None,
+    label_smoothing: float = 0.0,
     *,
+    group: Optional[dist.ProcessGroup] = None,
+    tp_group: Optional[dist.ProcessGroup] = None,
     vocab_start_index: Optional[int] = None,
     vocab_end_index: Optional[int] = None,
     vocab_size: Optional[int] = None,
     ignore_index: int = -100,
-    label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     softcap: Optional[float] = None,
     temperature: float = 1.0,
@@ -311,16 +334,24 @@ def vocab_parallel_cross_entropy(
 ) -> torch.Tensor:
     """Cross-entropy of vocab-sharded logits against global target ids, exact at any tensor-parallel size.
 
+    Megatron's call ``vocab_parallel_cross_entropy(logits, target, label_smoothing)`` means the same
+    here (with the group as ``tp_group=`` / ``group=``, a keyword); the smoothing is exact (PyTorch's,
+    over the whole vocabulary), where Megatron's is computed per rank at tp > 1. For code written
+    against earlier shardkit releases, a ProcessGroup in the third position is taken as the group: a
+    number there is always the label smoothing.
+
     Args:
         logits: ``[..., V/tp]`` (e.g. ``[B, S, V/tp]`` or ``[S, B, V/tp]``), fp32 / bf16 / fp16 / fp64;
             or a DTensor sharded on its last dim (then no group or offsets).
         target: ``[...]`` integer global token ids, the same on every rank of ``group``.
-        group: the tensor-parallel group (None: the default group; one rank: no communication).
+        label_smoothing: PyTorch's (``F.cross_entropy(label_smoothing=)``), in ``[0, 1]``.
+        group, tp_group: the tensor-parallel group, under either name (None: the default group; one
+            rank: no communication).
         vocab_start_index, vocab_end_index: this rank's half-open slice; default even shards.
         vocab_size: the real vocabulary size when the sharded vocabulary is padded; columns at and
             past it never receive probability (nor gradient).
         ignore_index: targets equal to it have loss 0 and gradient 0.
-        label_smoothing, z_loss, softcap, temperature: see the module doc.
+        z_loss, softcap, temperature: see the module doc.
         reduction: "none" (``[...]`` fp32 per token), "sum", or "mean" over non-ignored tokens
             (counted over ``dp_group`` too when given; an all-ignored batch gives 0).
         chunk_size: tokens per fp32 work block (default: about 8M elements per block).
@@ -328,6 +359,7 @@ def vocab_parallel_cross_entropy(
         fp32 loss, replicated on every rank of ``group``.
     """
     op = "vocab_parallel_cross_entropy"
+    label_smoothing, group = _label_smoothing_and_group(label_smoothing, group, tp_group)
     local, target, opts = prepare_cross_entropy(
         op,
         logits,

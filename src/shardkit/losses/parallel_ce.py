@@ -1,5 +1,6 @@
 """The specification's cross-entropy front ends: ``CrossEntropyFunction``, ``parallel_cross_entropy``,
-``ParallelCrossEntropy`` (also under the specification's name ``TEParallelCrossEntropy``).
+``ParallelCrossEntropy`` (also under the specification's name ``TEParallelCrossEntropy``), and the
+specification's ``HAVE_TE_PARALLEL_CE`` / ``MISSING_TE_PARALLEL_CE_MSG``.
 
 They take even vocabulary shards (rank ``r`` of the group holds ``[r * w, (r + 1) * w)``) and share
 the kernels, memory budget and communication of ``shardkit.losses.cross_entropy``.
@@ -7,11 +8,10 @@ the kernels, memory budget and communication of ``shardkit.losses.cross_entropy`
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 from shardkit.losses.checks import REDUCTIONS
 from shardkit.losses.cross_entropy import (
@@ -20,6 +20,15 @@ from shardkit.losses.cross_entropy import (
     prepare_cross_entropy,
     save_for_backward,
     saved_backward,
+)
+from shardkit.losses.first_order import first_order_only
+
+# The specification's availability flag and message (NeMo Automodel guards its TE import with them).
+# shardkit's parallel cross-entropy is pure PyTorch and always available.
+HAVE_TE_PARALLEL_CE = True
+MISSING_TE_PARALLEL_CE_MSG = (
+    "shardkit's parallel cross-entropy needs no Transformer Engine and is always available; "
+    "this message exists for code that checks HAVE_TE_PARALLEL_CE"
 )
 
 
@@ -30,7 +39,8 @@ class CrossEntropyFunction(torch.autograd.Function):
     global ids. Returns the fp32 per-token loss ``[B, S]`` (``[S, B]``), or with ``reduce_loss`` the
     mean over tokens whose target is not ``ignore_idx`` (0 when there are none). ``label_smoothing``
     follows ``F.cross_entropy``. The gradient has ``_input``'s dtype; backward communicates nothing.
-    Saved for backward: references to ``_input`` and ``target``, ``lse`` ``[T]`` fp32, the token count.
+    Saved for backward: references to ``_input`` and ``target`` (no copy), ``lse`` ``[T]`` fp32, and two
+    0-d scalars (the token count, the real vocabulary size).
     """
 
     @staticmethod
@@ -53,7 +63,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # backward is a closed-form kernel, not a graph: no double backward
+    @first_order_only  # backward is a closed-form kernel, not a graph: double backward raises
     def backward(ctx, grad_output):  # type: ignore[override]
         return saved_backward(ctx, grad_output), None, None, None, None, None
 
@@ -119,8 +129,21 @@ class ParallelCrossEntropy:
         self.options = options
 
     def __call__(
-        self, logits: torch.Tensor, labels: torch.Tensor, mask: Optional[torch.Tensor] = None
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+        num_label_tokens: Optional[Union[int, torch.Tensor]] = None,
     ) -> torch.Tensor:
+        """``num_label_tokens`` (NeMo Automodel's): with ``reduction="sum"``, the sum is divided by it
+        (e.g. the number of label tokens over all micro-batches of a gradient-accumulation step).
+        With another reduction it raises ``ValueError`` rather than being ignored.
+        """
+        if num_label_tokens is not None and self.reduction != "sum":
+            raise ValueError(
+                f"ParallelCrossEntropy: num_label_tokens normalizes a summed loss; "
+                f"reduction is {self.reduction!r}, not 'sum'"
+            )
         problems = []
         if mask is not None:
             if tuple(mask.shape) != tuple(labels.shape):
@@ -140,7 +163,10 @@ class ParallelCrossEntropy:
             problems=problems,
             **self.options,
         )
-        return apply_cross_entropy(local, target, opts)
+        loss = apply_cross_entropy(local, target, opts)
+        if num_label_tokens is not None:
+            loss = loss / num_label_tokens
+        return loss
 
     def __repr__(self) -> str:
         return f"ParallelCrossEntropy(ignore_index={self.ignore_index}, reduction={self.reduction!r})"

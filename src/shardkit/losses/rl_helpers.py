@@ -10,7 +10,8 @@ Padding columns past ``vocab_size`` are never selected and carry no probability.
   One all-gather of ``[T, 3]`` statistics.
 - ``vocab_parallel_argmax``: global ids ``[...]`` int64 of the largest logit, ties to the lowest id (as
   ``torch.argmax``). One all-gather of ``[T, 2]`` fp64 (value, id) pairs. Not differentiable.
-- ``vocab_parallel_topk``: values ``[..., k]`` (input dtype, exact) and global ids ``[..., k]`` int64,
+- ``vocab_parallel_topk``: values ``[..., k]`` (input dtype, or ``out_dtype=``; exact) and global ids
+  ``[..., k]`` int64,
   sorted by value, ties to the lower id. One all-gather of ``[T, k, 2]`` fp64. Not differentiable.
 
 The behaviour on NaN logits is unspecified for argmax / top-k.
@@ -22,12 +23,12 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 from shardkit.distributed.agreement import all_gather_flat, group_size
 from shardkit.losses import statistics as st
 from shardkit.losses.checks import option_problems, validate_call
 from shardkit.losses.dtensor import resolve_vocab_shard
+from shardkit.losses.first_order import first_order_only
 
 # entropy statistics columns: local max, sum exp(z - max), sum exp(z - max) * z
 _EMAX, _ESUM, _EZ = 0, 1, 2
@@ -87,7 +88,7 @@ class _Entropy(torch.autograd.Function):
         return (lse - mean_z).view(logits.shape[:-1])
 
     @staticmethod
-    @once_differentiable  # backward is a closed-form kernel, not a graph: no double backward
+    @first_order_only  # backward is a closed-form kernel, not a graph: double backward raises
     def backward(ctx, grad_output):  # type: ignore[override]
         logits, lse, mean_z = ctx.saved_tensors
         shard, transform = ctx.shard, ctx.transform
@@ -179,14 +180,18 @@ def vocab_parallel_topk(
     vocab_start_index: Optional[int] = None,
     vocab_end_index: Optional[int] = None,
     vocab_size: Optional[int] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest logits per token over the whole vocabulary: ``(values [..., k], ids [..., k])``.
 
-    Values keep the logits' dtype; ids are global int64. ``ValueError`` on every rank when ``k`` exceeds
-    the real vocabulary size.
+    Values have ``out_dtype`` (default: the logits' dtype, as ``torch.topk``; ``torch.float32`` gives
+    NeMo RL's fp32 values); they are exact either way, selected on the logits' own values. Ids are
+    global int64. ``ValueError`` on every rank when ``k`` exceeds the real vocabulary size.
     """
     op = "vocab_parallel_topk"
     problems = [] if isinstance(k, int) and k >= 1 else [f"k must be a positive int, got {k!r}"]
+    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
+        problems.append(f"out_dtype must be a floating torch.dtype or None, got {out_dtype!r}")
     logits, group, shard = _prepare(
         op, logits, group, vocab_start_index, vocab_end_index, vocab_size, problems
     )
@@ -197,7 +202,7 @@ def vocab_parallel_topk(
         # the same gathered data on every rank: every rank raises
         raise ValueError(f"{op}: k={k} is larger than the real vocabulary size")
     shape = (*logits.shape[:-1], k)
-    return values.to(logits.dtype).view(shape), ids.to(torch.int64).view(shape)
+    return values.to(out_dtype or logits.dtype).view(shape), ids.to(torch.int64).view(shape)
 
 
 def vocab_parallel_argmax(
