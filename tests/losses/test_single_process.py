@@ -80,3 +80,32 @@ def test_gradcheck_float64():
         (H, W),
     )
     assert gradcheck(lambda h, w: vocab_parallel_linear_logprobs(h, w, tv, chunk_size=2), (H, W))
+
+
+# the losses' region functions: a backward that is a closed-form kernel cannot be differentiated
+# again; asking for it must fail loudly, never give a silent zero or a wrong second derivative
+DOUBLE_BACKWARD_CASES = {
+    "cross_entropy": lambda x, t: vocab_parallel_cross_entropy(x, t, 0.1),
+    "parallel_cross_entropy": lambda x, t: parallel_cross_entropy(x, t),
+    "logprobs": lambda x, t: vocab_parallel_logprobs(x, t),
+    "log_softmax": lambda x, t: distributed_log_softmax(x),
+    "entropy": lambda x, t: vocab_parallel_entropy(x),
+    "linear_cross_entropy": lambda x, t: vocab_parallel_linear_cross_entropy(
+        x, torch.eye(V, dtype=x.dtype), t
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DOUBLE_BACKWARD_CASES))
+def test_double_backward_fails_loudly(name):
+    x = randn((3, V), 60).requires_grad_()
+    t = randint(V, (3,), 61)
+    out = DOUBLE_BACKWARD_CASES[name](x, t)
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    # a gradient penalty: the gradient's dependence on x cannot be dropped without a word
+    penalty = DOUBLE_BACKWARD_CASES[name](x, t).sum() + g.pow(2).sum()
+    with pytest.raises(RuntimeError, match="closed-form kernel"):
+        penalty.backward()
+    # first order is unchanged by the marking
+    (plain,) = torch.autograd.grad(DOUBLE_BACKWARD_CASES[name](x, t).sum(), x)
+    torch.testing.assert_close(g.detach(), plain)

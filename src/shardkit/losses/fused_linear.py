@@ -28,13 +28,13 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 from shardkit.distributed.regions import copy_to_region
 from shardkit.losses import statistics as st
 from shardkit.losses.checks import option_problems, validate_call
 from shardkit.losses.cross_entropy import CrossEntropyOptions, gradient_blocks, loss_from_source
 from shardkit.losses.dtensor import plain_tensor, resolve_vocab_shard
+from shardkit.losses.first_order import first_order_only
 
 
 def _matmul_source(hidden2d: torch.Tensor, weight: torch.Tensor) -> st.Source:
@@ -58,7 +58,7 @@ class _FusedLinearLoss(torch.autograd.Function):
         return out * sign if sign != 1.0 else out
 
     @staticmethod
-    @once_differentiable  # backward is a closed-form kernel, not a graph: no double backward
+    @first_order_only  # backward is a closed-form kernel, not a graph: double backward raises
     def backward(ctx, grad_output):  # type: ignore[override]
         hidden2d, weight, target1d, lse, count, vocab = ctx.saved_tensors
         work = lse.dtype

@@ -16,12 +16,12 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 from shardkit.distributed.agreement import group_size
 from shardkit.losses import statistics as st
 from shardkit.losses.checks import option_problems, validate_call
 from shardkit.losses.dtensor import is_dtensor, resolve_vocab_shard
+from shardkit.losses.first_order import first_order_only
 
 
 def _lse(logits2d: torch.Tensor, group, rows: int) -> torch.Tensor:
@@ -61,7 +61,7 @@ class _LogSoftmax(torch.autograd.Function):
         return _subtract(logits2d, lse, rows).view(logits.shape)
 
     @staticmethod
-    @once_differentiable  # backward is a closed-form kernel, not a graph: no double backward
+    @first_order_only  # backward is a closed-form kernel, not a graph: double backward raises
     def backward(ctx, grad_output):  # type: ignore[override]
         logits, lse = ctx.saved_tensors
         logits2d = logits.reshape(-1, logits.size(-1))

@@ -14,7 +14,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 from shardkit.losses.cross_entropy import (
     CrossEntropyOptions,
@@ -23,6 +22,7 @@ from shardkit.losses.cross_entropy import (
     save_for_backward,
     saved_backward,
 )
+from shardkit.losses.first_order import first_order_only
 
 # marks the position past the end of each sequence in the next-token path; never a real id
 _NO_NEXT_TOKEN = -(2**62)
@@ -47,7 +47,7 @@ class _LogprobFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # backward is a closed-form kernel, not a graph: no double backward
+    @first_order_only  # backward is a closed-form kernel, not a graph: double backward raises
     def backward(ctx, grad_output):  # type: ignore[override]
         return saved_backward(ctx, -grad_output), None, None
 
@@ -87,7 +87,7 @@ class DistributedLogprob(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # backward is a closed-form kernel, not a graph: no double backward
+    @first_order_only  # backward is a closed-form kernel, not a graph: double backward raises
     def backward(ctx, *grad_outputs: torch.Tensor):  # type: ignore[override]
         if ctx.inference_only:
             raise RuntimeError("DistributedLogprob was called with inference_only=True: it has no backward")
