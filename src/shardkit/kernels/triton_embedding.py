@@ -1,0 +1,429 @@
+"""Triton backend of the embedding kernels (CUDA tensors), same semantics as :mod:`.embedding_torch`.
+
+The interface is the one :mod:`shardkit.kernels.embedding` dispatches to: :func:`available`,
+:func:`embedding_forward`, :func:`embedding_fused_backward` (arguments and shapes documented there).
+
+- Pooled forward: one program per bag loads ``[BLOCK_N, D]`` tiles of rows and sums them in fp32
+  (times the per-sample weights, times ``bag_scale``), one store per bag in the table's dtype.
+- Sequence forward: a row gather, ``[BLOCK_N, D]`` tiles per program.
+- Fused backward: the ids are sorted by buffer row with ``torch.sort`` (stable); the program at the
+  first sorted position of each distinct row sums that row's gradient in fp32 (in sorted = id order
+  per tile), applies the optimizer step to the row and its state and writes it back in place. Each
+  row is written by exactly one program and there are no float atomics: results are deterministic.
+  No host synchronization: the grid has one program per id and all but the first of each row exit.
+
+Triton is optional: this module imports without it (then :func:`available` is False and
+:func:`triton_failure` says why). The kernels are compiled for the GPU unless ``TRITON_INTERPRET=1``
+was set before this module was first imported; then they run on CPU tensors in Triton's interpreter
+(how CI tests them without a GPU), and :func:`available` is True for CPU tensors instead of CUDA ones.
+
+Ids outside the buffer are never read or written. The forward raises
+:class:`~shardkit.kernels.embedding.RowOutOfRange` for them, at the cost of one host sync per call;
+``SHARDKIT_TRITON_CHECK_IDS=0`` turns that check (and its sync) off, and such ids then contribute zeros.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from shardkit.kernels import embedding_torch
+from shardkit.kernels.row_optimizer import OPTIMIZERS, RowOptimizerArgs
+
+try:
+    import triton
+    import triton.language as tl
+
+    _TRITON_ERROR: Optional[str] = None
+except Exception as error:  # ImportError, or a triton that fails while importing
+    triton = None
+    tl = None
+    _TRITON_ERROR = f"{type(error).__name__}: {error}"
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CHECK_IDS = os.environ.get("SHARDKIT_TRITON_CHECK_IDS", "1") != "0"
+
+
+def _interpreter_on() -> bool:
+    if triton is None:
+        return False
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+# decided once: triton.jit builds an interpreted or a compiled function when the kernels are defined
+INTERPRETED = _interpreter_on()
+
+
+def triton_failure() -> Optional[str]:
+    """Why triton could not be imported, or None when it was."""
+    return _TRITON_ERROR
+
+
+def available(weight: torch.Tensor) -> bool:
+    """True when these kernels can run on ``weight``: triton imported, a supported dtype, and the
+    tensor on CUDA (on the CPU instead when the kernels were built for Triton's interpreter)."""
+    if triton is None or weight.dtype not in _DTYPES or weight.dim() != 2:
+        return False
+    return weight.device.type == ("cpu" if INTERPRETED else "cuda")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _pooled_forward_kernel(
+        weight_ptr,
+        ids_ptr,
+        offsets_ptr,
+        shift_ptr,
+        psw_ptr,
+        scale_ptr,
+        out_ptr,
+        bad_ptr,
+        num_rows,
+        D,
+        HAS_SHIFT: tl.constexpr,
+        HAS_PSW: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
+        CHECK: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        bag = tl.program_id(0).to(tl.int64)
+        start = tl.load(offsets_ptr + bag)
+        end = tl.load(offsets_ptr + bag + 1)
+        cols = tl.arange(0, BLOCK_D)
+        col_ok = cols < D
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        # a while loop, not range(start, end, BLOCK_N): Triton's interpreter cannot take tensor bounds
+        first = start
+        while first < end:
+            pos = first + tl.arange(0, BLOCK_N)
+            first += BLOCK_N
+            in_bag = pos < end
+            rows = tl.load(ids_ptr + pos, mask=in_bag, other=0).to(tl.int64)
+            if HAS_SHIFT:
+                rows += tl.load(shift_ptr + bag)
+            ok = in_bag & (rows >= 0) & (rows < num_rows)
+            if CHECK:
+                bad = in_bag & (ok == 0)
+                if tl.sum(bad.to(tl.int32), axis=0) > 0:
+                    tl.atomic_min(bad_ptr, tl.min(tl.where(bad, pos, 2**62), axis=0))
+            vals = tl.load(
+                weight_ptr + rows[:, None] * D + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0
+            ).to(tl.float32)
+            if HAS_PSW:
+                w = tl.load(psw_ptr + pos, mask=in_bag, other=0.0).to(tl.float32)
+                vals = vals * w[:, None]
+            acc += tl.sum(vals, axis=0)
+        if HAS_SCALE:
+            acc = acc * tl.load(scale_ptr + bag).to(tl.float32)
+        tl.store(out_ptr + bag * D + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+    @triton.jit
+    def _gather_rows_kernel(
+        weight_ptr,
+        rows_ptr,
+        out_ptr,
+        bad_ptr,
+        N,
+        num_rows,
+        D,
+        CHECK: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        pos = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_range = pos < N
+        cols = tl.arange(0, BLOCK_D)
+        col_ok = cols < D
+        rows = tl.load(rows_ptr + pos, mask=in_range, other=0).to(tl.int64)
+        ok = in_range & (rows >= 0) & (rows < num_rows)
+        if CHECK:
+            bad = in_range & (ok == 0)
+            if tl.sum(bad.to(tl.int32), axis=0) > 0:
+                tl.atomic_min(bad_ptr, tl.min(tl.where(bad, pos, 2**62), axis=0))
+        vals = tl.load(
+            weight_ptr + rows[:, None] * D + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0
+        )
+        tl.store(out_ptr + pos[:, None] * D + cols[None, :], vals, mask=in_range[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _fused_backward_kernel(
+        weight_ptr,
+        sorted_rows_ptr,
+        order_ptr,
+        seg_end_ptr,
+        bag_ptr,
+        psw_ptr,
+        scale_ptr,
+        grad_ptr,
+        state0_ptr,
+        state1_ptr,
+        psw_grad_ptr,
+        num_rows,
+        D,
+        float_D,
+        neg_lr,
+        eps,
+        one_minus_beta1,
+        one_minus_beta2,
+        neg_step_size,
+        OPT: tl.constexpr,
+        POOLED: tl.constexpr,
+        HAS_PSW: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
+        WANT_PSW_GRAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        i = tl.program_id(0).to(tl.int64)
+        row = tl.load(sorted_rows_ptr + i).to(tl.int64)
+        prev = tl.load(sorted_rows_ptr + tl.maximum(i - 1, 0)).to(tl.int64)
+        is_head = ((i == 0) | (prev != row)) & (row >= 0) & (row < num_rows)
+        if is_head:
+            end = tl.load(seg_end_ptr + i)
+            cols = tl.arange(0, BLOCK_D)
+            col_ok = cols < D
+            row_ptrs = row * D + cols
+            param = tl.load(weight_ptr + row_ptrs, mask=col_ok, other=0.0).to(tl.float32)
+            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+            first = i
+            while first < end:
+                pos = first + tl.arange(0, BLOCK_N)
+                first += BLOCK_N
+                in_seg = pos < end
+                id_pos = tl.load(order_ptr + pos, mask=in_seg, other=0)
+                if POOLED:
+                    src = tl.load(bag_ptr + id_pos, mask=in_seg, other=0)
+                else:
+                    src = id_pos
+                tile_ok = in_seg[:, None] & col_ok[None, :]
+                g = tl.load(grad_ptr + src[:, None] * D + cols[None, :], mask=tile_ok, other=0.0)
+                g = g.to(tl.float32)
+                if HAS_SCALE:
+                    g = g * tl.load(scale_ptr + src, mask=in_seg, other=0.0).to(tl.float32)[:, None]
+                if WANT_PSW_GRAD:
+                    # the row before this step's update, as in the forward
+                    tl.store(psw_grad_ptr + id_pos, tl.sum(g * param[None, :], axis=1), mask=in_seg)
+                if HAS_PSW:
+                    g = g * tl.load(psw_ptr + id_pos, mask=in_seg, other=0.0).to(tl.float32)[:, None]
+                acc += tl.sum(g, axis=0)
+            # each rule follows the op sequence of row_optimizer.apply_rows_ (fp32, rounded division/sqrt)
+            if OPT == 0:
+                param = param + neg_lr * acc
+            elif OPT == 1:
+                state_sum = tl.load(state0_ptr + row_ptrs, mask=col_ok, other=0.0) + acc * acc
+                tl.store(state0_ptr + row_ptrs, state_sum, mask=col_ok)
+                param = param + neg_lr * tl.div_rn(acc, tl.sqrt_rn(state_sum) + eps)
+            elif OPT == 2:
+                state_sum = tl.load(state0_ptr + row) + tl.div_rn(tl.sum(acc * acc, axis=0), float_D)
+                tl.store(state0_ptr + row, state_sum)
+                param = param + neg_lr * tl.div_rn(acc, tl.sqrt_rn(state_sum) + eps)
+            else:
+                old_avg = tl.load(state0_ptr + row_ptrs, mask=col_ok, other=0.0)
+                old_avg_sq = tl.load(state1_ptr + row_ptrs, mask=col_ok, other=0.0)
+                avg = (acc - old_avg) * one_minus_beta1 + old_avg
+                avg_sq = (acc * acc - old_avg_sq) * one_minus_beta2 + old_avg_sq
+                tl.store(state0_ptr + row_ptrs, avg, mask=col_ok)
+                tl.store(state1_ptr + row_ptrs, avg_sq, mask=col_ok)
+                param = param + neg_step_size * tl.div_rn(avg, tl.sqrt_rn(avg_sq) + eps)
+            tl.store(weight_ptr + row_ptrs, param.to(weight_ptr.dtype.element_ty), mask=col_ok)
+
+
+def _tile(D: int, elements: int = 4096, most_ids: int = 64):
+    """(BLOCK_N, BLOCK_D, num_warps): a full row per tile, ~``elements`` values per tile."""
+    block_d = triton.next_power_of_2(max(D, 1))
+    block_n = max(1, min(most_ids, elements // block_d))
+    num_warps = 4 if block_n * block_d <= 4096 else 8
+    return block_n, block_d, num_warps
+
+
+def _check_weight(weight: torch.Tensor) -> None:
+    if not available(weight):
+        where = "CPU (Triton interpreter)" if INTERPRETED else "CUDA"
+        raise RuntimeError(
+            f"triton embedding kernels need a 2-d {where} fp32/fp16/bf16 table; got {tuple(weight.shape)} "
+            f"{weight.dtype} on {weight.device}" + (f" ({_TRITON_ERROR})" if _TRITON_ERROR else "")
+        )
+    if not weight.is_contiguous():
+        raise ValueError("triton embedding kernels need a contiguous weight")
+
+
+def _raise_if_bad(first_bad: torch.Tensor, weight, ids, offsets, bag_shift) -> None:
+    position = int(first_bad.item())
+    if position < ids.numel():
+        from shardkit.kernels.embedding import RowOutOfRange
+
+        rows = embedding_torch.buffer_rows(ids, offsets, bag_shift)
+        raise RowOutOfRange(position, int(rows[position]), weight.shape[0])
+
+
+def embedding_forward(
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    bag_shift: Optional[torch.Tensor],
+    per_sample_weights: Optional[torch.Tensor],
+    bag_scale: Optional[torch.Tensor],
+    pooled: bool,
+) -> torch.Tensor:
+    """``[B, D]`` bag sums (pooled) or ``[N, D]`` rows, in weight's dtype; see :mod:`.embedding`."""
+    _check_weight(weight)
+    num_rows, D = weight.shape
+    device = weight.device
+    ids = ids.contiguous()
+    offsets = offsets.to(torch.int64).contiguous()
+    N, B = ids.numel(), offsets.numel() - 1
+    block_n, block_d, num_warps = _tile(D)
+    first_bad = torch.full((1,), 2**62, dtype=torch.int64, device=device)
+    if pooled:
+        out = torch.empty(B, D, dtype=weight.dtype, device=device)
+        if B == 0:
+            return out
+        dummy = offsets
+        shift = dummy if bag_shift is None else bag_shift.to(torch.int64).contiguous()
+        psw = dummy if per_sample_weights is None else per_sample_weights.contiguous()
+        scale = dummy if bag_scale is None else bag_scale.to(torch.float32).contiguous()
+        _pooled_forward_kernel[(B,)](
+            weight,
+            ids,
+            offsets,
+            shift,
+            psw,
+            scale,
+            out,
+            first_bad,
+            num_rows,
+            D,
+            HAS_SHIFT=bag_shift is not None,
+            HAS_PSW=per_sample_weights is not None,
+            HAS_SCALE=bag_scale is not None,
+            CHECK=CHECK_IDS,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            num_warps=num_warps,
+        )
+    else:
+        out = torch.empty(N, D, dtype=weight.dtype, device=device)
+        if N == 0:
+            return out
+        rows = ids if bag_shift is None else embedding_torch.buffer_rows(ids, offsets, bag_shift)
+        _gather_rows_kernel[(triton.cdiv(N, block_n),)](
+            weight,
+            rows,
+            out,
+            first_bad,
+            N,
+            num_rows,
+            D,
+            CHECK=CHECK_IDS,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            num_warps=num_warps,
+        )
+    if CHECK_IDS:
+        _raise_if_bad(first_bad, weight, ids, offsets, bag_shift)
+    return out
+
+
+def _state_tensors(weight: torch.Tensor, optimizer: RowOptimizerArgs):
+    num_rows, D = weight.shape
+    shapes = {
+        "SGD": (),
+        "ADAGRAD": ((num_rows, D),),
+        "ROWWISE_ADAGRAD": ((num_rows,),),
+        "ADAM": ((num_rows, D), (num_rows, D)),
+    }[optimizer.kind]
+    if len(optimizer.state) != len(shapes):
+        raise ValueError(f"{optimizer.kind} takes {len(shapes)} state tensors, got {len(optimizer.state)}")
+    for index, (state, shape) in enumerate(zip(optimizer.state, shapes)):
+        if tuple(state.shape) != shape or state.dtype != torch.float32 or not state.is_contiguous():
+            raise ValueError(
+                f"{optimizer.kind} state {index} must be a contiguous fp32 tensor of shape {shape}; got "
+                f"{tuple(state.shape)} {state.dtype}"
+            )
+        if state.device != weight.device:
+            raise ValueError(
+                f"{optimizer.kind} state {index} is on {state.device}, the table on {weight.device}"
+            )
+    unused = torch.empty(1, dtype=torch.float32, device=weight.device)
+    states = list(optimizer.state) + [unused] * (2 - len(optimizer.state))
+    return states[0], states[1]
+
+
+@torch.no_grad()
+def embedding_fused_backward(
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    bag_shift: Optional[torch.Tensor],
+    per_sample_weights: Optional[torch.Tensor],
+    bag_scale: Optional[torch.Tensor],
+    grad: torch.Tensor,
+    pooled: bool,
+    optimizer: RowOptimizerArgs,
+    want_psw_grad: bool,
+) -> Optional[torch.Tensor]:
+    """One optimizer step on every row the forward read, in place; see :mod:`.embedding`.
+
+    Returns fp32 ``[N]`` per-sample-weight gradients when ``want_psw_grad``, else None.
+    """
+    _check_weight(weight)
+    if optimizer.kind not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer '{optimizer.kind}'; expected one of {OPTIMIZERS}")
+    state0, state1 = _state_tensors(weight, optimizer)
+    num_rows, D = weight.shape
+    device = weight.device
+    offsets = offsets.to(torch.int64).contiguous()
+    N = ids.numel()
+    psw_grad = torch.zeros(N, dtype=torch.float32, device=device) if want_psw_grad else None
+    if N == 0:
+        return psw_grad
+    grad = grad.contiguous()
+    bags = embedding_torch.bag_of_each_id(offsets, N) if (pooled or bag_shift is not None) else None
+    rows = ids.to(torch.int64)
+    if bag_shift is not None:
+        rows = rows + bag_shift.to(torch.int64).index_select(0, bags)
+    if num_rows < 2**31 - 1:
+        # a radix sort of 32-bit keys makes half the passes of one of 64-bit keys; clamping first keeps
+        # every id outside the buffer outside it (the kernel skips those)
+        rows = rows.clamp(-1, num_rows).to(torch.int32)
+    sorted_rows, order = torch.sort(rows, stable=True)
+    seg_end = torch.searchsorted(sorted_rows, sorted_rows, right=True)
+    dummy = order
+    block_n, block_d, num_warps = _tile(D, elements=2048, most_ids=16)
+    _fused_backward_kernel[(N,)](
+        weight,
+        sorted_rows,
+        order,
+        seg_end,
+        dummy if bags is None else bags,
+        dummy if per_sample_weights is None else per_sample_weights.contiguous(),
+        dummy if not (pooled and bag_scale is not None) else bag_scale.to(torch.float32).contiguous(),
+        grad,
+        state0,
+        state1,
+        dummy if psw_grad is None else psw_grad,
+        num_rows,
+        D,
+        float(D),
+        -optimizer.lr,
+        optimizer.eps,
+        1.0 - optimizer.beta1,
+        1.0 - optimizer.beta2,
+        -optimizer.adam_step_size,
+        OPT=OPTIMIZERS.index(optimizer.kind),
+        POOLED=pooled,
+        HAS_PSW=per_sample_weights is not None,
+        HAS_SCALE=pooled and bag_scale is not None,
+        WANT_PSW_GRAD=want_psw_grad,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+    )
+    return psw_grad

@@ -1,0 +1,243 @@
+"""The Triton embedding kernels against the pure-torch reference, one case per configuration.
+
+Used two ways: ``python -m tests.kernels._triton_cases`` with ``TRITON_INTERPRET=1`` runs every case
+on CPU tensors in Triton's interpreter and prints the outcomes as JSON (test_triton_embedding.py runs
+it in a subprocess, because the interpreter must be chosen before the kernels are defined); the CUDA
+tests call :func:`run_case` in-process on a GPU. A case returns its checks as
+``[description, passed, detail]``; the caller asserts them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import traceback
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+ID_DTYPES = {"i32": torch.int32, "i64": torch.int64}
+FORWARD_MODES = ("sum", "weighted", "mean", "sequence")
+BACKWARD_MODES = ("sum", "weighted", "mean", "sequence")
+OPTIMIZER_KINDS = ("SGD", "ADAGRAD", "ROWWISE_ADAGRAD", "ADAM")
+# relative to max(1, |reference|): fp32 to reassociation, half types to an ulp or two of a rounding
+VALUE_TOL = {"fp32": 2e-6, "fp16": 2e-3, "bf16": 1.6e-2}
+STATE_TOL = 2e-6
+
+FORWARD_CASES = [
+    f"forward-{dt}-{it}-{mode}-{'shift' if shift else 'noshift'}"
+    for dt, it, mode, shift in itertools.product(DTYPES, ID_DTYPES, FORWARD_MODES, (False, True))
+]
+BACKWARD_CASES = [
+    f"backward-{opt}-{dt}-{it}-{mode}"
+    for opt, dt, it, mode in itertools.product(OPTIMIZER_KINDS, DTYPES, ID_DTYPES, BACKWARD_MODES)
+]
+OTHER_CASES = ["out-of-range-id-raises", "empty-batch", "dispatch-selects-triton", "deterministic-hot-rows"]
+ALL_CASES = FORWARD_CASES + BACKWARD_CASES + OTHER_CASES
+
+OptTensor = Optional[torch.Tensor]
+Batch = Tuple[torch.Tensor, torch.Tensor, OptTensor, OptTensor, OptTensor]
+
+
+def make_batch(
+    device: str, id_dtype: torch.dtype, mode: str, shift: bool, seed: int, rows: int = 40, bags: int = 7
+) -> Batch:
+    """(ids, offsets, bag_shift, per_sample_weights, bag_scale) with an empty bag, a bag of 70 ids
+    (longer than a forward tile) and a hot row read 30 times (longer than a backward tile)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 6, (bags,), generator=gen)
+    lengths[1] = 0
+    lengths[3] = 70
+    offsets = torch.zeros(bags + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    n = int(offsets[-1])
+    half = rows // 2
+    ids = torch.randint(0, half, (n,), generator=gen)
+    ids[offsets[3] : offsets[3] + 30] = 5  # hot row
+    bag_shift = None
+    if shift:
+        # two "tables" in one buffer: odd bags read the upper half
+        bag_shift = (torch.arange(bags) % 2) * half
+    psw = torch.rand(n, generator=gen) + 0.5 if mode == "weighted" else None
+    scale = None
+    if mode == "mean":
+        scale = torch.where(lengths > 0, 1.0 / lengths.clamp(min=1).to(torch.float32), torch.zeros(()))
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return ids.to(id_dtype).to(device), offsets.to(device), to(bag_shift), to(psw), to(scale)
+
+
+def _close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> List[Any]:
+    got, want = got.detach().to(torch.float32).cpu(), want.detach().to(torch.float32).cpu()
+    if got.shape != want.shape:
+        return [name, False, f"shape {tuple(got.shape)} != reference {tuple(want.shape)}"]
+    err = float((got - want).abs().max()) if want.numel() else 0.0
+    bound = tol * max(1.0, float(want.abs().max()) if want.numel() else 0.0)
+    return [name, err <= bound, f"max abs error {err:.3g}, allowed {bound:.3g}"]
+
+
+def _forward_case(case: str, device: str) -> List[List[Any]]:
+    from shardkit.kernels import embedding_torch, triton_embedding
+
+    _, dt, it, mode, shift = case.split("-")
+    dtype = DTYPES[dt]
+    ids, offsets, bag_shift, psw, scale = make_batch(
+        device, ID_DTYPES[it], mode, shift == "shift", seed=len(case)
+    )
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(40, 12, generator=gen).to(dtype).to(device)
+    before = weight.clone()
+    pooled = mode != "sequence"
+    got = triton_embedding.embedding_forward(weight, ids, offsets, bag_shift, psw, scale, pooled)
+    want = embedding_torch.embedding_forward(weight, ids, offsets, bag_shift, psw, scale, pooled)
+    return [
+        _close("output", got, want, VALUE_TOL[dt]),
+        ["dtype", got.dtype == dtype, f"{got.dtype} vs table {dtype}"],
+        ["reference is not all zeros", bool(want.abs().max() > 0), "degenerate case"],
+        ["table unchanged", bool(torch.equal(weight, before)), "forward wrote to the table"],
+    ]
+
+
+def _optimizer(kind: str, rows: int, dim: int, device: str, seed: int):
+    from shardkit.kernels import RowOptimizerArgs
+
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {
+        "SGD": [], "ADAGRAD": [(rows, dim)], "ROWWISE_ADAGRAD": [(rows,)], "ADAM": [(rows, dim)] * 2
+    }[kind]
+    state = [torch.rand(shape, generator=gen).to(device) for shape in shapes]
+    make = lambda st: RowOptimizerArgs(kind, lr=0.05, eps=1e-3, step=3, state=tuple(st))  # noqa: E731
+    return make(state), make([s.clone() for s in state])
+
+
+def _backward_case(case: str, device: str) -> List[List[Any]]:
+    from shardkit.kernels import embedding_torch, triton_embedding
+
+    _, kind, dt, it, mode = case.split("-")
+    dtype = DTYPES[dt]
+    shift = it == "i64"  # alternate: the int64 cases also shift bags into a second table
+    ids, offsets, bag_shift, psw, scale = make_batch(device, ID_DTYPES[it], mode, shift, seed=len(case) + 7)
+    rows, dim = 40, 12
+    pooled = mode != "sequence"
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(rows, dim, generator=gen).to(dtype).to(device)
+    grad = torch.randn(offsets.numel() - 1 if pooled else ids.numel(), dim, generator=gen).to(device)
+    mine, ref = weight.clone(), weight.clone()
+    opt_mine, opt_ref = _optimizer(kind, rows, dim, device, seed=3)
+    want_psw_grad = psw is not None
+    got_pg = triton_embedding.embedding_fused_backward(
+        mine, ids, offsets, bag_shift, psw, scale, grad, pooled, opt_mine, want_psw_grad
+    )
+    want_pg = embedding_torch.embedding_fused_backward(
+        ref, ids, offsets, bag_shift, psw, scale, grad, pooled, opt_ref, want_psw_grad
+    )
+    checks = [
+        _close("updated table", mine, ref, VALUE_TOL[dt]),
+        ["the step changed the table", bool((ref.float() - weight.float()).abs().max() > 0), ""],
+    ]
+    for index, (a, b) in enumerate(zip(opt_mine.state, opt_ref.state)):
+        checks.append(_close(f"optimizer state {index}", a, b, STATE_TOL))
+    if want_psw_grad:
+        checks.append(_close("per-sample-weight gradient", got_pg, want_pg, STATE_TOL * 4))
+    else:
+        checks.append(["no per-sample-weight gradient", got_pg is None, f"got {type(got_pg)}"])
+    return checks
+
+
+def _other_case(case: str, device: str) -> List[List[Any]]:
+    from shardkit.kernels import (
+        RowOptimizerArgs,
+        RowOutOfRange,
+        embedding_forward,
+        embedding_torch,
+        kernel_backend,
+        triton_embedding,
+    )
+
+    weight = torch.randn(40, 12, device=device)
+    if case == "out-of-range-id-raises":
+        ids = torch.tensor([1, 2, 40, 3, -1], device=device)
+        offsets = torch.tensor([0, 2, 5], device=device)
+        checks = []
+        for pooled in (True, False):
+            try:
+                triton_embedding.embedding_forward(weight, ids, offsets, None, None, None, pooled)
+                checks.append([f"pooled={pooled} raises RowOutOfRange", False, "no error"])
+            except RowOutOfRange as error:
+                checks.append([f"pooled={pooled} reports the first bad id", error.position == 2, str(error)])
+        return checks
+    if case == "empty-batch":
+        ids = torch.zeros(0, dtype=torch.int64, device=device)
+        offsets = torch.zeros(4, dtype=torch.int64, device=device)
+        pooled_out = triton_embedding.embedding_forward(weight, ids, offsets, None, None, None, True)
+        seq_out = triton_embedding.embedding_forward(weight, ids, offsets, None, None, None, False)
+        before = weight.clone()
+        pg = triton_embedding.embedding_fused_backward(
+            weight, ids, offsets, None, None, None, torch.ones(3, 12, device=device), True,
+            RowOptimizerArgs("SGD", lr=0.1), True,
+        )
+        return [
+            ["pooled output is [3, 12] zeros", pooled_out.shape == (3, 12) and not pooled_out.any(), ""],
+            ["sequence output is [0, 12]", seq_out.shape == (0, 12), str(tuple(seq_out.shape))],
+            ["table untouched", bool(torch.equal(weight, before)), ""],
+            ["psw gradient is empty", pg is not None and pg.shape == (0,), str(pg)],
+        ]
+    if case == "dispatch-selects-triton":
+        ids, offsets, _, _, scale = make_batch(device, torch.int64, "mean", False, seed=5)
+        with kernel_backend("triton"):
+            got = embedding_forward(weight, ids, offsets, bag_scale=scale)
+        want = embedding_torch.embedding_forward(weight, ids, offsets, None, None, scale, True)
+        return [
+            ["available() for this table", triton_embedding.available(weight), str(weight.device)],
+            ["not available() for an int table", not triton_embedding.available(weight.to(torch.int64)), ""],
+            _close("forward through the dispatch", got, want, VALUE_TOL["fp32"]),
+        ]
+    if case == "deterministic-hot-rows":
+        gen = torch.Generator().manual_seed(9)
+        ids = torch.randint(0, 4, (600,), generator=gen).to(device)  # ~150 ids per row
+        offsets = torch.arange(0, 601, 3).to(device)
+        grad = torch.randn(200, 12, generator=gen).to(device)
+        tables = []
+        for _ in range(2):
+            table = weight.clone()
+            triton_embedding.embedding_fused_backward(
+                table, ids, offsets, None, None, None, grad, True, RowOptimizerArgs("SGD", lr=0.1), False
+            )
+            tables.append(table)
+        ref = weight.clone()
+        embedding_torch.embedding_fused_backward(
+            ref, ids, offsets, None, None, None, grad, True, RowOptimizerArgs("SGD", lr=0.1), False
+        )
+        return [
+            ["two runs bitwise equal", bool(torch.equal(tables[0], tables[1])), ""],
+            _close("hot rows match the reference", tables[0], ref, 1e-5),
+        ]
+    raise KeyError(case)
+
+
+def run_case(case: str, device: str) -> List[List[Any]]:
+    if case.startswith("forward-"):
+        return _forward_case(case, device)
+    if case.startswith("backward-"):
+        return _backward_case(case, device)
+    return _other_case(case, device)
+
+
+def run_all(device: str) -> Dict[str, Any]:
+    from shardkit.kernels import triton_embedding
+
+    if triton_embedding.triton_failure() is not None:
+        return {"error": f"triton does not import: {triton_embedding.triton_failure()}"}
+    results: Dict[str, Any] = {"interpreted": triton_embedding.INTERPRETED, "cases": {}}
+    for case in ALL_CASES:
+        try:
+            results["cases"][case] = run_case(case, device)
+        except Exception:
+            results["cases"][case] = [["ran without an exception", False, traceback.format_exc()]]
+    return results
+
+
+if __name__ == "__main__":
+    outcome = run_all(sys.argv[1] if len(sys.argv) > 1 else "cpu")
+    print("TRITON_CASES_JSON " + json.dumps(outcome))

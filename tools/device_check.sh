@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The GPU checks of shardkit in one go, for a CUDA machine with torch + triton + pytest installed and no
+# network (shardkit itself need not be installed: src/ goes on PYTHONPATH). Run from anywhere:
+#
+#   OUT=/some/dir tools/device_check.sh        (OUT defaults to ./device_check_out)
+#
+# Steps, each under its own time limit (seconds, overridable) so that the whole stays under ~280 s and
+# every step leaves its output under $OUT even when a later one hangs:
+#   1. benchmarks/gpu.py: Triton vs pure-torch vs nn.EmbeddingBag lookup, forward and fused
+#      backward+update, as ratios to the copy bandwidth     -> $OUT/gpu.json, $OUT/gpu_bench.txt
+#      (GPU_BENCH_TIMEOUT, default 100)
+#   2. the CUDA tests: `pytest -m cuda` over tests/ (Triton kernels, world-1 sharded EBC on NCCL), then
+#      the unmarked CUDA test of tests/sparse           -> $OUT/cuda_tests.txt (CUDA_TESTS_TIMEOUT, 120; 40)
+#   3. benchmarks/vocab_parallel_ce.py on one GPU (T=16384, V/tp=64000, bf16; the torch path vs
+#      F.cross_entropy)                                  -> $OUT/vocab_parallel_ce.json, $OUT/ce_bench.txt
+#      (CE_BENCH_TIMEOUT, 50)
+# $OUT/summary.txt gets one line per step. Without a CUDA device every step still runs (the benchmark
+# says so and exits 0, the CUDA tests skip) and the script exits 0: that is how it is checked on CPU.
+# Exit status: 1 if a step failed or timed out, else 0.
+set -u
+cd "$(dirname "$0")/.."
+root=$PWD
+OUT=${OUT:-$root/device_check_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+# a checkout's .venv where the plain python3 has no torch (a CPU machine set up by ./dev)
+if ! "$PY" -c 'import torch' 2>/dev/null && [ -z "${PYTHON:-}" ] && [ -x "$root/.venv/bin/python" ]; then
+  PY=$root/.venv/bin/python
+fi
+export PYTHONPATH="$root/src:$root${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET  # the CUDA steps need compiled kernels
+rm -f "$OUT/gpu_bench.txt" "$OUT/cuda_tests.txt" "$OUT/ce_bench.txt"
+summary="$OUT/summary.txt"
+: >"$summary"
+failed=0
+
+step() {  # step NAME TIMEOUT LOG COMMAND...
+  local name=$1 limit=$2 log=$3
+  shift 3
+  local began=$SECONDS
+  echo "== $name (limit ${limit}s): $*" | tee -a "$log"
+  timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1
+  local rc=$?
+  tail -n 40 "$log"
+  local verdict=ok
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then verdict="TIMED OUT"; failed=1
+  elif [ "$rc" -ne 0 ]; then verdict="FAILED (exit $rc)"; failed=1; fi
+  echo "$name: $verdict in $((SECONDS - began)) s" | tee -a "$summary"
+}
+
+{
+  echo "== environment"
+  nvidia-smi -L 2>/dev/null || echo "nvidia-smi: not available"
+  "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__,
+"cuda", torch.version.cuda, "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)'
+  "$PY" -c 'import triton; print("triton", triton.__version__)' 2>&1 || echo "triton: not importable"
+} 2>&1 | tee "$OUT/env.txt"
+if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  echo "no CUDA device here: the steps below only check that this script runs" | tee -a "$summary"
+fi
+
+step "benchmarks/gpu.py" "${GPU_BENCH_TIMEOUT:-100}" "$OUT/gpu_bench.txt" \
+  "$PY" -m benchmarks.gpu --out "$OUT"
+
+pytest_args=(-m cuda -q -p no:cacheprovider --continue-on-collection-errors -o addopts=-rA)
+# the run_world fixture comes from shardkit's pytest plugin, registered by an entry point only when
+# shardkit is pip-installed
+if ! "$PY" -c 'import sys, importlib.metadata as m
+sys.exit(0 if any(e.name == "shardkit" for e in m.entry_points(group="pytest11")) else 1)' 2>/dev/null; then
+  pytest_args+=(-p shardkit.testing.pytest_plugin)
+fi
+# compiling one kernel variant per configuration is most of the time: spread it over processes
+if "$PY" -c 'import xdist' 2>/dev/null; then pytest_args+=(-n 4); fi
+step "CUDA tests" "${CUDA_TESTS_TIMEOUT:-120}" "$OUT/cuda_tests.txt" "$PY" -m pytest "${pytest_args[@]}" tests
+# a CUDA test without the marker (-m would deselect it)
+step "CUDA test of tests/sparse" 40 "$OUT/cuda_tests.txt" "$PY" -m pytest -q -p no:cacheprovider -o addopts=-rA \
+  "tests/sparse/test_keyed_jagged_tensor.py::test_cuda_round_trip_pin_memory_and_record_stream"
+
+if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  step "benchmarks/vocab_parallel_ce.py (CUDA, tp=1)" "${CE_BENCH_TIMEOUT:-50}" "$OUT/ce_bench.txt" \
+    "$PY" benchmarks/vocab_parallel_ce.py --device cuda --tp 1 --tokens 16384 --vocab 64000 --dtype bf16 \
+    --variants naive shardkit_ce --repeats 3 --out "$OUT"
+else
+  echo "benchmarks/vocab_parallel_ce.py: not run (no CUDA device)" | tee -a "$summary"
+fi
+
+echo "== summary"
+cat "$summary"
+exit $failed
