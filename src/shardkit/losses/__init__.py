@@ -11,8 +11,10 @@ from shardkit.losses.cross_entropy import VocabParallelCrossEntropy, vocab_paral
 from shardkit.losses.fused_linear import vocab_parallel_linear_cross_entropy, vocab_parallel_linear_logprobs
 from shardkit.losses.log_softmax import _compute_distributed_log_softmax, distributed_log_softmax
 from shardkit.losses.logprobs import (
+    ChunkedDistributedLogprob,
     DistributedLogprob,
     from_parallel_logits_to_logprobs,
+    from_parallel_logits_to_logprobs_packed_sequences,
     vocab_parallel_logprobs,
 )
 from shardkit.losses.parallel_ce import (
@@ -28,6 +30,7 @@ from shardkit.losses.rl_helpers import vocab_parallel_argmax, vocab_parallel_ent
 __all__ = [
     "HAVE_TE_PARALLEL_CE",
     "MISSING_TE_PARALLEL_CE_MSG",
+    "ChunkedDistributedLogprob",
     "CrossEntropyFunction",
     "DistributedLogprob",
     "ParallelCrossEntropy",
@@ -37,6 +40,7 @@ __all__ = [
     "_compute_distributed_log_softmax",
     "distributed_log_softmax",
     "from_parallel_logits_to_logprobs",
+    "from_parallel_logits_to_logprobs_packed_sequences",
     "parallel_cross_entropy",
     "vocab_parallel_argmax",
     "vocab_parallel_cross_entropy",
