@@ -26,6 +26,13 @@ from shardkit.losses.parallel_ce import (
     parallel_cross_entropy,
 )
 from shardkit.losses.rl_helpers import vocab_parallel_argmax, vocab_parallel_entropy, vocab_parallel_topk
+from shardkit.losses.sampling import (
+    apply_top_k_top_p,
+    distributed_vocab_topk,
+    gather_logits_at_global_indices,
+    vocab_parallel_sampling_logprobs,
+    vocab_parallel_top_k_top_p_mask,
+)
 
 __all__ = [
     "HAVE_TE_PARALLEL_CE",
@@ -38,6 +45,9 @@ __all__ = [
     "TargetOutOfRangeError",
     "VocabParallelCrossEntropy",
     "_compute_distributed_log_softmax",
+    "apply_top_k_top_p",
+    "distributed_vocab_topk",
+    "gather_logits_at_global_indices",
     "distributed_log_softmax",
     "from_parallel_logits_to_logprobs",
     "from_parallel_logits_to_logprobs_packed_sequences",
@@ -48,5 +58,7 @@ __all__ = [
     "vocab_parallel_linear_cross_entropy",
     "vocab_parallel_linear_logprobs",
     "vocab_parallel_logprobs",
+    "vocab_parallel_sampling_logprobs",
+    "vocab_parallel_top_k_top_p_mask",
     "vocab_parallel_topk",
 ]
