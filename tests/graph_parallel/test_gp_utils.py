@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.distributed.tensor_split import split_sizes
+from shardkit.distributed.validation import set_validation
 from shardkit.graph_parallel import gp_utils
 from shardkit.graph_parallel.gp_utils import (
     CopyToModelParallelRegion,
@@ -288,6 +289,38 @@ def _private_helpers():
         return True
     finally:
         cleanup_gp()
+
+
+def _natoms_gathers():
+    setup_gp({"gp_gpus": 2, "distributed_backend": "gloo"})
+    try:
+        gp, r, seed = get_gp_world_size(), get_gp_rank(), 10 * get_dp_rank()
+        X, W = _randn((5, 3), seed), _randn((gp, 5, 3), seed + 1)
+        assert gp_utils.size_list_fn(5, gp) == split_sizes(5, gp)
+        for validate in (True, False):
+            set_validation(validate)
+            x = _chunk(X, gp, r).clone().requires_grad_()
+            full = gp_utils.gather_nodes_from_model_parallel_region(x, 5)
+            assert torch.equal(full, X)
+            (full * W[r]).sum().backward()
+            assert torch.equal(x.grad, _chunk(W[r], gp, r))  # own rank's loss only
+            x = _chunk(X, gp, r).clone().requires_grad_()
+            full = gp_utils.gather_nodes_from_model_parallel_region_sum_grad(x, 5)
+            (full * W[r]).sum().backward()
+            torch.testing.assert_close(x.grad, _chunk(W.sum(0), gp, r))  # every rank's edges
+        set_validation(True)
+        with pytest.raises(ValueError, match="natoms is 6"):
+            gp_utils.gather_nodes_from_model_parallel_region(_chunk(X, gp, r), 6)
+        return True
+    finally:
+        set_validation(True)
+        cleanup_gp()
+
+
+def test_natoms_gathers_under_their_own_names():
+    assert all(run_world(_natoms_gathers, 4))
+    with pytest.raises(ValueError):
+        gp_utils.size_list_fn(3, 0)
 
 
 def test_private_helpers_of_the_specification():

@@ -403,6 +403,51 @@ def gather_from_model_parallel_region_sum_grad(input: torch.Tensor, dim: int = -
     return GatherFromModelParallelRegionSumGrad.apply(input, dim)
 
 
+# ---------------------------------------------------------------------------------------------------
+# fairchem's later, natoms-based gathers, under names that cannot be confused with the specified ones
+#
+# fairchem's current gp_utils passes the number of atoms (natoms) where the specified version passes
+# ``dim``; the same names with a different second parameter would silently gather along the wrong
+# dimension, so the natoms forms are separate functions here.
+
+
+def size_list_fn(size: int, parts: int) -> list[int]:
+    """Chunk sizes of ``size`` rows over ``parts`` ranks, the first ``size % parts`` one larger
+    (numpy's array_split rule, fairchem's ``size_list_fn``)."""
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1 or size < 0:
+        raise ValueError(f"size_list_fn: need size >= 0 and parts >= 1, got {size} and {parts}")
+    return [size // parts + (1 if index < size % parts else 0) for index in range(parts)]
+
+
+def _gather_nodes(function, input: torch.Tensor, natoms: int, what: str) -> torch.Tensor:
+    sizes = size_list_fn(int(natoms), get_gp_world_size())
+    # the sizes let the shape exchange be skipped when validation is off; with it on, they are checked
+    out = function.apply(input, 0, get_gp_group(), sizes)
+    if out.size(0) != natoms:
+        # every gp rank gathered the same rows, so every rank raises
+        raise ValueError(f"{what}: the gp ranks hold {out.size(0)} node rows in all, natoms is {natoms}")
+    return out
+
+
+def gather_nodes_from_model_parallel_region(input: torch.Tensor, natoms: int) -> torch.Tensor:
+    """fairchem's ``gather_from_model_parallel_region(input, natoms)``: node rows ``[n_r, ...]`` on gp
+    rank ``r`` (``n_r = size_list_fn(natoms, gp)[r]``) -> ``[natoms, ...]`` on every gp rank.
+
+    Backward: each rank's own rows, by a local slice (per-rank contract, as
+    ``gather_from_model_parallel_region``).
+    """
+    return _gather_nodes(GatherFromRegionLocalGrad, input, natoms, "gather_nodes_from_model_parallel_region")
+
+
+def gather_nodes_from_model_parallel_region_sum_grad(input: torch.Tensor, natoms: int) -> torch.Tensor:
+    """fairchem's ``gather_from_model_parallel_region_sum_grad(input, natoms)``: as
+    ``gather_nodes_from_model_parallel_region``, but the backward sums the gradient over the gp ranks
+    before keeping own rows (ranks use the gathered nodes for different edges)."""
+    return _gather_nodes(
+        GatherFromRegionSumGrad, input, natoms, "gather_nodes_from_model_parallel_region_sum_grad"
+    )
+
+
 def scale_backward_grad(input: torch.Tensor) -> torch.Tensor:
     """Forward identity; backward multiplies the gradient by the gp size.
 
@@ -430,6 +475,8 @@ __all__ = [
     "ensure_div",
     "gather_from_model_parallel_region",
     "gather_from_model_parallel_region_sum_grad",
+    "gather_nodes_from_model_parallel_region",
+    "gather_nodes_from_model_parallel_region_sum_grad",
     "get_dp_group",
     "get_dp_rank",
     "get_dp_world_size",
@@ -442,5 +489,6 @@ __all__ = [
     "scale_backward_grad",
     "scatter_to_model_parallel_region",
     "setup_gp",
+    "size_list_fn",
     "trim_tensor",
 ]
