@@ -19,8 +19,8 @@ from shardkit.kernels.row_optimizer import OPTIMIZERS, RowOptimizerArgs
 __all__ = [
     "BACKENDS",
     "OPTIMIZERS",
-    "RowOptimizerArgs",
     "RowOutOfRange",
+    "RowOptimizerArgs",
     "bag_of_each_id",
     "embedding_forward",
     "embedding_fused_backward",

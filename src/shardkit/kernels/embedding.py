@@ -17,6 +17,12 @@ Common arguments (N ids in B bags; rows of one ``[R, D]`` buffer holding several
 - per_sample_weights: float ``[N]`` or None (pooled only). bag_scale: fp32 ``[B]`` or None: multiplies
   bag b's sum (``1 / length`` for MEAN pooling).
 - pooled: True for ``[B, D]`` bag sums, False for ``[N, D]`` rows (then weights and scale are unused).
+- batch_major: 0, or (pooled only) the batch size S when bags are feature-major (bag ``f * S + s``):
+  then the output (and the gradient the backward takes) is sample-major ``[S, B / S * D]``, feature f
+  of sample s in columns ``[f * D, (f + 1) * D)`` - a KeyedTensor's values, with no transpose copy.
+
+An id whose buffer row is outside ``[0, R)`` raises IndexError (native, Triton) before anything is
+read; the callers validate ids against their table with a named error before that.
 
 :func:`kernel_backend` picks a backend for a block of code (tests compare the backends this way);
 ``SHARDKIT_NATIVE=0`` keeps the native one off.
@@ -113,31 +119,28 @@ def embedding_forward(
     per_sample_weights: Optional[torch.Tensor] = None,
     bag_scale: Optional[torch.Tensor] = None,
     pooled: bool = True,
+    batch_major: int = 0,
 ) -> torch.Tensor:
-    """``[B, D]`` (pooled) or ``[N, D]`` rows in weight's dtype; not differentiable (see module doc).
+    """``[B, D]`` (pooled), ``[S, B / S * D]`` (batch_major S) or ``[N, D]`` rows in weight's dtype.
 
-    Raises :class:`RowOutOfRange` (an IndexError) for an id outside the buffer on the native backend.
+    Not differentiable (see the module doc).
     """
     backend = select_backend(weight, ids)
     if backend == "native":
         ids, offsets, bag_shift, psw, bag_scale = _native_args(
             ids, offsets, bag_shift, per_sample_weights, bag_scale
         )
-        out, first_bad = native_ops().embedding_forward(
-            weight, ids, offsets, bag_shift, psw, bag_scale, pooled
+        return native_ops().embedding_forward(
+            weight, ids, offsets, bag_shift, psw, bag_scale, pooled, batch_major
         )
-        position = int(first_bad[0])
-        if position >= 0:
-            rows = embedding_torch.buffer_rows(ids, offsets, bag_shift)
-            raise RowOutOfRange(position, int(rows[position]), weight.shape[0])
-        return out
     if backend == "triton":
-        return _triton_module().embedding_forward(
+        out = _triton_module().embedding_forward(
             weight, ids, offsets, bag_shift, per_sample_weights, bag_scale, pooled
         )
+        return embedding_torch.to_batch_major(out, batch_major)
     with torch.no_grad():
         return embedding_torch.embedding_forward(
-            weight, ids, offsets, bag_shift, per_sample_weights, bag_scale, pooled
+            weight, ids, offsets, bag_shift, per_sample_weights, bag_scale, pooled, batch_major
         )
 
 
@@ -152,10 +155,12 @@ def embedding_fused_backward(
     pooled: bool,
     optimizer: RowOptimizerArgs,
     want_psw_grad: bool = False,
+    batch_major: int = 0,
 ) -> Optional[torch.Tensor]:
     """Apply ``optimizer`` to every row the forward read, in place; ``weight`` gets no gradient.
 
-    grad: ``[B, D]`` (pooled) or ``[N, D]``, any float dtype (used in fp32). Each distinct row is
+    grad: ``[B, D]`` (pooled), ``[S, B / S * D]`` (batch_major S) or ``[N, D]``, any float dtype (used in
+    fp32). Each distinct row is
     updated once with the fp32 sum over its ids of ``w_i * scale_b * grad[b]``, summed in id order.
     Returns the per-sample weights' gradient (fp32 ``[N]``: ``scale_b * <grad[b], row before the
     update>``) when ``want_psw_grad``, else None.
@@ -174,6 +179,7 @@ def embedding_fused_backward(
             bag_scale,
             grad.to(torch.float32).contiguous(),
             pooled,
+            batch_major,
             optimizer.code,
             optimizer.lr,
             optimizer.eps,
@@ -198,5 +204,15 @@ def embedding_fused_backward(
             want_psw_grad,
         )
     return embedding_torch.embedding_fused_backward(
-        weight, ids, offsets, bag_shift, per_sample_weights, bag_scale, grad, pooled, optimizer, want_psw_grad
+        weight,
+        ids,
+        offsets,
+        bag_shift,
+        per_sample_weights,
+        bag_scale,
+        grad,
+        pooled,
+        optimizer,
+        want_psw_grad,
+        batch_major,
     )

@@ -29,6 +29,20 @@ def buffer_rows(ids: torch.Tensor, offsets: torch.Tensor, bag_shift: Optional[to
     return rows + torch.repeat_interleave(bag_shift, offsets.diff(), output_size=rows.numel())
 
 
+def to_batch_major(out: torch.Tensor, batch: int) -> torch.Tensor:
+    """``[F * S, D]`` feature-major bags -> ``[S, F * D]`` (batch 0: unchanged)."""
+    if batch == 0:
+        return out
+    return out.view(-1, batch, out.size(1)).transpose(0, 1).reshape(batch, -1)
+
+
+def from_batch_major(grad: torch.Tensor, batch: int, dim: int) -> torch.Tensor:
+    """``[S, F * dim]`` -> ``[F * S, dim]`` feature-major rows (batch 0: unchanged)."""
+    if batch == 0:
+        return grad
+    return grad.reshape(batch, -1, dim).transpose(0, 1).reshape(-1, dim)
+
+
 def pool(
     weight: torch.Tensor,
     rows: torch.Tensor,
@@ -52,13 +66,14 @@ def embedding_forward(
     per_sample_weights: Optional[torch.Tensor],
     bag_scale: Optional[torch.Tensor],
     pooled: bool,
+    batch_major: int = 0,
 ) -> torch.Tensor:
     rows = buffer_rows(ids, offsets, bag_shift)
     weights = None if per_sample_weights is None else per_sample_weights.to(weight.dtype)
     out = pool(weight, rows, offsets, weights, pooled)
     if pooled and bag_scale is not None:
         out = out * bag_scale.to(out.dtype).unsqueeze(1)
-    return out
+    return to_batch_major(out, batch_major)
 
 
 def row_gradients(
@@ -99,9 +114,10 @@ def embedding_fused_backward(
     pooled: bool,
     optimizer: RowOptimizerArgs,
     want_psw_grad: bool,
+    batch_major: int = 0,
 ) -> Optional[torch.Tensor]:
     rows = buffer_rows(ids, offsets, bag_shift)
-    grad = grad.to(torch.float32)
+    grad = from_batch_major(grad.to(torch.float32), batch_major, weight.size(1))
     if pooled and bag_scale is not None:
         grad = grad * bag_scale.to(torch.float32).unsqueeze(1)
     sources = (

@@ -83,13 +83,14 @@ class EmbeddingBagCollection(GroupedTablesModule):
         """``[B, features * dim]`` of one group: feature f in columns ``[f * dim, (f + 1) * dim)``."""
         bags = kjt.stride_per_key()
         weights = kjt.weights_or_none() if self._is_weighted else None
-        rows = lookup(kjt.values(), kjt.offsets(), bags, weights)  # [sum(bags), dim]
         num_features, dim = len(bags), lookup.embedding_dim
-        if kjt.variable_stride_per_key():
-            # row of sample b for feature f: bag start of f + inverse_indices[f, b]
-            inverse = kjt.inverse_indices()[1].to(device=rows.device, dtype=torch.int64)
-            starts = torch.tensor(list(accumulate([0, *bags[:-1]])), device=rows.device)
-            rows = rows.index_select(0, (inverse + starts.unsqueeze(1)).reshape(-1))
+        if not kjt.variable_stride_per_key():
+            return lookup(kjt.values(), kjt.offsets(), bags, weights, sample_major=True)
+        rows = lookup(kjt.values(), kjt.offsets(), bags, weights)  # [sum(bags), dim]
+        # variable batch: row of sample b for feature f is bag start of f + inverse_indices[f, b]
+        inverse = kjt.inverse_indices()[1].to(device=rows.device, dtype=torch.int64)
+        starts = torch.tensor(list(accumulate([0, *bags[:-1]])), device=rows.device)
+        rows = rows.index_select(0, (inverse + starts.unsqueeze(1)).reshape(-1))
         return rows.view(num_features, batch, dim).transpose(0, 1).reshape(batch, num_features * dim)
 
     def _column_index_on(self, device: torch.device) -> torch.Tensor:

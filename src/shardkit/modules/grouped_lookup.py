@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from shardkit.distributed.validation import validation_enabled
-from shardkit.kernels import RowOutOfRange
 from shardkit.modules.embedding_configs import BaseEmbeddingConfig, PoolingType
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig, SparseRowOptimizer
 from shardkit.modules.lookup_kernels import lookup
@@ -161,6 +160,7 @@ class GroupedEmbeddingLookup(nn.Module):
         offsets: torch.Tensor,
         bags_per_feature: Sequence[int],
         weights: Optional[torch.Tensor] = None,
+        sample_major: bool = False,
     ) -> torch.Tensor:
         """Look up a flat batch of the group's features.
 
@@ -168,6 +168,9 @@ class GroupedEmbeddingLookup(nn.Module):
         offsets: ``[sum(bags_per_feature) + 1]`` bag boundaries into ids (from 0 to N).
         bags_per_feature: number of bags (batch size) of each feature, host ints.
         weights: optional ``[N]`` float per-id weights (pooled only; any float dtype).
+        sample_major: pooled lookups whose features all have the same batch size S only: return
+            ``[S, features * width]`` (sample s's feature f in columns ``[f * width, (f + 1) * width)``,
+            the layout of a KeyedTensor) straight from the kernel, without a transpose copy.
         Returns ``[sum(bags_per_feature), width]`` pooled rows (pooled) or ``[N, width]`` rows, in the
         table dtype. Raises IndexError for an id outside its shard (unless validation is off).
         """
@@ -181,6 +184,13 @@ class GroupedEmbeddingLookup(nn.Module):
             raise ValueError(f"weights {tuple(weights.shape)} must match ids {tuple(ids.shape)}")
         if weights is not None and not self.pooled:
             raise ValueError("per-id weights apply only to pooled lookups")
+        batch_major = 0
+        if sample_major:
+            if not self.pooled or len(set(bags_per_feature)) != 1:
+                raise ValueError(
+                    f"sample_major needs a pooled lookup with one batch size, got {bags_per_feature}"
+                )
+            batch_major = bags_per_feature[0]
         offsets = offsets.to(torch.int64)
         if validation_enabled():
             self._check_ids(ids.to(torch.int64), offsets, bag_bounds)
@@ -188,10 +198,18 @@ class GroupedEmbeddingLookup(nn.Module):
         bag_scale = self._mean_scale(offsets, bags_per_feature) if self._has_mean else None
         try:
             return lookup(
-                self.weight, ids, offsets, bag_shift, weights, bag_scale, self.pooled, self.optimizer
+                self.weight,
+                ids,
+                offsets,
+                bag_shift,
+                weights,
+                bag_scale,
+                self.pooled,
+                self.optimizer,
+                batch_major,
             )
-        except RowOutOfRange:
-            # validation was off and an id left the buffer: name its feature and table
+        except IndexError:
+            # validation was off and an id left the buffer (the kernel read nothing): name its feature
             self._check_ids(ids.to(torch.int64), offsets, bag_bounds)
             raise
 

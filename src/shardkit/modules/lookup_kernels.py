@@ -27,7 +27,8 @@ class FusedLookup(torch.autograd.Function):
     """Lookup whose backward applies ``optimizer`` to the touched rows of ``weight`` in place.
 
     forward(weight [R, D], ids int32/int64 [N], offsets int64 [B + 1], bag_shift int64 [B] or None,
-    weights [N] or None, bag_scale fp32 [B] or None, pooled, optimizer) -> [B, D] or [N, D].
+    weights [N] or None, bag_scale fp32 [B] or None, pooled, batch_major, optimizer) -> [B, D],
+    [S, B / S * D] (batch_major S) or [N, D].
     Saved for backward: ids, offsets, bag_shift, weights, bag_scale; ``weight`` is kept by reference
     and not versioned, because the backward itself modifies it (two forwards before one backward see
     the first update). Backward returns no gradient for ``weight``; the per-sample weights get theirs
@@ -36,13 +37,23 @@ class FusedLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, weight, ids, offsets, bag_shift, weights, bag_scale, pooled, optimizer: SparseRowOptimizer
+        ctx,
+        weight,
+        ids,
+        offsets,
+        bag_shift,
+        weights,
+        bag_scale,
+        pooled,
+        batch_major,
+        optimizer: SparseRowOptimizer,
     ):
         ctx.weight = weight
         ctx.optimizer = optimizer
         ctx.pooled = pooled
+        ctx.batch_major = batch_major
         ctx.save_for_backward(ids, offsets, bag_shift, weights, bag_scale)
-        return embedding_forward(weight, ids, offsets, bag_shift, weights, bag_scale, pooled)
+        return embedding_forward(weight, ids, offsets, bag_shift, weights, bag_scale, pooled, batch_major)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -59,9 +70,10 @@ class FusedLookup(torch.autograd.Function):
             ctx.pooled,
             ctx.optimizer.step_args(),
             want_psw_grad,
+            ctx.batch_major,
         )
         psw_grad = None if psw_grad is None else psw_grad.to(weights.dtype)
-        return None, None, None, None, psw_grad, None, None, None
+        return None, None, None, None, psw_grad, None, None, None, None
 
 
 def lookup(
@@ -73,16 +85,22 @@ def lookup(
     bag_scale: Optional[torch.Tensor] = None,
     pooled: bool = True,
     optimizer: Optional[SparseRowOptimizer] = None,
+    batch_major: int = 0,
 ) -> torch.Tensor:
     """One kernel call over one buffer (arguments as in :mod:`shardkit.kernels.embedding`).
 
-    Returns ``[B, D]`` (scaled, weighted) sums or ``[N, D]`` rows, in weight's dtype.
+    Returns ``[B, D]`` (scaled, weighted) sums, ``[S, B / S * D]`` (batch_major S) or ``[N, D]`` rows, in
+    weight's dtype.
     """
     grad_needed = torch.is_grad_enabled() and (
         weight.requires_grad or (weights is not None and weights.requires_grad)
     )
     if not grad_needed:
-        return embedding_forward(weight, ids, offsets, bag_shift, weights, bag_scale, pooled)
+        return embedding_forward(weight, ids, offsets, bag_shift, weights, bag_scale, pooled, batch_major)
     if optimizer is not None and weight.requires_grad:
-        return FusedLookup.apply(weight, ids, offsets, bag_shift, weights, bag_scale, pooled, optimizer)
-    return embedding_torch.embedding_forward(weight, ids, offsets, bag_shift, weights, bag_scale, pooled)
+        return FusedLookup.apply(
+            weight, ids, offsets, bag_shift, weights, bag_scale, pooled, batch_major, optimizer
+        )
+    return embedding_torch.embedding_forward(
+        weight, ids, offsets, bag_shift, weights, bag_scale, pooled, batch_major
+    )

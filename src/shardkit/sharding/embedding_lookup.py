@@ -124,16 +124,15 @@ class ShardedGroupedLookup(nn.Module):
     def _lookup_group(self, lookup: GroupedEmbeddingLookup, kjt: KeyedJaggedTensor) -> torch.Tensor:
         bags = kjt.stride_per_key()
         weights = kjt.weights_or_none() if self.weighted else None
+        if self.pooled and not kjt.variable_stride_per_key():
+            # [R, features * width], sample rows in the received (rank) order, written so by the kernel
+            return lookup(kjt.values(), kjt.offsets(), bags, weights, sample_major=True)
         rows = lookup(kjt.values(), kjt.offsets(), bags, weights)
         if not self.pooled:
             pad = self.sequence_width - rows.size(1)
             return rows if pad == 0 else torch.nn.functional.pad(rows, (0, pad))
-        if kjt.variable_stride_per_key():
-            # flat per-feature blocks [bags of feature f * width]: the variable-batch dists' layout
-            return rows.reshape(-1)
-        num_features, batch, width = len(bags), kjt.stride(), rows.size(1)
-        # feature-major bags -> [R, features * width], sample rows in the received (rank) order
-        return rows.view(num_features, batch, width).transpose(0, 1).reshape(batch, num_features * width)
+        # variable batch: flat per-feature blocks [bags of feature f * width] (the variable-batch layout)
+        return rows.reshape(-1)
 
 
 __all__ = ["PlacedShard", "ShardedGroupedLookup", "group_shards", "received_keys"]

@@ -54,10 +54,17 @@ inline void with_block_width(int64_t dim, F&& f) {
 // Bag b's ids are [offsets[b], offsets[b+1]); row of id i = ids[i] + shift[b]. Checks every row
 // against [0, num_rows) and returns the position of the first id outside it (or -1): the caller
 // raises, nothing is read out of bounds.
+// Row of the [bags, dim] view of a pooled output (or gradient) that holds bag b. batch == 0: row b.
+// batch > 0: bags are feature-major (b = f * batch + s) and the tensor is sample-major
+// [batch, features * dim] (a KeyedTensor's values), so bag b is row s * features + f of its view.
+inline int64_t bag_row(int64_t b, int64_t batch, int64_t features) {
+  return batch > 0 ? (b % batch) * features + b / batch : b;
+}
+
 template <int64_t W, typename scalar_t, typename index_t>
 int64_t forward_kernel(const at::Tensor& weight, const at::Tensor& ids, const at::Tensor& offsets,
                        const int64_t* shift, const float* psw, const float* scale, bool pooled,
-                       at::Tensor& out) {
+                       int64_t batch, at::Tensor& out) {
   const int64_t num_rows = weight.size(0), dim = weight.size(1);
   const int64_t width = W > 0 ? W : dim;  // columns summed per pass over a bag's ids
   const int64_t bags = offsets.numel() - 1;
@@ -66,6 +73,7 @@ int64_t forward_kernel(const at::Tensor& weight, const at::Tensor& ids, const at
   const int64_t* off = offsets.data_ptr<int64_t>();
   scalar_t* dst = out.data_ptr<scalar_t>();
   const int64_t total = off[bags];
+  const int64_t features = batch > 0 ? bags / batch : 1;
   std::vector<int64_t> first_bad(at::get_num_threads() + 1, std::numeric_limits<int64_t>::max());
   at::parallel_for(0, bags, 64, [&](int64_t b0, int64_t b1) {
     std::vector<float> acc_storage(width);
@@ -109,7 +117,7 @@ int64_t forward_kernel(const at::Tensor& weight, const at::Tensor& ids, const at
             for (int64_t j = 0; j < width; ++j) a[j] += to_float(src[j]);
           }
         }
-        scalar_t* o = dst + b * dim + c0;
+        scalar_t* o = dst + bag_row(b, batch, features) * dim + c0;
         const float c = scale ? scale[b] : 1.0f;
         if (scale) {
           for (int64_t j = 0; j < width; ++j) o[j] = from_float<scalar_t>(a[j] * c);
@@ -150,18 +158,20 @@ void check_common(const at::Tensor& weight, const at::Tensor& ids, const at::Ten
   }
 }
 
-// Returns (out, first_bad): out [bags, dim] (pooled) or [ids, dim] in weight's dtype; first_bad is a
-// one-element int64 tensor, -1 when every id was in range.
-std::tuple<at::Tensor, at::Tensor> embedding_forward(const at::Tensor& weight, const at::Tensor& ids,
-                                                     const at::Tensor& offsets,
-                                                     const c10::optional<at::Tensor>& bag_shift,
-                                                     const c10::optional<at::Tensor>& per_sample_weights,
-                                                     const c10::optional<at::Tensor>& bag_scale, bool pooled) {
+// Returns [bags, dim] (pooled; [batch, bags / batch * dim] when batch > 0) or [ids, dim] in weight's
+// dtype. Raises IndexError naming the first id whose row is outside the buffer.
+at::Tensor embedding_forward(const at::Tensor& weight, const at::Tensor& ids, const at::Tensor& offsets,
+                             const c10::optional<at::Tensor>& bag_shift,
+                             const c10::optional<at::Tensor>& per_sample_weights,
+                             const c10::optional<at::Tensor>& bag_scale, bool pooled, int64_t batch) {
   check_common(weight, ids, offsets, bag_shift, per_sample_weights, bag_scale);
   TORCH_CHECK(offsets.numel() == 0 || offsets[-1].item<int64_t>() == ids.numel(),
               "offsets must end at the number of ids");
   const int64_t rows_out = pooled ? offsets.numel() - 1 : ids.numel();
-  at::Tensor out = at::empty({rows_out, weight.size(1)}, weight.options());
+  TORCH_CHECK(batch == 0 || (pooled && batch > 0 && rows_out % batch == 0),
+              "batch must be 0 or divide the number of bags of a pooled lookup");
+  at::Tensor out = batch > 0 ? at::empty({batch, rows_out / batch * weight.size(1)}, weight.options())
+                             : at::empty({rows_out, weight.size(1)}, weight.options());
   const int64_t* shift = bag_shift ? bag_shift->data_ptr<int64_t>() : nullptr;
   const float* psw = per_sample_weights ? per_sample_weights->data_ptr<float>() : nullptr;
   const float* scale = bag_scale ? bag_scale->data_ptr<float>() : nullptr;
@@ -170,13 +180,20 @@ std::tuple<at::Tensor, at::Tensor> embedding_forward(const at::Tensor& weight, c
     with_block_width(weight.size(1), [&](auto w) {
       constexpr int64_t W = decltype(w)::value;
       if (ids.scalar_type() == at::kLong) {
-        bad = forward_kernel<W, scalar_t, int64_t>(weight, ids, offsets, shift, psw, scale, pooled, out);
+        bad = forward_kernel<W, scalar_t, int64_t>(weight, ids, offsets, shift, psw, scale, pooled, batch, out);
       } else {
-        bad = forward_kernel<W, scalar_t, int32_t>(weight, ids, offsets, shift, psw, scale, pooled, out);
+        bad = forward_kernel<W, scalar_t, int32_t>(weight, ids, offsets, shift, psw, scale, pooled, batch, out);
       }
     });
   });
-  return {out, at::full({1}, bad, offsets.options())};
+  if (bad >= 0) {
+    const int64_t b = std::upper_bound(offsets.data_ptr<int64_t>(), offsets.data_ptr<int64_t>() + offsets.numel(),
+                                       bad) - offsets.data_ptr<int64_t>() - 1;
+    const int64_t row = ids[bad].item<int64_t>() + (shift ? shift[b] : 0);
+    TORCH_CHECK_INDEX(false, "id at position ", bad, " maps to buffer row ", row, ", outside [0, ",
+                      weight.size(0), ")");
+  }
+  return out;
 }
 
 // Stable LSD radix sort of packed (row << 32 | position) keys by row, 11 bits a pass.
@@ -240,12 +257,13 @@ inline void apply_rule(const OptimArgs& o, int64_t row, int64_t dim, float* p, c
 template <typename scalar_t, typename index_t>
 void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::Tensor& offsets,
                            const int64_t* shift, const float* psw, const float* scale, const float* grad,
-                           bool pooled, const OptimArgs& optim, float* psw_grad) {
+                           bool pooled, int64_t batch, const OptimArgs& optim, float* psw_grad) {
   const int64_t num_rows = weight.size(0), dim = weight.size(1);
   const int64_t bags = offsets.numel() - 1, n = ids.numel();
   scalar_t* table = weight.data_ptr<scalar_t>();
   const index_t* id = ids.data_ptr<index_t>();
   const int64_t* off = offsets.data_ptr<int64_t>();
+  const int64_t features = batch > 0 ? bags / batch : 1;
 
   // 1. per id: its row (packed with its position for the sort) and the row of grad it reads
   std::vector<uint64_t> keys(n);
@@ -269,7 +287,7 @@ void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t b = source[i];
         const scalar_t* w = table + static_cast<int64_t>(keys[i] >> 32) * dim;
-        const float* g = grad + b * dim;
+        const float* g = grad + bag_row(b, batch, features) * dim;
         const float c = scale ? scale[b] : 1.0f;
         float dot = 0.0f;
         for (int64_t j = 0; j < dim; ++j) dot += (g[j] * c) * to_float(w[j]);
@@ -293,12 +311,12 @@ void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::
       for (; k < n && (keys[k] >> 32) == row; ++k) {
         if (k + kPrefetch < n) {
           const uint64_t ahead = keys[k + kPrefetch];
-          prefetch_row(grad + static_cast<int64_t>(source[ahead & 0xffffffffu]) * dim, dim);
+          prefetch_row(grad + bag_row(source[ahead & 0xffffffffu], batch, features) * dim, dim);
           prefetch_row(table + static_cast<int64_t>(ahead >> 32) * dim, dim);
         }
         const int64_t i = static_cast<int64_t>(keys[k] & 0xffffffffu);
         const int64_t b = source[i];
-        const float* g = grad + b * dim;
+        const float* g = grad + bag_row(b, batch, features) * dim;
         if (scale && psw) {
           const float c = scale[b], w = psw[i];
           for (int64_t j = 0; j < dim; ++j) acc[j] = std::fma(w, g[j] * c, acc[j]);
@@ -327,16 +345,18 @@ at::Tensor embedding_fused_backward(at::Tensor& weight, const at::Tensor& ids, c
                                     const c10::optional<at::Tensor>& bag_shift,
                                     const c10::optional<at::Tensor>& per_sample_weights,
                                     const c10::optional<at::Tensor>& bag_scale, const at::Tensor& grad,
-                                    bool pooled, int64_t optimizer, double lr, double eps, double beta1,
+                                    bool pooled, int64_t batch, int64_t optimizer, double lr, double eps, double beta1,
                                     double beta2, double step_size, at::TensorList state,
                                     bool want_psw_grad) {
   check_common(weight, ids, offsets, bag_shift, per_sample_weights, bag_scale);
   const int64_t n = ids.numel(), dim = weight.size(1);
   TORCH_CHECK(n < (int64_t(1) << 31) && weight.size(0) < (int64_t(1) << 32),
               "the native backward handles < 2^31 ids and < 2^32 rows per call");
-  TORCH_CHECK(grad.scalar_type() == at::kFloat && grad.is_contiguous() && grad.dim() == 2 &&
-                  grad.size(0) == (pooled ? offsets.numel() - 1 : n) && grad.size(1) == dim,
-              "grad must be contiguous fp32 [", pooled ? offsets.numel() - 1 : n, ", ", dim, "]");
+  const int64_t grad_rows = pooled ? offsets.numel() - 1 : n;
+  TORCH_CHECK(batch == 0 || (pooled && batch > 0 && grad_rows % batch == 0),
+              "batch must be 0 or divide the number of bags of a pooled lookup");
+  TORCH_CHECK(grad.scalar_type() == at::kFloat && grad.is_contiguous() && grad.numel() == grad_rows * dim,
+              "grad must be contiguous fp32 with ", grad_rows, " x ", dim, " elements");
   const size_t needed = optimizer == kSGD ? 0 : (optimizer == kAdam ? 2 : 1);
   TORCH_CHECK(state.size() == needed, "optimizer ", optimizer, " needs ", needed, " state tensors");
   for (const auto& t : state) {
@@ -359,10 +379,10 @@ at::Tensor embedding_fused_backward(at::Tensor& weight, const at::Tensor& ids, c
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "embedding_backward", [&] {
     if (ids.scalar_type() == at::kLong) {
       fused_backward_kernel<scalar_t, int64_t>(weight, ids, offsets, shift, psw, scale, grad.data_ptr<float>(),
-                                               pooled, o, want_psw_grad ? psw_grad.data_ptr<float>() : nullptr);
+                                               pooled, batch, o, want_psw_grad ? psw_grad.data_ptr<float>() : nullptr);
     } else {
       fused_backward_kernel<scalar_t, int32_t>(weight, ids, offsets, shift, psw, scale, grad.data_ptr<float>(),
-                                               pooled, o, want_psw_grad ? psw_grad.data_ptr<float>() : nullptr);
+                                               pooled, batch, o, want_psw_grad ? psw_grad.data_ptr<float>() : nullptr);
     }
   });
   return psw_grad;
@@ -373,10 +393,10 @@ at::Tensor embedding_fused_backward(at::Tensor& weight, const at::Tensor& ids, c
 TORCH_LIBRARY(shardkit_native, m) {
   m.def(
       "embedding_forward(Tensor weight, Tensor ids, Tensor offsets, Tensor? bag_shift, "
-      "Tensor? per_sample_weights, Tensor? bag_scale, bool pooled) -> (Tensor, Tensor)");
+      "Tensor? per_sample_weights, Tensor? bag_scale, bool pooled, int batch) -> Tensor");
   m.def(
       "embedding_fused_backward(Tensor(a!) weight, Tensor ids, Tensor offsets, Tensor? bag_shift, "
-      "Tensor? per_sample_weights, Tensor? bag_scale, Tensor grad, bool pooled, int optimizer, float lr, "
+      "Tensor? per_sample_weights, Tensor? bag_scale, Tensor grad, bool pooled, int batch, int optimizer, float lr, "
       "float eps, float beta1, float beta2, float step_size, Tensor(b!)[] state, bool want_psw_grad) -> Tensor");
 }
 
