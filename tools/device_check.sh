@@ -10,7 +10,7 @@
 #      backward+update, as ratios to the copy bandwidth     -> $OUT/gpu.json, $OUT/gpu_bench.txt
 #      (GPU_BENCH_TIMEOUT, default 100)
 #   2. the CUDA tests: `pytest -m cuda` over tests/ (Triton kernels, world-1 sharded EBC on NCCL), then
-#      the unmarked CUDA test of tests/sparse           -> $OUT/cuda_tests.txt (CUDA_TESTS_TIMEOUT, 120; 40)
+#      the unmarked CUDA test of tests/sparse           -> $OUT/cuda_tests.txt (CUDA_TESTS_TIMEOUT, 120; 30)
 #   3. benchmarks/vocab_parallel_ce.py on one GPU (T=16384, V/tp=64000, bf16; the torch path vs
 #      F.cross_entropy)                                  -> $OUT/vocab_parallel_ce.json, $OUT/ce_bench.txt
 #      (CE_BENCH_TIMEOUT, 50)
@@ -74,7 +74,7 @@ fi
 if "$PY" -c 'import xdist' 2>/dev/null; then pytest_args+=(-n 4); fi
 step "CUDA tests" "${CUDA_TESTS_TIMEOUT:-120}" "$OUT/cuda_tests.txt" "$PY" -m pytest "${pytest_args[@]}" tests
 # a CUDA test without the marker (-m would deselect it)
-step "CUDA test of tests/sparse" 40 "$OUT/cuda_tests.txt" "$PY" -m pytest -q -p no:cacheprovider -o addopts=-rA \
+step "CUDA test of tests/sparse" 30 "$OUT/cuda_tests.txt" "$PY" -m pytest -q -p no:cacheprovider -o addopts=-rA \
   "tests/sparse/test_keyed_jagged_tensor.py::test_cuda_round_trip_pin_memory_and_record_stream"
 
 if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then

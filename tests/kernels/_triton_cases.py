@@ -45,7 +45,7 @@ def make_batch(
     device: str, id_dtype: torch.dtype, mode: str, shift: bool, seed: int, rows: int = 40, bags: int = 7
 ) -> Batch:
     """(ids, offsets, bag_shift, per_sample_weights, bag_scale) with an empty bag, a bag of 70 ids
-    (longer than a forward tile) and a hot row read 30 times (longer than a backward tile)."""
+    (longer than a forward tile) and a hot row read 40 times (a "long" row of the fused backward)."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 6, (bags,), generator=gen)
     lengths[1] = 0
@@ -55,7 +55,7 @@ def make_batch(
     n = int(offsets[-1])
     half = rows // 2
     ids = torch.randint(0, half, (n,), generator=gen)
-    ids[offsets[3] : offsets[3] + 30] = 5  # hot row
+    ids[offsets[3] : offsets[3] + 40] = 5  # hot row, more ids than triton_embedding.LONG_SEGMENT
     bag_shift = None
     if shift:
         # two "tables" in one buffer: odd bags read the upper half

@@ -70,6 +70,7 @@ def test_larger_batch_through_the_dispatch(kind):
     grad = torch.randn(bags, dim, device="cuda", generator=gen)
     shapes = {"SGD": [], "ADAGRAD": [(rows, dim)], "ROWWISE_ADAGRAD": [(rows,)], "ADAM": [(rows, dim)] * 2}
     state = [torch.rand(s, device="cuda", generator=gen) for s in shapes[kind]]
+    initial_state = [s.clone() for s in state]
     mine, ref = weight.clone(), weight.clone()
     opt_mine = RowOptimizerArgs(kind, lr=0.05, eps=1e-3, step=2, state=tuple(state))
     opt_ref = RowOptimizerArgs(kind, lr=0.05, eps=1e-3, step=2, state=tuple(s.clone() for s in state))
@@ -81,7 +82,7 @@ def test_larger_batch_through_the_dispatch(kind):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     # deterministic: the same step again from the same start gives the same bits
     again = weight.clone()
-    state2 = tuple(s.clone() for s in state)
+    state2 = tuple(s.clone() for s in initial_state)
     opt_again = RowOptimizerArgs(kind, lr=0.05, eps=1e-3, step=2, state=state2)
     embedding_fused_backward(again, ids, offsets, None, None, scale, grad, True, opt_again)
     assert torch.equal(again, mine)

@@ -6,11 +6,13 @@ The interface is the one :mod:`shardkit.kernels.embedding` dispatches to: :func:
 - Pooled forward: one program per bag loads ``[BLOCK_N, D]`` tiles of rows and sums them in fp32
   (times the per-sample weights, times ``bag_scale``), one store per bag in the table's dtype.
 - Sequence forward: a row gather, ``[BLOCK_N, D]`` tiles per program.
-- Fused backward: the ids are sorted by buffer row with ``torch.sort`` (stable); the program at the
-  first sorted position of each distinct row sums that row's gradient in fp32 (in sorted = id order
-  per tile), applies the optimizer step to the row and its state and writes it back in place. Each
-  row is written by exactly one program and there are no float atomics: results are deterministic.
-  No host synchronization: the grid has one program per id and all but the first of each row exit.
+- Fused backward: the ids are sorted by buffer row with ``torch.sort`` (stable) and the first sorted
+  position of each distinct row is found and compacted with torch ops (no host sync). Each lane of a
+  program owns one distinct row: it sums the row's id gradients in fp32 one id at a time in id order
+  (the reference's order), applies the optimizer step to the row and its state and writes it back in
+  place. Rows read by more than :data:`LONG_SEGMENT` ids are listed (through an integer counter) and
+  get a program each that sums tiles of their ids. Each row is written by exactly one program and
+  there are no float atomics: results are deterministic.
 
 Triton is optional: this module imports without it (then :func:`available` is False and
 :func:`triton_failure` says why). The kernels are compiled for the GPU unless ``TRITON_INTERPRET=1``
@@ -44,6 +46,8 @@ except Exception as error:  # ImportError, or a triton that fails while importin
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CHECK_IDS = os.environ.get("SHARDKIT_TRITON_CHECK_IDS", "1") != "0"
+# rows read by more ids than this in one backward get a program of their own (tiles of ids at a time)
+LONG_SEGMENT = 32
 
 
 def _interpreter_on() -> bool:
@@ -153,86 +157,140 @@ if triton is not None:
         tl.store(out_ptr + pos[:, None] * D + cols[None, :], vals, mask=in_range[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _fused_backward_kernel(
-        weight_ptr,
-        sorted_rows_ptr,
-        order_ptr,
-        seg_end_ptr,
-        bag_ptr,
-        psw_ptr,
-        scale_ptr,
-        grad_ptr,
-        state0_ptr,
-        state1_ptr,
-        psw_grad_ptr,
-        num_rows,
-        D,
-        float_D,
-        neg_lr,
-        eps,
-        one_minus_beta1,
-        one_minus_beta2,
-        neg_step_size,
-        OPT: tl.constexpr,
-        POOLED: tl.constexpr,
-        HAS_PSW: tl.constexpr,
-        HAS_SCALE: tl.constexpr,
-        WANT_PSW_GRAD: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr,
+    def _row_step(
+        weight_ptr, state0_ptr, state1_ptr, row, lane, cols, col_ok, param, acc,
+        D, float_D, neg_lr, eps, one_minus_beta1, one_minus_beta2, neg_step_size, OPT: tl.constexpr,
     ):
-        i = tl.program_id(0).to(tl.int64)
-        row = tl.load(sorted_rows_ptr + i).to(tl.int64)
-        prev = tl.load(sorted_rows_ptr + tl.maximum(i - 1, 0)).to(tl.int64)
-        is_head = ((i == 0) | (prev != row)) & (row >= 0) & (row < num_rows)
-        if is_head:
-            end = tl.load(seg_end_ptr + i)
+        """One optimizer step on rows ``row`` [S] (lanes where ``lane``), gradients ``acc`` [S, BLOCK_D].
+
+        Each rule follows the op sequence of row_optimizer.apply_rows_ (fp32, rounded division/sqrt).
+        """
+        tile = lane[:, None] & col_ok[None, :]
+        ptrs = row[:, None] * D + cols[None, :]
+        if OPT == 0:
+            param = param + neg_lr * acc
+        elif OPT == 1:
+            state_sum = tl.load(state0_ptr + ptrs, mask=tile, other=0.0) + acc * acc
+            tl.store(state0_ptr + ptrs, state_sum, mask=tile)
+            param = param + neg_lr * tl.div_rn(acc, tl.sqrt_rn(state_sum) + eps)
+        elif OPT == 2:
+            state_sum = tl.load(state0_ptr + row, mask=lane, other=0.0) + tl.div_rn(
+                tl.sum(acc * acc, axis=1), float_D
+            )
+            tl.store(state0_ptr + row, state_sum, mask=lane)
+            param = param + neg_lr * tl.div_rn(acc, tl.sqrt_rn(state_sum)[:, None] + eps)
+        else:
+            old_avg = tl.load(state0_ptr + ptrs, mask=tile, other=0.0)
+            old_avg_sq = tl.load(state1_ptr + ptrs, mask=tile, other=0.0)
+            avg = (acc - old_avg) * one_minus_beta1 + old_avg
+            avg_sq = (acc * acc - old_avg_sq) * one_minus_beta2 + old_avg_sq
+            tl.store(state0_ptr + ptrs, avg, mask=tile)
+            tl.store(state1_ptr + ptrs, avg_sq, mask=tile)
+            param = param + neg_step_size * tl.div_rn(avg, tl.sqrt_rn(avg_sq) + eps)
+        tl.store(weight_ptr + ptrs, param.to(weight_ptr.dtype.element_ty), mask=tile)
+
+    @triton.jit
+    def _id_gradients(
+        pos, active, cols, col_ok, param, order_ptr, bag_ptr, psw_ptr, scale_ptr, grad_ptr, psw_grad_ptr, D,
+        POOLED: tl.constexpr, HAS_PSW: tl.constexpr, HAS_SCALE: tl.constexpr, WANT_PSW_GRAD: tl.constexpr,
+    ):
+        """fp32 ``w_i * scale_b * grad[b]`` [S, BLOCK_D] of the ids at sorted positions ``pos`` [S]
+        (zero where not ``active``); stores their per-sample-weight gradients against ``param``."""
+        id_pos = tl.load(order_ptr + pos, mask=active, other=0)
+        if POOLED:
+            src = tl.load(bag_ptr + id_pos, mask=active, other=0)
+        else:
+            src = id_pos
+        tile = active[:, None] & col_ok[None, :]
+        g = tl.load(grad_ptr + src[:, None] * D + cols[None, :], mask=tile, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            g = g * tl.load(scale_ptr + src, mask=active, other=0.0).to(tl.float32)[:, None]
+        if WANT_PSW_GRAD:
+            # against the row before this step's update, as the forward read it
+            tl.store(psw_grad_ptr + id_pos, tl.sum(g * param, axis=1), mask=active)
+        if HAS_PSW:
+            g = g * tl.load(psw_ptr + id_pos, mask=active, other=0.0).to(tl.float32)[:, None]
+        return g
+
+    @triton.jit
+    def _segments_kernel(
+        weight_ptr, sorted_rows_ptr, order_ptr, starts_ptr, num_segs_ptr, bag_ptr, psw_ptr, scale_ptr,
+        grad_ptr, state0_ptr, state1_ptr, psw_grad_ptr, long_count_ptr, long_list_ptr,
+        num_rows, D, float_D, neg_lr, eps, one_minus_beta1, one_minus_beta2, neg_step_size,
+        OPT: tl.constexpr, POOLED: tl.constexpr, HAS_PSW: tl.constexpr, HAS_SCALE: tl.constexpr,
+        WANT_PSW_GRAD: tl.constexpr, LONG: tl.constexpr, SEGS: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """SEGS distinct rows per program, one lane each, their ids summed one by one in id order;
+        rows read by more than LONG ids are only listed (for _long_segments_kernel)."""
+        k = tl.program_id(0).to(tl.int64) * SEGS + tl.arange(0, SEGS)
+        lane = k < tl.load(num_segs_ptr)
+        start = tl.load(starts_ptr + k, mask=lane, other=0)
+        length = tl.load(starts_ptr + k + 1, mask=lane, other=0) - start
+        row = tl.load(sorted_rows_ptr + start, mask=lane, other=-1).to(tl.int64)
+        lane = lane & (row >= 0) & (row < num_rows)
+        is_long = lane & (length > LONG)
+        if tl.sum(is_long.to(tl.int32), axis=0) > 0:
+            # an integer counter: which program handles which long row does not change any result
+            slot = tl.atomic_add(long_count_ptr + tl.zeros([SEGS], dtype=tl.int32), 1, mask=is_long)
+            tl.store(long_list_ptr + slot, k, mask=is_long)
+        lane = lane & (length <= LONG)
+        length = tl.where(lane, length, 0)
+        cols = tl.arange(0, BLOCK_D)
+        col_ok = cols < D
+        tile = lane[:, None] & col_ok[None, :]
+        param = tl.load(weight_ptr + row[:, None] * D + cols[None, :], mask=tile, other=0.0).to(tl.float32)
+        acc = tl.zeros([SEGS, BLOCK_D], dtype=tl.float32)
+        steps = tl.max(length, axis=0)
+        j = steps * 0
+        while j < steps:
+            active = j < length
+            acc += _id_gradients(
+                start + j, active, cols, col_ok, param, order_ptr, bag_ptr, psw_ptr, scale_ptr, grad_ptr,
+                psw_grad_ptr, D, POOLED, HAS_PSW, HAS_SCALE, WANT_PSW_GRAD,
+            )
+            j += 1
+        _row_step(
+            weight_ptr, state0_ptr, state1_ptr, row, lane, cols, col_ok, param, acc,
+            D, float_D, neg_lr, eps, one_minus_beta1, one_minus_beta2, neg_step_size, OPT,
+        )
+
+    @triton.jit
+    def _long_segments_kernel(
+        weight_ptr, sorted_rows_ptr, order_ptr, starts_ptr, bag_ptr, psw_ptr, scale_ptr,
+        grad_ptr, state0_ptr, state1_ptr, psw_grad_ptr, long_count_ptr, long_list_ptr,
+        D, float_D, neg_lr, eps, one_minus_beta1, one_minus_beta2, neg_step_size,
+        OPT: tl.constexpr, POOLED: tl.constexpr, HAS_PSW: tl.constexpr, HAS_SCALE: tl.constexpr,
+        WANT_PSW_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """One row read by many ids per program, BLOCK_N of its ids at a time."""
+        q = tl.program_id(0)
+        if q < tl.load(long_count_ptr):
+            one = tl.arange(0, 1)
+            k = tl.load(long_list_ptr + q + one)
+            start = tl.load(starts_ptr + k)
+            end = tl.load(starts_ptr + k + 1)
+            row = tl.load(sorted_rows_ptr + start).to(tl.int64)
+            lane = one == 0
             cols = tl.arange(0, BLOCK_D)
             col_ok = cols < D
-            row_ptrs = row * D + cols
-            param = tl.load(weight_ptr + row_ptrs, mask=col_ok, other=0.0).to(tl.float32)
-            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-            first = i
-            while first < end:
+            param = tl.load(weight_ptr + row[:, None] * D + cols[None, :], mask=col_ok[None, :], other=0.0)
+            param = param.to(tl.float32)
+            acc = tl.zeros([1, BLOCK_D], dtype=tl.float32)
+            first = tl.sum(start, axis=0)
+            last = tl.sum(end, axis=0)
+            while first < last:
                 pos = first + tl.arange(0, BLOCK_N)
                 first += BLOCK_N
-                in_seg = pos < end
-                id_pos = tl.load(order_ptr + pos, mask=in_seg, other=0)
-                if POOLED:
-                    src = tl.load(bag_ptr + id_pos, mask=in_seg, other=0)
-                else:
-                    src = id_pos
-                tile_ok = in_seg[:, None] & col_ok[None, :]
-                g = tl.load(grad_ptr + src[:, None] * D + cols[None, :], mask=tile_ok, other=0.0)
-                g = g.to(tl.float32)
-                if HAS_SCALE:
-                    g = g * tl.load(scale_ptr + src, mask=in_seg, other=0.0).to(tl.float32)[:, None]
-                if WANT_PSW_GRAD:
-                    # the row before this step's update, as in the forward
-                    tl.store(psw_grad_ptr + id_pos, tl.sum(g * param[None, :], axis=1), mask=in_seg)
-                if HAS_PSW:
-                    g = g * tl.load(psw_ptr + id_pos, mask=in_seg, other=0.0).to(tl.float32)[:, None]
-                acc += tl.sum(g, axis=0)
-            # each rule follows the op sequence of row_optimizer.apply_rows_ (fp32, rounded division/sqrt)
-            if OPT == 0:
-                param = param + neg_lr * acc
-            elif OPT == 1:
-                state_sum = tl.load(state0_ptr + row_ptrs, mask=col_ok, other=0.0) + acc * acc
-                tl.store(state0_ptr + row_ptrs, state_sum, mask=col_ok)
-                param = param + neg_lr * tl.div_rn(acc, tl.sqrt_rn(state_sum) + eps)
-            elif OPT == 2:
-                state_sum = tl.load(state0_ptr + row) + tl.div_rn(tl.sum(acc * acc, axis=0), float_D)
-                tl.store(state0_ptr + row, state_sum)
-                param = param + neg_lr * tl.div_rn(acc, tl.sqrt_rn(state_sum) + eps)
-            else:
-                old_avg = tl.load(state0_ptr + row_ptrs, mask=col_ok, other=0.0)
-                old_avg_sq = tl.load(state1_ptr + row_ptrs, mask=col_ok, other=0.0)
-                avg = (acc - old_avg) * one_minus_beta1 + old_avg
-                avg_sq = (acc * acc - old_avg_sq) * one_minus_beta2 + old_avg_sq
-                tl.store(state0_ptr + row_ptrs, avg, mask=col_ok)
-                tl.store(state1_ptr + row_ptrs, avg_sq, mask=col_ok)
-                param = param + neg_step_size * tl.div_rn(avg, tl.sqrt_rn(avg_sq) + eps)
-            tl.store(weight_ptr + row_ptrs, param.to(weight_ptr.dtype.element_ty), mask=col_ok)
+                # the same param row broadcast to every id of the tile
+                g = _id_gradients(
+                    pos, pos < last, cols, col_ok, param, order_ptr, bag_ptr, psw_ptr, scale_ptr, grad_ptr,
+                    psw_grad_ptr, D, POOLED, HAS_PSW, HAS_SCALE, WANT_PSW_GRAD,
+                )
+                acc += tl.sum(g, axis=0)[None, :]
+            _row_step(
+                weight_ptr, state0_ptr, state1_ptr, row, lane, cols, col_ok, param, acc,
+                D, float_D, neg_lr, eps, one_minus_beta1, one_minus_beta2, neg_step_size, OPT,
+            )
 
 
 def _tile(D: int, elements: int = 4096, most_ids: int = 64):
@@ -394,14 +452,20 @@ def embedding_fused_backward(
         # every id outside the buffer outside it (the kernel skips those)
         rows = rows.clamp(-1, num_rows).to(torch.int32)
     sorted_rows, order = torch.sort(rows, stable=True)
-    seg_end = torch.searchsorted(sorted_rows, sorted_rows, right=True)
+    # the first sorted position of each distinct row, compacted without a host sync: starts[k] for
+    # k < U (U = num_segs, on the device), starts[U] = N; slot N collects the non-heads' writes
+    is_head = torch.ones(N, dtype=torch.bool, device=device)
+    torch.ne(sorted_rows[1:], sorted_rows[:-1], out=is_head[1:])
+    seg_id = torch.cumsum(is_head, 0) - 1
+    num_segs = seg_id[-1:] + 1
+    positions = torch.arange(N, device=device)
+    starts = torch.empty(N + 1, dtype=torch.int64, device=device)
+    starts.scatter_(0, torch.where(is_head, seg_id, N), positions)
+    starts.scatter_(0, num_segs, positions[-1:] + 1)
+    long_count = torch.zeros(1, dtype=torch.int32, device=device)
+    long_list = torch.empty(N // (LONG_SEGMENT + 1) + 1, dtype=torch.int64, device=device)
     dummy = order
-    block_n, block_d, num_warps = _tile(D, elements=2048, most_ids=16)
-    _fused_backward_kernel[(N,)](
-        weight,
-        sorted_rows,
-        order,
-        seg_end,
+    common = (
         dummy if bags is None else bags,
         dummy if per_sample_weights is None else per_sample_weights.contiguous(),
         dummy if not (pooled and bag_scale is not None) else bag_scale.to(torch.float32).contiguous(),
@@ -409,21 +473,30 @@ def embedding_fused_backward(
         state0,
         state1,
         dummy if psw_grad is None else psw_grad,
-        num_rows,
-        D,
-        float(D),
-        -optimizer.lr,
-        optimizer.eps,
-        1.0 - optimizer.beta1,
-        1.0 - optimizer.beta2,
+        long_count,
+        long_list,
+    )
+    hyper = (
+        D, float(D), -optimizer.lr, optimizer.eps, 1.0 - optimizer.beta1, 1.0 - optimizer.beta2,
         -optimizer.adam_step_size,
+    )
+    flags = dict(
         OPT=OPTIMIZERS.index(optimizer.kind),
         POOLED=pooled,
         HAS_PSW=per_sample_weights is not None,
         HAS_SCALE=pooled and bag_scale is not None,
         WANT_PSW_GRAD=want_psw_grad,
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        num_warps=num_warps,
     )
+    block_d = triton.next_power_of_2(max(D, 1))
+    segs = max(1, min(64, 2048 // block_d))
+    _segments_kernel[(triton.cdiv(N, segs),)](
+        weight, sorted_rows, order, starts, num_segs, *common, num_rows, *hyper,
+        LONG=LONG_SEGMENT, SEGS=segs, BLOCK_D=block_d, num_warps=4 if segs * block_d <= 2048 else 8, **flags,
+    )
+    if N > LONG_SEGMENT:
+        block_n, block_d, num_warps = _tile(D, elements=2048, most_ids=32)
+        _long_segments_kernel[(long_list.numel(),)](
+            weight, sorted_rows, order, starts, *common, *hyper,
+            BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, **flags,
+        )
     return psw_grad
