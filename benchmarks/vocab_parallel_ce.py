@@ -7,7 +7,13 @@ Rows (each at ``--tp`` ranks, the vocabulary split evenly, mean loss over ``--to
 - ``shardkit_ce``: ``vocab_parallel_cross_entropy`` on the ``[T, V/tp]`` shard;
 - ``linear+shardkit_ce``: ``hidden @ weight_shard.T`` materialized, then ``shardkit_ce`` (the unfused
   baseline of the next row: it includes the matmuls);
-- ``shardkit_fused_linear_ce``: ``vocab_parallel_linear_cross_entropy(hidden, weight_shard)``.
+- ``shardkit_fused_linear_ce``: ``vocab_parallel_linear_cross_entropy(hidden, weight_shard)``;
+- ``logprobs_one_block``: next-token log-probs (``from_parallel_logits_to_logprobs``) of ``[1, T, V/tp]``
+  with ``chunk_size=T``: one fp32 work block of ``[T, V/tp]`` (the unchunked path);
+- ``logprobs_chunked``: ``ChunkedDistributedLogprob`` with ``--chunk`` positions per block;
+- ``logprobs_cp``: ``from_parallel_logits_to_logprobs(..., cp_group=)`` on ``--tp`` x ``--cp`` ranks, each
+  holding ``[1, T/cp, V/tp]`` (load-balanced halves); ``tp * cp`` processes share the machine, so its
+  time is not comparable with the ``tp``-process rows on a machine with fewer cores than that.
 
 Peak memory, CPU: every row runs in fresh processes (one per rank, gloo). Right before the measured
 forward + backward, each rank resets the kernel's peak-RSS counter (``/proc/self/clear_refs`` = 5) and
@@ -41,9 +47,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import median_seconds, write_results  # noqa: E402
 from shardkit.distributed import gather_from_region  # noqa: E402
-from shardkit.losses import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy  # noqa: E402
+from shardkit.losses import (  # noqa: E402
+    ChunkedDistributedLogprob,
+    from_parallel_logits_to_logprobs,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_linear_cross_entropy,
+)
+from shardkit.losses.context_parallel import context_parallel_positions  # noqa: E402
 
-VARIANTS = ("naive", "shardkit_ce", "linear+shardkit_ce", "shardkit_fused_linear_ce")
+VARIANTS = (
+    "naive",
+    "shardkit_ce",
+    "linear+shardkit_ce",
+    "shardkit_fused_linear_ce",
+    "logprobs_one_block",
+    "logprobs_chunked",
+    "logprobs_cp",
+)
+LOGPROB_VARIANTS = ("logprobs_one_block", "logprobs_chunked", "logprobs_cp")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -75,12 +96,41 @@ class PeakMemory:
         return _status_kib("VmHWM") * 1024 - self.base
 
 
+def _groups(variant, cfg, rank):
+    """``(tp_group, tp_rank, cp_group, cp_rank, cp)``: ranks laid out as ``arange(world).reshape(cp, tp)``."""
+    tp = cfg["tp"]
+    cp = cfg["cp"] if variant == "logprobs_cp" else 1
+    if cp == 1:
+        return None, rank, None, 0, 1
+    table = torch.arange(tp * cp).reshape(cp, tp)
+    tp_groups = [dist.new_group(row.tolist()) for row in table]
+    cp_groups = [dist.new_group(col.tolist()) for col in table.t()]
+    cp_rank, tp_rank = divmod(rank, tp)
+    return tp_groups[cp_rank], tp_rank, cp_groups[tp_rank], cp_rank, cp
+
+
 def _inputs(variant, cfg, rank, device):
     """Inputs made in place in their own dtype (no full-size fp32 temporaries that would raise the peak)."""
     dtype = DTYPES[cfg["dtype"]]
     gen = torch.Generator(device=device).manual_seed(1234)
     tokens, width, hidden = cfg["tokens"], cfg["vocab"] // cfg["tp"], cfg["hidden"]
     target = torch.randint(0, cfg["vocab"], (tokens,), generator=gen, device=device)
+    if variant in LOGPROB_VARIANTS:
+        tp_group, tp_rank, cp_group, cp_rank, cp = _groups(variant, cfg, rank)
+        positions = context_parallel_positions([(0, tokens)], cp, cp_rank, device)
+        full_gen = torch.Generator(device=device).manual_seed(99 + tp_rank)
+        # the same logits at every cp size: this rank's positions of the full sequence (made before the
+        # measurement starts, so the temporary does not count)
+        logits = torch.empty(1, tokens, width, dtype=dtype, device=device).normal_(generator=full_gen)
+        if cp > 1:
+            logits = logits.index_select(1, positions)
+        return {
+            "logits": logits.requires_grad_(),
+            "target": target.view(1, tokens),
+            "groups": (tp_group, cp_group),
+            "slice": (tp_rank * width, (tp_rank + 1) * width),
+            "chunk": cfg["chunk"],
+        }
     if variant in ("naive", "shardkit_ce"):
         full_gen = torch.Generator(device=device).manual_seed(99 + rank)
         logits = torch.empty(tokens, width, dtype=dtype, device=device).normal_(generator=full_gen)
@@ -101,11 +151,24 @@ def _step(variant, x):
     elif variant == "linear+shardkit_ce":
         logits = x["hidden"] @ x["weight"].t()
         loss = vocab_parallel_cross_entropy(logits, x["target"], reduction="mean")
-    else:
+    elif variant == "shardkit_fused_linear_ce":
         loss = vocab_parallel_linear_cross_entropy(x["hidden"], x["weight"], x["target"], reduction="mean")
+    else:
+        (tp_group, cp_group), (start, end) = x["groups"], x["slice"]
+        logits, target = x["logits"], x["target"]
+        if variant == "logprobs_chunked":
+            shifted = target.roll(-1, dims=-1)  # the Function takes already shifted targets
+            loss = ChunkedDistributedLogprob.apply(logits, shifted, start, end, x["chunk"], tp_group)[:, :-1]
+        else:
+            chunk = target.shape[-1] if variant == "logprobs_one_block" else None
+            loss = from_parallel_logits_to_logprobs(
+                logits, target, start, end, tp_group, False, cp_group, chunk_size=chunk
+            )
+        loss = -loss.mean()
     loss.backward()
     for t in x.values():
-        t.grad = None
+        if isinstance(t, torch.Tensor):
+            t.grad = None
     return float(loss.detach())
 
 
@@ -114,7 +177,8 @@ def _worker(rank, variant, cfg, port, out_dir):
     torch.set_num_threads(cfg["threads"])
     device = torch.device(cfg["device"])
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=cfg["tp"])
+    world = cfg["tp"] * (cfg["cp"] if variant == "logprobs_cp" else 1)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         x = _inputs(variant, cfg, rank, device)
         dist.barrier()
@@ -143,6 +207,8 @@ def main(argv=None) -> None:
     p.add_argument("--vocab", type=int, default=128000)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256, help="hidden size of the fused linear rows")
+    p.add_argument("--cp", type=int, default=2, help="context-parallel size of the logprobs_cp row")
+    p.add_argument("--chunk", type=int, default=256, help="positions per block of the logprobs_chunked row")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -158,18 +224,22 @@ def main(argv=None) -> None:
         "vocab": args.vocab,
         "tp": args.tp,
         "hidden": args.hidden,
+        "cp": args.cp,
+        "chunk": args.chunk,
         "dtype": args.dtype,
         "repeats": args.repeats,
         "device": args.device,
         "threads": max(1, (os.cpu_count() or 1) // args.tp),
+        # the logprobs_cp row runs tp * cp processes with the same thread count each
         "memory": "CPU: per-rank VmHWM - VmRSS around one step (fresh processes); CUDA: max_memory_allocated",
     }
     unit = args.tokens * (args.vocab // args.tp) * DTYPES[args.dtype].itemsize
     rows = []
     with tempfile.TemporaryDirectory() as out_dir:
         for variant in args.variants:
-            mp.spawn(_worker, args=(variant, cfg, _free_port(), out_dir), nprocs=args.tp, join=True)
-            per_rank = [json.loads(Path(out_dir, f"{variant}.{r}.json").read_text()) for r in range(args.tp)]
+            nprocs = args.tp * (args.cp if variant == "logprobs_cp" else 1)
+            mp.spawn(_worker, args=(variant, cfg, _free_port(), out_dir), nprocs=nprocs, join=True)
+            per_rank = [json.loads(Path(out_dir, f"{variant}.{r}.json").read_text()) for r in range(nprocs)]
             peak = max(r["peak"] for r in per_rank)
             rows.append(
                 {
@@ -182,10 +252,14 @@ def main(argv=None) -> None:
             )
             print(f"done: {variant}", file=sys.stderr)
     naive = next((r for r in rows if r["name"] == "naive"), None)
+    one_block = next((r for r in rows if r["name"] == "logprobs_one_block"), None)
     for row in rows:
-        if naive is not None:
+        if naive is not None and row["name"] not in LOGPROB_VARIANTS:
             row["time_vs_naive"] = row["time_s"] / naive["time_s"]
             row["peak_vs_naive"] = row["peak_mib"] / naive["peak_mib"]
+        if one_block is not None and row["name"] in LOGPROB_VARIANTS:
+            row["time_vs_one_block"] = row["time_s"] / one_block["time_s"]
+            row["peak_vs_one_block"] = row["peak_mib"] / one_block["peak_mib"]
     cfg["unit"] = f"one [T, V/tp] {args.dtype} tensor = {unit / 2**20:.1f} MiB"
     write_results("vocab_parallel_ce", cfg, rows, args.out)
 
