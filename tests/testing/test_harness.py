@@ -102,3 +102,52 @@ def test_process_group_set_up_failure_is_retried_then_reported(monkeypatch, capf
     assert "no-such-backend" in str(info.value)
     assert capfd.readouterr().err.count("retrying") == 1
     assert len(run_world(_pid, 2)) == 2  # the pool recovered
+
+
+def _import_checkpoint_after_init():
+    # torch keeps the default group alive after destroy_process_group when torch.distributed.checkpoint
+    # is first imported after init_process_group; its gloo threads then abort a finalizing interpreter
+    import torch.distributed.checkpoint  # noqa: F401
+
+    return dist.get_rank()
+
+
+def test_workers_exit_with_code_0_after_a_task_that_leaks_its_process_group():
+    import subprocess
+    import sys
+
+    # a fresh interpreter, so that torch.distributed.checkpoint is not imported yet in its workers
+    code = (
+        "from shardkit.testing.harness import WorkerPool\n"
+        "from tests.testing.test_harness import _import_checkpoint_after_init as fn\n"
+        "pool = WorkerPool()\n"
+        "kw = dict(timeout=60, backend='gloo', local_world_size=None, env=None)\n"
+        "assert pool.run(fn, 2, (), {}, **kw) == [0, 1]\n"
+        "processes = [w.process for w in pool._workers]\n"
+        "pool.shutdown()\n"
+        "print([p.exitcode for p in processes])\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[0, 0]", done.stdout + done.stderr
+    assert "terminate called" not in done.stderr
+
+
+def test_a_script_without_main_guard_gets_a_one_line_error(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import torch.distributed as dist\n"
+        "from shardkit.testing import run_world\n\n\n"
+        "def rank():\n    return dist.get_rank()\n\n\n"
+        "print(run_world(rank, 2))\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: run_world was called while a worker process imported your script")
+    assert 'if __name__ == "__main__":' in last
+    assert "bootstrapping" not in done.stderr and "WorldError" not in done.stderr

@@ -80,7 +80,26 @@ def _run_task(task: dict) -> tuple:
 
 
 def worker_main(conn, parent_pid: int) -> None:
-    """Serve tasks from ``conn`` until it closes or a ``None`` task arrives."""
+    """Serve tasks from ``conn`` until it closes or a ``None`` task arrives, then exit at once.
+
+    The exit skips the interpreter's finalization (``os._exit``): a process group that torch keeps
+    alive after ``destroy_process_group`` (it does when a task first imported
+    ``torch.distributed.checkpoint`` after ``init_process_group``) has gloo threads that abort a
+    finalizing interpreter with "terminate called without an active exception".
+    """
+    code = 1
+    try:
+        _serve(conn, parent_pid)
+        code = 0
+    except BaseException:  # noqa: BLE001 - printed here because os._exit below skips Python's report
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _serve(conn, parent_pid: int) -> None:
     import torch
 
     # ranks share 2 cores; intra-op threads per rank only add contention

@@ -31,6 +31,15 @@ FAILURE_GRACE_S = 5.0
 # How often a task whose process group could not be set up is run again (see WorkerPool.run).
 INIT_RETRIES = 2
 _INIT_ERROR = "process group set-up failed:\n"
+_NO_MAIN_GUARD = "no __main__ guard:\n"
+# Exit code of a worker that found run_world called while it imported the user's script (no
+# ``if __name__ == "__main__":`` guard); the parent turns it into one line instead of N tracebacks.
+NO_MAIN_GUARD_EXIT = 87
+NO_MAIN_GUARD_MESSAGE = (
+    "run_world was called while a worker process imported your script: put the code that calls "
+    'run_world under `if __name__ == "__main__":` (workers are started with spawn, which imports the '
+    "main module; see docs/testing.md)"
+)
 
 
 class WorldError(AssertionError):
@@ -115,6 +124,8 @@ class WorkerPool:
             # Rarely, gloo's connection set-up between local processes fails ("Connection closed
             # by peer") before any test code ran: that is the machine, not the test, so run it again.
             print(f"run_world: process group set-up failed on ranks {init_failed}; retrying", file=sys.stderr)
+        if errors and any(body.startswith(_NO_MAIN_GUARD) for body in errors.values()):
+            raise RuntimeError(NO_MAIN_GUARD_MESSAGE)
         if errors:
             report = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
             raise WorldError(f"{len(errors)} of {world_size} ranks failed:\n{report}")
@@ -177,8 +188,12 @@ class WorkerPool:
                 try:
                     status, _, body = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
-                    code = self._workers[rank].process.exitcode
+                    process = self._workers[rank].process
+                    process.join(timeout=5)  # the exit code is known once the process is reaped
+                    code = process.exitcode
                     status, body = "error", f"worker process died (exit code {code})\n"
+                    if code == NO_MAIN_GUARD_EXIT:
+                        body = _NO_MAIN_GUARD + body
                 if status == "ok":
                     results[rank] = pickle.loads(body)
                 else:
@@ -238,8 +253,14 @@ def run_world(
     must be picklable.
 
     Raises ``WorldError`` naming every failed rank with its traceback, or the ranks that did not
-    finish within ``timeout`` seconds (those workers are killed).
+    finish within ``timeout`` seconds (those workers are killed). Raises ``RuntimeError`` (one line)
+    when called from a script without an ``if __name__ == "__main__":`` guard.
     """
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        # This process is a spawned worker importing the user's main module, which calls run_world
+        # at import time: starting processes from here would fail with a page of bootstrapping
+        # errors on every worker. Leave quietly with a code the parent recognizes.
+        os._exit(NO_MAIN_GUARD_EXIT)
     return worker_pool().run(
         fn,
         world_size,
