@@ -10,8 +10,9 @@ compares losses, dense weights and every table shard with it.
 
 from __future__ import annotations
 
+import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -106,6 +107,8 @@ def run_rank(model: DLRM, plan, tables, batch_size: int, steps: int, seed: int, 
     if device_type == "cuda":
         device = torch.device("cuda", rank)  # one node: local rank == rank
         torch.cuda.set_device(device)
+    if rank == 0:
+        print(f"{world} ranks started; sharding the model and training", file=sys.stderr, flush=True)
     dmp = DistributedModelParallel(model.to(device), device=device, plan=plan)
     dense = torch.optim.SGD(dict(dmp.bare_named_parameters()).values(), lr=LR)
     optimizer = CombinedOptimizer([("fused", dmp.fused_optimizer), ("dense", dense)])
@@ -133,8 +136,18 @@ def run_rank(model: DLRM, plan, tables, batch_size: int, steps: int, seed: int, 
     }
 
 
-def train_reference(model: DLRM, tables, batch_size: int, steps: int, seed: int, world: int) -> List[float]:
-    """Train the unsharded ``model`` in place on the global batches; its loss at each step."""
+def train_reference(
+    model: DLRM,
+    tables,
+    batch_size: int,
+    steps: int,
+    seed: int,
+    world: int,
+    progress: Optional[Callable[[int], None]] = None,
+) -> List[float]:
+    """Train the unsharded ``model`` in place on the global batches; its loss at each step.
+
+    ``progress(steps_done)`` is called after every step."""
     data = SyntheticClicks(tables, batch_size, DENSE_IN, seed)
     optimizer = torch.optim.SGD(dense_parameters(model), lr=LR)
     losses = []
@@ -144,6 +157,8 @@ def train_reference(model: DLRM, tables, batch_size: int, steps: int, seed: int,
         loss.backward()  # the tables' fused SGD updates them here
         optimizer.step()
         losses.append(loss.item())
+        if progress is not None:
+            progress(step + 1)
     return losses
 
 
@@ -179,6 +194,8 @@ def run(args) -> int:
     )
     plan, plan_text = plan_sharding(model, tables, args)
     print(plan_text, flush=True)  # before the ranks' progress bar
+    # starting the ranks (spawn, import torch) takes seconds: say so instead of going quiet
+    print(f"starting {args.nproc} rank processes ...", file=sys.stderr, flush=True)
     ranks = run_world(
         run_rank,
         args.nproc,
@@ -198,9 +215,15 @@ def run(args) -> int:
     print(f"loss (global batch mean): {losses[0]:.4f} -> {losses[-1]:.4f}")
     print(curve(losses))
 
-    reference_losses = train_reference(model, tables, args.batch_size, args.steps, args.seed, args.nproc)
     tolerance = 1e-4 if args.tolerance is None else args.tolerance
-    print(f"check against an unsharded replica trained on the same global batches (tolerance {tolerance:g}):")
+    print(
+        f"check against an unsharded replica trained on the same global batches (tolerance {tolerance:g}):",
+        flush=True,
+    )
+    bar = ProgressBar(args.steps, "steps of the unsharded replica")
+    reference_losses = train_reference(
+        model, tables, args.batch_size, args.steps, args.seed, args.nproc, progress=bar.update
+    )
     ok = True
     for name, diff in differences(ranks, model, reference_losses).items():
         passed = diff <= tolerance
