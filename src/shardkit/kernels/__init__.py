@@ -4,6 +4,7 @@ See :mod:`shardkit.kernels.embedding` for the embedding-lookup ops and docs/perf
 backends compare. ``SHARDKIT_NATIVE=0`` keeps the native C++ kernels off.
 """
 
+from shardkit.kernels.bucketize import bucketize_blocks
 from shardkit.kernels.embedding import (
     BACKENDS,
     RowOutOfRange,
@@ -22,6 +23,7 @@ __all__ = [
     "RowOutOfRange",
     "RowOptimizerArgs",
     "bag_of_each_id",
+    "bucketize_blocks",
     "embedding_forward",
     "embedding_fused_backward",
     "kernel_backend",

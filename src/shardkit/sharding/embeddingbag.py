@@ -6,7 +6,8 @@ The sharded plain ``nn.EmbeddingBag`` (``ShardedEmbeddingBag`` / ``EmbeddingBagS
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Type
+import math
+from typing import Dict, List, Optional, Tuple, Type
 
 import torch
 
@@ -58,18 +59,57 @@ def column_permutation(
     return None if index == list(range(len(index))) else index
 
 
-class _PooledOutputAwaitable(LazyAwaitable[KeyedTensor]):
-    """Waits each sharding's output dist and assembles the KeyedTensor of the unsharded module."""
+def column_runs(permutation: List[int]) -> List[Tuple[int, int]]:
+    """``permutation`` as ranges ``[start, end)`` of consecutive source columns, in output order."""
+    runs: List[Tuple[int, int]] = []
+    for column in permutation:
+        if runs and runs[-1][1] == column:
+            runs[-1] = (runs[-1][0], column + 1)
+        else:
+            runs.append((column, column + 1))
+    return runs
 
-    def __init__(self, parts: List[Awaitable[torch.Tensor]], names, dims, permutation) -> None:
+
+class _PermuteColumnRuns(torch.autograd.Function):
+    """``[B, C]`` -> ``[B, C]`` with the column ranges ``runs`` (a permutation of all columns) in order.
+
+    The ranges are cut into blocks of the largest width ``g`` that divides every range boundary (a
+    feature's dim, typically), and one ``index_select`` over the ``[B, C / g, g]`` view moves whole
+    blocks: a copy at memcpy speed each way. (A per-column ``index_select`` gathers element by element
+    and its backward scatters into zeros; slices + ``torch.cat`` under autograd zero a full-size
+    gradient for every range.)
+    """
+
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, runs: List[Tuple[int, int]]) -> torch.Tensor:
+        width = math.gcd(*[edge for run in runs for edge in run])
+        blocks = [b for start, end in runs for b in range(start // width, end // width)]
+        order = torch.tensor(blocks, device=values.device)
+        ctx.inverse = torch.empty_like(order).index_copy_(
+            0, order, torch.arange(len(blocks), device=order.device)
+        )
+        ctx.width = width
+        return values.view(values.size(0), -1, width).index_select(1, order).view(values.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        return grad.view(grad.size(0), -1, ctx.width).index_select(1, ctx.inverse).view(grad.shape), None
+
+
+class _PooledOutputAwaitable(LazyAwaitable[KeyedTensor]):
+    """Waits each sharding's output dist and assembles the KeyedTensor of the unsharded module
+    (columns put in the unsharded order by :class:`_PermuteColumnRuns`)."""
+
+    def __init__(self, parts: List[Awaitable[torch.Tensor]], names, dims, runs) -> None:
         super().__init__()
-        self._parts, self._names, self._dims, self._permutation = parts, names, dims, permutation
+        self._parts, self._names, self._dims, self._runs = parts, names, dims, runs
 
     def _wait_impl(self) -> KeyedTensor:
         tensors = [aw.wait() for aw in self._parts]
         values = torch.cat(tensors, dim=1) if len(tensors) > 1 else tensors[0]
-        if self._permutation is not None:
-            values = values.index_select(1, self._permutation.to(values.device))
+        if self._runs is not None:
+            values = _PermuteColumnRuns.apply(values, self._runs)
         return KeyedTensor(self._names, self._dims, values)
 
 
@@ -113,7 +153,7 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
         self._dims = {f: t.embedding_dim for t in module.embedding_bag_configs() for f in t.feature_names}
         blocks = [block for s in self._shardings for block in s.output_layout()]
         permutation = column_permutation(blocks, self._embedding_names, self._dims)
-        self._permutation = None if permutation is None else torch.tensor(permutation)
+        self._column_runs = None if permutation is None else column_runs(permutation)
 
     def compute(self, ctx: EmbeddingShardingContext, dist_input: KJTList) -> List[torch.Tensor]:
         return [
@@ -134,7 +174,7 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
 
     def _assemble(self, parts: List[Awaitable[torch.Tensor]]) -> LazyAwaitable[KeyedTensor]:
         lengths = [self._dims[f] for f in self._embedding_names]
-        return _PooledOutputAwaitable(parts, self._embedding_names, lengths, self._permutation)
+        return _PooledOutputAwaitable(parts, self._embedding_names, lengths, self._column_runs)
 
 
 class EmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]):

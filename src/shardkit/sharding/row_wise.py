@@ -18,13 +18,12 @@ Table-row-wise sharding (blocks over one node's ranks) reuses :class:`RowBucketR
 from __future__ import annotations
 
 import dataclasses
-from itertools import accumulate
 from typing import Dict, List, Tuple
 
 import torch
 
 from shardkit.distributed.awaitable import Awaitable
-from shardkit.kernels import bag_of_each_id
+from shardkit.kernels import bucketize_blocks
 from shardkit.modules.embedding_configs import PoolingType
 from shardkit.sharding.dist_data import (
     PooledEmbeddingsReduceScatter,
@@ -110,32 +109,20 @@ class RowBucketRouting(EmbeddingSharding):
         """The KJT to send (keys ``feature@rank``, rank by rank) and the sort ``order`` of the input ids
         (sent ids = ``values[order]``). No host sync beyond the input's cached ``length_per_key``.
         """
-        values, device = features.values(), features.values().device
-        bags = features.stride_per_key()
-        counts = features.length_per_key()
-        key_of_id = []
-        for i, ids in enumerate(values.split(counts)):
-            starts = torch.tensor(self._block_starts[i], dtype=ids.dtype, device=device)
-            keys = torch.tensor(self._block_keys[i], dtype=torch.int64, device=device)
-            block = (torch.searchsorted(starts, ids, right=True) - 1).clamp_(min=0)
-            key_of_id.append(keys.index_select(0, block))
-        key = torch.cat(key_of_id) if key_of_id else values.new_zeros(0, dtype=torch.int64)
-        bag_start = [0, *accumulate(bags)]
-        sent_bags = [bags[i] for i in self._sent_feature]
-        row_start = torch.tensor(list(accumulate([0, *sent_bags[:-1]])), dtype=torch.int64, device=device)
-        feature_start = torch.tensor(
-            [bag_start[i] for i in self._sent_feature], dtype=torch.int64, device=device
+        order, lengths, sent_values = bucketize_blocks(
+            features.values(),
+            features.offsets(),
+            features.stride_per_key(),
+            self._block_starts,
+            self._block_keys,
+            self._sent_feature,
+            features.length_per_key(),
         )
-        bag = bag_of_each_id(features.offsets().to(torch.int64), values.numel())
-        segment = row_start.index_select(0, key) + bag - feature_start.index_select(0, key)
-        # stable: the ids of one bag keep their order, so a block's bag is the original bag filtered
-        order = torch.argsort(segment, stable=True)
-        lengths = torch.bincount(segment, minlength=sum(sent_bags))
         weights = features.weights_or_none()
         spkpr = features.stride_per_key_per_rank() if features.variable_stride_per_key() else None
         send = KeyedJaggedTensor(
             self._sent_names,
-            values.index_select(0, order),
+            sent_values,
             None if weights is None else weights.index_select(0, order),
             lengths=lengths,
             stride=None if spkpr is not None else features.stride(),

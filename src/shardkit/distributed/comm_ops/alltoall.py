@@ -23,6 +23,7 @@ from shardkit.distributed.comm_ops.exchange import (
     check_sizes,
     checked_plan,
     forward_codec,
+    join,
     world_of,
 )
 from shardkit.distributed.comm_ops.infos import (
@@ -71,9 +72,7 @@ class _PooledPlan(CommPlan):
         received = all_to_all(
             chunks, self.layout().send, self.dtype, backward_codec(self.info.codecs), self.group
         )
-        return received.then(
-            lambda pieces: (torch.cat([p.view(b, d_me) for p, b in zip(pieces, batch)], dim=0),)
-        )
+        return received.then(lambda pieces: (join(pieces).view(sum(batch), d_me),))
 
 
 def alltoall_pooled(
@@ -143,12 +142,12 @@ class _FlatPlan(CommPlan):
     def start_forward(self, inputs):
         chunks = inputs[0].reshape(-1).split(list(self._layout.send))
         received = all_to_all(chunks, self._layout.recv, self.dtype, forward_codec(self.codecs), self.group)
-        return received.then(torch.cat)
+        return received.then(join)
 
     def start_backward(self, grads):
         chunks = grads[0].split(list(self._layout.recv))
         received = all_to_all(chunks, self._layout.send, self.dtype, backward_codec(self.codecs), self.group)
-        return received.then(lambda pieces: (torch.cat(pieces).view(self.shape),))
+        return received.then(lambda pieces: (join(pieces).view(self.shape),))
 
 
 def variable_batch_alltoall_pooled(
@@ -270,7 +269,7 @@ class _SequencePlan(CommPlan):
             )
         chunks = x.split(info.output_splits, dim=0)
         received = all_to_all(chunks, self.layout().recv, self.dtype, forward_codec(info.codecs), self.group)
-        return received.then(lambda pieces: torch.cat(pieces).view(-1, info.embedding_dim))
+        return received.then(lambda pieces: join(pieces).view(-1, info.embedding_dim))
 
     def start_backward(self, grads):
         info = self.info
@@ -280,7 +279,7 @@ class _SequencePlan(CommPlan):
 
     def _unpermute(self, pieces: list[torch.Tensor]) -> tuple[torch.Tensor]:
         info = self.info
-        grad = torch.cat(pieces).view(-1, info.embedding_dim)
+        grad = join(pieces).view(-1, info.embedding_dim)
         if info.forward_recat_tensor is not None:
             grad, _ = _permute_segments(
                 grad, info.permuted_lengths_after_sparse_data_all2all, info.backward_recat_tensor
@@ -424,7 +423,7 @@ class _VPlan(CommPlan):
     def _split_columns(self, pieces: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         info = self.info
         width = sum(info.D_local_list)
-        grad = torch.cat([p.view(b, width) for p, b in zip(pieces, info.B_local_list)], dim=0)
+        grad = join(pieces).view(sum(info.B_local_list), width)
         return tuple(g.contiguous() for g in grad.split(info.D_local_list, dim=1))
 
 

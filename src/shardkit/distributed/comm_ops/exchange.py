@@ -99,6 +99,53 @@ def _from_bytes(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return raw.view(dtype)
 
 
+def _pack(chunks: Sequence[torch.Tensor], dtype: torch.dtype, alias_ok: bool) -> tuple:
+    """The chunks back to back as one byte buffer, and each chunk's byte count.
+
+    Chunks that tile one contiguous tensor in order (rows split off a ``[B, D]`` output) are sent from
+    that tensor without a copy when ``alias_ok`` (the buffer is only read); otherwise every chunk is
+    copied once into a new buffer (column blocks of a gradient, say), never twice.
+    """
+    chunks = [chunk.to(dtype) for chunk in chunks]
+    item = torch.empty(0, dtype=dtype).element_size()
+    sizes = [chunk.numel() * item for chunk in chunks]
+    if alias_ok and chunks and _tile_one_buffer(chunks):
+        first = chunks[0]
+        flat = first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (sum(sizes) // item,))
+        return _bytes(flat), sizes
+    flat = torch.empty(sum(sizes) // item, dtype=dtype, device=chunks[0].device if chunks else None)
+    start = 0
+    for chunk in chunks:
+        flat[start : start + chunk.numel()].view(chunk.shape).copy_(chunk)
+        start += chunk.numel()
+    return _bytes(flat), sizes
+
+
+def join(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The flat concatenation of ``pieces``: a view when they lie back to back in one buffer (the pieces
+    of one receive buffer), else a copy."""
+    pieces = [piece.reshape(-1) for piece in pieces]
+    if pieces and _tile_one_buffer(pieces):
+        first = pieces[0]
+        total = sum(piece.numel() for piece in pieces)
+        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (total,))
+    return torch.cat(pieces)
+
+
+def _tile_one_buffer(chunks: Sequence[torch.Tensor]) -> bool:
+    storage = chunks[0].untyped_storage().data_ptr()
+    end = chunks[0].data_ptr()
+    for chunk in chunks:
+        if (
+            not chunk.is_contiguous()
+            or chunk.untyped_storage().data_ptr() != storage
+            or chunk.data_ptr() != end
+        ):
+            return False
+        end += chunk.numel() * chunk.element_size()
+    return True
+
+
 def _pad_to(flat: torch.Tensor, numel: int) -> torch.Tensor:
     return torch.cat([flat, flat.new_zeros(numel - flat.numel())])
 
@@ -140,14 +187,17 @@ def all_to_all(
     """
     wire_dtype = _wire_dtype(codec, dtype)
     item = torch.empty(0, dtype=wire_dtype).element_size()
-    sends = [_bytes(_encode(chunk, codec)) for chunk in chunks]
-    send = torch.cat(sends)  # a new buffer even for one chunk: the result never aliases an input
+    world = world_of(group)
+    if codec is None:
+        send, send_bytes = _pack(chunks, dtype, alias_ok=world > 1)
+    else:
+        sends = [_bytes(_encode(chunk, codec)) for chunk in chunks]
+        send, send_bytes = torch.cat(sends), [chunk.numel() for chunk in sends]
     recv_bytes = [_wire_numel(n, codec) * item for n in recv_numels]
-    if world_of(group) == 1:
+    if world == 1:
         recv, work = send, None
     else:
         recv = send.new_empty(sum(recv_bytes))
-        send_bytes = [chunk.numel() for chunk in sends]
         work = dist.all_to_all_single(recv, send, recv_bytes, send_bytes, group=group, async_op=True)
 
     def finish() -> list[torch.Tensor]:

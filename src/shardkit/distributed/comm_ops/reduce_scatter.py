@@ -24,6 +24,7 @@ from shardkit.distributed.comm_ops.exchange import (
     check_sizes,
     checked_plan,
     forward_codec,
+    join,
     reduce_scatter,
     world_of,
 )
@@ -67,7 +68,7 @@ class _RowsPlan(CommPlan):
     def start_backward(self, grads):
         codec = backward_codec(self.info.codecs)
         gathered = all_gather(grads[0], self._numels(), self.dtype, codec, self.group)
-        return gathered.then(lambda pieces: (torch.cat(pieces).view(self.shape),))
+        return gathered.then(lambda pieces: (join(pieces).view(self.shape),))
 
 
 def _rows_request(what: str, x: torch.Tensor, group, build, agree) -> Request[torch.Tensor]:
@@ -257,7 +258,7 @@ class _GatherPlan(CommPlan):
         size = self.info.input_size
         numels = [math.prod(size)] * self.world
         gathered = all_gather(inputs[0], numels, self.dtype, forward_codec(self.info.codecs), self.group)
-        return gathered.then(lambda pieces: torch.cat(pieces).view(self.world * size[0], *size[1:]))
+        return gathered.then(lambda pieces: join(pieces).view(self.world * size[0], *size[1:]))
 
     def start_backward(self, grads):
         size = self.info.input_size

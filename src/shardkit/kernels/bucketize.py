@@ -1,0 +1,91 @@
+"""Row-wise input distribution's bucketize: each id to the row block holding it, grouped by destination.
+
+Ids of F features arrive feature-major in bags (a KeyedJaggedTensor's values / offsets). Feature f's
+rows are split into blocks (ascending first rows ``block_starts[f]``), and block j of feature f goes
+out under the sent key ``block_keys[f][j]``. Each sent key k carries the bags of its feature, so the
+sent KJT has one segment (bag) per (key, sample): segment = (first segment of k) + sample. The result
+is the stable order that sorts the ids by segment (a bag's ids keep their order), the length of every
+segment, and the ids in that order. Native C++ on CPU (a counting sort, one pass to place the ids)
+with this pure-torch path as reference and fallback.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from shardkit.kernels.embedding_torch import bag_of_each_id
+from shardkit.kernels.native_build import native_ops
+
+__all__ = ["bucketize_blocks"]
+
+
+def bucketize_blocks(
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    bags_per_feature: Sequence[int],
+    block_starts: Sequence[Sequence[int]],
+    block_keys: Sequence[Sequence[int]],
+    key_feature: Sequence[int],
+    ids_per_feature: Optional[Sequence[int]] = None,
+    backend: str = "auto",
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (order int64 ``[N]``, lengths int64 ``[S]``, ``values[order]``).
+
+    values: int32 / int64 ``[N]``; offsets: ``[sum(bags_per_feature) + 1]``; block_starts / block_keys:
+    per feature, its blocks' first rows (ascending) and sent keys; key_feature: the feature of each sent
+    key (keys numbered 0..K-1). ``S = sum(bags_per_feature[key_feature[k]] for k)``. ids_per_feature:
+    the number of ids of each feature if known (the torch path reads it from offsets otherwise).
+    backend: "auto" (native when it can run), "native" or "torch".
+    """
+    offsets = offsets.to(torch.int64)
+    key_bags = [bags_per_feature[f] for f in key_feature]
+    num_segments = sum(key_bags)
+    native = native_ops() if backend != "torch" and values.device.type == "cpu" else None
+    if backend == "native" and native is None:
+        raise RuntimeError("the native bucketize kernel is not available")
+    if native is not None and values.dtype in (torch.int32, torch.int64):
+        device = values.device
+
+        def tensor(data: List[int]) -> torch.Tensor:
+            return torch.tensor(data, dtype=torch.int64, device=device)
+
+        return native.bucketize_blocks(
+            values.contiguous(),
+            offsets.contiguous(),
+            tensor([0, *accumulate(bags_per_feature)]),
+            tensor([row for starts in block_starts for row in starts]),
+            tensor([0, *accumulate(len(starts) for starts in block_starts)]),
+            tensor([k for keys in block_keys for k in keys]),
+            tensor([0, *accumulate(key_bags)][:-1]),
+            num_segments,
+        )
+    return _bucketize_torch(
+        values, offsets, bags_per_feature, block_starts, block_keys, key_feature, ids_per_feature
+    )
+
+
+def _bucketize_torch(values, offsets, bags_per_feature, block_starts, block_keys, key_feature, counts):
+    device = values.device
+    if counts is None:
+        bounds = torch.tensor([0, *accumulate(bags_per_feature)], device=device)
+        counts = offsets.index_select(0, bounds).diff().tolist()
+    key_of_id = []
+    for i, ids in enumerate(values.split(counts)):
+        starts = torch.tensor(block_starts[i], dtype=ids.dtype, device=device)
+        keys = torch.tensor(block_keys[i], dtype=torch.int64, device=device)
+        block = (torch.searchsorted(starts, ids, right=True) - 1).clamp_(min=0)
+        key_of_id.append(keys.index_select(0, block))
+    key = torch.cat(key_of_id) if key_of_id else values.new_zeros(0, dtype=torch.int64)
+    bag_start = [0, *accumulate(bags_per_feature)]
+    key_bags = [bags_per_feature[f] for f in key_feature]
+    row_start = torch.tensor(list(accumulate([0, *key_bags[:-1]])), dtype=torch.int64, device=device)
+    feature_start = torch.tensor([bag_start[f] for f in key_feature], dtype=torch.int64, device=device)
+    bag = bag_of_each_id(offsets, values.numel())
+    segment = row_start.index_select(0, key) + bag - feature_start.index_select(0, key)
+    # stable: the ids of one bag keep their order, so a block's bag is the original bag filtered
+    order = torch.argsort(segment, stable=True)
+    lengths = torch.bincount(segment, minlength=sum(key_bags))
+    return order, lengths, values.index_select(0, order)
