@@ -1,0 +1,54 @@
+"""Every Python block of README.md and docs/*.md, saved as a file and run the way the docs say.
+
+A block is a whole program. One whose first line is a ranks marker
+(``# run on N ranks: ./dev launch -n N snippet.py``) runs under ``./dev launch -n N``; any other runs with
+``./dev python``. Both from an empty directory, so a block cannot lean on files of the checkout or on
+another block. The run must exit with code 0 and must not end in torch's "terminate called" abort.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from tests.docs.markdown_blocks import DEV, python_blocks
+
+# Blocks that do not run yet, each with the reason; strict: once a block runs, its entry must go.
+NOT_YET_RUNNABLE = {
+    "docs/graph_parallel.md:6": "a fragment (x_own, local_energy undefined); the page belongs to the "
+    "graph_parallel developer this session",
+}
+
+BLOCKS = python_blocks()
+
+
+def _marks(block):
+    reason = NOT_YET_RUNNABLE.get(block.where)
+    return [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
+
+
+def test_every_python_block_is_found_and_the_exceptions_exist():
+    wheres = {b.where for b in BLOCKS}
+    assert len(BLOCKS) >= 15
+    assert set(NOT_YET_RUNNABLE) <= wheres, set(NOT_YET_RUNNABLE) - wheres
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.where, marks=_marks(b)) for b in BLOCKS])
+def test_python_block_runs_as_written(block, tmp_path):
+    script = tmp_path / "snippet.py"
+    script.write_text(block.text)
+    ranks = block.ranks()
+    command = (
+        [str(DEV), "python", script.name]
+        if ranks is None
+        else [str(DEV), "launch", "-n", str(ranks), script.name]
+    )
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))
+    }
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"{block.where}: {' '.join(command[1:])} exited {done.returncode}\n{output}"
+    assert "terminate called" not in output, output
