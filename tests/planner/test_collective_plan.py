@@ -62,3 +62,32 @@ def test_collective_plan_error_reaches_every_rank():
         ("PlannerError", True),
         ("RemoteInvocationError", True),
     ]
+
+
+def _collective_plan_with_a_16_rank_topology():
+    tables = [EmbeddingBagConfig(num_embeddings=100, embedding_dim=8, name="t", feature_names=["f"])]
+    topology = Topology(world_size=16, compute_device="cpu")
+    try:
+        EmbeddingShardingPlanner(topology).collective_plan(meta_ebc(tables), [ebc_sharder()])
+    except (ValueError, RemoteInvocationError) as err:
+        return type(err).__name__, str(err)
+    return None
+
+
+def test_collective_plan_checks_the_topology_against_the_process_group():
+    results = run_world(_collective_plan_with_a_16_rank_topology, 2, timeout=60)
+    assert [kind for kind, _ in results] == ["ValueError", "RemoteInvocationError"]
+    for _, message in results:
+        assert "topology has world_size 16" in message and "process group has 2 ranks" in message
+
+
+def test_collective_plan_without_torch_distributed_is_a_one_rank_group():
+    tables = [EmbeddingBagConfig(num_embeddings=100, embedding_dim=8, name="t", feature_names=["f"])]
+    with pytest.raises(ValueError, match="world_size 4 but the process group has 1 ranks"):
+        EmbeddingShardingPlanner(Topology(world_size=4, compute_device="cpu")).collective_plan(
+            meta_ebc(tables), [ebc_sharder()]
+        )
+    plan = EmbeddingShardingPlanner(Topology(world_size=1, compute_device="cpu")).collective_plan(
+        meta_ebc(tables), [ebc_sharder()]
+    )
+    assert "t" in plan.plan[""]

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.distributed.agreement import group_size
 from shardkit.distributed.collective_utils import invoke_on_rank_and_broadcast_result
 from shardkit.distributed.topology import get_local_size
 from shardkit.modules import OptimType
@@ -108,12 +109,24 @@ class EmbeddingShardingPlanner(ShardingPlanner):
         """The plan made on rank 0 of ``pg`` (default group when None), identical on every rank.
 
         Collective. A planning error on rank 0 raises there and as ``RemoteInvocationError`` (with the
-        message) on every other rank.
+        message) on every other rank; so does a topology whose ``world_size`` is not the group's size
+        (``ValueError`` naming both sizes), checked before planning.
         """
         plan, self.last_report = invoke_on_rank_and_broadcast_result(
-            pg, 0, self.plan_with_report, module, sharders
+            pg, 0, self._plan_for_group, module, sharders, group_size(pg)
         )
         return plan
+
+    def _plan_for_group(
+        self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]], group_world: int
+    ) -> Tuple[ShardingPlan, PlanReport]:
+        if self.topology.world_size != group_world:
+            raise ValueError(
+                f"collective_plan: the topology has world_size {self.topology.world_size} but the process "
+                f"group has {group_world} ranks; give Topology(world_size={group_world}), or call plan() "
+                "to plan for another cluster without running on it"
+            )
+        return self.plan_with_report(module, sharders)
 
     def plan_with_report(
         self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]
