@@ -216,9 +216,12 @@ def cross_entropy_backward(
     """Gradient for the logits shard, same shape and dtype as ``logits``: one new buffer, no collective."""
     logits2d, target1d = _flat(logits, target)
     grad = torch.empty_like(logits2d, memory_format=torch.contiguous_format)
-    blocks = gradient_blocks(lambda i0, i1: logits2d[i0:i1], grad_output, target1d, lse, count, vocab, opts)
-    for i0, i1, block in blocks:
-        grad[i0:i1].copy_(block)
+    # cache-sized blocks written straight into the gradient: one read of the logits, one write of the
+    # gradient, instead of one memory pass per step (the blocks are within the chunk_size bound)
+    rows = st.cache_rows(opts.shard.width, opts.rows)
+    source = lambda i0, i1: logits2d[i0:i1]  # noqa: E731
+    for _ in gradient_blocks(source, grad_output, target1d, lse, count, vocab, opts, out=grad, rows=rows):
+        pass
     return grad.view(logits.shape)
 
 
@@ -230,8 +233,13 @@ def gradient_blocks(
     count: torch.Tensor,
     vocab: torch.Tensor,
     opts: CrossEntropyOptions,
+    out: Optional[torch.Tensor] = None,
+    rows: Optional[int] = None,
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """``(i0, i1, d loss / d logits[i0:i1])`` blocks in the work dtype, recomputed from ``lse``, locally."""
+    """``(i0, i1, d loss / d logits[i0:i1])`` blocks in the work dtype, recomputed from ``lse``, locally.
+
+    ``out`` / ``rows``: see ``statistics.softmax_gradient_blocks`` (``rows`` defaults to ``opts.rows``).
+    """
     num_rows = target1d.numel()
     index, owned, active = st.local_target_index(target1d, opts.shard, opts.ignore_index)
     g = per_token_grad(grad_output, opts.reduction, count, num_rows, lse.dtype)
@@ -249,7 +257,8 @@ def gradient_blocks(
         coef_p,
         g * (1.0 - opts.label_smoothing),
         coef_uniform,
-        opts.rows,
+        opts.rows if rows is None else rows,
+        out=out,
     )
 
 
