@@ -77,3 +77,21 @@ def test_demo_runs_and_matches_the_single_process_result(capsys):
     out = capsys.readouterr().out
     assert "result: sharded == unsharded" in out
     assert out.count(" ok") == 3
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        ([], "name the script to run on every rank"),
+        (["-n", "2"], "name the script to run on every rank"),
+        (["-n", "0", "x.py"], "-n must be >= 1"),
+        (["-n", "two", "x.py"], "invalid int value: 'two'"),
+        (["no_such_script.py"], "no such script: no_such_script.py"),
+    ],
+)
+def test_launch_bad_input_is_one_line_and_exit_code_2(capsys, argv, expected):
+    with pytest.raises(SystemExit) as info:
+        main(["launch", *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("shardkit launch: error: ") and expected in err

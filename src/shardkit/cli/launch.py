@@ -7,6 +7,11 @@ usual RANK / LOCAL_RANK / WORLD_SIZE variables. For several machines use torchru
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+
+PROG = "shardkit launch"
+USAGE = "shardkit launch [-n N] script.py [script args]"
 
 
 def torchrun_args(nproc: int, script: str, script_args: list[str]) -> list[str]:
@@ -14,18 +19,30 @@ def torchrun_args(nproc: int, script: str, script_args: list[str]) -> list[str]:
     return ["--standalone", f"--nproc-per-node={nproc}", script, *script_args]
 
 
+def _one_line_error(message: str) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def run(args) -> int:
+    if args.script is None:
+        _one_line_error(f"name the script to run on every rank: {USAGE}")
     if args.nproc < 1:
-        raise SystemExit(f"shardkit launch: -n must be >= 1, got {args.nproc}")
+        _one_line_error(f"-n must be >= 1, got {args.nproc}")
+    if not os.path.isfile(args.script):
+        _one_line_error(f"no such script: {args.script}")
     from torch.distributed.run import main as torchrun_main
 
+    # torchrun sets 1 thread per rank anyway, with a 4-line warning when the variable is unset
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     torchrun_main(torchrun_args(args.nproc, args.script, list(args.script_args)))
     return 0
 
 
 def add_parser(commands) -> None:
-    parser = commands.add_parser("launch", help="run a script on N local processes (torchrun)")
-    parser.add_argument("-n", "--nproc", type=int, default=2, help="number of local processes")
-    parser.add_argument("script", help="python script to run on every rank")
+    parser = commands.add_parser("launch", help="run a script on N local processes (torchrun)", usage=USAGE)
+    parser.error = _one_line_error
+    parser.add_argument("-n", "--nproc", type=int, default=2, help="number of local processes (default 2)")
+    parser.add_argument("script", nargs="?", help="python script to run on every rank")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     parser.set_defaults(run=run)
