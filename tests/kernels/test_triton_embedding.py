@@ -71,3 +71,37 @@ def test_compiled_kernels_are_not_offered_cpu_tables():
     assert not triton_embedding.INTERPRETED
     assert not triton_embedding.available(weight)
     assert select_backend(weight, torch.zeros(2, dtype=torch.int64)) in ("torch", "native")
+
+
+# (kernel, optimizer, flags, D, table dtype): the fused backward's kernels in the specializations that
+# matter most; ("segments", 0, {}, 16, ...) is the one Triton 3.6 once failed to compile
+COMPILE_CASES = [
+    ("segments", 0, {}, 16, "*fp32"),
+    ("segments", 1, {"HAS_SCALE": True}, 12, "*fp32"),
+    ("segments", 2, {"HAS_PSW": True, "WANT_PSW_GRAD": True}, 128, "*fp32"),
+    ("segments", 3, {"POOLED": False}, 64, "*bf16"),
+    ("long", 0, {}, 16, "*fp32"),
+    ("long", 3, {"HAS_PSW": True, "WANT_PSW_GRAD": True}, 128, "*fp16"),
+]
+
+
+@pytest.mark.parametrize("kernel,opt,flags,dim,weight_type", COMPILE_CASES)
+def test_fused_backward_compiles_for_sm90(kernel, opt, flags, dim, weight_type):
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("TRITON_INTERPRET is set for the whole test run: the kernels are not compiled")
+    from shardkit.kernels import triton_embedding as te
+    from tests.kernels._triton_compile import compile_for_sm90
+
+    assert te.triton_failure() is None, f"triton is in the dev extra: {te.triton_failure()}"
+    constexprs = {"OPT": opt, "POOLED": True, "HAS_PSW": False, "HAS_SCALE": False, "WANT_PSW_GRAD": False}
+    constexprs.update(flags)
+    if kernel == "segments":
+        segs, block_d, _ = te._segment_tile(dim)
+        constexprs.update(LONG=te.LONG_SEGMENT, SEGS=segs, BLOCK_D=block_d)
+        fn = te._segments_kernel
+    else:
+        block_n, block_d, _ = te._tile(dim, elements=2048, most_ids=32)
+        constexprs.update(BLOCK_N=block_n, BLOCK_D=block_d)
+        fn = te._long_segments_kernel
+    compiled = compile_for_sm90(fn, constexprs, weight_type, ["D"] if dim % 16 == 0 else [])
+    assert compiled.asm.get("ptx"), "no PTX came out"

@@ -194,22 +194,26 @@ if triton is not None:
         pos, active, cols, col_ok, param, order_ptr, bag_ptr, psw_ptr, scale_ptr, grad_ptr, psw_grad_ptr, D,
         POOLED: tl.constexpr, HAS_PSW: tl.constexpr, HAS_SCALE: tl.constexpr, WANT_PSW_GRAD: tl.constexpr,
     ):
-        """fp32 ``w_i * scale_b * grad[b]`` [S, BLOCK_D] of the ids at sorted positions ``pos`` [S]
-        (zero where not ``active``); stores their per-sample-weight gradients against ``param``."""
+        """fp32 ``w_i * scale_b * grad[b]`` [S, BLOCK_D] of the ids at sorted positions ``pos`` [S, 1]
+        (zero where not ``active`` [S, 1]); stores their per-sample-weight gradients against ``param``.
+
+        Every index is a [S, 1] column of the tile's own layout: with [S] vectors here Triton 3.6 fails
+        to compile some specializations (TritonGPURemoveLayoutConversions).
+        """
         id_pos = tl.load(order_ptr + pos, mask=active, other=0)
         if POOLED:
             src = tl.load(bag_ptr + id_pos, mask=active, other=0)
         else:
             src = id_pos
-        tile = active[:, None] & col_ok[None, :]
-        g = tl.load(grad_ptr + src[:, None] * D + cols[None, :], mask=tile, other=0.0).to(tl.float32)
+        tile = active & col_ok[None, :]
+        g = tl.load(grad_ptr + src * D + cols[None, :], mask=tile, other=0.0).to(tl.float32)
         if HAS_SCALE:
-            g = g * tl.load(scale_ptr + src, mask=active, other=0.0).to(tl.float32)[:, None]
+            g = g * tl.load(scale_ptr + src, mask=active, other=0.0).to(tl.float32)
         if WANT_PSW_GRAD:
             # against the row before this step's update, as the forward read it
-            tl.store(psw_grad_ptr + id_pos, tl.sum(g * param, axis=1), mask=active)
+            tl.store(psw_grad_ptr + id_pos, tl.sum(g * param, axis=1, keep_dims=True), mask=active)
         if HAS_PSW:
-            g = g * tl.load(psw_ptr + id_pos, mask=active, other=0.0).to(tl.float32)[:, None]
+            g = g * tl.load(psw_ptr + id_pos, mask=active, other=0.0).to(tl.float32)
         return g
 
     @triton.jit
@@ -245,8 +249,8 @@ if triton is not None:
         while j < steps:
             active = j < length
             acc += _id_gradients(
-                start + j, active, cols, col_ok, param, order_ptr, bag_ptr, psw_ptr, scale_ptr, grad_ptr,
-                psw_grad_ptr, D, POOLED, HAS_PSW, HAS_SCALE, WANT_PSW_GRAD,
+                (start + j)[:, None], active[:, None], cols, col_ok, param, order_ptr, bag_ptr, psw_ptr,
+                scale_ptr, grad_ptr, psw_grad_ptr, D, POOLED, HAS_PSW, HAS_SCALE, WANT_PSW_GRAD,
             )
             j += 1
         _row_step(
@@ -283,8 +287,8 @@ if triton is not None:
                 first += BLOCK_N
                 # the same param row broadcast to every id of the tile
                 g = _id_gradients(
-                    pos, pos < last, cols, col_ok, param, order_ptr, bag_ptr, psw_ptr, scale_ptr, grad_ptr,
-                    psw_grad_ptr, D, POOLED, HAS_PSW, HAS_SCALE, WANT_PSW_GRAD,
+                    pos[:, None], (pos < last)[:, None], cols, col_ok, param, order_ptr, bag_ptr, psw_ptr,
+                    scale_ptr, grad_ptr, psw_grad_ptr, D, POOLED, HAS_PSW, HAS_SCALE, WANT_PSW_GRAD,
                 )
                 acc += tl.sum(g, axis=0)[None, :]
             _row_step(
@@ -299,6 +303,13 @@ def _tile(D: int, elements: int = 4096, most_ids: int = 64):
     block_n = max(1, min(most_ids, elements // block_d))
     num_warps = 4 if block_n * block_d <= 4096 else 8
     return block_n, block_d, num_warps
+
+
+def _segment_tile(D: int):
+    """(SEGS, BLOCK_D, num_warps) of the fused backward's one-row-per-lane kernel."""
+    block_d = triton.next_power_of_2(max(D, 1))
+    segs = max(1, min(64, 2048 // block_d))
+    return segs, block_d, 4 if segs * block_d <= 2048 else 8
 
 
 def _check_weight(weight: torch.Tensor) -> None:
@@ -487,11 +498,10 @@ def embedding_fused_backward(
         HAS_SCALE=pooled and bag_scale is not None,
         WANT_PSW_GRAD=want_psw_grad,
     )
-    block_d = triton.next_power_of_2(max(D, 1))
-    segs = max(1, min(64, 2048 // block_d))
+    segs, block_d, num_warps = _segment_tile(D)
     _segments_kernel[(triton.cdiv(N, segs),)](
         weight, sorted_rows, order, starts, num_segs, *common, num_rows, *hyper,
-        LONG=LONG_SEGMENT, SEGS=segs, BLOCK_D=block_d, num_warps=4 if segs * block_d <= 2048 else 8, **flags,
+        LONG=LONG_SEGMENT, SEGS=segs, BLOCK_D=block_d, num_warps=num_warps, **flags,
     )
     if N > LONG_SEGMENT:
         block_n, block_d, num_warps = _tile(D, elements=2048, most_ids=32)
