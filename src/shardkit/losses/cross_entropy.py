@@ -127,7 +127,10 @@ def cross_entropy_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(result, lse [T] fp32, token count (fp64 0-d, for "mean"), real vocabulary size (0-d))``."""
     logits2d, target1d = _flat(logits, target)
-    return loss_from_source(lambda i0, i1: logits2d[i0:i1], logits2d.dtype, target1d, target.shape, opts)
+    # cache-sized blocks: the statistics read each block of logits once and reuse one small buffer
+    rows = st.cache_rows(opts.shard.width, opts.rows)
+    source = lambda i0, i1: logits2d[i0:i1]  # noqa: E731
+    return loss_from_source(source, logits2d.dtype, target1d, target.shape, opts, rows=rows)
 
 
 def loss_from_source(
@@ -136,8 +139,12 @@ def loss_from_source(
     target1d: torch.Tensor,
     out_shape: torch.Size,
     opts: CrossEntropyOptions,
+    rows: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward pass over logits produced block by block by ``source`` (a slice, or a matmul)."""
+    """The forward pass over logits produced block by block by ``source`` (a slice, or a matmul).
+
+    ``rows``: rows per block (default ``opts.rows``).
+    """
     num_rows = target1d.numel()
     index, owned, active = st.local_target_index(target1d, opts.shard, opts.ignore_index)
     smoothing = opts.label_smoothing > 0.0
@@ -148,7 +155,7 @@ def loss_from_source(
         opts.transform,
         index,
         owned,
-        opts.rows,
+        opts.rows if rows is None else rows,
         with_sum=smoothing,
         device=target1d.device,
         dtype=st.work_dtype(dtype),

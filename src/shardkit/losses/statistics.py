@@ -163,6 +163,9 @@ def shard_statistics(
     if shard.width == 0:
         stats[:, MAX] = float("-inf")
         return stats
+    if transform.softcap is None:
+        _plain_statistics(stats, source, num_rows, shard, transform.temperature, index, owned, rows, with_sum)
+        return stats
     for i0, i1 in row_blocks(num_rows, rows):
         z = transform.apply(source(i0, i1))
         _mask_padding(z, shard)
@@ -176,6 +179,52 @@ def shard_statistics(
         shift = torch.where(torch.isfinite(local_max), local_max, torch.zeros_like(local_max))
         stats[i0:i1, SUMEXP] = z.sub_(shift[:, None]).exp_().sum(1)
     return stats
+
+
+def _plain_statistics(
+    stats: torch.Tensor,
+    source: Source,
+    num_rows: int,
+    shard: VocabShard,
+    temperature: float,
+    index: torch.Tensor,
+    owned: torch.Tensor,
+    rows: int,
+    with_sum: bool,
+) -> None:
+    """``shard_statistics`` without soft-capping: no copy of the logits block.
+
+    ``z = x / temperature`` is never materialized: the max, the target value and the sum come from
+    ``x`` itself (temperature > 0 keeps the order), and only ``exp(z - max)`` is written, into one
+    reused block buffer. Padding columns are left out of the reductions instead of being masked.
+    """
+    real = shard.real_width
+    inv_t = 1.0 / temperature
+    dtype = stats.dtype
+    buffer = None
+    for i0, i1 in row_blocks(num_rows, rows):
+        x = source(i0, i1)
+        if real == 0:
+            stats[i0:i1, MAX] = float("-inf")
+            continue
+        xr = x[:, :real] if real < x.size(1) else x
+        picked = x.gather(1, index[i0:i1, None]).squeeze(1).to(dtype) * inv_t
+        stats[i0:i1, TARGET] = torch.where(owned[i0:i1], picked, torch.zeros_like(picked))
+        if with_sum:
+            stats[i0:i1, SUM_Z] = xr.sum(1, dtype=dtype) * inv_t
+        local_max = xr.amax(1).to(dtype) * inv_t
+        stats[i0:i1, MAX] = local_max
+        # a row whose columns are all -inf has max -inf: shift by 0 so that it sums to 0
+        shift = torch.where(torch.isfinite(local_max), local_max, torch.zeros_like(local_max))
+        if buffer is None or buffer.size(0) < i1 - i0:
+            buffer = torch.empty((i1 - i0, real), dtype=dtype, device=x.device)
+        work = buffer[: i1 - i0]
+        if inv_t != 1.0:
+            torch.mul(xr, inv_t, out=work)
+            work.sub_(shift[:, None])
+        else:
+            torch.sub(xr, shift[:, None], out=work)
+        stats[i0:i1, SUMEXP] = work.exp_().sum(1)
 
 
 def gather_statistics(
