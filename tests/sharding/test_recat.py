@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -43,3 +44,28 @@ def test_feature_order_and_recat():
     assert feature_order(6, 3) == [0, 2, 4, 1, 3, 5]
     assert get_recat(1, 3) == [0, 1, 2]
     assert get_recat(3, 2) == [0, 3, 1, 4, 2, 5]
+
+
+@pytest.mark.parametrize("with_weights", [False, True])
+@pytest.mark.parametrize("length_dtype", [torch.int32, torch.int64])
+def test_permute_value_segments_native_and_torch_agree(monkeypatch, with_weights, length_dtype):
+    from shardkit.sharding.dist_data import recat as recat_module
+
+    gen = torch.Generator().manual_seed(3)
+    segment_rows = [3, 0, 4, 2, 5, 1]  # an empty segment too
+    lengths = torch.randint(0, 4, (sum(segment_rows),), generator=gen).to(length_dtype)
+    values = torch.randint(0, 1000, (int(lengths.sum()),), generator=gen)
+    weights = torch.rand(values.numel(), generator=gen) if with_weights else None
+    order = get_recat(2, 3)  # 2 features from 3 source ranks
+    index = recat_module.jagged_segment_index(lengths, segment_rows, order, values.numel())
+    got_values, got_weights = recat_module.permute_value_segments(
+        lengths, values, weights, segment_rows, order
+    )
+    assert torch.equal(got_values, values[index])
+    assert (got_weights is None) == (weights is None)
+    if weights is not None:
+        assert torch.equal(got_weights, weights[index])
+    # the pure-torch path (no native kernels) gives the same
+    monkeypatch.setattr(recat_module, "native_ops", lambda: None)
+    torch_values, _ = recat_module.permute_value_segments(lengths, values, weights, segment_rows, order)
+    assert torch.equal(torch_values, got_values)

@@ -36,7 +36,7 @@ from shardkit.sharding.dist_data.kjt_splits import (
     check_headers,
     header_rows,
 )
-from shardkit.sharding.dist_data.recat import expand_recat, feature_order, get_recat, jagged_segment_index
+from shardkit.sharding.dist_data.recat import expand_recat, feature_order, get_recat, permute_value_segments
 from shardkit.sparse import KeyedJaggedTensor
 from shardkit.sparse.jagged_ops import host_list_to_device, take_segments
 
@@ -262,9 +262,7 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
                 self._pg,
             )
         if recat != sorted(recat):
-            index = jagged_segment_index(lengths, rows, recat, values.numel())
-            values = values[index]
-            weights = None if weights is None else weights[index]
+            values, weights = permute_value_segments(lengths, values, weights, rows, recat)
             lengths = take_segments(lengths, rows, recat)
         return KeyedJaggedTensor(
             self.keys,

@@ -13,10 +13,11 @@ are wanted interleaved).
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from shardkit.kernels import native_ops
 from shardkit.sparse.jagged_ops import complete_cumsum, host_list_to_device
 
 
@@ -68,4 +69,31 @@ def jagged_segment_index(
     return shift + torch.arange(num_values, device=device)
 
 
-__all__ = ["expand_recat", "feature_order", "get_recat", "jagged_segment_index"]
+def permute_value_segments(
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: Optional[torch.Tensor],
+    segment_rows: Sequence[int],
+    recat: Sequence[int],
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``values`` (and ``weights``) ``[N]`` reordered by whole segments (see :func:`jagged_segment_index`).
+
+    On CPU with the native kernels, one memcpy per segment; otherwise (and for weights that need a
+    gradient) a gather through the index.
+    """
+    differentiable = weights is not None and weights.requires_grad and torch.is_grad_enabled()
+    native = native_ops() if values.device.type == "cpu" and not differentiable else None
+    if native is not None:
+        device = lengths.device
+        return native.permute_segments(
+            lengths.contiguous(),
+            values.contiguous(),
+            None if weights is None else weights.contiguous(),
+            torch.tensor(list(segment_rows), dtype=torch.int64, device=device),
+            torch.tensor(list(recat), dtype=torch.int64, device=device),
+        )
+    index = jagged_segment_index(lengths, segment_rows, recat, values.numel())
+    return values[index], None if weights is None else weights[index]
+
+
+__all__ = ["expand_recat", "feature_order", "get_recat", "jagged_segment_index", "permute_value_segments"]
