@@ -16,6 +16,11 @@ Workload: one fp32 ``[rows, dim]`` table, ``batch`` bags of 1/2..3/2 x ``pooling
   optimizer state of those rows read and written. Triton and pure torch for SGD, Adagrad, row-wise
   Adagrad and Adam; ``nn.EmbeddingBag(sparse=True)`` backward + ``torch.optim.SGD.step`` (its forward
   runs outside the timed region).
+- cross-entropy over one ``[T, V/tp]`` bf16 shard (``--ce-tokens`` x ``--ce-vocab``, default 16384 x
+  64000): the Triton kernels of :mod:`shardkit.kernels.triton_ce` (statistics pass, then the gradient
+  written over the logits) vs ``F.cross_entropy`` + backward; bytes = the shard read twice and written
+  once; ``peak_extra_mib`` = ``torch.cuda.max_memory_allocated`` above the memory in use at the start
+  (the logits included in neither), also in units of one shard.
 - ``copy``: ``dst.copy_(src)`` of ``--copy-mib`` MiB; bytes = read + write. ``ratio_to_copy`` of a
   row = its GB/s over the copy's.
 
@@ -38,7 +43,7 @@ from torch import nn
 from benchmarks.common import machine, write_results
 from shardkit.kernels import OPTIMIZERS, RowOptimizerArgs, embedding_torch
 
-GOALS = {"forward": 0.6, "fused backward+update": 0.3}
+GOALS = {"forward": 0.6, "fused backward+update": 0.3, "cross-entropy": 0.7}
 
 
 DEVICE = "cuda"  # "cpu" only for --smoke-on-cpu
@@ -201,6 +206,12 @@ def run(args: argparse.Namespace) -> List[Dict[str, Any]]:
         out_rows += _skewed_rows(args, weight, offsets, grad, row)
     except Exception as error:  # a failure here must not lose the rows above
         out_rows.append({"name": "skewed ids", "op": "error", "error": repr(error)})
+    weight = grad = None
+    torch.cuda.empty_cache()
+    try:
+        out_rows += _ce_rows(args, row)
+    except Exception as error:
+        out_rows.append({"name": "cross-entropy", "op": "error", "error": repr(error)})
     args.ids = n
     args.distinct_rows = distinct
     return out_rows
@@ -233,6 +244,71 @@ def _skewed_rows(args, weight, offsets, grad, row) -> List[Dict[str, Any]]:
     return out
 
 
+def _peak_extra_mib(fn: Callable[[Any], Any], arg: Any) -> float:
+    """Memory ``fn(arg)`` allocates on top of what is in use when it starts (CUDA only)."""
+    if DEVICE != "cuda":
+        fn(arg)
+        return float("nan")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn(arg)
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def _ce_rows(args, row) -> List[Dict[str, Any]]:
+    """Cross-entropy forward + backward over one ``[T, V/tp]`` bf16 shard (tp = 1: the shard's statistics
+    are the global ones): the Triton kernels (statistics pass, gradient pass written over the logits)
+    vs ``F.cross_entropy`` + backward. Bytes: the shard read twice and written once."""
+    import torch.nn.functional as F
+
+    from shardkit.kernels import triton_ce
+
+    tokens, vocab = args.ce_tokens, args.ce_vocab
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    logits = torch.randn(tokens, vocab, device=DEVICE, generator=gen).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (tokens,), device=DEVICE, generator=gen)
+    scale = torch.full((tokens,), 1.0 / tokens, device=DEVICE)
+    shard_mib = logits.numel() * logits.element_size() / 2**20
+
+    def triton_step(work):
+        top, total, target_logit = triton_ce.ce_statistics(work, target, 0)
+        loss = (torch.log(total) + top - target_logit).mean()
+        triton_ce.ce_gradient(work, target, 0, top, total, scale, out=work)
+        return loss
+
+    def torch_step(leaf):
+        loss = F.cross_entropy(leaf, target)
+        loss.backward()
+        return loss
+
+    work = logits.clone()
+    loss = triton_step(work)
+    leaf = logits.clone().requires_grad_()
+    torch_step(leaf)
+    want = F.cross_entropy(logits.float(), target)  # F.cross_entropy of bf16 returns a bf16 loss
+    loss_err = abs(float(loss) - float(want))
+    grad_err = float((work.float() - leaf.grad.float()).abs().max())
+    assert loss_err <= 1e-3 * max(1.0, abs(float(want))), (float(loss), float(want))
+    assert grad_err <= 1e-3, grad_err
+    work = leaf = None
+    nbytes = 3 * logits.numel() * logits.element_size()
+    out = []
+    cases = (
+        ("triton CE statistics + gradient (over the logits)", triton_step, logits.clone),
+        ("F.cross_entropy forward + backward", torch_step, lambda: logits.clone().requires_grad_()),
+    )
+    for name, step, setup in cases:
+        ms = cuda_ms(step, setup, args.repeats)
+        peak = _peak_extra_mib(step, setup())
+        out.append(row(name, "cross-entropy", ms, nbytes, peak_extra_mib=peak,
+                       peak_extra_shards=peak / shard_mib, tokens=tokens, vocab_shard=vocab))
+    out[0]["loss_abs_err_vs_torch"] = loss_err
+    out[0]["grad_max_abs_err_vs_torch"] = grad_err
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
@@ -241,6 +317,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--pooling", type=int, default=32, help="mean ids per bag")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--copy-mib", type=int, default=1024)
+    parser.add_argument("--ce-tokens", type=int, default=16384, help="cross-entropy rows: tokens T")
+    parser.add_argument("--ce-vocab", type=int, default=64000, help="cross-entropy rows: vocabulary shard")
     parser.add_argument("--out", default=None, help="directory for the JSON (default benchmarks/results)")
     parser.add_argument(
         "--smoke-on-cpu", action="store_true",

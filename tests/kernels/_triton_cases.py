@@ -35,7 +35,11 @@ BACKWARD_CASES = [
     for opt, dt, it, mode in itertools.product(OPTIMIZER_KINDS, DTYPES, ID_DTYPES, BACKWARD_MODES)
 ]
 OTHER_CASES = ["out-of-range-id-raises", "empty-batch", "dispatch-selects-triton", "deterministic-hot-rows"]
-ALL_CASES = FORWARD_CASES + BACKWARD_CASES + OTHER_CASES
+# vocab-parallel cross-entropy (shardkit.kernels.triton_ce): the statistics and gradient of each shard,
+# combined across shards as the ranks would, against F.cross_entropy on the whole vocabulary
+CE_CASES = ["ce-fp32", "ce-fp16", "ce-bf16", "ce-bf16-in-place", "ce-fp32-rows-longer-than-a-block"]
+CE_TOL = {"fp32": 2e-6, "fp16": 5e-4, "bf16": 4e-3}  # gradients are at most 1: an ulp or two
+ALL_CASES = FORWARD_CASES + BACKWARD_CASES + OTHER_CASES + CE_CASES
 
 OptTensor = Optional[torch.Tensor]
 Batch = Tuple[torch.Tensor, torch.Tensor, OptTensor, OptTensor, OptTensor]
@@ -216,7 +220,59 @@ def _other_case(case: str, device: str) -> List[List[Any]]:
     raise KeyError(case)
 
 
+def _ce_case(case: str, device: str) -> List[List[Any]]:
+    import torch.nn.functional as F
+
+    from shardkit.kernels import triton_ce
+
+    dt = case.split("-")[1]
+    in_place = "in-place" in case
+    gen = torch.Generator().manual_seed(11)
+    if "longer" in case:
+        tokens, shards = 3, [(0, 5000), (5000, 5003)]  # 5000 > the largest BLOCK_V (4096)
+    else:
+        tokens, shards = 12, [(0, 37), (37, 80), (80, 128)]
+    vocab = shards[-1][1]
+    logits = (torch.randn(tokens, vocab, generator=gen) * 4).to(DTYPES[dt]).to(device)
+    target = torch.randint(0, vocab, (tokens,), generator=gen).to(device)
+    target[1] = -100  # ignored
+    target[2] = shards[1][0]  # a shard's first id
+    stats = []
+    for a, b in shards:
+        stats.append(triton_ce.ce_statistics(logits[:, a:b].contiguous(), target, a))
+    global_max = torch.stack([m for m, _, _ in stats]).max(0).values
+    global_sum = sum(s * torch.exp(m - global_max) for m, s, _ in stats)
+    target_logit = sum(t for _, _, t in stats)
+    valid = target != -100
+    loss = ((torch.log(global_sum) + global_max - target_logit) * valid).sum() / valid.sum()
+    full = logits.float().requires_grad_()
+    want_loss = F.cross_entropy(full, target, ignore_index=-100)
+    want_loss.backward()
+    scale = torch.full((tokens,), 1.0 / float(valid.sum()), device=device)
+    grads, wrote_in_place = [], True
+    for a, b in shards:
+        shard = logits[:, a:b].contiguous()
+        out = triton_ce.ce_gradient(
+            shard, target, a, global_max, global_sum, scale, out=shard if in_place else None
+        )
+        wrote_in_place &= out.data_ptr() == shard.data_ptr()
+        grads.append(out)
+    grad = torch.cat(grads, dim=1)
+    tol = CE_TOL[dt]
+    return [
+        _close("loss", loss.reshape(1), want_loss.detach().reshape(1), 1e-5),
+        _close("gradient", grad, full.grad, tol),
+        ["gradient dtype is the logits'", grad.dtype == DTYPES[dt], str(grad.dtype)],
+        ["out=logits writes over the logits" if in_place else "a new tensor", wrote_in_place == in_place, ""],
+        ["ignored token has a zero gradient", not bool(grad[1].float().abs().max() > 0), ""],
+        ["max of each shard", all(bool(torch.equal(m, logits[:, a:b].float().max(1).values))
+                                  for (m, _, _), (a, b) in zip(stats, shards)), ""],
+    ]
+
+
 def run_case(case: str, device: str) -> List[List[Any]]:
+    if case.startswith("ce-"):
+        return _ce_case(case, device)
     if case.startswith("forward-"):
         return _forward_case(case, device)
     if case.startswith("backward-"):
