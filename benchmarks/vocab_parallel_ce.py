@@ -9,7 +9,8 @@ Rows (each at ``--tp`` ranks, the vocabulary split evenly, mean loss over ``--to
   baseline of the next row: it includes the matmuls);
 - ``shardkit_fused_linear_ce``: ``vocab_parallel_linear_cross_entropy(hidden, weight_shard)``;
 - ``logprobs_one_block``: next-token log-probs (``from_parallel_logits_to_logprobs``) of ``[1, T, V/tp]``
-  with ``chunk_size=T``: one fp32 work block of ``[T, V/tp]`` (the unchunked path);
+  with ``chunk_size=T``, which allows one fp32 work block of ``[T, V/tp]`` (the kernels use cache-sized
+  blocks within that bound anyway);
 - ``logprobs_chunked``: ``ChunkedDistributedLogprob`` with ``--chunk`` positions per block;
 - ``logprobs_cp``: ``from_parallel_logits_to_logprobs(..., cp_group=)`` on ``--tp`` x ``--cp`` ranks, each
   holding ``[1, T/cp, V/tp]`` (load-balanced halves); ``tp * cp`` processes share the machine, so its
