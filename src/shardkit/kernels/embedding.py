@@ -125,6 +125,8 @@ def embedding_forward(
 
     Not differentiable (see the module doc).
     """
+    if not pooled:  # one row per id: nothing to weight or scale
+        per_sample_weights = bag_scale = None
     backend = select_backend(weight, ids)
     if backend == "native":
         ids, offsets, bag_shift, psw, bag_scale = _native_args(
@@ -165,6 +167,9 @@ def embedding_fused_backward(
     Returns the per-sample weights' gradient (fp32 ``[N]``: ``scale_b * <grad[b], row before the
     update>``) when ``want_psw_grad``, else None.
     """
+    if not pooled:
+        per_sample_weights = bag_scale = None
+        want_psw_grad = False
     backend = select_backend(weight, ids)
     if backend == "native":
         ids, offsets, bag_shift, psw, bag_scale = _native_args(

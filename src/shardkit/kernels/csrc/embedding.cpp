@@ -51,6 +51,18 @@ inline void with_block_width(int64_t dim, F&& f) {
   else f(std::integral_constant<int64_t, 0>());
 }
 
+// Calls f(std::integral_constant<int64_t, D>) with D = dim for the common row widths, else D = 0.
+template <typename F>
+inline void with_row_width(int64_t dim, F&& f) {
+  switch (dim) {
+    case 16: f(std::integral_constant<int64_t, 16>()); break;
+    case 32: f(std::integral_constant<int64_t, 32>()); break;
+    case 64: f(std::integral_constant<int64_t, 64>()); break;
+    case 128: f(std::integral_constant<int64_t, 128>()); break;
+    default: f(std::integral_constant<int64_t, 0>());
+  }
+}
+
 // Bag b's ids are [offsets[b], offsets[b+1]); row of id i = ids[i] + shift[b]. Checks every row
 // against [0, num_rows) and returns the position of the first id outside it (or -1): the caller
 // raises, nothing is read out of bounds.
@@ -220,7 +232,9 @@ struct OptimArgs {
 
 // One optimizer step on one row: p (fp32 copy of the row) and its summed gradient g, both [dim].
 // Each line mirrors the op order of the torch path (shardkit/kernels/row_optimizer.py).
-inline void apply_rule(const OptimArgs& o, int64_t row, int64_t dim, float* p, const float* g) {
+template <int64_t kDim>
+inline void apply_rule(const OptimArgs& o, int64_t row, int64_t run_time_dim, float* p, const float* g) {
+  const int64_t dim = kDim > 0 ? kDim : run_time_dim;
   switch (o.kind) {
     case kSGD:
       for (int64_t j = 0; j < dim; ++j) p[j] = std::fma(-o.lr, g[j], p[j]);
@@ -254,11 +268,12 @@ inline void apply_rule(const OptimArgs& o, int64_t row, int64_t dim, float* p, c
   }
 }
 
-template <typename scalar_t, typename index_t>
+template <int64_t kDim, typename scalar_t, typename index_t>
 void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::Tensor& offsets,
                            const int64_t* shift, const float* psw, const float* scale, const float* grad,
                            bool pooled, int64_t batch, const OptimArgs& optim, float* psw_grad) {
-  const int64_t num_rows = weight.size(0), dim = weight.size(1);
+  // a compile-time row width keeps a row's sums in vector registers
+  const int64_t num_rows = weight.size(0), dim = kDim > 0 ? kDim : weight.size(1);
   const int64_t bags = offsets.numel() - 1, n = ids.numel();
   scalar_t* table = weight.data_ptr<scalar_t>();
   const index_t* id = ids.data_ptr<index_t>();
@@ -303,11 +318,14 @@ void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::
   //    whole runs of equal rows (chunks start at the first id of a row), so no row is written twice
   at::parallel_for(0, n, 2048, [&](int64_t k0, int64_t k1) {
     while (k0 < k1 && k0 > 0 && (keys[k0] >> 32) == (keys[k0 - 1] >> 32)) ++k0;
-    std::vector<float> acc(dim), param(dim);
+    std::vector<float> acc_storage(kDim > 0 ? 0 : dim), param_storage(kDim > 0 ? 0 : dim);
+    float acc_fixed[kDim > 0 ? kDim : 1], param_fixed[kDim > 0 ? kDim : 1];
+    float* acc = kDim > 0 ? acc_fixed : acc_storage.data();
+    float* param = kDim > 0 ? param_fixed : param_storage.data();
     int64_t k = k0;
     while (k < k1) {
       const uint64_t row = keys[k] >> 32;
-      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < dim; ++j) acc[j] = 0.0f;
       for (; k < n && (keys[k] >> 32) == row; ++k) {
         if (k + kPrefetch < n) {
           const uint64_t ahead = keys[k + kPrefetch];
@@ -332,7 +350,7 @@ void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::
       }
       scalar_t* w = table + static_cast<int64_t>(row) * dim;
       for (int64_t j = 0; j < dim; ++j) param[j] = to_float(w[j]);
-      apply_rule(optim, static_cast<int64_t>(row), dim, param.data(), acc.data());
+      apply_rule<kDim>(optim, static_cast<int64_t>(row), dim, param, acc);
       for (int64_t j = 0; j < dim; ++j) w[j] = from_float<scalar_t>(param[j]);
     }
   });
@@ -376,14 +394,18 @@ at::Tensor embedding_fused_backward(at::Tensor& weight, const at::Tensor& ids, c
   const float* psw = per_sample_weights ? per_sample_weights->data_ptr<float>() : nullptr;
   const float* scale = bag_scale ? bag_scale->data_ptr<float>() : nullptr;
   if (n == 0) return psw_grad;
+  float* psw_grad_ptr = want_psw_grad ? psw_grad.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "embedding_backward", [&] {
-    if (ids.scalar_type() == at::kLong) {
-      fused_backward_kernel<scalar_t, int64_t>(weight, ids, offsets, shift, psw, scale, grad.data_ptr<float>(),
-                                               pooled, batch, o, want_psw_grad ? psw_grad.data_ptr<float>() : nullptr);
-    } else {
-      fused_backward_kernel<scalar_t, int32_t>(weight, ids, offsets, shift, psw, scale, grad.data_ptr<float>(),
-                                               pooled, batch, o, want_psw_grad ? psw_grad.data_ptr<float>() : nullptr);
-    }
+    with_row_width(dim, [&](auto width) {
+      constexpr int64_t kDim = decltype(width)::value;
+      if (ids.scalar_type() == at::kLong) {
+        fused_backward_kernel<kDim, scalar_t, int64_t>(weight, ids, offsets, shift, psw, scale,
+                                                       grad.data_ptr<float>(), pooled, batch, o, psw_grad_ptr);
+      } else {
+        fused_backward_kernel<kDim, scalar_t, int32_t>(weight, ids, offsets, shift, psw, scale,
+                                                       grad.data_ptr<float>(), pooled, batch, o, psw_grad_ptr);
+      }
+    });
   });
   return psw_grad;
 }
