@@ -1,0 +1,310 @@
+"""shardkit vs torchrec, side by side: the training step of a sharded EmbeddingBagCollection.
+
+Run from the repository root in an environment that has both libraries (``bash
+../shared/peers/setup.sh torchrec`` builds one: ``$PEERS/torchrec/bin/python -m benchmarks.vs_torchrec``).
+Without torchrec it says so and exits 0.
+
+Both libraries get the same tables (``--tables`` x ``--rows`` x ``--dim`` fp32, SUM pooling), the same
+forced plan per sharding type, the same batches (``--batch`` samples per rank, bag lengths uniform in
+``[1, 2 * pooling - 1]``, uniform ids), the same weights, and a fused optimizer applied in backward
+(``--optimizer sgd|adagrad``; dense tables under data_parallel get the same optimizer in torch.optim).
+The step is ``loss = pooled.pow(2).mean(); loss.backward(); optimizer.step()``, 1 torch thread per rank,
+gloo. Before timing, each library's forward is checked against ``F.embedding_bag`` on the same weights
+(``fwd_max_abs_diff``). The libraries alternate for ``--rounds`` rounds and each keeps its best round.
+
+Columns: steps per second (the slowest rank's wall time), main-thread CPU milliseconds per step (the
+busiest rank; less sensitive than wall time to other load on a shared machine) and the ratios
+shardkit/torchrec of both (> 1 means shardkit is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import re
+import time
+import warnings
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from benchmarks.common import write_results
+
+SHARDING_TYPES = ["table_wise", "row_wise", "column_wise", "data_parallel"]
+LR = 0.01
+
+
+def _batches(args: Dict[str, Any], rank: int, count: int = 4) -> List[tuple]:
+    gen = torch.Generator().manual_seed(1000 + rank)
+    out = []
+    for _ in range(count):
+        lengths = torch.randint(1, 2 * args["pooling"], (args["tables"] * args["batch"],), generator=gen)
+        out.append((torch.randint(0, args["rows"], (int(lengths.sum()),), generator=gen), lengths))
+    return out
+
+
+def _full_tables(args: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(12345)
+    shape = (args["rows"], args["dim"])
+    return {f"t{i}": torch.empty(shape).uniform_(-0.01, 0.01, generator=gen) for i in range(args["tables"])}
+
+
+def _reference(args: Dict[str, Any], tables: Dict[str, torch.Tensor], values, lengths) -> List[torch.Tensor]:
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    out = []
+    for i in range(args["tables"]):
+        lo, hi = i * args["batch"], (i + 1) * args["batch"]
+        ids = values[offsets[lo] : offsets[hi]]
+        bag_starts = offsets[lo:hi] - offsets[lo]
+        out.append(F.embedding_bag(ids, tables[f"t{i}"], bag_starts, mode="sum"))
+    return out
+
+
+def _load_tables(state: Dict[str, Any], tables: Dict[str, torch.Tensor]) -> None:
+    """Copy each full table into this rank's part of the state-dict entry ``...tN.weight``."""
+    with torch.no_grad():
+        for key, value in state.items():
+            match = re.search(r"(t\d+)\.weight$", key)
+            if match is None:
+                continue
+            full = tables[match.group(1)]
+            if hasattr(value, "local_shards"):  # ShardedTensor
+                for shard in value.local_shards():
+                    (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                    shard.tensor.copy_(full[r0 : r0 + nr, c0 : c0 + nc])
+            elif hasattr(value, "to_local"):  # DTensor
+                from torch.distributed.tensor import distribute_tensor
+
+                value.to_local().copy_(
+                    distribute_tensor(full, value.device_mesh, value.placements).to_local()
+                )
+            else:
+                value.copy_(full)
+
+
+def _build_torchrec(args: Dict[str, Any], kind: str):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    fused = {"sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD}[args["optimizer"]]
+    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": fused, "learning_rate": LR})
+    configs = [
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=args["dim"], num_embeddings=args["rows"], feature_names=[f"f{i}"]
+        )
+        for i in range(args["tables"])
+    ]
+    module = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    plan = construct_module_sharding_plan(
+        module,
+        _generators(kind, "torchrec", args["tables"], EmbeddingComputeKernel.FUSED.value),
+        sharder=sharder,
+        local_size=dist.get_world_size(),
+        world_size=dist.get_world_size(),
+        device_type="cpu",
+    )
+    model = DistributedModelParallel(
+        _Wrapper(module),
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"ebc": plan}),
+        sharders=[sharder],
+    )
+    dense = dict(in_backward_optimizer_filter(model.named_parameters()))
+    optimizers = [("fused", model.fused_optimizer)]
+    if dense:
+        dense_cls = _dense_optimizer(args)
+        optimizers.append(("dense", KeyedOptimizerWrapper(dense, lambda params: dense_cls(params, lr=LR))))
+    keys = [f"f{i}" for i in range(args["tables"])]
+    return model, CombinedOptimizer(optimizers), lambda v, n: KeyedJaggedTensor.from_lengths_sync(keys, v, n)
+
+
+def _build_shardkit(args: Dict[str, Any], kind: str):
+    from shardkit.distributed.sharding_env import ShardingEnv
+    from shardkit.distributed.validation import set_validation
+    from shardkit.model_parallel import DistributedModelParallel
+    from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig
+    from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
+    from shardkit.sharding.sharding_plan import construct_module_sharding_plan
+    from shardkit.sharding.types import ShardingPlan
+    from shardkit.sparse import KeyedJaggedTensor
+
+    set_validation(False)  # as torchrec, which does not compare the ranks' inputs either
+    configs = [
+        EmbeddingBagConfig(args["rows"], args["dim"], name=f"t{i}", feature_names=[f"f{i}"])
+        for i in range(args["tables"])
+    ]
+    fused = FusedOptimizerConfig({"sgd": "SGD", "adagrad": "ADAGRAD"}[args["optimizer"]], lr=LR)
+    module = EmbeddingBagCollection(configs, fused_optimizer=fused, device=torch.device("meta"))
+    plan = construct_module_sharding_plan(
+        module, _generators(kind, "shardkit", args["tables"]), world_size=dist.get_world_size()
+    )
+    model = DistributedModelParallel(
+        _Wrapper(module),
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"ebc": plan}),
+        sharders=[EmbeddingBagCollectionSharder()],
+    )
+    dense = [p for p in model.parameters() if p.requires_grad]
+    dense_optimizer = _dense_optimizer(args)(dense, lr=LR) if dense else None
+    keys = [f"f{i}" for i in range(args["tables"])]
+    return (
+        model,
+        _Optimizers(dense_optimizer, model.fused_optimizer),
+        lambda v, n: KeyedJaggedTensor(keys, v, lengths=n),
+    )
+
+
+class _Wrapper(torch.nn.Module):
+    def __init__(self, ebc: torch.nn.Module) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, features):
+        return self.ebc(features)
+
+
+class _Optimizers:
+    def __init__(self, *optimizers) -> None:
+        self._optimizers = [o for o in optimizers if o is not None]
+
+    def zero_grad(self) -> None:
+        for optimizer in self._optimizers:
+            optimizer.zero_grad()
+
+    def step(self) -> None:
+        for optimizer in self._optimizers:
+            optimizer.step()
+
+
+def _dense_optimizer(args: Dict[str, Any]):
+    return {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}[args["optimizer"]]
+
+
+def _generators(kind: str, lib: str, tables: int, kernel: Optional[str] = None) -> Dict[str, Any]:
+    if lib == "torchrec":
+        from torchrec.distributed import sharding_plan as plans
+    else:
+        from shardkit.sharding import sharding_plan as plans
+    world = dist.get_world_size()
+    extra = {} if kernel is None else {"compute_kernel": kernel}
+    make = {
+        "table_wise": lambda i: plans.table_wise(rank=i % world, **extra),
+        "row_wise": lambda i: plans.row_wise(**extra),
+        "column_wise": lambda i: plans.column_wise(ranks=list(range(world)), **extra),
+        "data_parallel": lambda i: plans.data_parallel(),
+    }[kind]
+    return {f"t{i}": make(i) for i in range(tables)}
+
+
+def step_worker(lib: str, kind: str, args: Dict[str, Any]) -> Dict[str, float]:
+    """Build ``lib``'s sharded model, check its forward, time ``args['iters']`` training steps."""
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    model, optimizer, make_kjt = (_build_torchrec if lib == "torchrec" else _build_shardkit)(args, kind)
+    raw = _batches(args, rank)
+    features = [make_kjt(v, n) for v, n in raw]
+    tables = _full_tables(args)
+    _load_tables(model.state_dict(), tables)
+    with torch.no_grad():
+        out = model(features[0])
+        out = out.wait() if hasattr(out, "wait") else out
+        pooled = out.to_dict()
+    expected = _reference(args, tables, *raw[0])
+    diff = max(float((pooled[f"f{i}"] - expected[i]).abs().max()) for i in range(args["tables"]))
+    del tables
+
+    def step(kjt) -> None:
+        optimizer.zero_grad()
+        out = model(kjt)
+        out = out.wait() if hasattr(out, "wait") else out
+        out.values().pow(2).mean().backward()
+        optimizer.step()
+
+    for i in range(args["warmup"]):
+        step(features[i % len(features)])
+    dist.barrier()
+    wall, cpu = time.perf_counter(), time.thread_time()
+    for i in range(args["iters"]):
+        step(features[i % len(features)])
+    cpu = time.thread_time() - cpu
+    dist.barrier()
+    wall = time.perf_counter() - wall
+    per_rank: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, (wall, cpu, diff))
+    return {
+        "steps_per_s": args["iters"] / max(r[0] for r in per_rank),
+        "cpu_ms_per_step": 1e3 * max(r[1] for r in per_rank) / args["iters"],
+        "fwd_max_abs_diff": max(r[2] for r in per_rank),
+    }
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--tables", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=2048, help="samples per rank")
+    parser.add_argument("--pooling", type=int, default=20, help="mean ids per bag")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2, help="alternate the libraries this many times")
+    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adagrad"])
+    parser.add_argument("--types", nargs="+", default=SHARDING_TYPES, choices=SHARDING_TYPES)
+    parser.add_argument("--out", default=None, help="directory for the JSON (default benchmarks/results)")
+    parsed = parser.parse_args(argv)
+    if importlib.util.find_spec("torchrec") is None or importlib.util.find_spec("fbgemm_gpu") is None:
+        print(
+            "vs_torchrec: torchrec (and fbgemm_gpu) are not installed here; nothing to compare. "
+            "Build an environment with both: bash ../shared/peers/setup.sh torchrec"
+        )
+        return
+    from benchmarks.vs_torchrec import step_worker as worker  # workers unpickle it by module name
+    from shardkit.testing import run_world
+
+    args = {k: v for k, v in vars(parsed).items() if k not in ("out", "types")}
+    rows = []
+    for kind in parsed.types:
+        best: Dict[str, Dict[str, float]] = {}
+        for round_index in range(parsed.rounds):
+            order = ("torchrec", "shardkit") if round_index % 2 == 0 else ("shardkit", "torchrec")
+            for lib in order:
+                result = run_world(worker, parsed.world, lib, kind, args, timeout=900)[0]
+                if lib not in best or result["steps_per_s"] > best[lib]["steps_per_s"]:
+                    best[lib] = result
+        shardkit, torchrec = best["shardkit"], best["torchrec"]
+        rows.append(
+            {
+                "name": kind,
+                "torchrec_steps_per_s": torchrec["steps_per_s"],
+                "shardkit_steps_per_s": shardkit["steps_per_s"],
+                "ratio_wall": shardkit["steps_per_s"] / torchrec["steps_per_s"],
+                "torchrec_cpu_ms": torchrec["cpu_ms_per_step"],
+                "shardkit_cpu_ms": shardkit["cpu_ms_per_step"],
+                "ratio_cpu": torchrec["cpu_ms_per_step"] / shardkit["cpu_ms_per_step"],
+                "torchrec_fwd_diff": torchrec["fwd_max_abs_diff"],
+                "shardkit_fwd_diff": shardkit["fwd_max_abs_diff"],
+            }
+        )
+    config = {**args, "types": parsed.types, "backend": "gloo", "threads_per_rank": 1}
+    write_results(f"vs_torchrec_{parsed.optimizer}", config, rows, parsed.out)
+
+
+if __name__ == "__main__":
+    main()
