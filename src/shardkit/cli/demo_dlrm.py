@@ -194,6 +194,11 @@ def run(args) -> int:
     )
     plan, plan_text = plan_sharding(model, tables, args)
     print(plan_text, flush=True)  # before the ranks' progress bar
+    # On a fresh machine the native CPU kernels compile on first use (tens of seconds, with their own
+    # notice): here, once, rather than on every rank inside the timed training loop.
+    from shardkit.kernels.native_build import native_ops
+
+    native_ops()
     # starting the ranks (spawn, import torch) takes seconds: say so instead of going quiet
     print(f"starting {args.nproc} rank processes ...", file=sys.stderr, flush=True)
     ranks = run_world(
