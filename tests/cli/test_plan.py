@@ -69,7 +69,8 @@ def test_yaml_without_pyyaml_is_a_one_line_error(tmp_path, capsys, monkeypatch):
     path = tmp_path / "plan.yaml"
     path.write_text("world_size: 2\n")
     assert main(["plan", str(path)]) == 2
-    assert "PyYAML" in error_line(capsys)
+    line = error_line(capsys)
+    assert "PyYAML" in line and "pip install 'shardkit[yaml]'" in line
 
 
 @pytest.mark.parametrize(

@@ -71,7 +71,8 @@ def load_config(path: str) -> Dict[str, Any]:
             import yaml
         except ImportError:
             raise ConfigError(
-                f"{path}: reading YAML needs PyYAML (pip install pyyaml); or give a .json file"
+                f"{path}: reading YAML needs PyYAML (pip install 'shardkit[yaml]', or pyyaml); "
+                "or give a .json file"
             ) from None
         try:
             data = yaml.safe_load(text)
