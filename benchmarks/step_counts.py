@@ -2,11 +2,11 @@
 
 Run from the repository root: ``python -m benchmarks.step_counts [--world 2 --types table_wise row_wise]``.
 
-Per sharding type, 2 CPU ranks (gloo) run the training step of ``benchmarks.sharded_ebc`` (8 tables x
-1e5 x 64, fused SGD, validation off) under ``torch.profiler`` and count, per step on rank 0, the
-operators of each kind below (op names as the profiler reports them) and their self CPU time. The
-native kernels' internal buffers are not torch allocations and are not counted; ``Tensor.tolist``
-is not a dispatcher op and is not counted as a host sync.
+Per sharding type, 2 CPU ranks (gloo) run the training step of ``benchmarks.sharded_ebc`` (default 8
+tables x 1e5 x 64, batch 2048 per rank, fused SGD, validation off) under ``torch.profiler`` and
+count, per step on rank 0, the operators of each kind below (op names as the profiler reports them)
+and their self CPU time. The native kernels' internal buffers are not torch allocations and are not
+counted; ``Tensor.tolist`` is not a dispatcher op and is not counted as a host sync.
 """
 
 from __future__ import annotations
@@ -23,19 +23,21 @@ from benchmarks.common import write_results
 CATEGORIES = {
     "collectives": lambda n: n.startswith("c10d::") and not n.startswith("c10d::wait"),
     "host_syncs": lambda n: n in ("aten::_local_scalar_dense", "aten::item"),
-    "copies": lambda n: n
-    in (
-        "aten::copy_",
-        "aten::cat",
-        "aten::index_select",
-        "aten::index_copy_",
-        "aten::index_copy",
-        "aten::index",
-        "aten::clone",
-        "aten::gather",
-        "aten::scatter_",
-        "aten::index_put_",
-        "aten::repeat_interleave",
+    "copies": lambda n: (
+        n
+        in (
+            "aten::copy_",
+            "aten::cat",
+            "aten::index_select",
+            "aten::index_copy_",
+            "aten::index_copy",
+            "aten::index",
+            "aten::clone",
+            "aten::gather",
+            "aten::scatter_",
+            "aten::index_put_",
+            "aten::repeat_interleave",
+        )
     ),
     "allocations": lambda n: n in ("aten::empty", "aten::empty_strided", "aten::empty_like"),
     "fills": lambda n: n in ("aten::fill_", "aten::zero_"),
@@ -43,7 +45,7 @@ CATEGORIES = {
 }
 
 
-def count_worker(kind: str, steps: int) -> Dict[str, Any]:
+def count_worker(kind: str, steps: int, sizes: Dict[str, int]) -> Dict[str, Any]:
     """Per-step counts and self-CPU milliseconds of each category on this rank."""
     from torch.profiler import profile
 
@@ -56,12 +58,13 @@ def count_worker(kind: str, steps: int) -> Dict[str, Any]:
     torch.set_num_threads(1)
     set_validation(False)
     world, rank = dist.get_world_size(), dist.get_rank()
-    module = _module(8, 100_000, 64)
+    tables = sizes["tables"]
+    module = _module(tables, sizes["rows"], sizes["dim"])
     plan = construct_module_sharding_plan(
-        module, {f"t{i}": _generator(kind, i, world) for i in range(8)}, world_size=world
+        module, {f"t{i}": _generator(kind, i, world) for i in range(tables)}, world_size=world
     )
     sharded = EmbeddingBagCollectionSharder().shard(module, plan, ShardingEnv.from_process_group(None))
-    features = _batch(8, 100_000, 2048, 20, seed=rank)
+    features = _batch(tables, sizes["rows"], sizes["batch"], sizes["pooling"], seed=rank)
     dense = [p for p in sharded.parameters() if p.requires_grad]
 
     def step() -> None:
@@ -100,16 +103,23 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--tables", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=2048, help="samples per rank")
+    parser.add_argument("--pooling", type=int, default=20, help="mean ids per bag")
     parser.add_argument("--types", nargs="+", default=SHARDING_TYPES, choices=SHARDING_TYPES)
     parser.add_argument("--label", default="", help="suffix of the JSON name (e.g. 'before')")
     parser.add_argument("--out", default=None, help="directory for the JSON (default benchmarks/results)")
     args = parser.parse_args(argv)
     rows = []
     for kind in args.types:
-        counts = run_world(worker, args.world, kind, args.steps, timeout=600)[0]
+        sizes = {k: getattr(args, k) for k in ("tables", "rows", "dim", "batch", "pooling")}
+        counts = run_world(worker, args.world, kind, args.steps, sizes, timeout=600)[0]
         rows.append({"name": kind, **counts})
     name = "step_counts" + (f"_{args.label}" if args.label else "")
-    write_results(name, {"world": args.world, "steps": args.steps, "validation": False}, rows, args.out)
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "label")}
+    write_results(name, {**config, "validation": False}, rows, args.out)
 
 
 if __name__ == "__main__":

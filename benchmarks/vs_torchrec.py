@@ -274,6 +274,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             "vs_torchrec: torchrec (and fbgemm_gpu) are not installed here; nothing to compare. "
             "Build an environment with both: bash ../shared/peers/setup.sh torchrec"
         )
+        write_results("vs_torchrec", {"skipped": "torchrec not installed"}, [], parsed.out)
         return
     from benchmarks.vs_torchrec import step_worker as worker  # workers unpickle it by module name
     from shardkit.testing import run_world
@@ -303,7 +304,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             }
         )
     config = {**args, "types": parsed.types, "backend": "gloo", "threads_per_rank": 1}
-    write_results(f"vs_torchrec_{parsed.optimizer}", config, rows, parsed.out)
+    write_results("vs_torchrec", config, rows, parsed.out)
 
 
 if __name__ == "__main__":

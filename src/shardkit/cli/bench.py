@@ -32,6 +32,18 @@ QUICK_ARGS: Dict[str, List[str]] = {
         *("--tables", "2", "--rows", "1000", "--dim", "8", "--batch", "32", "--pooling", "2"),
         *("--repeats", "1", "--types", "table_wise", "row_wise"),
     ],
+    "gpu": [
+        *("--rows", "10000", "--dim", "16", "--batch", "256", "--pooling", "4", "--repeats", "1"),
+        *("--copy-mib", "8", "--ce-tokens", "64", "--ce-vocab", "512"),
+    ],
+    "step_counts": [
+        *("--tables", "2", "--rows", "1000", "--dim", "8", "--batch", "32", "--pooling", "2"),
+        *("--steps", "1", "--types", "table_wise", "row_wise"),
+    ],
+    "vs_torchrec": [
+        *("--tables", "2", "--rows", "1000", "--dim", "8", "--batch", "32", "--pooling", "2"),
+        *("--iters", "2", "--warmup", "1", "--rounds", "1", "--types", "table_wise"),
+    ],
     "pipeline": [
         *("--tables", "2", "--rows", "1000", "--dim", "8", "--batch", "32", "--pooling", "2"),
         *("--steps", "3", "--warmup", "1", "--repeats", "1"),
