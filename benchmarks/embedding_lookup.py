@@ -3,11 +3,13 @@ batched) lookup vs one ``nn.EmbeddingBag`` call per table.
 
 Run from the repository root: ``python -m benchmarks.embedding_lookup [--batch 2048 --pooling 32]``.
 
-Part 1, for tables of 1e5 to 1e7 rows: the grouped lookup of one table (random ids, SUM pooling).
-``row_GB/s`` counts the bytes of the rows read (ids x dim x element size) per second; ``memcpy_GB/s`` is a
+Part 1, for tables of 1e5 to 1e7 rows: the grouped lookup of one table (random ids, SUM pooling) and the
+fused backward + SGD update, with the native C++ kernels and with the pure-torch path. ``GB/s`` counts the
+bytes the operation must move per second (forward: the rows read, ids x dim x element size; backward +
+update: the output gradient once plus each distinct row read and written once); ``memcpy_GB/s`` is a
 ``copy_`` of a tensor of exactly that many bytes on the same machine, in the same run; their ratio is how
-close the lookup gets to the physical limit of moving those bytes. Random rows of a large table come from
-DRAM while the copy streams, so expect the ratio to fall as the table grows.
+close the operation gets to the physical limit of moving those bytes. Random rows of a large table come
+from DRAM while the copy streams, so expect the ratio to fall as the table grows.
 
 Part 2, many tables (16 large tables and a big batch; 64 small tables and a small batch): an
 EmbeddingBagCollection (one kernel call per group of equal-dim tables) vs a loop of ``nn.EmbeddingBag``
@@ -25,6 +27,7 @@ from torch import nn
 
 from benchmarks.common import median_seconds, write_results
 from shardkit.distributed.validation import set_validation, validation_enabled
+from shardkit.kernels import RowOptimizerArgs, embedding_fused_backward, kernel_backend, native_ops
 from shardkit.modules import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
@@ -43,32 +46,74 @@ def _bags(num_rows: int, batch: int, pooling: int, gen: torch.Generator):
 
 
 def bandwidth_rows(batch: int, pooling: int, dim: int, num_rows: int, repeats: int) -> List[Dict[str, Any]]:
-    """One table of ``num_rows``: the grouped lookup, checked and unchecked, vs a copy of its bytes."""
+    """One table of ``num_rows``: forward and fused backward + SGD of each kernel backend vs a copy.
+
+    Forward bytes: the rows read (ids x dim x 4). Backward + update bytes: the output gradient read once
+    and each distinct row read and written once (bags x dim x 4 + 2 x distinct x dim x 4), the least
+    that a fused update must move. Each is compared with a ``copy_`` of exactly that many bytes.
+    """
     config = EmbeddingBagConfig(num_embeddings=num_rows, embedding_dim=dim, name="t", feature_names=["f"])
     lookup = GroupedEmbeddingLookup([ShardSpec(config)], pooled=True)
+    weight = lookup.weight.detach()
     ids, offsets = _bags(num_rows, batch, pooling, torch.Generator().manual_seed(0))
-    row_bytes = ids.numel() * dim * lookup.weight.element_size()
-    src = torch.randint(0, 256, (row_bytes,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    copy_s = median_seconds(lambda: dst.copy_(src), repeats=repeats)
+    grad = torch.randn(batch, dim, generator=torch.Generator().manual_seed(1))
+    item = weight.element_size()
+    fwd_bytes = ids.numel() * dim * item
+    bwd_bytes = grad.numel() * 4 + 2 * ids.unique().numel() * dim * item
+    copy_s = {n: _copy_seconds(n, repeats) for n in (fwd_bytes, bwd_bytes)}
+    sgd = RowOptimizerArgs("SGD", lr=1e-9)  # a tiny step: the table stays what it was
     rows = []
+    backends = ["native", "torch"] if native_ops() is not None else ["torch"]
     with torch.no_grad():
-        for checked in (True, False):
-            set_validation(checked)
-            seconds = median_seconds(lambda: lookup(ids, offsets, [batch]), repeats=repeats)
-            rows.append(
-                {
-                    "name": f"pooled lookup {num_rows:.0e} rows" + ("" if checked else ", unchecked"),
-                    "rows": num_rows,
-                    "ids": ids.numel(),
-                    "ms": seconds * 1e3,
-                    "Mlookups/s": ids.numel() / seconds / 1e6,
-                    "row_GB/s": row_bytes / seconds / 1e9,
-                    "memcpy_GB/s": row_bytes / copy_s / 1e9,
-                    "ratio_to_memcpy": copy_s / seconds,
-                }
-            )
+        for backend in backends:
+            with kernel_backend(backend):
+                for checked in (True, False):
+                    set_validation(checked)
+                    seconds = median_seconds(lambda: lookup(ids, offsets, [batch]), repeats=repeats)
+                    rows.append(
+                        _bandwidth_row(
+                            f"forward {num_rows:.0e} rows, {backend}" + ("" if checked else ", unchecked"),
+                            num_rows,
+                            ids,
+                            seconds,
+                            fwd_bytes,
+                            copy_s[fwd_bytes],
+                        )
+                    )
+                seconds = median_seconds(
+                    lambda: embedding_fused_backward(weight, ids, offsets, None, None, None, grad, True, sgd),
+                    repeats=repeats,
+                )
+                rows.append(
+                    _bandwidth_row(
+                        f"fused backward + SGD {num_rows:.0e} rows, {backend}",
+                        num_rows,
+                        ids,
+                        seconds,
+                        bwd_bytes,
+                        copy_s[bwd_bytes],
+                    )
+                )
     return rows
+
+
+def _copy_seconds(num_bytes: int, repeats: int) -> float:
+    src = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return median_seconds(lambda: dst.copy_(src), repeats=repeats)
+
+
+def _bandwidth_row(name, num_rows, ids, seconds, num_bytes, copy_seconds) -> Dict[str, Any]:
+    return {
+        "name": name,
+        "rows": num_rows,
+        "ids": ids.numel(),
+        "ms": seconds * 1e3,
+        "Mlookups/s": ids.numel() / seconds / 1e6,
+        "GB/s": num_bytes / seconds / 1e9,
+        "memcpy_GB/s": num_bytes / copy_seconds / 1e9,
+        "ratio_to_memcpy": copy_seconds / seconds,
+    }
 
 
 def _many_tables(num_tables: int, num_rows: int, dim: int) -> List[EmbeddingBagConfig]:
