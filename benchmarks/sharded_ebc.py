@@ -9,7 +9,9 @@ gradients, an all-reduce and SGD, as DDP would), on a batch of ``--batch`` sampl
 ``--pooling`` ids per bag. The same run times the unsharded module on the global batch
 (``world x batch`` samples) in one process; ``speedup_vs_unsharded`` is that step time over the sharded
 one. The ranks share this machine's cores, so the ratio says what sharding costs or gains on one
-host, not across hosts.
+host, not across hosts. Every sharded step runs twice: with the native C++ kernels (when they build
+here; ``ms_per_step``) and with the pure-torch path (``torch_path_ms_per_step``); ``native_speedup`` is
+their ratio. The unsharded baseline uses the default (native when available).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.distributed as dist
 from benchmarks.common import median_seconds, write_results
 from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.distributed.validation import set_validation
+from shardkit.kernels import kernel_backend, native_ops
 from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
 from shardkit.sharding.sharding_plan import (
@@ -74,8 +77,18 @@ def _generator(kind: str, index: int, world: int):
     return table_column_wise(host_index=0)
 
 
-def step_worker(kind: str, tables: int, rows: int, dim: int, batch: int, pooling: int, repeats: int) -> float:
-    """Median seconds of one training step of the ``kind``-sharded module on this rank."""
+def step_worker(
+    kind: str, tables: int, rows: int, dim: int, batch: int, pooling: int, repeats: int, backend: str = "auto"
+) -> float:
+    """Median seconds of one training step of the ``kind``-sharded module on this rank, with the kernel
+    ``backend`` ("native", "torch" or "auto")."""
+    with kernel_backend(None if backend == "auto" else backend):
+        return _step_seconds(kind, tables, rows, dim, batch, pooling, repeats)
+
+
+def _step_seconds(
+    kind: str, tables: int, rows: int, dim: int, batch: int, pooling: int, repeats: int
+) -> float:
     torch.set_num_threads(1)
     set_validation(False)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -138,16 +151,23 @@ def main(argv: Optional[List[str]] = None) -> None:
             "speedup_vs_unsharded": 1.0,
         }
     ]
+    backends = ["native", "torch"] if native_ops() is not None else ["torch"]
     for kind in args.types:
-        seconds = run_world(
-            worker, args.world, kind, *sizes, args.batch, args.pooling, args.repeats, timeout=600
-        )[0]
+        seconds = {
+            backend: run_world(
+                worker, args.world, kind, *sizes, args.batch, args.pooling, args.repeats, backend, timeout=600
+            )[0]
+            for backend in backends
+        }
+        fastest = seconds[backends[0]]
         results.append(
             {
                 "name": f"{kind}, {args.world} ranks x batch {args.batch}",
-                "ms_per_step": seconds * 1e3,
-                "samples_per_s": global_batch / seconds,
-                "speedup_vs_unsharded": baseline / seconds,
+                "ms_per_step": fastest * 1e3,
+                "samples_per_s": global_batch / fastest,
+                "speedup_vs_unsharded": baseline / fastest,
+                "torch_path_ms_per_step": seconds["torch"] * 1e3,
+                "native_speedup": seconds["torch"] / fastest,
             }
         )
     config = {k: v for k, v in vars(args).items() if k != "out"}

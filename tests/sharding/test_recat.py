@@ -66,6 +66,6 @@ def test_permute_value_segments_native_and_torch_agree(monkeypatch, with_weights
     if weights is not None:
         assert torch.equal(got_weights, weights[index])
     # the pure-torch path (no native kernels) gives the same
-    monkeypatch.setattr(recat_module, "native_ops", lambda: None)
+    monkeypatch.setattr(recat_module, "native_for", lambda device: None)
     torch_values, _ = recat_module.permute_value_segments(lengths, values, weights, segment_rows, order)
     assert torch.equal(torch_values, got_values)

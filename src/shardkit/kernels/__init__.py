@@ -11,6 +11,7 @@ from shardkit.kernels.embedding import (
     embedding_forward,
     embedding_fused_backward,
     kernel_backend,
+    native_for,
     select_backend,
 )
 from shardkit.kernels.embedding_torch import bag_of_each_id
@@ -29,6 +30,7 @@ __all__ = [
     "kernel_backend",
     "native_enabled_by_env",
     "native_failure",
+    "native_for",
     "native_ops",
     "select_backend",
 ]

@@ -16,8 +16,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from shardkit.kernels.embedding import native_for
 from shardkit.kernels.embedding_torch import bag_of_each_id
-from shardkit.kernels.native_build import native_ops
 
 __all__ = ["bucketize_blocks"]
 
@@ -38,12 +38,13 @@ def bucketize_blocks(
     per feature, its blocks' first rows (ascending) and sent keys; key_feature: the feature of each sent
     key (keys numbered 0..K-1). ``S = sum(bags_per_feature[key_feature[k]] for k)``. ids_per_feature:
     the number of ids of each feature if known (the torch path reads it from offsets otherwise).
-    backend: "auto" (native when it can run), "native" or "torch".
+    backend: "auto" (native when it can run and :func:`~shardkit.kernels.kernel_backend` does not force
+    another), "native" or "torch".
     """
     offsets = offsets.to(torch.int64)
     key_bags = [bags_per_feature[f] for f in key_feature]
     num_segments = sum(key_bags)
-    native = native_ops() if backend != "torch" and values.device.type == "cpu" else None
+    native = None if backend == "torch" else native_for(values.device)
     if backend == "native" and native is None:
         raise RuntimeError("the native bucketize kernel is not available")
     if native is not None and values.dtype in (torch.int32, torch.int64):

@@ -87,6 +87,15 @@ def _native_can_run(weight: torch.Tensor, ids: torch.Tensor) -> bool:
     )
 
 
+def native_for(device: torch.device):
+    """``torch.ops.shardkit_native`` when native kernels may run on ``device`` (a CPU device, kernels
+    built, no other backend forced by :func:`kernel_backend`), else None. For ops outside this module
+    (bucketize, segment permutes) that have a native and a pure-torch path."""
+    if torch.device(device).type != "cpu" or _forced in ("torch", "triton"):
+        return None
+    return native_ops()
+
+
 def select_backend(weight: torch.Tensor, ids: torch.Tensor) -> str:
     """The backend that runs these tensors: the forced one, else the fastest available."""
     if _forced is not None:

@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from shardkit.kernels import native_ops
+from shardkit.kernels import native_for
 from shardkit.sparse.jagged_ops import complete_cumsum, host_list_to_device
 
 
@@ -82,7 +82,7 @@ def permute_value_segments(
     gradient) a gather through the index.
     """
     differentiable = weights is not None and weights.requires_grad and torch.is_grad_enabled()
-    native = native_ops() if values.device.type == "cpu" and not differentiable else None
+    native = None if differentiable else native_for(values.device)
     if native is not None:
         device = lengths.device
         return native.permute_segments(
