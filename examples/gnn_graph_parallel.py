@@ -175,15 +175,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         world, rank = dist.get_world_size(), dist.get_rank()
+        if rank == 0:
+            print(
+                f"{args.molecules} molecules per batch, graph parallel {world}, {args.steps} steps",
+                flush=True,
+            )
         history = run_gp(args, world)
         # setup_gp is collective, so every rank also runs the gp=1 reference (in a group of its own)
+        if rank == 0 and args.check:
+            print("training again at graph parallel 1 for --check ...", flush=True)
         reference = run_gp(args, 1) if args.check else None
         forces = [None] * world
         # rank 0 assembles every step's forces of all atoms, in atom order
         dist.gather_object([h["forces"] for h in history], forces if rank == 0 else None, dst=0)
         if rank != 0:
             return 0
-        print(f"{args.molecules} molecules per batch, graph parallel {world}, {args.steps} steps")
         for step in range(0, args.steps, max(1, args.steps // 10)):
             print(f"step {step:>4}  loss {history[step]['loss']:.5f}")
         if reference is None:

@@ -145,15 +145,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         distributed = dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+        if rank == 0:  # before the training, so that a run says what it is doing from the start
+            print(f"vocab {args.vocab} over {world} rank(s), {args.steps} steps", flush=True)
         losses = train(args, None if not distributed else dist.group.WORLD, rank, world)
         if rank != 0:
             return 0
-        print(f"vocab {args.vocab} over {world} rank(s), {args.steps} steps")
         for step in range(0, len(losses), max(1, len(losses) // 10)):
             print(f"step {step:>4}  loss {losses[step]:.4f}")
         print(f"final loss {losses[-1]:.4f} (log V = {torch.tensor(float(args.vocab)).log():.4f})")
         if not args.check:
             return 0
+        print("training the unsharded model in this process for --check ...", flush=True)
         diff = max(abs(a - b) for a, b in zip(losses, train_reference(args)))
         ok = diff <= args.tolerance
         print(f"max abs difference of the loss curve vs 1 rank: {diff:.3e} {'ok' if ok else 'FAILED'}")

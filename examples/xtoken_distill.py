@@ -219,6 +219,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         holder = [tempfile.mkdtemp(prefix="xtoken_distill_") if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(holder, src=0)
         workdir = holder[0]
+        if dist.get_rank() == 0:
+            print("training two tokenizers and the teacher LM, then distilling the student ...", flush=True)
         history = distill(args, workdir)
         if dist.get_rank() == 0:
             print(f"student distilled on {dist.get_world_size()} data-parallel rank(s)")

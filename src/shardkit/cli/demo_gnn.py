@@ -7,6 +7,7 @@ the collectives twice) and the parameter gradients must equal the single-process
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Optional
 
@@ -140,6 +141,7 @@ def run(args) -> int:
         f"graph-parallel message passing: {args.nodes} nodes, {args.edges} edges, "
         f"{args.nproc} local CPU ranks (gloo)"
     )
+    print(f"starting {args.nproc} rank processes ...", file=sys.stderr, flush=True)
     ranks = run_world(run_rank, args.nproc, args.nodes, args.edges, args.seed)
     print(f"{'rank':>4} {'nodes':>6} {'edges':>6} {'step ms':>8}")
     for rank, result in enumerate(ranks):
