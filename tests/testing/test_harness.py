@@ -134,20 +134,41 @@ def test_workers_exit_with_code_0_after_a_task_that_leaks_its_process_group():
     assert "terminate called" not in done.stderr
 
 
-def test_a_script_without_main_guard_gets_a_one_line_error(tmp_path):
+@pytest.mark.parametrize("parent_check", [True, False], ids=["in the parent", "in the workers"])
+def test_a_script_without_main_guard_gets_a_one_line_error(tmp_path, parent_check):
     import subprocess
     import sys
 
     script = tmp_path / "unguarded.py"
+    # the parent spots the unguarded call in the script's source; the workers, which import the script,
+    # catch what the parent could not see (here: the parent's check switched off)
+    switch_off = "" if parent_check else "harness._called_from_unguarded_main_code = lambda depth: False\n"
     script.write_text(
         "import torch.distributed as dist\n"
-        "from shardkit.testing import run_world\n\n\n"
+        "from shardkit.testing import harness, run_world\n"
+        f"{switch_off}\n\n"
         "def rank():\n    return dist.get_rank()\n\n\n"
-        "print(run_world(rank, 2))\n"
+        "def main():\n    print(run_world(rank, 2))\n\n\n"
+        "main()\n"
     )
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("RuntimeError: run_world was called while a worker process imported your script")
-    assert 'if __name__ == "__main__":' in last
+    assert last.startswith('RuntimeError: run_world needs an `if __name__ == "__main__":` guard'), last
     assert "bootstrapping" not in done.stderr and "WorldError" not in done.stderr
+
+
+def test_a_guarded_script_runs(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "guarded.py"
+    script.write_text(
+        "import torch.distributed as dist\n"
+        "from shardkit.testing import run_world\n\n\n"
+        "def rank():\n    return dist.get_rank()\n\n\n"
+        'if __name__ == "__main__":\n    print(run_world(rank, 2))\n'
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[0, 1]"

@@ -9,6 +9,7 @@ suite, and no process outlives the parent.
 
 from __future__ import annotations
 
+import ast
 import atexit
 import multiprocessing
 import os
@@ -36,9 +37,8 @@ _NO_MAIN_GUARD = "no __main__ guard:\n"
 # ``if __name__ == "__main__":`` guard); the parent turns it into one line instead of N tracebacks.
 NO_MAIN_GUARD_EXIT = 87
 NO_MAIN_GUARD_MESSAGE = (
-    "run_world was called while a worker process imported your script: put the code that calls "
-    'run_world under `if __name__ == "__main__":` (workers are started with spawn, which imports the '
-    "main module; see docs/testing.md)"
+    'run_world needs an `if __name__ == "__main__":` guard around the code of your script that calls '
+    "it: its worker processes are started with spawn and import the script (docs/testing.md)"
 )
 
 
@@ -115,6 +115,9 @@ class WorkerPool:
             ) from err
         for attempt in range(1 + INIT_RETRIES):
             results, errors = self._run_once(world_size, payload, timeout, backend, local, env)
+            if any(body.startswith(_NO_MAIN_GUARD) for body in errors.values()):
+                self.shutdown_workers()  # new workers would import the script and fail the same way
+                raise RuntimeError(NO_MAIN_GUARD_MESSAGE)
             if errors:
                 for rank in range(world_size):
                     self._replace(rank)  # a failed task may leave a worker in any state
@@ -124,8 +127,6 @@ class WorkerPool:
             # Rarely, gloo's connection set-up between local processes fails ("Connection closed
             # by peer") before any test code ran: that is the machine, not the test, so run it again.
             print(f"run_world: process group set-up failed on ranks {init_failed}; retrying", file=sys.stderr)
-        if errors and any(body.startswith(_NO_MAIN_GUARD) for body in errors.values()):
-            raise RuntimeError(NO_MAIN_GUARD_MESSAGE)
         if errors:
             report = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
             raise WorldError(f"{len(errors)} of {world_size} ranks failed:\n{report}")
@@ -207,6 +208,12 @@ class WorkerPool:
             errors[rank] = f"did not finish {why}; worker killed\n"
         return results, errors
 
+    def shutdown_workers(self) -> None:
+        """Kill every worker (the pool starts new ones when it is used again)."""
+        for worker in self._workers:
+            worker.kill()
+        self._workers = []
+
     def shutdown(self) -> None:
         for worker in self._workers:
             worker.stop()
@@ -232,6 +239,30 @@ def shutdown_workers() -> None:
     if _POOL is not None:
         _POOL.shutdown()
         _POOL = None
+
+
+def _called_from_unguarded_main_code(depth: int) -> bool:
+    """True when the caller ``depth`` frames up is the main script's top-level code outside an
+    ``if __name__ == "__main__":`` block (spawned workers import the script and would run it again)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not path or not os.path.isfile(path):
+        return False  # python -c, an interactive session, a notebook: nothing is re-imported
+    frame = sys._getframe(depth + 1)
+    # the script's own top-level frame, from which run_world (or a function that calls it) was called
+    while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None:
+        return False
+    try:
+        with open(path) as source:
+            tree = ast.parse(source.read())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    for node in tree.body:
+        if node.lineno <= frame.f_lineno <= (node.end_lineno or node.lineno):
+            return not (isinstance(node, ast.If) and "__name__" in ast.unparse(node.test))
+    return False
 
 
 def run_world(
@@ -261,6 +292,8 @@ def run_world(
         # at import time: starting processes from here would fail with a page of bootstrapping
         # errors on every worker. Leave quietly with a code the parent recognizes.
         os._exit(NO_MAIN_GUARD_EXIT)
+    if _called_from_unguarded_main_code(1):
+        raise RuntimeError(NO_MAIN_GUARD_MESSAGE)  # before starting workers that would fail anyway
     return worker_pool().run(
         fn,
         world_size,
