@@ -78,7 +78,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bucketize_blocks(
                 "bucketize: index arguments must be contiguous 1-d int64");
   }
   TORCH_CHECK(values.dim() == 1 && values.is_contiguous(), "bucketize: values must be contiguous 1-d");
-  TORCH_CHECK(offsets.numel() >= 1 && offsets[-1].item<int64_t>() == values.numel(),
+  TORCH_CHECK(offsets.numel() >= 1 && offsets.data_ptr<int64_t>()[offsets.numel() - 1] == values.numel(),
               "bucketize: offsets must end at the number of values");
   TORCH_CHECK(feature_bag_start.numel() == block_ptr.numel(), "bucketize: one block range per feature");
   if (values.scalar_type() == at::kLong) {

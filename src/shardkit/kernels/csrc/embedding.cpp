@@ -177,8 +177,8 @@ at::Tensor embedding_forward(const at::Tensor& weight, const at::Tensor& ids, co
                              const c10::optional<at::Tensor>& per_sample_weights,
                              const c10::optional<at::Tensor>& bag_scale, bool pooled, int64_t batch) {
   check_common(weight, ids, offsets, bag_shift, per_sample_weights, bag_scale);
-  TORCH_CHECK(offsets.numel() == 0 || offsets[-1].item<int64_t>() == ids.numel(),
-              "offsets must end at the number of ids");
+  // read through the pointer: offsets[-1].item() would dispatch two more ops per call
+  TORCH_CHECK(offsets.data_ptr<int64_t>()[offsets.numel() - 1] == ids.numel(), "offsets must end at the number of ids");
   const int64_t rows_out = pooled ? offsets.numel() - 1 : ids.numel();
   TORCH_CHECK(batch == 0 || (pooled && batch > 0 && rows_out % batch == 0),
               "batch must be 0 or divide the number of bags of a pooled lookup");
