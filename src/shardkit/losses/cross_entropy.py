@@ -248,10 +248,9 @@ def gradient_blocks(
     ``out`` / ``rows``: see ``statistics.softmax_gradient_blocks`` (``rows`` defaults to ``opts.rows``).
     """
     num_rows = target1d.numel()
-    index, owned, active = st.local_target_index(target1d, opts.shard, opts.ignore_index)
-    g = per_token_grad(grad_output, opts.reduction, count, num_rows, lse.dtype)
-    coef_p = g * (1.0 + 2.0 * opts.z_loss * lse) if opts.z_loss else g
-    coef_uniform = g * (opts.label_smoothing / vocab) if opts.label_smoothing else None
+    index, owned, active, coef_p, coef_target, coef_uniform = gradient_coefficients(
+        grad_output, target1d, lse, count, vocab, opts
+    )
     return st.softmax_gradient_blocks(
         source,
         num_rows,
@@ -262,11 +261,29 @@ def gradient_blocks(
         owned,
         active,
         coef_p,
-        g * (1.0 - opts.label_smoothing),
+        coef_target,
         coef_uniform,
         opts.rows if rows is None else rows,
         out=out,
     )
+
+
+def gradient_coefficients(
+    grad_output: torch.Tensor,
+    target1d: torch.Tensor,
+    lse: torch.Tensor,
+    count: torch.Tensor,
+    vocab: torch.Tensor,
+    opts: CrossEntropyOptions,
+) -> tuple[torch.Tensor, ...]:
+    """``(index, owned, active, coef_p, coef_target, coef_uniform)``, all ``[T]`` (see
+    ``statistics.softmax_gradient_blocks`` for what the coefficients multiply)."""
+    num_rows = target1d.numel()
+    index, owned, active = st.local_target_index(target1d, opts.shard, opts.ignore_index)
+    g = per_token_grad(grad_output, opts.reduction, count, num_rows, lse.dtype)
+    coef_p = g * (1.0 + 2.0 * opts.z_loss * lse) if opts.z_loss else g
+    coef_uniform = g * (opts.label_smoothing / vocab) if opts.label_smoothing else None
+    return index, owned, active, coef_p, g * (1.0 - opts.label_smoothing), coef_uniform
 
 
 def save_for_backward(ctx, logits, target, lse, count, vocab, opts) -> None:

@@ -2,18 +2,20 @@
 
 ``logits = hidden @ weight_shard.T`` is computed ``chunk_size`` tokens at a time, in the input dtype
 (as the unfused linear layer would), reduced to per-token statistics, and dropped. Backward recomputes
-each block's logits, turns them into the softmax gradient locally, and accumulates::
+the logits by blocks of vocabulary columns (over all tokens, the same number of elements per block),
+turns them into the softmax gradient locally (``lse`` is known, so a column block needs nothing from
+the others), and computes::
 
-    grad_hidden[block] = grad_logits[block] @ weight_shard        (input dtype, [T, H])
-    grad_weight       += grad_logits[block].T @ hidden[block]     (fp32 accumulator, [V/tp, H])
+    grad_weight[cols] = grad_logits[:, cols].T @ hidden           (input dtype, written once)
+    grad_hidden      += grad_logits[:, cols] @ weight_shard[cols]  (fp32 accumulator, [T, H])
 
 Shapes: ``hidden`` ``[..., H]`` (the same on every rank of ``group``, as the input of a column-parallel
 linear layer), ``weight_shard`` ``[V/tp, H]`` holding vocabulary rows ``[start, end)``, targets ``[...]``.
 
 Memory: forward saves references to ``hidden``, ``weight_shard`` and the targets plus ``lse`` ``[T]``;
-its work is fp32 ``[c, V/tp]`` blocks. Backward allocates ``grad_hidden`` (size of ``hidden``), an fp32
-``[V/tp, H]`` accumulator for ``grad_weight`` (plus its cast to the weight's dtype) and per-block
-work (``[c, V/tp]`` fp32 and input dtype, ``[c, H]`` fp32). No ``[T, V/tp]`` tensor at any time. The
+its work is fp32 ``[c, V/tp]`` blocks. Backward allocates ``grad_weight`` (size of the weight), an fp32
+``[T, H]`` accumulator for ``grad_hidden`` (plus its cast) and per-block work (``[T, c']`` fp32 and
+input dtype, ``c' = c * V/tp / T`` columns). No ``[T, V/tp]`` tensor at any time. The
 logits matmul runs twice (forward and backward): the price of not keeping them.
 
 Communication: forward as ``vocab_parallel_cross_entropy`` (one all-gather of per-token statistics).
@@ -32,7 +34,7 @@ import torch.distributed as dist
 from shardkit.distributed.regions import copy_to_region
 from shardkit.losses import statistics as st
 from shardkit.losses.checks import option_problems, validate_call
-from shardkit.losses.cross_entropy import CrossEntropyOptions, gradient_blocks, loss_from_source
+from shardkit.losses.cross_entropy import CrossEntropyOptions, gradient_coefficients, loss_from_source
 from shardkit.losses.dtensor import plain_tensor, resolve_vocab_shard
 from shardkit.losses.first_order import first_order_only
 
@@ -64,19 +66,40 @@ class _FusedLinearLoss(torch.autograd.Function):
         work = lse.dtype
         grad_output = grad_output * ctx.sign if ctx.sign != 1.0 else grad_output
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.zeros_like(hidden2d) if want_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=work, device=weight.device) if want_weight else None
-        blocks = gradient_blocks(
-            _matmul_source(hidden2d, weight), grad_output, target1d, lse, count, vocab, ctx.opts
+        opts = ctx.opts
+        num_rows, width = hidden2d.size(0), weight.size(0)
+        # blocks of vocabulary columns over all tokens, of the forward's block size in elements: each
+        # block's weight gradient is then one matmul over all tokens, written once (no [V/tp, H]
+        # accumulator re-read per block), and only the small [T, H] hidden gradient accumulates
+        columns = max(1, opts.rows * width // max(1, num_rows))
+        index, owned, active, coef_p, coef_target, coef_uniform = gradient_coefficients(
+            grad_output, target1d, lse, count, vocab, opts
         )
-        for i0, i1, block in blocks:
+        weight_t = weight.t()
+        blocks = st.softmax_gradient_column_blocks(
+            lambda c0, c1: hidden2d @ weight_t[:, c0:c1],
+            opts.shard,
+            opts.transform,
+            lse,
+            index,
+            owned,
+            active,
+            coef_p,
+            coef_target,
+            coef_uniform,
+            columns,
+        )
+        grad_hidden = torch.zeros(hidden2d.shape, dtype=work, device=hidden2d.device) if want_hidden else None
+        grad_weight = torch.empty_like(weight) if want_weight else None
+        for c0, c1, block in blocks:
+            # the block in the input dtype, as the unfused linear layer's backward would see it
+            block = block.to(hidden2d.dtype)
             if want_hidden:
-                # the block in the input dtype, as the unfused linear layer's backward would see it
-                grad_hidden[i0:i1] = block.to(hidden2d.dtype) @ weight
+                grad_hidden += block @ weight[c0:c1]
             if want_weight:
-                grad_weight.addmm_(block.t(), hidden2d[i0:i1].to(work))
-        if want_weight:
-            grad_weight = grad_weight.to(weight.dtype)
+                torch.mm(block.t(), hidden2d, out=grad_weight[c0:c1])
+        if want_hidden:
+            grad_hidden = grad_hidden.to(hidden2d.dtype)
         return grad_hidden, grad_weight, None, None, None
 
 

@@ -181,6 +181,51 @@ def shard_statistics(
     return stats
 
 
+def softmax_gradient_column_blocks(
+    column_source: Callable[[int, int], torch.Tensor],
+    shard: VocabShard,
+    transform: LogitTransform,
+    lse: torch.Tensor,
+    index: torch.Tensor,
+    owned: torch.Tensor,
+    active: torch.Tensor,
+    coef_p: torch.Tensor,
+    coef_target: torch.Tensor,
+    coef_uniform: Optional[torch.Tensor],
+    columns: int,
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Yield ``(c0, c1, d out / d x[:, c0:c1])``: the gradient of ``softmax_gradient_blocks``, by blocks
+    of ``columns`` vocabulary columns over all rows (fp32 ``[T, c1 - c0]``, a fresh buffer).
+
+    ``column_source(c0, c1)`` gives the logits ``[T, c1 - c0]`` of those columns. The gradient needs no
+    reduction over the vocabulary (``lse`` is known), so a column block is complete on its own: the
+    fused linear loss uses this to finish each block's weight gradient in one matmul.
+    """
+    width, real = shard.width, shard.real_width
+    minus_target = torch.where(owned, -coef_target, torch.zeros_like(coef_target))
+    inactive = ~active[:, None]
+    for c0 in range(0, width, columns):
+        c1 = min(width, c0 + columns)
+        z, derivative = transform.apply_with_derivative(column_source(c0, c1))
+        if real < c1:
+            z[:, max(0, real - c0) :] = float("-inf")  # padding columns of the vocabulary
+        grad = z.sub_(lse[:, None]).exp_().mul_(coef_p[:, None])
+        if coef_uniform is not None and real > c0:
+            grad[:, : min(real, c1) - c0].sub_(coef_uniform[:, None])
+        # the target term, for rows whose target column falls in this block (others add 0 at column 0)
+        here = (index >= c0) & (index < c1)
+        local = torch.where(here, index - c0, torch.zeros_like(index))
+        grad.scatter_add_(
+            1, local[:, None], torch.where(here, minus_target, torch.zeros_like(minus_target))[:, None]
+        )
+        if derivative is not None:
+            grad.mul_(derivative)
+        elif transform.temperature != 1.0:
+            grad.div_(transform.temperature)
+        grad.masked_fill_(inactive, 0.0)
+        yield c0, c1, grad
+
+
 def _plain_statistics(
     stats: torch.Tensor,
     source: Source,
