@@ -100,16 +100,42 @@ def _build(cxx: str, target: Path) -> None:
         if target.exists():
             return
         tmp = target.with_suffix(f".{os.getpid()}.tmp")
-        sources = [str(Path(__file__).parent / "csrc" / name) for name in _SOURCES]
-        cmd = [cxx, *_flags(), *sources, "-o", str(tmp)]
-        cmd += [f"-I{p}" for p in include_paths()]
-        cmd += [f"-L{p}" for p in library_paths()] + [f"-Wl,-rpath,{p}" for p in library_paths()]
-        cmd += ["-lc10", "-ltorch_cpu", "-ltorch"]
+        includes = [f"-I{p}" for p in include_paths()]
+        libraries = [f"-L{p}" for p in library_paths()] + [f"-Wl,-rpath,{p}" for p in library_paths()]
         print("shardkit: compiling the native CPU kernels (once per torch version) ...", file=sys.stderr)
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        # one compiler per source file, in parallel (each parses the ATen headers), then one link
+        objects = [target.parent / f"{Path(name).stem}.{os.getpid()}.o" for name in _SOURCES]
+        compiles = [
+            subprocess.Popen(
+                [cxx, *_flags(), "-c", str(Path(__file__).parent / "csrc" / name), "-o", str(obj), *includes],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for name, obj in zip(_SOURCES, objects)
+        ]
+        for done in compiles:
+            output = done.communicate()[0]
+            if done.returncode != 0:
+                raise RuntimeError(f"{cxx} failed: " + " | ".join(output.strip().splitlines()[-5:]))
+        link = [
+            cxx,
+            *_flags(),
+            *map(str, objects),
+            "-o",
+            str(tmp),
+            *libraries,
+            "-lc10",
+            "-ltorch_cpu",
+            "-ltorch",
+        ]
+        done = subprocess.run(link, capture_output=True, text=True)
+        for obj in objects:
+            obj.unlink(missing_ok=True)
         if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
-            raise RuntimeError(f"{cxx} failed: " + " | ".join(tail))
+            raise RuntimeError(
+                f"{cxx} failed to link: " + " | ".join((done.stderr or done.stdout).strip().splitlines()[-5:])
+            )
         os.replace(tmp, target)
 
 

@@ -1,8 +1,12 @@
 // Native CPU kernel of the row-wise input distribution: which destination block each id goes to, and
 // the stable order that groups the ids by (destination key, bag). Pure-torch twin:
 // shardkit/kernels/bucketize.py (the tests compare the two).
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>

@@ -7,8 +7,12 @@
 // optimizer rule uses the same sequence of fp32 operations as its torch.optim counterpart, so that
 // fp32 results agree with the pure-torch path (bitwise for unweighted bags; the build disables FMA
 // contraction so that `a + b * c` rounds twice, as torch's elementwise kernels do).
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -201,7 +205,8 @@ at::Tensor embedding_forward(const at::Tensor& weight, const at::Tensor& ids, co
   if (bad >= 0) {
     const int64_t b = std::upper_bound(offsets.data_ptr<int64_t>(), offsets.data_ptr<int64_t>() + offsets.numel(),
                                        bad) - offsets.data_ptr<int64_t>() - 1;
-    const int64_t row = ids[bad].item<int64_t>() + (shift ? shift[b] : 0);
+    const int64_t id = ids.scalar_type() == at::kLong ? ids.data_ptr<int64_t>()[bad] : ids.data_ptr<int32_t>()[bad];
+    const int64_t row = id + (shift ? shift[b] : 0);
     TORCH_CHECK_INDEX(false, "id at position ", bad, " maps to buffer row ", row, ", outside [0, ",
                       weight.size(0), ")");
   }

@@ -1,8 +1,12 @@
 // Native CPU kernel for reordering jagged data by whole segments (the "recat" after a KJT all-to-all):
 // each segment is a run of consecutive rows, so its values are one contiguous range, copied with one
 // memcpy. Pure-torch twin: shardkit/sharding/dist_data/recat.py (jagged_segment_index + gather).
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <cstdint>
