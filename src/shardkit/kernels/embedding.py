@@ -212,7 +212,7 @@ def embedding_fused_backward(
             bag_shift,
             per_sample_weights,
             bag_scale,
-            grad,
+            embedding_torch.from_batch_major(grad, batch_major, weight.size(1)),
             pooled,
             optimizer,
             want_psw_grad,
