@@ -131,6 +131,14 @@ def init_distributed() -> torch.device:
 
 def train(args) -> None:
     device = init_distributed()
+    try:
+        train_on(args, device)
+    finally:  # also after an error: a group alive at exit can abort the interpreter (docs/running.md)
+        dist.destroy_process_group()
+
+
+def train_on(args, device: torch.device) -> None:
+    """Plan, shard and train on the initialized default group; rank 0 prints the plan and the losses."""
     rank, world = dist.get_rank(), dist.get_world_size()
     tables = [TableSpec(name, args.table_rows, args.dim) for name in SPARSE_NAMES]
     torch.manual_seed(args.seed)
@@ -161,7 +169,6 @@ def train(args) -> None:
     if rank == 0:
         samples = args.steps * args.batch_size * world
         print(f"trained {samples:,} samples in {seconds:.1f} s: {samples / seconds:,.0f} samples/s")
-    dist.destroy_process_group()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -63,6 +63,17 @@ def python_blocks() -> List[Block]:
     return [b for page in PAGES for b in blocks(page) if b.lang == "python"]
 
 
+def python_block_names() -> List[tuple]:
+    """``(name, block)`` with names like ``docs/planner.md#2`` (the page's 2nd Python block): a name
+    that survives edits above the block, unlike its line number."""
+    out, seen = [], {}
+    for block in python_blocks():
+        page = str(block.page.relative_to(ROOT))
+        seen[page] = seen.get(page, 0) + 1
+        out.append((f"{page}#{seen[page]}", block))
+    return out
+
+
 def shell_commands(page: Path) -> List[tuple]:
     """``(block, command)`` for every command line of the page's ``bash`` / ``sh`` / ``console`` blocks;
     comments after ``#`` are dropped; ``$ `` prompts are removed (and then only prompted lines count)."""

@@ -13,29 +13,29 @@ import subprocess
 
 import pytest
 
-from tests.docs.markdown_blocks import DEV, python_blocks
+from tests.docs.markdown_blocks import DEV, python_block_names
 
-# Blocks that do not run yet, each with the reason; strict: once a block runs, its entry must go.
-NOT_YET_RUNNABLE = {
-    "docs/graph_parallel.md:6": "a fragment (x_own, local_energy undefined); the page belongs to the "
-    "graph_parallel developer this session",
-}
+# Blocks that do not run yet (page#n: the page's n-th Python block), each with the reason; strict: once
+# a block runs, its entry must go.
+NOT_YET_RUNNABLE: dict = {}
 
-BLOCKS = python_blocks()
+BLOCKS = python_block_names()
 
 
-def _marks(block):
-    reason = NOT_YET_RUNNABLE.get(block.where)
+def _marks(name):
+    reason = NOT_YET_RUNNABLE.get(name)
     return [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
 
 
 def test_every_python_block_is_found_and_the_exceptions_exist():
-    wheres = {b.where for b in BLOCKS}
+    names = {name for name, _ in BLOCKS}
     assert len(BLOCKS) >= 15
-    assert set(NOT_YET_RUNNABLE) <= wheres, set(NOT_YET_RUNNABLE) - wheres
+    assert set(NOT_YET_RUNNABLE) <= names, set(NOT_YET_RUNNABLE) - names
 
 
-@pytest.mark.parametrize("block", [pytest.param(b, id=b.where, marks=_marks(b)) for b in BLOCKS])
+@pytest.mark.parametrize(
+    "block", [pytest.param(b, id=f"{name} (line {b.line})", marks=_marks(name)) for name, b in BLOCKS]
+)
 def test_python_block_runs_as_written(block, tmp_path):
     script = tmp_path / "snippet.py"
     script.write_text(block.text)
