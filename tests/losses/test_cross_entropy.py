@@ -292,3 +292,40 @@ def test_te_availability_names():
     from shardkit.losses import HAVE_TE_PARALLEL_CE, MISSING_TE_PARALLEL_CE_MSG
 
     assert HAVE_TE_PARALLEL_CE is True and isinstance(MISSING_TE_PARALLEL_CE_MSG, str)
+
+
+def _check_inplace_backward():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    start, end = vocab_slice(VOCAB, world, rank)
+    results = []
+    for dtype in (torch.float64, torch.bfloat16):
+        rtol, atol = tolerances(dtype)
+        X, t = randn((3, 4, VOCAB), 80, dtype), _targets((3, 4), VOCAB, 81)
+        t[0, 0] = -100
+        opts = dict(vocab_start_index=start, vocab_end_index=end, label_smoothing=0.1, reduction="mean")
+        ref_x = X.to(torch.float64, copy=True).requires_grad_()
+        reference_cross_entropy(ref_x, t, label_smoothing=0.1, reduction="mean").backward()
+        expected = ref_x.grad[..., start:end]
+        # a leaf: after backward its storage holds the gradient, which is its .grad
+        x = X[..., start:end].contiguous().requires_grad_()
+        storage = x.data_ptr()
+        vocab_parallel_cross_entropy(x, t, inplace_backward=True, **opts).backward()
+        torch.testing.assert_close(x.grad.double(), expected, rtol=rtol, atol=atol)
+        assert x.grad.data_ptr() == storage and torch.equal(x.detach(), x.grad)
+        # logits from a matmul: the gradients of its inputs are those of the out-of-place backward
+        H, W = randn((3, 4, 5), 82, dtype), randn((VOCAB, 5), 83, dtype)
+        grads = []
+        for inplace in (False, True):
+            h, w = H.clone().requires_grad_(), W[start:end].clone().requires_grad_()
+            vocab_parallel_cross_entropy(h @ w.t(), t, inplace_backward=inplace, **opts).backward()
+            grads.append((h.grad, w.grad))
+        assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+        results.append(True)
+    with pytest.raises(TypeError, match="inplace_backward"):
+        vocab_parallel_cross_entropy(X[..., start:end], t, inplace_backward=1, **opts)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_inplace_backward_reuses_the_logits_storage(world_size):
+    assert run_world(_check_inplace_backward, world_size) == [[True, True]] * world_size
