@@ -17,7 +17,7 @@ their ratio. The unsharded baseline uses the default (native when available).
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -89,6 +89,17 @@ def step_worker(
 def _step_seconds(
     kind: str, tables: int, rows: int, dim: int, batch: int, pooling: int, repeats: int
 ) -> float:
+    seconds = median_seconds(training_step(kind, tables, rows, dim, batch, pooling), repeats=repeats)
+    # every rank's time counts: the step ends when the slowest rank's does
+    times = [None] * dist.get_world_size()
+    dist.all_gather_object(times, seconds)
+    return max(times)
+
+
+def training_step(
+    kind: str, tables: int, rows: int, dim: int, batch: int, pooling: int
+) -> Callable[[], None]:
+    """This rank's training step of the ``kind``-sharded module (1 thread, validation off)."""
     torch.set_num_threads(1)
     set_validation(False)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -108,11 +119,7 @@ def _step_seconds(
                     param.add_(param.grad, alpha=-LR / world)
                 param.grad = None
 
-    seconds = median_seconds(step, repeats=repeats)
-    # every rank's time counts: the step ends when the slowest rank's does
-    times = [None] * world
-    dist.all_gather_object(times, seconds)
-    return max(times)
+    return step
 
 
 def unsharded_step(tables: int, rows: int, dim: int, batch: int, pooling: int, repeats: int) -> float:

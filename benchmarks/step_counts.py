@@ -15,9 +15,6 @@ import argparse
 from collections import Counter
 from typing import Any, Dict, List, Optional
 
-import torch
-import torch.distributed as dist
-
 from benchmarks.common import write_results
 
 CATEGORIES = {
@@ -49,33 +46,10 @@ def count_worker(kind: str, steps: int, sizes: Dict[str, int]) -> Dict[str, Any]
     """Per-step counts and self-CPU milliseconds of each category on this rank."""
     from torch.profiler import profile
 
-    from benchmarks.sharded_ebc import _batch, _generator, _module
-    from shardkit.distributed.sharding_env import ShardingEnv
-    from shardkit.distributed.validation import set_validation
-    from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
-    from shardkit.sharding.sharding_plan import construct_module_sharding_plan
+    from benchmarks.sharded_ebc import training_step
 
-    torch.set_num_threads(1)
-    set_validation(False)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    tables = sizes["tables"]
-    module = _module(tables, sizes["rows"], sizes["dim"])
-    plan = construct_module_sharding_plan(
-        module, {f"t{i}": _generator(kind, i, world) for i in range(tables)}, world_size=world
-    )
-    sharded = EmbeddingBagCollectionSharder().shard(module, plan, ShardingEnv.from_process_group(None))
-    features = _batch(tables, sizes["rows"], sizes["batch"], sizes["pooling"], seed=rank)
-    dense = [p for p in sharded.parameters() if p.requires_grad]
-
-    def step() -> None:
-        sharded(features).values().sum().backward()
-        for param in dense:
-            if param.grad is not None:
-                dist.all_reduce(param.grad)
-                with torch.no_grad():
-                    param.add_(param.grad, alpha=-0.01 / world)
-                param.grad = None
-
+    sizes_args = (sizes["tables"], sizes["rows"], sizes["dim"], sizes["batch"], sizes["pooling"])
+    step = training_step(kind, *sizes_args)
     for _ in range(2):
         step()
     with profile() as prof:
