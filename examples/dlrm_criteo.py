@@ -29,6 +29,7 @@ import time
 from typing import Iterator, List, Optional, Sequence
 
 import torch
+import torch._dynamo  # noqa: F401 - before init_process_group (torch.optim imports it later): docs/running.md
 import torch.distributed as dist
 
 from shardkit.cli.dlrm_model import DLRM, Batch, TableSpec

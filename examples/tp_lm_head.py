@@ -24,6 +24,7 @@ import sys
 from typing import List, Optional, Sequence
 
 import torch
+import torch._dynamo  # noqa: F401 - before init_process_group (torch.optim imports it later): docs/running.md
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn

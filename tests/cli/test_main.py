@@ -32,10 +32,49 @@ def test_launch_builds_a_standalone_torchrun_command():
     assert launch.torchrun_args(3, "train.py", ["--lr", "0.1"]) == [
         "--standalone",
         "--nproc-per-node=3",
+        "-m",
+        "shardkit.cli.script_runner",
         "train.py",
         "--lr",
         "0.1",
     ]
+
+
+RUNNER_SCRIPT = """
+import atexit, os, sys
+import torch.distributed as dist
+atexit.register(lambda: print("atexit ran", flush=True))
+here = os.path.dirname(os.path.abspath(__file__))
+print("name", __name__, "argv", sys.argv[1:], "path0", sys.path[0] == here)
+print("dynamo imported before the script", "torch._dynamo" in sys.modules)
+if sys.argv[1] == "group":
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    pg = dist.group.WORLD  # a reference that keeps the group alive past any destroy: left to the runner
+if sys.argv[1] == "exit":
+    sys.exit(int(sys.argv[2]))
+if sys.argv[1] == "raise":
+    raise ValueError("boom")
+"""
+
+
+@pytest.mark.parametrize(
+    "args, code", [(["group", "x"], 0), (["exit", "3"], 3), (["raise"], 1)], ids=["group", "exit", "raise"]
+)
+def test_script_runner_runs_the_script_as_python_would_and_keeps_its_exit_code(tmp_path, args, code):
+    script = tmp_path / "script.py"
+    script.write_text(RUNNER_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, "-m", "shardkit.cli.script_runner", str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == code, done.stderr
+    assert f"name __main__ argv {args} path0 True" in done.stdout
+    assert "dynamo imported before the script True" in done.stdout
+    assert "atexit ran" in done.stdout
+    if args[0] == "raise":
+        assert done.stderr.rstrip().endswith("ValueError: boom")
 
 
 def test_launch_runs_a_script_on_two_ranks(tmp_path):

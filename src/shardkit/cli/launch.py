@@ -1,7 +1,9 @@
 """``shardkit launch -n N script.py ...``: run a script on N local processes with torch's launcher.
 
 A thin wrapper over ``torch.distributed.run`` (torchrun) in standalone mode, so the script sees the
-usual RANK / LOCAL_RANK / WORLD_SIZE variables. For several machines use torchrun directly.
+usual RANK / LOCAL_RANK / WORLD_SIZE variables. Each rank runs the script through
+:mod:`shardkit.cli.script_runner`, so that a rank whose script is done cannot end in torch's
+"terminate called without an active exception" abort. For several machines use torchrun directly.
 """
 
 from __future__ import annotations
@@ -15,8 +17,16 @@ USAGE = "shardkit launch [-n N] script.py [script args]"
 
 
 def torchrun_args(nproc: int, script: str, script_args: list[str]) -> list[str]:
-    """The torchrun command line that ``shardkit launch`` runs."""
-    return ["--standalone", f"--nproc-per-node={nproc}", script, *script_args]
+    """The torchrun command line that ``shardkit launch`` runs: every rank runs the script through
+    ``shardkit.cli.script_runner``, which ends the rank cleanly (docs/running.md)."""
+    return [
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "shardkit.cli.script_runner",
+        script,
+        *script_args,
+    ]
 
 
 def _one_line_error(message: str) -> None:
