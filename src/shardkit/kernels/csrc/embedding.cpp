@@ -95,25 +95,32 @@ int64_t forward_kernel(const at::Tensor& weight, const at::Tensor& ids, const at
     std::vector<float> acc_storage(width);
     float* acc = acc_storage.data();
     int64_t bad = std::numeric_limits<int64_t>::max();
+    // bag b's output row, bag_row(b, batch, features), kept up to date without a division per bag
+    int64_t sample = batch > 0 ? b0 % batch : 0, feature = batch > 0 ? b0 / batch : 0;
     for (int64_t b = b0; b < b1; ++b) {
+      const int64_t out_row = batch > 0 ? sample * features + feature : b;
+      if (batch > 0 && ++sample == batch) {
+        sample = 0;
+        ++feature;
+      }
       const int64_t s = shift ? shift[b] : 0;
       const int64_t lo = off[b], hi = off[b + 1];
-      bool any_bad = false;
-      for (int64_t i = lo; i < hi; ++i) {
-        const int64_t row = static_cast<int64_t>(id[i]) + s;
-        if (row < 0 || row >= num_rows) {
-          bad = std::min(bad, i);
-          any_bad = true;
-        }
-      }
-      if (any_bad) continue;  // the caller raises; the output of this bag is never used
+      // every id is checked right before its row is read: a row outside the table is never read
+      // (the caller raises; this bag's output is never used)
       if (!pooled) {
         for (int64_t i = lo; i < hi; ++i) {
-          const scalar_t* src = table + (static_cast<int64_t>(id[i]) + s) * dim;
+          const int64_t row = static_cast<int64_t>(id[i]) + s;
+          if (static_cast<uint64_t>(row) >= static_cast<uint64_t>(num_rows)) {
+            bad = std::min(bad, i);
+            continue;
+          }
+          const scalar_t* src = table + row * dim;
           std::copy(src, src + dim, dst + i * dim);
         }
         continue;
       }
+      // past this bag, the next bag's shift is right for most ids (a wrong guess costs nothing)
+      const int64_t s_next = shift && b + 1 < bags ? shift[b + 1] : s;
       for (int64_t c0 = 0; c0 < dim; c0 += width) {
         float local[W > 0 ? W : 1];
         float* a = W > 0 ? local : acc;
@@ -121,11 +128,17 @@ int64_t forward_kernel(const at::Tensor& weight, const at::Tensor& ids, const at
         for (int64_t i = lo; i < hi; ++i) {
           const int64_t ahead = i + kPrefetch;
           if (ahead < total) {
-            // past this bag, the next bag's shift is right for most ids (a wrong guess costs nothing)
-            const int64_t next = (ahead < hi ? s : (shift && b + 1 < bags ? shift[b + 1] : s)) + id[ahead];
-            prefetch_row(table + std::min(std::max<int64_t>(next, 0), num_rows - 1) * dim + c0, width);
+            const int64_t next = static_cast<int64_t>(id[ahead]) + (ahead < hi ? s : s_next);
+            if (static_cast<uint64_t>(next) < static_cast<uint64_t>(num_rows)) {
+              prefetch_row(table + next * dim + c0, width);
+            }
           }
-          const scalar_t* src = table + (static_cast<int64_t>(id[i]) + s) * dim + c0;
+          const int64_t row = static_cast<int64_t>(id[i]) + s;
+          if (static_cast<uint64_t>(row) >= static_cast<uint64_t>(num_rows)) {
+            bad = std::min(bad, i);
+            continue;
+          }
+          const scalar_t* src = table + row * dim + c0;
           if (psw) {
             const float w = psw[i];
             for (int64_t j = 0; j < width; ++j) a[j] = std::fma(w, to_float(src[j]), a[j]);
@@ -133,7 +146,7 @@ int64_t forward_kernel(const at::Tensor& weight, const at::Tensor& ids, const at
             for (int64_t j = 0; j < width; ++j) a[j] += to_float(src[j]);
           }
         }
-        scalar_t* o = dst + bag_row(b, batch, features) * dim + c0;
+        scalar_t* o = dst + out_row * dim + c0;
         const float c = scale ? scale[b] : 1.0f;
         if (scale) {
           for (int64_t j = 0; j < width; ++j) o[j] = from_float<scalar_t>(a[j] * c);
