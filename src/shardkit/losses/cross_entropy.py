@@ -131,7 +131,7 @@ def cross_entropy_forward(
     """``(result, lse [T] fp32, token count (fp64 0-d, for "mean"), real vocabulary size (0-d))``."""
     logits2d, target1d = _flat(logits, target)
     # cache-sized blocks: the statistics read each block of logits once and reuse one small buffer
-    rows = st.cache_rows(opts.shard.width, opts.rows)
+    rows = st.cache_rows(opts.shard.width, opts.rows, logits.device)
     source = lambda i0, i1: logits2d[i0:i1]  # noqa: E731
     return loss_from_source(source, logits2d.dtype, target1d, target.shape, opts, rows=rows)
 
@@ -232,7 +232,7 @@ def cross_entropy_backward(
         grad = torch.empty_like(logits2d, memory_format=torch.contiguous_format)
     # cache-sized blocks written straight into the gradient: one read of the logits, one write of the
     # gradient, instead of one memory pass per step (the blocks are within the chunk_size bound)
-    rows = st.cache_rows(opts.shard.width, opts.rows)
+    rows = st.cache_rows(opts.shard.width, opts.rows, logits.device)
     source = lambda i0, i1: logits2d[i0:i1]  # noqa: E731
     for _ in gradient_blocks(source, grad_output, target1d, lse, count, vocab, opts, out=grad, rows=rows):
         pass
