@@ -132,6 +132,19 @@ def join(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat(pieces)
 
 
+def _pack_padded(wires: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    """The flat wires back to back, each zero-padded to ``width`` elements: the buffer they already
+    lie in when they tile it with no padding (rows split off one tensor: sent without a copy, read
+    only), else one copy of each into a new buffer."""
+    if all(wire.numel() == width for wire in wires) and _tile_one_buffer(wires):
+        first = wires[0]
+        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (width * len(wires),))
+    send = wires[0].new_zeros(width * len(wires))
+    for i, wire in enumerate(wires):
+        send[i * width : i * width + wire.numel()].copy_(wire)
+    return send
+
+
 def _tile_one_buffer(chunks: Sequence[torch.Tensor]) -> bool:
     storage = chunks[0].untyped_storage().data_ptr()
     end = chunks[0].data_ptr()
@@ -225,7 +238,7 @@ def reduce_scatter(
     if world > 1 and _sums_on_wire(codec, dtype, device, group):
         wires = [_encode(chunk, codec) for chunk in chunks]
         width = max(wire.numel() for wire in wires)
-        send = torch.cat([_pad_to(wire, width) for wire in wires])
+        send = _pack_padded(wires, width)
         out = send.new_empty(width)
         work = reduce_scatter_flat(out, send, group=group, async_op=True)
         return Pending(work, lambda: _decode(out[: _wire_numel(own, codec)], codec, dtype))
@@ -250,8 +263,10 @@ def all_gather(
     item = torch.empty(0, dtype=wire_dtype).element_size()
     wire_bytes = [_wire_numel(n, codec) * item for n in numels]
     width = max(wire_bytes)
-    send = _pad_to(_bytes(_encode(chunk, codec)), width)
     world = len(numels)
+    wire = _bytes(_encode(chunk, codec))
+    # the send buffer is only read: without padding, send the chunk itself (world 1 returns a copy)
+    send = wire if wire.numel() == width and world > 1 else _pad_to(wire, width)
     if world == 1:
         out, work = send, None
     else:
