@@ -34,7 +34,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bucketize_impl(
   const int64_t* bptr = block_ptr.data_ptr<int64_t>();
   const int64_t* bkey = block_keys.data_ptr<int64_t>();
   const int64_t* kbase = key_base.data_ptr<int64_t>();
-  std::vector<int64_t> segment(n);
+  // the key tables are small: check them once, so no id needs a check of its own
+  const int64_t keys = key_base.numel();
+  for (int64_t f = 0; f < features; ++f) {
+    TORCH_CHECK(bptr[f] < bptr[f + 1] && bptr[f + 1] <= block_keys.numel(),
+                "bucketize: feature ", f, " needs at least one block");
+    for (int64_t j = bptr[f]; j < bptr[f + 1]; ++j) {
+      TORCH_CHECK(bkey[j] >= 0 && bkey[j] < keys && kbase[bkey[j]] >= 0 &&
+                      kbase[bkey[j]] + (fbag[f + 1] - fbag[f]) <= num_segments,
+                  "bucketize: block ", j, " of feature ", f, " sends to a segment range outside [0, ",
+                  num_segments, ")");
+    }
+  }
+  std::vector<int32_t> segment(n);
+  TORCH_CHECK(num_segments < (int64_t(1) << 31), "bucketize: at most 2^31 segments");
   at::parallel_for(0, features, 1, [&](int64_t f0, int64_t f1) {
     for (int64_t f = f0; f < f1; ++f) {
       const int64_t* first = starts + bptr[f];
@@ -48,17 +61,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bucketize_impl(
             block = std::upper_bound(first, last, static_cast<int64_t>(v[i])) - first - 1;
             block = std::max<int64_t>(block, 0);
           }
-          segment[i] = kbase[bkey[bptr[f] + block]] + sample;
+          segment[i] = static_cast<int32_t>(kbase[bkey[bptr[f] + block]] + sample);
         }
       }
     }
   });
   at::Tensor lengths = at::zeros({num_segments}, offsets.options());
   int64_t* len = lengths.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(segment[i] >= 0 && segment[i] < num_segments, "bucketize: segment out of range");
-    ++len[segment[i]];
-  }
+  for (int64_t i = 0; i < n; ++i) ++len[segment[i]];
   std::vector<int64_t> cursor(num_segments + 1, 0);
   for (int64_t s = 0; s < num_segments; ++s) cursor[s + 1] = cursor[s] + len[s];
   at::Tensor order = at::empty({n}, offsets.options());
