@@ -33,6 +33,7 @@ from shardkit.losses.sampling import (
     vocab_parallel_sampling_logprobs,
     vocab_parallel_top_k_top_p_mask,
 )
+from shardkit.losses.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 __all__ = [
     "HAVE_TE_PARALLEL_CE",
@@ -41,9 +42,11 @@ __all__ = [
     "CrossEntropyFunction",
     "DistributedLogprob",
     "ParallelCrossEntropy",
+    "ParallelLMHead",
     "TEParallelCrossEntropy",
     "TargetOutOfRangeError",
     "VocabParallelCrossEntropy",
+    "VocabParallelEmbedding",
     "_compute_distributed_log_softmax",
     "apply_top_k_top_p",
     "distributed_vocab_topk",
