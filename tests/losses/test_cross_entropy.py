@@ -329,3 +329,36 @@ def _check_inplace_backward():
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_inplace_backward_reuses_the_logits_storage(world_size):
     assert run_world(_check_inplace_backward, world_size) == [[True, True]] * world_size
+
+
+def _check_spec_api_uneven_shards():
+    # VOCAB = 13 columns split unevenly (array_split): the three specification front ends take this
+    # rank's columns as vocab_start_index / vocab_end_index, like vocab_parallel_cross_entropy
+    world, rank = dist.get_world_size(), dist.get_rank()
+    start, end = vocab_slice(VOCAB, world, rank, even=False)
+    X = randn((3, 4, VOCAB), 8, torch.float32)
+    t = _targets((3, 4), VOCAB, 9)
+    ref_x = X.to(torch.float64, copy=True).requires_grad_()
+    ref = reference_cross_entropy(ref_x, t, label_smoothing=0.1, reduction="none")
+    ref.sum().backward()
+    fronts = {
+        "apply": lambda x: CrossEntropyFunction.apply(x, t, 0.1, False, None, -100, start, end),
+        "function": lambda x: parallel_cross_entropy(x, t, 0.1, vocab_start_index=start, vocab_end_index=end),
+        "module": lambda x: TEParallelCrossEntropy(
+            reduction="none", label_smoothing=0.1, vocab_start_index=start, vocab_end_index=end
+        )(x, t),
+    }
+    for name, front in fronts.items():
+        x = X[..., start:end].clone().requires_grad_()
+        out = front(x)
+        torch.testing.assert_close(out.double(), ref.detach(), rtol=1e-5, atol=1e-5, msg=name)
+        out.sum().backward()
+        torch.testing.assert_close(
+            x.grad.double(), ref_x.grad[..., start:end], rtol=1e-5, atol=1e-6, msg=name
+        )
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_specification_api_uneven_shards(world_size):
+    assert all(run_world(_check_spec_api_uneven_shards, world_size))

@@ -33,7 +33,11 @@ MISSING_TE_PARALLEL_CE_MSG = (
 
 
 class CrossEntropyFunction(torch.autograd.Function):
-    """Cross-entropy of even vocab shards as an autograd Function (the specification's signature).
+    """Cross-entropy of vocab shards as an autograd Function (the specification's signature).
+
+    Shards are even (``V / tp`` columns each, the specification's case) unless ``vocab_start_index`` /
+    ``vocab_end_index`` (this rank's global columns ``[start, end)``, after the specification's
+    arguments) say otherwise, as in ``vocab_parallel_cross_entropy``.
 
     ``_input`` ``[B, S, V/tp]`` or ``[S, B, V/tp]`` (bf16 / fp16 / fp32), ``target`` its leading shape of
     global ids. Returns the fp32 per-token loss ``[B, S]`` (``[S, B]``), or with ``reduce_loss`` the
@@ -45,15 +49,23 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, _input, target, label_smoothing=0.0, reduce_loss=False, dist_process_group=None, ignore_idx=-100
+        ctx,
+        _input,
+        target,
+        label_smoothing=0.0,
+        reduce_loss=False,
+        dist_process_group=None,
+        ignore_idx=-100,
+        vocab_start_index=None,
+        vocab_end_index=None,
     ):
         logits, target, opts = prepare_cross_entropy(
             "CrossEntropyFunction",
             _input,
             target,
             dist_process_group,
-            None,
-            None,
+            vocab_start_index,
+            vocab_end_index,
             ignore_index=ignore_idx,
             label_smoothing=label_smoothing,
             reduction="mean" if reduce_loss else "none",
@@ -65,7 +77,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only  # backward is a closed-form kernel, not a graph: double backward raises
     def backward(ctx, grad_output):  # type: ignore[override]
-        return saved_backward(ctx, grad_output), None, None, None, None, None
+        return saved_backward(ctx, grad_output), None, None, None, None, None, None, None
 
 
 def parallel_cross_entropy(
@@ -75,6 +87,8 @@ def parallel_cross_entropy(
     reduce_loss: bool = False,
     dist_process_group: Optional[dist.ProcessGroup] = None,
     ignore_idx: int = -100,
+    vocab_start_index: Optional[int] = None,
+    vocab_end_index: Optional[int] = None,
 ) -> torch.Tensor:
     """``CrossEntropyFunction`` as a function (keywords allowed); a no-grad call saves nothing."""
     logits, target, opts = prepare_cross_entropy(
@@ -82,8 +96,8 @@ def parallel_cross_entropy(
         input,
         target,
         dist_process_group,
-        None,
-        None,
+        vocab_start_index,
+        vocab_end_index,
         ignore_index=ignore_idx,
         label_smoothing=label_smoothing,
         reduction="mean" if reduce_loss else "none",
@@ -94,8 +108,9 @@ def parallel_cross_entropy(
 class ParallelCrossEntropy:
     """Tensor-parallel cross-entropy called as ``loss_fn(logits, labels, mask=None)``.
 
-    ``logits`` ``[..., V/tp]`` (even shards over ``tp_group``; None: the default group, which is a
-    single rank when torch.distributed is not initialized) or a DTensor sharded on the last dim;
+    ``logits`` ``[..., V/tp]`` (even shards over ``tp_group`` unless ``vocab_start_index`` /
+    ``vocab_end_index`` give this rank's columns; group None: the default group, which is a single
+    rank when torch.distributed is not initialized) or a DTensor sharded on the last dim;
     ``labels`` ``[...]`` global ids. Positions where ``mask`` is 0 / False are ignored, like labels equal
     to ``ignore_index``; the caller's labels are never modified (the mask is applied to a new tensor).
     ``reduction``: "none" (fp32 ``[...]``), "sum", or "mean" over non-ignored tokens (0 when none).
@@ -108,6 +123,8 @@ class ParallelCrossEntropy:
         ignore_index: int = -100,
         reduction: str = "sum",
         tp_group: Optional[dist.ProcessGroup] = None,
+        vocab_start_index: Optional[int] = None,
+        vocab_end_index: Optional[int] = None,
         **options,
     ) -> None:
         if reduction not in REDUCTIONS:
@@ -126,6 +143,7 @@ class ParallelCrossEntropy:
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.tp_group = tp_group
+        self.vocab_range = (vocab_start_index, vocab_end_index)
         self.options = options
 
     def __call__(
@@ -156,8 +174,7 @@ class ParallelCrossEntropy:
             logits,
             labels,
             self.tp_group,
-            None,
-            None,
+            *self.vocab_range,
             ignore_index=self.ignore_index,
             reduction=self.reduction,
             problems=problems,
