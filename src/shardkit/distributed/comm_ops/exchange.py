@@ -118,15 +118,13 @@ def _pack(chunks: Sequence[torch.Tensor], dtype: torch.dtype, alias_ok: bool) ->
     chunks = [chunk.to(dtype) for chunk in chunks]
     item = torch.empty(0, dtype=dtype).element_size()
     sizes = [chunk.numel() * item for chunk in chunks]
-    if alias_ok and chunks and _tile_one_buffer(chunks):
-        first = chunks[0]
-        flat = first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (sum(sizes) // item,))
-        return _bytes(flat), sizes
-    flat = torch.empty(sum(sizes) // item, dtype=dtype, device=chunks[0].device if chunks else None)
-    start = 0
-    for chunk in chunks:
-        flat[start : start + chunk.numel()].view(chunk.shape).copy_(chunk)
-        start += chunk.numel()
+    flat = _back_to_back(chunks) if alias_ok else None
+    if flat is None:
+        flat = torch.empty(sum(sizes) // item, dtype=dtype, device=chunks[0].device if chunks else None)
+        start = 0
+        for chunk in chunks:
+            flat[start : start + chunk.numel()].view(chunk.shape).copy_(chunk)
+            start += chunk.numel()
     return _bytes(flat), sizes
 
 
@@ -134,38 +132,42 @@ def join(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
     """The flat concatenation of ``pieces``: a view when they lie back to back in one buffer (the pieces
     of one receive buffer), else a copy."""
     pieces = [piece.reshape(-1) for piece in pieces]
-    if pieces and _tile_one_buffer(pieces):
-        first = pieces[0]
-        total = sum(piece.numel() for piece in pieces)
-        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (total,))
-    return torch.cat(pieces)
+    flat = _back_to_back(pieces)
+    return torch.cat(pieces) if flat is None else flat
 
 
 def _pack_padded(wires: Sequence[torch.Tensor], width: int) -> torch.Tensor:
     """The flat wires back to back, each zero-padded to ``width`` elements: the buffer they already
     lie in when they tile it with no padding (rows split off one tensor: sent without a copy, read
     only), else one copy of each into a new buffer."""
-    if all(wire.numel() == width for wire in wires) and _tile_one_buffer(wires):
-        first = wires[0]
-        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (width * len(wires),))
+    if all(wire.numel() == width for wire in wires):
+        flat = _back_to_back(wires)
+        if flat is not None:
+            return flat
     send = wires[0].new_zeros(width * len(wires))
     for i, wire in enumerate(wires):
         send[i * width : i * width + wire.numel()].copy_(wire)
     return send
 
 
-def _tile_one_buffer(chunks: Sequence[torch.Tensor]) -> bool:
-    storage = chunks[0].untyped_storage().data_ptr()
-    end = chunks[0].data_ptr()
-    for chunk in chunks:
+def _back_to_back(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """One flat view over ``tensors`` (one dtype) when they are contiguous and lie back to back, in
+    order, in one storage; None otherwise (or when there are none)."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    end = first.data_ptr()
+    for tensor in tensors:
         if (
-            not chunk.is_contiguous()
-            or chunk.untyped_storage().data_ptr() != storage
-            or chunk.data_ptr() != end
+            not tensor.is_contiguous()
+            or tensor.untyped_storage().data_ptr() != storage
+            or tensor.data_ptr() != end
         ):
-            return False
-        end += chunk.numel() * chunk.element_size()
-    return True
+            return None
+        end += tensor.numel() * tensor.element_size()
+    total = sum(tensor.numel() for tensor in tensors)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (total,))
 
 
 def _pad_to(flat: torch.Tensor, numel: int) -> torch.Tensor:
