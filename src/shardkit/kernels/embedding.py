@@ -76,6 +76,11 @@ def _triton_module():
         return None
 
 
+def _triton_can_run(weight: torch.Tensor) -> bool:
+    triton = _triton_module()
+    return triton is not None and triton.available(weight)
+
+
 def _native_can_run(weight: torch.Tensor, ids: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"
@@ -101,12 +106,11 @@ def select_backend(weight: torch.Tensor, ids: torch.Tensor) -> str:
     if _forced is not None:
         if _forced == "native" and not _native_can_run(weight, ids):
             raise RuntimeError("the native kernel backend is not available for these tensors")
-        if _forced == "triton" and (_triton_module() is None or not _triton_module().available(weight)):
+        if _forced == "triton" and not _triton_can_run(weight):
             raise RuntimeError("the triton kernel backend is not available for these tensors")
         return _forced
     if weight.device.type == "cuda":
-        triton = _triton_module()
-        return "triton" if triton is not None and triton.available(weight) else "torch"
+        return "triton" if _triton_can_run(weight) else "torch"
     return "native" if _native_can_run(weight, ids) else "torch"
 
 
