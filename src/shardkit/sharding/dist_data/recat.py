@@ -89,8 +89,8 @@ def permute_value_segments(
             lengths.contiguous(),
             values.contiguous(),
             None if weights is None else weights.contiguous(),
-            torch.tensor(list(segment_rows), dtype=torch.int64, device=device),
-            torch.tensor(list(recat), dtype=torch.int64, device=device),
+            host_list_to_device(segment_rows, device),
+            host_list_to_device(recat, device),
         )
     index = jagged_segment_index(lengths, segment_rows, recat, values.numel())
     return values[index], None if weights is None else weights[index]
