@@ -11,7 +11,7 @@ become ``log(1 + max(x, 0))`` (0 when missing); a categorical value is hashed in
 (``int(hex, 16) % --table-rows``) and a missing one is an empty bag, which the jagged input represents
 as it is.
 
-The model (``shardkit.cli.dlrm_model.DLRM``, the one ``shardkit demo`` trains) is built on the meta
+The model (``shardkit.models.MixedDimDLRM``, the one ``shardkit demo`` trains) is built on the meta
 device, so no rank ever holds an unsharded table; the planner chooses how to shard the 26 tables,
 ``DistributedModelParallel`` shards them and initializes the local shards, and
 ``TrainPipelineSparseDist`` trains. Rank ``r`` of ``n`` reads lines ``r, r + n, r + 2n, ...`` and starts
@@ -32,8 +32,9 @@ import torch
 import torch._dynamo  # noqa: F401 - before init_process_group (torch.optim imports it later): docs/running.md
 import torch.distributed as dist
 
-from shardkit.cli.dlrm_model import DLRM, Batch, TableSpec
+from shardkit.datasets import Batch, TableSpec
 from shardkit.model_parallel import CombinedOptimizer, DistributedModelParallel
+from shardkit.models import MixedDimDLRM
 from shardkit.pipeline import TrainPipelineSparseDist
 from shardkit.planner import EmbeddingShardingPlanner, Topology
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
@@ -143,7 +144,7 @@ def train_on(args, device: torch.device) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     tables = [TableSpec(name, args.table_rows, args.dim) for name in SPARSE_NAMES]
     torch.manual_seed(args.seed)
-    model = DLRM(tables, NUM_DENSE, dense_out=args.dim, lr=args.lr, device=torch.device("meta"))
+    model = MixedDimDLRM(tables, NUM_DENSE, dense_out=args.dim, lr=args.lr, device=torch.device("meta"))
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=world, compute_device=device.type), batch_size=args.batch_size
     )

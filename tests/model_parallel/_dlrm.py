@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.cli.dlrm_model import Batch  # the demo's batch type: dense, sparse, labels
+from shardkit.datasets import Batch
 from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig, OptimType
 from shardkit.sparse import KeyedJaggedTensor
 

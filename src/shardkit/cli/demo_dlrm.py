@@ -17,9 +17,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from shardkit.cli.dlrm_model import DLRM, TableSpec, dense_parameters
-from shardkit.cli.synthetic_clicks import SyntheticClicks
 from shardkit.cli.textplot import ProgressBar, curve
+from shardkit.datasets import SyntheticClicks, TableSpec
+from shardkit.models import MixedDimDLRM, dense_parameters
 
 DENSE_IN = 13  # as in Criteo
 DENSE_OUT = 16
@@ -46,12 +46,12 @@ def demo_tables(count: int, max_rows: Optional[int] = None) -> List[TableSpec]:
     return specs
 
 
-def make_model(tables: Sequence[TableSpec], seed: int, device: Optional[torch.device] = None) -> DLRM:
+def make_model(tables: Sequence[TableSpec], seed: int, device: Optional[torch.device] = None) -> MixedDimDLRM:
     torch.manual_seed(seed)
-    return DLRM(tables, DENSE_IN, DENSE_OUT, lr=LR, device=device)
+    return MixedDimDLRM(tables, DENSE_IN, DENSE_OUT, lr=LR, device=device)
 
 
-def plan_sharding(model: DLRM, tables: Sequence[TableSpec], args) -> tuple:
+def plan_sharding(model: MixedDimDLRM, tables: Sequence[TableSpec], args) -> tuple:
     """``(ShardingPlan, printable table)``: the planner's plan and report, or the forced type's plan."""
     from shardkit.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
     from shardkit.sharding import sharding_plan as sp
@@ -97,7 +97,9 @@ def plan_sharding(model: DLRM, tables: Sequence[TableSpec], args) -> tuple:
     return ShardingPlan({"ebc": module_plan}), f"forced plan: every table {args.sharding_type}\n{text}"
 
 
-def run_rank(model: DLRM, plan, tables, batch_size: int, steps: int, seed: int, device_type: str) -> dict:
+def run_rank(
+    model: MixedDimDLRM, plan, tables, batch_size: int, steps: int, seed: int, device_type: str
+) -> dict:
     """One rank: shard ``model``, train ``steps`` pipelined steps; losses, weights and seconds."""
     from shardkit.model_parallel import CombinedOptimizer, DistributedModelParallel
     from shardkit.pipeline import TrainPipelineSparseDist
@@ -137,7 +139,7 @@ def run_rank(model: DLRM, plan, tables, batch_size: int, steps: int, seed: int, 
 
 
 def train_reference(
-    model: DLRM,
+    model: MixedDimDLRM,
     tables,
     batch_size: int,
     steps: int,
@@ -162,7 +164,9 @@ def train_reference(
     return losses
 
 
-def differences(ranks: List[dict], reference: DLRM, reference_losses: List[float]) -> Dict[str, float]:
+def differences(
+    ranks: List[dict], reference: MixedDimDLRM, reference_losses: List[float]
+) -> Dict[str, float]:
     """Max abs difference of the losses, the dense weights and the table shards against the reference."""
     dense = dict(reference.named_parameters())
     return {
