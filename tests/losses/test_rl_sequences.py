@@ -9,6 +9,7 @@ import torch.distributed as dist
 from shardkit.losses import (
     ChunkedDistributedLogprob,
     DistributedLogprob,
+    TrainingSamplingParams,
     from_parallel_logits_to_logprobs,
     from_parallel_logits_to_logprobs_packed_sequences,
 )
@@ -144,3 +145,72 @@ def _check_chunked():
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_chunked_logprobs_match_torch(world_size):
     assert all(run_world(_check_chunked, world_size))
+
+
+def _reference_filtered_logprobs(z, target, top_k, top_p):
+    """Log-probs ``[N]`` under a top-k then top-p filter, on full ``[N, V]`` float64 logits (no ties)."""
+    keep = z >= z.topk(top_k, dim=-1).values[:, -1:]
+    probs = torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
+    ordered, order = probs.sort(dim=-1, descending=True)
+    before = ordered.cumsum(-1) - ordered  # mass of the tokens ranked above each one
+    keep &= torch.zeros_like(keep).scatter(-1, order, before < top_p)
+    return torch.log_softmax(z.masked_fill(~keep, float("-inf")), dim=-1).gather(-1, target[:, None])[:, 0]
+
+
+def _check_nemo_rl_options(tp):
+    """target_is_pre_rolled, sampling_params and cp_gradient="sum" against the full-sequence reference."""
+    tp_group, tp_rank, cp_group, cp_rank, cp = _grid(tp)
+    start, end = vocab_slice(VOCAB, tp, tp_rank)
+    unit = 2 * cp
+    lengths = [2 * unit, unit, 3 * unit]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    T, unpacked = int(cu[-1]), max(lengths)
+    X, t, G = randn((1, T, VOCAB), 60), randint(VOCAB, (1, T), 61), randn((len(lengths), unpacked - 1), 62)
+    bounds = segment_bounds(cu, T)
+    positions = context_parallel_positions(bounds, cp, cp_rank, torch.device("cpu"))
+    group = cp_group if cp > 1 else None
+
+    def run(target, weight=1.0, **options):
+        x = X[:, positions, start:end].clone().requires_grad_()
+        out = from_parallel_logits_to_logprobs_packed_sequences(
+            x, target, cu, unpacked, start, end, tp_group, False, group, **options
+        )
+        (out.masked_fill(~out.isfinite(), 0.0) * G * weight).sum().backward()
+        return out.detach(), x.grad
+
+    plain, plain_grad = run(t)
+    # NeMo RL's pre-rolled target: rolled by one inside each sequence, then split like the logits
+    rolled = torch.cat([t[:, s:e].roll(-1, dims=1) for s, e in bounds], dim=1)
+    pre, pre_grad = run(rolled[:, positions], target_is_pre_rolled=True)
+    assert torch.equal(pre, plain) and torch.equal(pre_grad, plain_grad)
+    with pytest.raises(ValueError, match="target_is_pre_rolled"):
+        run(t, target_is_pre_rolled=True) if cp > 1 else run(t[:, :-1], target_is_pre_rolled=True)
+
+    # sampling_params: the filtered, renormalized distribution (a dict with the filter off is plain)
+    off, _ = run(t, sampling_params={"top_k": -1, "top_p": 1.0})
+    assert torch.equal(off, plain)
+    sampled, sampled_grad = run(t, sampling_params=TrainingSamplingParams(top_k=6, top_p=0.7))
+    ref_x = X[0].clone().requires_grad_()
+    rows = []
+    for s, e in bounds:
+        seq = _reference_filtered_logprobs(ref_x[s : e - 1], t[0, s + 1 : e], 6, 0.7)
+        rows.append(torch.cat([seq, seq.new_zeros(unpacked - 1 - seq.numel())]))
+    ref = torch.stack(rows)
+    assert (~ref.isfinite()).any() and ref.isfinite().any()  # both kinds of target occur
+    torch.testing.assert_close(sampled, ref.detach())
+    (ref.masked_fill(~ref.isfinite(), 0.0) * G).sum().backward()
+    torch.testing.assert_close(sampled_grad, ref_x.grad[None, positions, start:end])
+
+    # cp_gradient="sum": each CP rank's loss its own (weight r + 1); the gradient sums them
+    own_grad = run(t, weight=cp_rank + 1.0)[1]
+    summed_grad = run(t, weight=cp_rank + 1.0, cp_gradient="sum")[1]
+    torch.testing.assert_close(own_grad, plain_grad * (cp_rank + 1))
+    torch.testing.assert_close(summed_grad, plain_grad * (cp * (cp + 1) / 2))
+    with pytest.raises(ValueError, match="cp_gradient"):
+        run(t, cp_gradient="mean")
+    return True
+
+
+@pytest.mark.parametrize("world_size, tp", [(1, 1), (2, 1), (4, 2)])
+def test_nemo_rl_options_match_the_reference(world_size, tp):
+    assert all(run_world(_check_nemo_rl_options, world_size, tp))

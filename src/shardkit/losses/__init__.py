@@ -10,12 +10,11 @@ from shardkit.losses.checks import TargetOutOfRangeError
 from shardkit.losses.cross_entropy import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 from shardkit.losses.fused_linear import vocab_parallel_linear_cross_entropy, vocab_parallel_linear_logprobs
 from shardkit.losses.log_softmax import _compute_distributed_log_softmax, distributed_log_softmax
-from shardkit.losses.logprobs import (
-    ChunkedDistributedLogprob,
-    DistributedLogprob,
+from shardkit.losses.logprobs import ChunkedDistributedLogprob, DistributedLogprob, vocab_parallel_logprobs
+from shardkit.losses.next_token import (
+    TrainingSamplingParams,
     from_parallel_logits_to_logprobs,
     from_parallel_logits_to_logprobs_packed_sequences,
-    vocab_parallel_logprobs,
 )
 from shardkit.losses.parallel_ce import (
     HAVE_TE_PARALLEL_CE,
@@ -45,6 +44,7 @@ __all__ = [
     "ParallelLMHead",
     "TEParallelCrossEntropy",
     "TargetOutOfRangeError",
+    "TrainingSamplingParams",
     "VocabParallelCrossEntropy",
     "VocabParallelEmbedding",
     "_compute_distributed_log_softmax",

@@ -10,7 +10,8 @@ pieces of every sequence, in sequence order.
 Everything here is index arithmetic on the host-known lengths (no communication) except
 ``gather_context_parallel``, which all-gathers per-rank values ``[..., S/cp]`` and puts them back in
 sequence order; its backward keeps this rank's positions (a replicated result used identically on every
-CP rank, like ``shardkit.distributed.regions.gather_from_region``).
+CP rank, like ``shardkit.distributed.regions.gather_from_region``), or first sums the gradient over the
+CP ranks (``sum_grad=True``, NeMo RL's rule, for a loss each CP rank computes on its own part).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.distributed.agreement import group_rank, group_size
-from shardkit.distributed.regions import gather_from_region
+from shardkit.distributed.regions import gather_from_region, gather_from_region_sum_grad
 
 
 def segment_bounds(cu_seqlens: Optional[torch.Tensor], total: int) -> list[tuple[int, int]]:
@@ -72,18 +73,22 @@ def gather_context_parallel(
     local: torch.Tensor,
     bounds: Sequence[tuple[int, int]],
     cp_group: Optional[dist.ProcessGroup],
+    sum_grad: bool = False,
 ) -> torch.Tensor:
     """``[..., T/cp]`` on each CP rank (its positions, local order) -> ``[..., T]`` in sequence order.
 
     ``cp_group=None``: no context parallelism, ``local`` comes back.
     Differentiable: the backward keeps this rank's positions of the gradient (the result is replicated
-    over the CP group and is meant to be used identically there). One all-gather of ``local``.
+    over the CP group and is meant to be used identically there); with ``sum_grad`` it first sums the
+    gradient over the CP ranks (each rank's loss its own). One all-gather of ``local`` (and in backward
+    with ``sum_grad``, one reduce-scatter).
     """
     # None means no context parallelism here (not the default group, as elsewhere)
     cp_size = 1 if cp_group is None else group_size(cp_group)
     if cp_size == 1:
         return local
-    gathered = gather_from_region(local, -1, cp_group)  # [..., cp * T/cp], rank by rank
+    gather = gather_from_region_sum_grad if sum_grad else gather_from_region
+    gathered = gather(local, -1, cp_group)  # [..., cp * T/cp], rank by rank
     order = torch.cat([context_parallel_positions(bounds, cp_size, r, local.device) for r in range(cp_size)])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
