@@ -59,9 +59,9 @@ def test_bad_table_lists_raise():
         EmbeddingBagCollection(
             [a, EmbeddingBagConfig(num_embeddings=4, embedding_dim=2, name="a", feature_names=["g"])]
         )
-    with pytest.raises(ValueError, match="feature 'f' is declared by tables 'a' and 'b'"):
+    with pytest.raises(ValueError, match="table 'b' declares feature 'f' twice"):
         EmbeddingBagCollection(
-            [a, EmbeddingBagConfig(num_embeddings=4, embedding_dim=2, name="b", feature_names=["f"])]
+            [a, EmbeddingBagConfig(num_embeddings=4, embedding_dim=2, name="b", feature_names=["f", "f"])]
         )
     with pytest.raises(ValueError, match="no feature_names"):
         EmbeddingBagCollection([EmbeddingBagConfig(num_embeddings=3, embedding_dim=2, name="c")])

@@ -17,19 +17,22 @@ class EmbeddingBagCollection(GroupedTablesModule):
     """Pooled lookups of a collection of tables (SUM or MEAN per table, optionally weighted).
 
     Args:
-        tables: one :class:`EmbeddingBagConfig` per table; several features may share a table, a
-            feature belongs to exactly one table.
+        tables: one :class:`EmbeddingBagConfig` per table; several features may share a table, and
+            several tables may look up one feature.
         is_weighted: pool with the input's per-id weights (weighted sum; MEAN divides it by the bag
             length). The input must then carry weights.
         device: where the tables live; ``torch.device("meta")`` defers allocation until
             ``to_empty(device=...)`` + :meth:`reset_parameters`.
         fused_optimizer: apply this sparse optimizer during backward (no gradient on the tables).
 
-    forward(features) -> KeyedTensor with one key per feature, tables in declaration order and each
-    table's features in order, ``values`` ``[B, sum of their embedding_dims]``; B is ``stride()``.
+    forward(features) -> KeyedTensor with one key per (table, feature), tables in declaration order and
+    each table's features in order, ``values`` ``[B, sum of their embedding_dims]``; B is ``stride()``.
+    A key is the feature's name, or ``feature@table`` for a feature that several tables look up (as
+    torchrec). Input features no table looks up are ignored.
     A variable batch per feature is expanded to B rows through ``inverse_indices``.
     Dtype: the tables' (promoted across tables of different dtypes).
-    State dict: ``embedding_bags.<table>.weight``.
+    State dict: ``embedding_bags.<table>.weight``; ``embedding_bags[<table>].weight`` is the table's
+    rows (a :class:`~shardkit.modules.table_view.TableView`, not a parameter).
     """
 
     def __init__(
@@ -41,15 +44,14 @@ class EmbeddingBagCollection(GroupedTablesModule):
     ) -> None:
         super().__init__(tables, EmbeddingBagConfig, True, "embedding_bags", device, fused_optimizer)
         self._is_weighted = is_weighted
-        self._embedding_names = self.feature_names()
-        dim_of = {f: t.embedding_dim for t in tables for f in t.feature_names}
-        self._lengths_per_embedding = [dim_of[f] for f in self._embedding_names]
+        self._lengths_per_embedding = [t.embedding_dim for t in tables for _ in t.feature_names]
+        dim_of = dict(zip(self._embedding_names, self._lengths_per_embedding))
         # group outputs are concatenated group by group; this maps them to declaration order
         group_cols, start = {}, 0
-        for f in self._group_feature_order:
-            group_cols[f] = range(start, start + dim_of[f])
-            start += dim_of[f]
-        columns = [c for f in self._embedding_names for c in group_cols[f]]
+        for name in self._group_embedding_order:
+            group_cols[name] = range(start, start + dim_of[name])
+            start += dim_of[name]
+        columns = [c for name in self._embedding_names for c in group_cols[name]]
         self._column_order: Optional[List[int]] = None if columns == list(range(start)) else columns
         self._column_index = {}
 

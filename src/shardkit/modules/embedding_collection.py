@@ -21,9 +21,11 @@ class EmbeddingCollection(GroupedTablesModule):
         need_indices: also return each feature's ids, as the JaggedTensor's ``weights``.
         fused_optimizer: apply this sparse optimizer during backward.
 
-    forward(features) -> ``{feature: JaggedTensor}`` in declaration order; a feature's values are
-    ``[ids of that feature, embedding_dim]`` in its table's dtype, lengths as in the input.
-    State dict: ``embeddings.<table>.weight``.
+    forward(features) -> ``{name: JaggedTensor}`` in declaration order; a feature's values are
+    ``[ids of that feature, embedding_dim]`` in its table's dtype, lengths as in the input. The name is
+    the feature's, or ``feature@table`` for a feature that several tables look up (as torchrec).
+    Input features no table looks up are ignored.
+    State dict: ``embeddings.<table>.weight``; ``embeddings[<table>].weight`` is the table's rows.
     """
 
     def __init__(
@@ -35,7 +37,6 @@ class EmbeddingCollection(GroupedTablesModule):
     ) -> None:
         super().__init__(tables, EmbeddingConfig, False, "embeddings", device, fused_optimizer)
         self._need_indices = need_indices
-        self._embedding_names = self.feature_names()
 
     def embedding_configs(self) -> List[EmbeddingConfig]:
         return list(self._tables)
@@ -45,14 +46,16 @@ class EmbeddingCollection(GroupedTablesModule):
 
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
         out: Dict[str, JaggedTensor] = {}
+        names = iter(self._group_embedding_order)
         for lookup, kjt in zip(self.lookups, self._split_by_group(features)):
             ids = kjt.values()
             rows = lookup(ids, kjt.offsets(), kjt.stride_per_key())  # [N, dim]
             counts = kjt.length_per_key()  # cached by the split: no further host sync
-            for key, embeddings, key_ids, jt in zip(
-                kjt.keys(), rows.split(counts), ids.split(counts), (kjt[k] for k in kjt.keys())
+            # by position: a feature of several tables is repeated in the group's keys
+            for embeddings, key_ids, lengths in zip(
+                rows.split(counts), ids.split(counts), kjt.lengths().split(kjt.stride_per_key())
             ):
-                out[key] = JaggedTensor(
-                    embeddings, key_ids if self._need_indices else None, lengths=jt.lengths(), validate=False
+                out[next(names)] = JaggedTensor(
+                    embeddings, key_ids if self._need_indices else None, lengths=lengths, validate=False
                 )
         return {name: out[name] for name in self._embedding_names}

@@ -130,15 +130,16 @@ class EmbeddingConfig(BaseEmbeddingConfig):
         return PoolingType.NONE
 
 
-def check_table_configs(tables: Sequence[BaseEmbeddingConfig], config_type: type) -> Dict[str, str]:
-    """Validate a collection's tables; returns ``{feature name: table name}`` in declaration order.
+def check_table_configs(tables: Sequence[BaseEmbeddingConfig], config_type: type) -> Dict[str, List[str]]:
+    """Validate a collection's tables; returns ``{feature name: [table names]}`` in declaration order.
 
-    Raises ``ValueError`` for an empty list, a config of the wrong type, a table without features,
-    duplicate table names, or a feature declared by two tables (its output key would be ambiguous).
+    A feature may be looked up by several tables (its outputs are then named ``feature@table``, see
+    :func:`embedding_names_by_table`). Raises ``ValueError`` for an empty list, a config of the wrong
+    type, a table without features or duplicate table names.
     """
     if len(tables) == 0:
         raise ValueError("an embedding collection needs at least one table")
-    feature_to_table: Dict[str, str] = {}
+    feature_to_tables: Dict[str, List[str]] = {}
     table_names = set()
     for table in tables:
         if not isinstance(table, config_type):
@@ -149,10 +150,15 @@ def check_table_configs(tables: Sequence[BaseEmbeddingConfig], config_type: type
         if not table.feature_names:
             raise ValueError(f"table '{table.name}' has no feature_names: nothing would look it up")
         for feature in table.feature_names:
-            if feature in feature_to_table:
-                raise ValueError(
-                    f"feature '{feature}' is declared by tables '{feature_to_table[feature]}' and "
-                    f"'{table.name}'; each feature looks up exactly one table"
-                )
-            feature_to_table[feature] = table.name
-    return feature_to_table
+            feature_to_tables.setdefault(feature, []).append(table.name)
+    return feature_to_tables
+
+
+def embedding_names_by_table(tables: Sequence[BaseEmbeddingConfig]) -> List[List[str]]:
+    """Each table's output names, as torchrec: a feature's name, or ``feature@table`` for a feature
+    that several tables look up."""
+    count: Dict[str, int] = {}
+    for table in tables:
+        for feature in table.feature_names:
+            count[feature] = count.get(feature, 0) + 1
+    return [[f if count[f] == 1 else f"{f}@{t.name}" for f in t.feature_names] for t in tables]

@@ -14,10 +14,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from shardkit.modules.embedding_configs import BaseEmbeddingConfig, check_table_configs
+from shardkit.modules.embedding_configs import (
+    BaseEmbeddingConfig,
+    check_table_configs,
+    embedding_names_by_table,
+)
 from shardkit.modules.fused_optimizer_state import FusedOptimizer
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig
 from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup, ShardSpec
+from shardkit.modules.table_view import TableView
 from shardkit.sparse import KeyedJaggedTensor
 
 
@@ -36,8 +41,12 @@ class GroupedTablesModule(nn.Module):
         tables: table configs, already of the subclass's config type.
         config_type: EmbeddingBagConfig or EmbeddingConfig (checked).
         pooled: passed to each group.
-        state_prefix: state-dict name of the per-table modules (``embedding_bags`` / ``embeddings``).
+        state_prefix: state-dict name of the per-table modules (``embedding_bags`` / ``embeddings``),
+            also the attribute holding one :class:`TableView` per table, as torchrec's ModuleDict.
         device, fused_optimizer: see :class:`GroupedEmbeddingLookup`.
+
+    Input: a KeyedJaggedTensor with (at least) every feature of the tables, in any order; features no
+    table looks up are ignored, so one KJT can feed several modules.
     """
 
     def __init__(
@@ -50,8 +59,10 @@ class GroupedTablesModule(nn.Module):
         fused_optimizer: Optional[FusedOptimizerConfig],
     ) -> None:
         super().__init__()
-        self._feature_to_table = check_table_configs(tables, config_type)
+        self._feature_to_tables = check_table_configs(tables, config_type)
         self._tables = list(tables)
+        names_by_table = embedding_names_by_table(self._tables)
+        self._embedding_names = [name for names in names_by_table for name in names]
         self._state_prefix = state_prefix
         self.lookups = nn.ModuleList(
             GroupedEmbeddingLookup([ShardSpec(t) for t in group], pooled, device, fused_optimizer)
@@ -65,18 +76,36 @@ class GroupedTablesModule(nn.Module):
         }
         self._group_sizes = [len(lookup.feature_names) for lookup in self.lookups]
         self._group_feature_order = [f for lookup in self.lookups for f in lookup.feature_names]
+        table_names = {t.name: names for t, names in zip(self._tables, names_by_table)}
+        # the output names in the groups' order: what the lookups produce, before reordering
+        self._group_embedding_order = [
+            name
+            for lookup in self.lookups
+            for shard in lookup.shards
+            for name in table_names[shard.table_name]
+        ]
         self._permutations: Dict[Tuple[str, ...], Optional[List[int]]] = {}
         self._fused_optimizer = (
             None if fused_optimizer is None else FusedOptimizer(fused_optimizer, list(self.lookups))
         )
+        setattr(self, state_prefix, nn.ModuleDict({t.name: TableView(self, t) for t in self._tables}))
         self.register_state_dict_post_hook(_tables_to_state_dict)
         self.register_load_state_dict_pre_hook(_tables_from_state_dict)
 
     # ---- tables -------------------------------------------------------------------------------
 
     def feature_names(self) -> List[str]:
-        """Features in declaration order (tables in order, each table's features in order)."""
-        return list(self._feature_to_table)
+        """The features the tables look up, each once, in declaration order."""
+        return list(self._feature_to_tables)
+
+    def embedding_names(self) -> List[str]:
+        """The output keys: per table its features, ``feature@table`` for a feature of several tables."""
+        return list(self._embedding_names)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the tables live (``meta`` before ``to_empty``)."""
+        return self.lookups[0].weight.device
 
     def table_weight(self, name: str) -> torch.Tensor:
         """Table ``name``'s rows ``[num_embeddings, embedding_dim]``: a view of its group's buffer."""
@@ -123,12 +152,9 @@ class GroupedTablesModule(nn.Module):
 
     def _permutation(self, keys: Tuple[str, ...]) -> Optional[List[int]]:
         owner = type(self).__name__
-        unknown = [k for k in keys if k not in self._feature_to_table]
-        if unknown:
-            raise KeyError(f"{owner}: unknown feature(s) {unknown}; known features: {self.feature_names()}")
         if len(set(keys)) != len(keys):
             raise KeyError(f"{owner}: input features {list(keys)} contain a repeated key")
-        missing = [f for f in self._feature_to_table if f not in keys]
+        missing = [f for f in self._feature_to_tables if f not in keys]
         if missing:
             raise KeyError(f"{owner}: input lacks feature(s) {missing}; it has {list(keys)}")
         if list(keys) == self._group_feature_order:

@@ -107,6 +107,22 @@ def place_tables(
     return placed
 
 
+def _reject_shared_features(tables: List[BaseEmbeddingConfig], owner: str) -> None:
+    """The sharded modules route and name their outputs by feature: one feature of several tables
+    (torchrec's ``feature@table`` outputs) works unsharded only. Same tables on every rank, so every
+    rank raises."""
+    tables_of: Dict[str, List[str]] = {}
+    for table in tables:
+        for feature in table.feature_names:
+            tables_of.setdefault(feature, []).append(table.name)
+    shared = {f: names for f, names in tables_of.items() if len(names) > 1}
+    if shared:
+        raise ValueError(
+            f"{owner}: feature(s) looked up by several tables {shared} cannot be sharded yet; give each "
+            f"table its own feature name (a copy of the KJT key) to shard this collection"
+        )
+
+
 def check_input(
     features: KeyedJaggedTensor,
     tables: List[ShardedTable],
@@ -115,25 +131,29 @@ def check_input(
     env: ShardingEnv,
     extra_check: Optional[Callable[[KeyedJaggedTensor], None]] = None,
 ) -> None:
-    """Raise ``ValueError`` on every rank if any rank's input is bad: keys that are not the module's
-    features, a missing weight, an id outside its table, a variable batch per feature on some ranks
-    only, or one without inverse indices; ``extra_check(features)`` may raise more (its ``KeyError`` /
-    ``ValueError`` / ``IndexError`` is reported the same way). One small all-gather and one host sync per
-    forward; skipped when validation is off (``shardkit.distributed.validation``)."""
+    """Raise ``ValueError`` on every rank if any rank's input is bad: a missing or repeated feature
+    (features no table looks up are ignored), a missing weight, an id outside its table, a variable
+    batch per feature on some ranks only, or one without inverse indices; ``extra_check(features)``
+    may raise more (its ``KeyError`` / ``ValueError`` / ``IndexError`` is reported the same way). One
+    small all-gather and one host sync per forward; skipped when validation is off
+    (``shardkit.distributed.validation``)."""
     if not validation_enabled():
         return
     error = None
     try:
         rows = {f: t.config.num_embeddings for t in tables for f in t.config.feature_names}
         keys = features.keys()
-        if sorted(keys) != sorted(rows) or len(set(keys)) != len(keys):
-            raise KeyError(f"{owner}: input keys {keys} are not the features {list(rows)}")
+        missing = [f for f in rows if f not in keys]
+        if missing:
+            raise KeyError(f"{owner}: input keys {keys} lack the feature(s) {missing}")
+        if len(set(keys)) != len(keys):
+            raise KeyError(f"{owner}: input keys {keys} contain a repeated key")
         if features.variable_stride_per_key() and features.inverse_indices_or_none() is None:
             raise ValueError(f"{owner}: a variable batch per feature needs the input's inverse_indices")
         if weighted and features.weights_or_none() is None:
             raise ValueError(f"{owner}: a weighted module needs a KeyedJaggedTensor with weights")
         for key, ids in zip(keys, features.values().split(features.length_per_key())):
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows[key]):
+            if key in rows and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows[key]):
                 bad = ids[(ids < 0) | (ids >= rows[key])][0]
                 raise IndexError(
                     f"{owner}: id {int(bad)} of feature {key!r} is out of range [0, {rows[key]})"
@@ -213,6 +233,7 @@ class ShardedEmbeddingModule(ShardedModule):
         self._extra_input_check: Optional[Callable[[KeyedJaggedTensor], None]] = None
         self._weighted = weighted
         self._owner = type(self).__name__
+        _reject_shared_features(tables, self._owner)
         placed = place_tables(tables, plan, env)
         self._tables = placed
         by_kind: Dict[Tuple[str, str], List[ShardedTable]] = {}
