@@ -20,10 +20,26 @@ from shardkit.modules.fused_optimizer_state import FusedOptimizer
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig, OptimType, SparseRowOptimizer
 from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup, ShardSpec
 from shardkit.modules.grouped_tables import group_tables
+from shardkit.modules.mc_collection import ManagedCollisionCollection
+from shardkit.modules.mc_embedding_modules import (
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+)
+from shardkit.modules.mc_eviction import (
+    DistanceLFU_EvictionPolicy,
+    LFU_EvictionPolicy,
+    LRU_EvictionPolicy,
+    MCHEvictionPolicy,
+    MCHEvictionPolicyMetadataInfo,
+    average_threshold_filter,
+    dynamic_threshold_filter,
+)
+from shardkit.modules.mc_modules import ManagedCollisionModule, MCHManagedCollisionModule
 
 __all__ = [
     "BaseEmbeddingConfig",
     "DataType",
+    "DistanceLFU_EvictionPolicy",
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
     "EmbeddingCollection",
@@ -33,11 +49,22 @@ __all__ = [
     "FusedOptimizer",
     "FusedOptimizerConfig",
     "GroupedEmbeddingLookup",
+    "LFU_EvictionPolicy",
+    "LRU_EvictionPolicy",
+    "MCHEvictionPolicy",
+    "MCHEvictionPolicyMetadataInfo",
+    "MCHManagedCollisionModule",
+    "ManagedCollisionCollection",
+    "ManagedCollisionEmbeddingBagCollection",
+    "ManagedCollisionEmbeddingCollection",
+    "ManagedCollisionModule",
     "OptimType",
     "PoolingType",
     "PositionWeightedModule",
     "ShardSpec",
     "SparseRowOptimizer",
+    "average_threshold_filter",
     "data_type_to_dtype",
+    "dynamic_threshold_filter",
     "group_tables",
 ]
