@@ -268,7 +268,10 @@ class ShardedEmbeddingModule(ShardedModule):
         self._permutations: Dict[Tuple[str, ...], Optional[List[int]]] = {}
         self._states = TableStates(placed, plan, env.world_size, env.rank, list(self.lookups))
         grouped = [lk for lookup in self.lookups for lk in lookup.lookups if lk.optimizer is not None]
-        self._fused = None if not grouped else ShardedFusedOptimizer(fused_optimizer, grouped, self._states)
+        any_fused = any(t.compute_kernel != EmbeddingComputeKernel.DENSE.value for t in placed)
+        # every rank gets one when any table is fused, also a rank holding none of their shards, so
+        # that every rank's optimizer state dict has the same keys (a checkpoint saves and loads alike)
+        self._fused = ShardedFusedOptimizer(fused_optimizer, grouped, self._states) if any_fused else None
         # the lookups' buffers stay out of the state dict: each table is one value under its own key
         self.register_state_dict_post_hook(_tables_to_state_dict)
         self.register_load_state_dict_pre_hook(_tables_from_state_dict)
@@ -276,9 +279,10 @@ class ShardedEmbeddingModule(ShardedModule):
     @property
     def fused_optimizer(self) -> ShardedFusedOptimizer:
         """The fused optimizer of this rank's shards (learning rate, state dict; the update runs in
-        backward). ``ValueError`` on a rank without fused-kernel shards."""
+        backward). Every rank has one when the module has a fused-kernel table, also a rank holding no
+        shard of it; ``ValueError`` when no table uses a fused kernel."""
         if self._fused is None:
-            raise ValueError(f"{self._owner} has no fused-kernel table on this rank")
+            raise ValueError(f"{self._owner} has no fused-kernel table")
         return self._fused
 
     def full_table(self, name: str, dst: Optional[int] = None) -> Optional[torch.Tensor]:

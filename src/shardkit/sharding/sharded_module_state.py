@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from shardkit.modules.fused_optimizer_state import FusedOptimizer
-from shardkit.modules.fused_optimizers import FusedOptimizerConfig
+from shardkit.modules.fused_optimizers import FusedOptimizerConfig, _state_shapes
 from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup
 from shardkit.sharding.embedding_sharding import ShardedTable
 from shardkit.sharding.sharded_state import full_table, load_full_table, load_state_value, to_state_value
@@ -109,7 +109,8 @@ class ShardedFusedOptimizer:
     """The fused optimizer of a sharded module's shards: learning rate and a per-table state dict.
 
     ``state_dict()``: ``{"state": {table: {"step": int, name: value}}, "lr": float}`` for every table
-    of a fused kernel (also those this rank holds no shard of, so every rank has the same keys), each
+    of a fused kernel (also those this rank holds no shard of, so every rank has the same keys; a
+    rank holding no fused-kernel shard at all has no ``"step"``, which it cannot know), each
     ``value`` a DTensor / ShardedTensor (``sharded_state.to_state_value``) aliasing the optimizer's
     fp32 state: per-element state (Adagrad ``sum``, Adam ``exp_avg`` / ``exp_avg_sq``) in the table's
     layout, per-row state (row-wise Adagrad ``sum``) in ``row_state_layout``. ``load_state_dict``
@@ -118,7 +119,9 @@ class ShardedFusedOptimizer:
 
     Args:
         config: the module's fused optimizer config.
-        groups: the ``GroupedEmbeddingLookup`` s of this rank's fused-kernel shards (at least one).
+        groups: the ``GroupedEmbeddingLookup`` s of this rank's fused-kernel shards; empty on a rank
+            that holds none (its state dict still names every fused table, with empty values, so
+            that every rank saves and loads the same keys).
         states: the module's :class:`TableStates`.
     """
 
@@ -132,9 +135,10 @@ class ShardedFusedOptimizer:
             for name, table in states.tables.items()
             if table.compute_kernel != EmbeddingComputeKernel.DENSE.value
         ]
-        # state names and whether per row, from any buffer: every buffer has the same kind of state
-        self._kinds = {name: t.dim() == 1 for name, t in groups[0].optimizer.state_slices(0, 0).items()}
+        # state names and whether per row (every buffer has the same kind of state)
+        self._kinds = {name: len(shape) == 1 for name, shape in _state_shapes(config.optimizer, 1, 1).items()}
         self._groups = groups
+        self._lr = config.lr  # a rank without buffers keeps the learning rate here
 
     @property
     def config(self) -> FusedOptimizerConfig:
@@ -142,10 +146,14 @@ class ShardedFusedOptimizer:
 
     @property
     def lr(self) -> float:
-        return self._fused.lr
+        return self._fused.lr if self._groups else self._lr
 
     def set_learning_rate(self, lr: float) -> None:
-        self._fused.set_learning_rate(lr)
+        if self._groups:
+            self._fused.set_learning_rate(lr)
+        elif lr < 0:
+            raise ValueError(f"learning rate must be >= 0, got {lr}")
+        self._lr = lr
 
     def step(self) -> None:
         """No-op: the update already happened during backward."""
@@ -153,8 +161,11 @@ class ShardedFusedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """No-op: fused tables never hold a gradient."""
 
-    def _step_count(self) -> int:
-        # every buffer steps once per backward (its lookup output is always in the graph)
+    def _step_count(self) -> Optional[int]:
+        # every buffer steps once per backward (its lookup output is always in the graph); a rank
+        # without buffers does not know the step (None)
+        if not self._groups:
+            return None
         steps = {g.optimizer.step_count for g in self._groups}
         if len(steps) != 1:
             rank = self._states.rank
@@ -179,7 +190,7 @@ class ShardedFusedOptimizer:
         step = self._step_count()
         state: Dict[str, Dict[str, Any]] = {}
         for table in self._tables:
-            entry: Dict[str, Any] = {"step": step}
+            entry: Dict[str, Any] = {} if step is None else {"step": step}
             for name in self._kinds:
                 pieces, layout = self._local(table, name)
                 entry[name] = to_state_value(pieces, layout, torch.float32)
@@ -195,7 +206,7 @@ class ShardedFusedOptimizer:
         missing = [t for t in self._tables if t not in tables]
         if missing:
             raise KeyError(f"fused optimizer state has no table(s) {missing}")
-        steps = {int(tables[t]["step"]) for t in self._tables}
+        steps = {int(tables[t]["step"]) for t in self._tables if "step" in tables[t]}
         if len(steps) > 1:
             raise ValueError(f"fused optimizer state: the tables' step counts differ: {sorted(steps)}")
         for table in self._tables:

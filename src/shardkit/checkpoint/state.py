@@ -1,0 +1,201 @@
+"""What a checkpoint holds, and the staging copies a load reads into before touching the model.
+
+A checkpoint's state dict is ``{"model": model.state_dict(), "optim": ...}``: the model's own
+(sharded modules give one DTensor / ShardedTensor per table, docs/sharded_state.md) and the
+optimizers' (one object, or a mapping of names to optimizers, each under its name).
+
+- shardkit's fused optimizers and ``CombinedOptimizer`` (anything with ``optimizers`` as
+  ``(key, optimizer)`` pairs) save their own ``state_dict()``;
+- a ``torch.optim.Optimizer`` is saved with its state keyed by parameter *name* (``model``'s
+  ``named_parameters``) instead of by position, and its param groups listing names: a name means the
+  same parameter at any world size, and a load into an optimizer that has not stepped yet (no state)
+  builds its state from the checkpoint's metadata instead of silently skipping it.
+
+``staging_copy`` clones every tensor of a state dict (DTensor / ShardedTensor: their local shards,
+with the same placements), so ``dcp.load`` can fill the copy while the model's tensors stay as they
+were until every rank has read everything.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.distributed._shard.sharded_tensor import Shard as TorchShard
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from shardkit.checkpoint.manifest import CheckpointError
+
+Path = Tuple[str, ...]
+
+
+def _param_names(model: nn.Module) -> Dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _torch_index_names(optimizer: torch.optim.Optimizer, names: Dict[int, str], key: str) -> List[str]:
+    """The names of ``optimizer``'s parameters in its state-dict index order."""
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in names:
+                raise CheckpointError(
+                    f"optimizer {key!r} holds a parameter of shape {tuple(p.shape)} that is not one of "
+                    "the model's parameters; a checkpoint names optimizer state by parameter name"
+                )
+            out.append(names[id(p)])
+    return out
+
+
+def optimizer_state(optimizer: Any, names: Dict[int, str], key: str, path: Path, fill: List[Path]) -> Any:
+    """``optimizer``'s state to save (see the module doc); appends to ``fill`` the paths (under
+    ``path``) whose contents a load must take from the checkpoint's metadata."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        order = _torch_index_names(optimizer, names, key)
+        sd = optimizer.state_dict()
+        fill.append(path + ("state",))
+        return {
+            "state": {order[i]: dict(v) for i, v in sd["state"].items()},
+            "param_groups": [
+                {**{k: v for k, v in g.items() if k != "params"}, "params": [order[i] for i in g["params"]]}
+                for g in sd["param_groups"]
+            ],
+        }
+    if hasattr(optimizer, "optimizers"):  # CombinedOptimizer: its parts under their keys
+        return {
+            k: optimizer_state(opt, names, f"{key}.{k}", path + (k,), fill) for k, opt in optimizer.optimizers
+        }
+    if not (hasattr(optimizer, "state_dict") and hasattr(optimizer, "load_state_dict")):
+        raise CheckpointError(
+            f"optimizer {key!r} ({type(optimizer).__name__}) has no state_dict / load_state_dict"
+        )
+    return optimizer.state_dict()
+
+
+def load_optimizer_state(optimizer: Any, state: Any, names: Dict[int, str], key: str) -> None:
+    """Load what :func:`optimizer_state` gave (filled by a checkpoint) back into ``optimizer``."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        position = {name: i for i, name in enumerate(_torch_index_names(optimizer, names, key))}
+        unknown = sorted({n for g in state["param_groups"] for n in g["params"]} - set(position))
+        unknown += sorted(set(state["state"]) - set(position))
+        if unknown:
+            raise CheckpointError(
+                f"optimizer {key!r}: the checkpoint has state of unknown parameters {unknown[:5]}"
+            )
+        optimizer.load_state_dict(
+            {
+                "state": {position[n]: v for n, v in state["state"].items()},
+                "param_groups": [
+                    {**g, "params": [position[n] for n in g["params"]]} for g in state["param_groups"]
+                ],
+            }
+        )
+    elif hasattr(optimizer, "optimizers"):
+        for k, opt in optimizer.optimizers:
+            load_optimizer_state(opt, state[k], names, f"{key}.{k}")
+    else:
+        optimizer.load_state_dict(state)
+
+
+def optimizers_by_key(optimizers: Any) -> Optional[Dict[str, Any]]:
+    """``{key: optimizer}`` for a mapping; ``None`` for None; a single optimizer stays unkeyed."""
+    if optimizers is None or not isinstance(optimizers, Mapping):
+        return None
+    return dict(optimizers)
+
+
+def checkpoint_state(model: nn.Module, optimizers: Any) -> Tuple[Dict[str, Any], List[Path]]:
+    """``({"model": ..., "optim": ...}, paths to fill from metadata on load)``; values alias the model."""
+    state: Dict[str, Any] = {"model": model.state_dict()}
+    fill: List[Path] = []
+    if optimizers is not None:
+        names = _param_names(model)
+        keyed = optimizers_by_key(optimizers)
+        if keyed is None:
+            state["optim"] = optimizer_state(optimizers, names, "optim", ("optim",), fill)
+        else:
+            state["optim"] = {k: optimizer_state(o, names, k, ("optim", k), fill) for k, o in keyed.items()}
+    return state, fill
+
+
+def apply_state(model: nn.Module, optimizers: Any, state: Dict[str, Any]) -> None:
+    """Copy a filled :func:`checkpoint_state` into the model and the optimizers."""
+    model.load_state_dict(state["model"])
+    if optimizers is None:
+        return
+    names = _param_names(model)
+    keyed = optimizers_by_key(optimizers)
+    if keyed is None:
+        load_optimizer_state(optimizers, state["optim"], names, "optim")
+    else:
+        for k, opt in keyed.items():
+            load_optimizer_state(opt, state["optim"][k], names, k)
+
+
+def staging_copy(value: Any) -> Any:
+    """A copy of a (nested) state dict whose tensors are new: DTensor / ShardedTensor keep their
+    placements with cloned local shards; other values are shared (``dcp.load`` replaces them)."""
+    if isinstance(value, Mapping):
+        return {k: staging_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [staging_copy(v) for v in value]
+    if isinstance(value, DTensor):
+        return DTensor.from_local(
+            value.to_local().clone(),
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
+    if isinstance(value, ShardedTensor):
+        shards = [TorchShard(s.tensor.clone(), s.metadata) for s in value.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, value.metadata())
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return value
+
+
+def fill_from_metadata(state: Dict[str, Any], fill: List[Path], metadata: Metadata, model: nn.Module) -> None:
+    """Replace the subtree at each path of ``fill`` (a torch optimizer's per-parameter state) by what
+    the checkpoint holds there: new tensors of the saved shapes and dtypes (``dcp.load`` fills them),
+    placeholders for other values. A saved tensor larger than its parameter is refused before
+    anything is allocated (the metadata is untrusted)."""
+    numel = {name: p.numel() for name, p in model.named_parameters(remove_duplicate=False)}
+    mapping = getattr(metadata, "planner_data", None)
+    if fill and not isinstance(mapping, dict):
+        raise CheckpointError(
+            "the checkpoint's metadata has no key paths (it was not saved by shardkit.checkpoint)"
+        )
+    for prefix in fill:
+        node = state
+        for part in prefix[:-1]:
+            node = node[part]
+        subtree: Dict[str, Any] = {}
+        node[prefix[-1]] = subtree
+        for fqn, entry in metadata.state_dict_metadata.items():
+            path = tuple(mapping.get(fqn, ()))
+            if path[: len(prefix)] != prefix or len(path) <= len(prefix):
+                continue
+            leaf = subtree
+            for part in path[len(prefix) : -1]:
+                leaf = leaf.setdefault(str(part), {})
+            if isinstance(entry, TensorStorageMetadata):
+                param = str(path[len(prefix)])
+                size = 1
+                for n in entry.size:
+                    size *= int(n)
+                if size > numel.get(param, 0):
+                    raise CheckpointError(
+                        f"the checkpoint's optimizer state {fqn!r} has shape {tuple(entry.size)}, larger "
+                        f"than parameter {param!r} ({numel.get(param, 'not in the model')} elements)"
+                    )
+                leaf[str(path[-1])] = torch.empty(entry.size, dtype=entry.properties.dtype)
+            else:
+                leaf[str(path[-1])] = None
+
+
+__all__ = ["apply_state", "checkpoint_state", "fill_from_metadata", "staging_copy"]
