@@ -120,7 +120,7 @@ def test_empty_and_to():
 
 
 def test_bad_input():
-    with pytest.raises(ValueError, match="lengths sum to 3 but values has 2 elements"):
+    with pytest.raises(ValueError, match="lengths sum to 3 but values has only 2 elements"):
         JaggedTensor(torch.tensor([1, 2]), lengths=torch.tensor([1, 2]))
     with pytest.raises(ValueError, match=r"negative length \(-1\) at row 1"):
         JaggedTensor(torch.tensor([1, 2]), lengths=torch.tensor([3, -1]))

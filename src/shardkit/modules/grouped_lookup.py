@@ -191,6 +191,8 @@ class GroupedEmbeddingLookup(nn.Module):
                     f"sample_major needs a pooled lookup with one batch size, got {bags_per_feature}"
                 )
             batch_major = bags_per_feature[0]
+        if ids.is_meta or self.weight.is_meta:
+            return self._meta_output(ids, bags_per_feature, batch_major)
         offsets = offsets.to(torch.int64)
         if validation_enabled():
             self._check_ids(ids.to(torch.int64), offsets, bag_bounds)
@@ -212,6 +214,16 @@ class GroupedEmbeddingLookup(nn.Module):
             # validation was off and an id left the buffer (the kernel read nothing): name its feature
             self._check_ids(ids.to(torch.int64), offsets, bag_bounds)
             raise
+
+    def _meta_output(
+        self, ids: torch.Tensor, bags_per_feature: Sequence[int], batch_major: int
+    ) -> torch.Tensor:
+        """The result's shape on the meta device (a model built on meta runs to learn its shapes)."""
+        if batch_major:
+            shape = (batch_major, len(bags_per_feature) * self.embedding_dim)
+        else:
+            shape = (sum(bags_per_feature) if self.pooled else ids.size(0), self.embedding_dim)
+        return torch.empty(shape, dtype=self.weight.dtype, device="meta")
 
     def _bag_shift(self, device: torch.device, bags_per_feature: Sequence[int]) -> torch.Tensor:
         """int64 ``[sum(bags_per_feature)]``: each bag's shift from table id to buffer row (cached)."""

@@ -142,6 +142,11 @@ class GroupedTablesModule(nn.Module):
 
     def _split_by_group(self, features: KeyedJaggedTensor) -> List[KeyedJaggedTensor]:
         """The input's features reordered into the groups' order and split per group."""
+        if features.values().dim() != 1:
+            raise ValueError(
+                f"{type(self).__name__}: the input's values must be [N] ids, got shape "
+                f"{tuple(features.values().shape)} (a KeyedJaggedTensor of [N, D] rows cannot be looked up)"
+            )
         keys = tuple(features.keys())
         if keys not in self._permutations:
             self._permutations[keys] = self._permutation(keys)

@@ -16,7 +16,9 @@ from shardkit.sparse.jagged_ops import (
     host_list_to_device,
     padded_dense,
 )
+from shardkit.sparse.printing import jagged_tensor_string
 from shardkit.sparse.validation import (
+    as_index_tensor,
     check_lengths_offsets_sizes,
     check_same_device,
     check_tensor,
@@ -33,10 +35,11 @@ class JaggedTensor(JaggedFields):
     Args:
         values: ``[N]`` ids (any integer dtype) or ``[N, *D]`` embeddings (any dtype).
         weights: optional ``[N]`` per-value weights (float).
-        lengths: ``[B]`` row lengths (int32 / int64).
-        offsets: ``[B + 1]`` row starts, ``offsets[0] == 0``, ``offsets[-1] == N``, same dtype family.
+        lengths: ``[B]`` row lengths (int32 / int64; an empty one of any dtype).
+        offsets: ``[B + 1]`` row starts, ``offsets[0] == 0``, same dtype family.
         validate: check lengths / offsets against ``values`` (one host sync; see
-            :mod:`shardkit.sparse.validation`). Shape checks always run.
+            :mod:`shardkit.sparse.validation`). Shape checks always run. Values past the end the
+            lengths give are ignored (validated: ``values()`` drops them).
     """
 
     def __init__(
@@ -51,11 +54,17 @@ class JaggedTensor(JaggedFields):
         check_tensor(_OWNER, "values", values)
         if values.dim() == 0:
             raise ValueError(f"{_OWNER}: values must have at least one dimension, got a scalar")
+        lengths = as_index_tensor(_OWNER, "lengths", lengths)
+        offsets = as_index_tensor(_OWNER, "offsets", offsets)
         batch = check_lengths_offsets_sizes(_OWNER, lengths, offsets)
         check_weights(_OWNER, values, weights)
         check_same_device(_OWNER, values, weights=weights, lengths=lengths, offsets=offsets)
         if validate:
-            segment_offsets_with_sync(_OWNER, lengths, offsets, [0, batch], values.size(0), None, True)
+            end = segment_offsets_with_sync(_OWNER, lengths, offsets, [0, batch], values.size(0), None, True)[
+                -1
+            ]
+            if end < values.size(0):  # the tail is no row's: drop it (a view)
+                values, weights = values[:end], None if weights is None else weights[:end]
         self._values = values
         self._weights = weights
         self._lengths = lengths
@@ -69,15 +78,30 @@ class JaggedTensor(JaggedFields):
         weights_dtype: Optional[torch.dtype] = None,
         lengths_dtype: torch.dtype = torch.int32,
     ) -> JaggedTensor:
-        """A JaggedTensor with no rows (B = 0, N = 0)."""
+        """A JaggedTensor with no rows (B = 0, N = 0); ``offsets()`` is empty too, as torchrec's."""
         values = torch.empty(0, dtype=values_dtype or torch.long, device=device)
         weights = torch.empty(0, dtype=weights_dtype or torch.float, device=device) if is_weighted else None
         lengths = torch.empty(0, dtype=lengths_dtype, device=device)
-        return JaggedTensor(values, weights, lengths, validate=False)
+        empty = JaggedTensor(values, weights, lengths, validate=False)
+        empty._offsets = torch.empty(0, dtype=lengths_dtype, device=device)  # torchrec: [], not [0]
+        return empty
+
+    @staticmethod
+    def empty_like(jt: JaggedTensor, device: Optional[torch.device] = None) -> JaggedTensor:
+        """A JaggedTensor with no rows, with ``jt``'s dtypes and weightedness, on ``device`` (default:
+        ``jt``'s)."""
+        weights = jt.weights_or_none()
+        return JaggedTensor.empty(
+            weights is not None,
+            device or jt.device(),
+            jt.values().dtype,
+            None if weights is None else weights.dtype,
+            jt.lengths().dtype,
+        )
 
     @staticmethod
     def from_dense(values: List[torch.Tensor], weights: Optional[List[torch.Tensor]] = None) -> JaggedTensor:
-        """One row per tensor of ``values`` (each ``[n_i, *D]``); no host sync (sizes are on the host)."""
+        """One row per tensor of ``values`` (each ``[n_i, *D]``), int32 lengths as torchrec; no host sync."""
         if len(values) == 0:
             raise ValueError(f"{_OWNER}.from_dense needs at least one row; use JaggedTensor.empty()")
         if weights is not None and [w.size(0) for w in weights] != [v.size(0) for v in values]:
@@ -86,7 +110,7 @@ class JaggedTensor(JaggedFields):
                 f"but values rows have {[v.size(0) for v in values]}"
             )
         device = values[0].device
-        lengths = host_list_to_device([v.size(0) for v in values], device)
+        lengths = host_list_to_device([v.size(0) for v in values], device).to(torch.int32)
         cat_weights = torch.cat(weights) if weights is not None else None
         return JaggedTensor(torch.cat(values), cat_weights, lengths, validate=False)
 
@@ -173,6 +197,10 @@ class JaggedTensor(JaggedFields):
         return JaggedTensor(
             fn(self._values), apply(self._weights), apply(self._lengths), apply(self._offsets), validate=False
         )
+
+    def __str__(self) -> str:
+        """Every row's values (and weights), in torchrec's format; reads them back to the host."""
+        return jagged_tensor_string(self._values, self._weights, self.offsets())
 
     def __repr__(self) -> str:
         rows = (self._lengths if self._lengths is not None else self._offsets[1:]).numel()

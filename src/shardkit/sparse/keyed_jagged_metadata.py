@@ -90,9 +90,9 @@ def cached_offsets(
             )
         offset_per_key = [0, *accumulate(int(n) for n in length_per_key)]
     offset_per_key = [int(o) for o in offset_per_key]
-    if len(offset_per_key) != len(keys) + 1 or offset_per_key[-1] != num_values or offset_per_key[0] != 0:
+    if len(offset_per_key) != len(keys) + 1 or offset_per_key[-1] > num_values or offset_per_key[0] != 0:
         raise ValueError(
             f"{_OWNER}: per-key totals (length_per_key / offset_per_key) give offsets {offset_per_key}; "
-            f"expected {len(keys) + 1} entries from 0 to the number of values {num_values}"
+            f"expected {len(keys) + 1} entries from 0 to at most the number of values {num_values}"
         )
     return offset_per_key

@@ -39,8 +39,9 @@ from shardkit.sparse.keyed_jagged_metadata import (
     rows_mismatch,
 )
 from shardkit.sparse.keyed_tensor import unknown_key_error
+from shardkit.sparse.printing import keyed_jagged_tensor_string
 from shardkit.sparse.validation import (
-    check_1d,
+    as_index_tensor,
     check_lengths_offsets_sizes,
     check_same_device,
     check_tensor,
@@ -86,7 +87,10 @@ class KeyedJaggedTensor(JaggedFields):
     ) -> None:
         keys = list(keys)
         check_tensor(_OWNER, "values", values)
-        check_1d(_OWNER, "values", values)
+        if values.dim() == 0:
+            raise ValueError(f"{_OWNER}: values must be [N] ids or [N, D] rows, got a scalar")
+        lengths = as_index_tensor(_OWNER, "lengths", lengths)
+        offsets = as_index_tensor(_OWNER, "offsets", offsets)
         rows = check_lengths_offsets_sizes(_OWNER, lengths, offsets)
         check_weights(_OWNER, values, weights)
         check_same_device(_OWNER, values, weights=weights, lengths=lengths, offsets=offsets)
@@ -121,6 +125,7 @@ class KeyedJaggedTensor(JaggedFields):
                     f"the lengths, which give {checked}"
                 )
             self._offset_per_key = checked
+        self._drop_unused_tail()
 
     # ---- constructors -------------------------------------------------------------------------
 
@@ -185,6 +190,40 @@ class KeyedJaggedTensor(JaggedFields):
         weights = torch.empty(0, dtype=weights_dtype or torch.float, device=device) if is_weighted else None
         lengths = torch.empty(0, dtype=lengths_dtype, device=device)
         return KeyedJaggedTensor([], values, weights, lengths, stride=0, length_per_key=[], validate=False)
+
+    @staticmethod
+    def empty_like(kjt: KeyedJaggedTensor, device: Optional[torch.device] = None) -> KeyedJaggedTensor:
+        """As torchrec: without ``device``, no keys and no values but ``kjt``'s stride (its
+        ``stride_per_key_per_rank`` with a variable batch) and dtypes; with ``device``, ``kjt``'s keys
+        and metadata over uninitialized tensors of the same shapes on ``device`` (``torch.empty_like``)."""
+        weights, variable = kjt.weights_or_none(), kjt.variable_stride_per_key()
+        if device is None:
+            return KeyedJaggedTensor(
+                [],
+                kjt.values().new_empty(0),
+                None if weights is None else weights.new_empty(0),
+                lengths=kjt.lengths().new_empty(0),
+                stride=None if variable else kjt.stride(),
+                stride_per_key_per_rank=kjt.stride_per_key_per_rank() if variable else None,
+                validate=False,
+            )
+
+        def like(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if tensor is None else torch.empty_like(tensor, device=device)
+
+        inverse = kjt.inverse_indices_or_none()
+        return KeyedJaggedTensor(
+            kjt.keys(),
+            like(kjt.values()),
+            like(weights),
+            lengths=like(kjt.lengths_or_none()),
+            offsets=like(kjt.offsets_or_none()),
+            stride=None if variable else kjt.stride(),
+            stride_per_key_per_rank=kjt.stride_per_key_per_rank() if variable else None,
+            offset_per_key=kjt.offset_per_key_or_none(),
+            inverse_indices=None if inverse is None else (inverse[0], like(inverse[1])),
+            validate=False,
+        )
 
     @staticmethod
     def from_jt_dict(jt_dict: Dict[str, JaggedTensor]) -> KeyedJaggedTensor:
@@ -271,9 +310,9 @@ class KeyedJaggedTensor(JaggedFields):
         return self._stride_per_key
 
     def stride_per_key_per_rank(self) -> List[List[int]]:
-        """Per key, the rows contributed by each rank (``[[stride]] * K`` without variable batch)."""
+        """Per key, the rows contributed by each rank; ``[]`` without a variable batch (as torchrec 1.8)."""
         if self._stride_per_key_per_rank is None:
-            return [[self._stride] for _ in self._keys]
+            return []
         return self._stride_per_key_per_rank
 
     def variable_stride_per_key(self) -> bool:
@@ -308,6 +347,7 @@ class KeyedJaggedTensor(JaggedFields):
                 self._keys,
                 False,
             )
+            self._drop_unused_tail()
         return self._offset_per_key
 
     def offset_per_key_or_none(self) -> Optional[List[int]]:
@@ -429,6 +469,14 @@ class KeyedJaggedTensor(JaggedFields):
 
     # ---- internals ----------------------------------------------------------------------------
 
+    def _drop_unused_tail(self) -> None:
+        """Values past the last key's end belong to no key (torchrec ignores them): drop them (views)
+        once the per-key offsets are known, so that every consumer of ``values()`` sees only real ones."""
+        if self._offset_per_key is not None and self._offset_per_key[-1] < self._values.size(0):
+            end = self._offset_per_key[-1]
+            self._values = self._values[:end]
+            self._weights = None if self._weights is None else self._weights[:end]
+
     def _jagged(self, index: int) -> JaggedTensor:
         offsets = self.offset_per_key()
         values = slice(offsets[index], offsets[index + 1])
@@ -479,6 +527,14 @@ class KeyedJaggedTensor(JaggedFields):
             offset_per_key=self._offset_per_key,
             inverse_indices=inverse,
             validate=False,
+        )
+
+    def __str__(self) -> str:
+        """Every key's rows (and weights), in torchrec's format; reads them back to the host."""
+        if not self._keys:
+            return "KeyedJaggedTensor()\n"
+        return keyed_jagged_tensor_string(
+            self._keys, self._values, self._weights, self.offsets(), self._row_bounds
         )
 
     def __repr__(self) -> str:

@@ -13,6 +13,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from shardkit.sparse.printing import keyed_tensor_string
+
 _OWNER = "KeyedTensor"
 
 
@@ -161,9 +163,23 @@ class KeyedTensor:
             self._keys, self._length_per_key, values, self._key_dim, self._offset_per_key, self._index_per_key
         )
 
+    def __str__(self) -> str:
+        """Each key's rows, in torchrec's format; reads the values back to the host."""
+        return keyed_tensor_string(self._keys, [self[key] for key in self._keys])
+
     def __repr__(self) -> str:
         shape = tuple(self._values.shape)
         return f"KeyedTensor(keys={self._keys}, length_per_key={self._length_per_key}, values={shape})"
+
+
+def regroup_kts(keyed_tensors: List[KeyedTensor], groups: List[List[str]]) -> List[torch.Tensor]:
+    """torchrec's ``regroup_kts``: :meth:`KeyedTensor.regroup`."""
+    return KeyedTensor.regroup(keyed_tensors, groups)
+
+
+def permute_multi_embedding(keyed_tensors: List[KeyedTensor], groups: List[List[str]]) -> List[torch.Tensor]:
+    """torchrec's ``permute_multi_embedding`` (its fused regroup kernel): :meth:`KeyedTensor.regroup`."""
+    return KeyedTensor.regroup(keyed_tensors, groups)
 
 
 def _locator(keyed_tensors: Sequence[KeyedTensor]):

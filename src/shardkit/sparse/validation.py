@@ -8,10 +8,17 @@ constructor is called with ``validate=True`` (the default) and are batched into 
 KeyedJaggedTensor answers ``length_per_key()`` / ``offset_per_key()`` without another sync.
 Pass ``validate=False`` on a hot path whose inputs are known to be well formed; shardkit itself does so
 for every tensor it derives from an already validated one (permute, split, to_dict, concat).
+
+The rule for what is accepted (docs/sparse.md): what torchrec documents as valid is accepted; only what
+cannot be computed correctly is rejected, with an error that says what is wrong and how to fix it.
+Hence ``values`` longer than the lengths say (the tail is ignored, as torchrec), an empty
+non-integer ``lengths`` (``torch.tensor([])``: it holds no length), and tensors on the meta device
+(nothing to check; per-key counts are placeholders, see :func:`segment_offsets_with_sync`).
 """
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -25,6 +32,21 @@ def check_tensor(owner: str, name: str, tensor: torch.Tensor, integer: bool = Fa
         raise TypeError(f"{owner}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
     if integer and (tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool):
         raise TypeError(f"{owner}: {name} must have an integer dtype, got {tensor.dtype}")
+
+
+def as_index_tensor(owner: str, name: str, tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``lengths`` / ``offsets`` checked to be integer; an empty one of another dtype becomes int32."""
+    if tensor is None:
+        return None
+    check_tensor(owner, name, tensor)
+    if tensor.numel() == 0 and (tensor.dtype.is_floating_point or tensor.dtype == torch.bool):
+        return tensor.to(torch.int32)  # holds no length: its dtype carries nothing
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+        raise TypeError(
+            f"{owner}: {name} must have an integer dtype, got {tensor.dtype} (build it with an integer "
+            "dtype, e.g. torch.tensor([...], dtype=torch.int32))"
+        )
+    return tensor
 
 
 def check_1d(owner: str, name: str, tensor: torch.Tensor) -> None:
@@ -57,10 +79,8 @@ def check_lengths_offsets_sizes(
     if lengths is None and offsets is None:
         raise ValueError(f"{owner}: one of lengths or offsets is required")
     if lengths is not None:
-        check_tensor(owner, "lengths", lengths, integer=True)
         check_1d(owner, "lengths", lengths)
     if offsets is not None:
-        check_tensor(owner, "offsets", offsets, integer=True)
         check_1d(owner, "offsets", offsets)
         if offsets.numel() == 0:
             raise ValueError(f"{owner}: offsets must hold at least one element (the leading 0)")
@@ -87,7 +107,14 @@ def segment_offsets_with_sync(
     the given offsets disagree with the given lengths, and errors name the segment (feature) at fault;
     ``segment_names=None`` means one unnamed segment (a JaggedTensor). ``extra_checks`` are
     (boolean scalar tensor that is True on failure, message) pairs brought back in the same sync.
+    The last offset may be below ``num_values`` (the values' tail is unused), never above.
+
+    On the meta device nothing can be read back: the values are split evenly over the segments (the
+    first ones one more), placeholders that let shapes flow through a model built on meta, as torchrec.
     """
+    tensor = offsets if offsets is not None else lengths
+    if tensor.device.type == "meta":
+        return _even_split_offsets(len(row_bounds) - 1, num_values)
     full = offsets.long() if offsets is not None else complete_cumsum(lengths.long())
     parts = [full[host_list_to_device(row_bounds, full.device)]]
     if validate:
@@ -112,13 +139,22 @@ def segment_offsets_with_sync(
         for failed, (_, message) in zip(failed_extra, extra_checks):
             if failed:
                 raise ValueError(f"{owner}: {message}")
-        if seg[-1] != num_values:
+        if seg[-1] > num_values:
             names = segment_names or ()
             per_key = ", ".join(f"{n}={b - a}" for n, a, b in zip(names, seg, seg[1:]))
             what = "lengths sum" if lengths is not None else "offsets end"
             detail = f" (per key: {per_key})" if per_key else ""
-            raise ValueError(f"{owner}: {what} to {seg[-1]} but values has {num_values} elements{detail}")
+            raise ValueError(
+                f"{owner}: {what} to {seg[-1]} but values has only {num_values} elements{detail}; the "
+                "lengths must not describe more values than there are"
+            )
     return seg
+
+
+def _even_split_offsets(num_segments: int, num_values: int) -> list[int]:
+    base, extra = divmod(num_values, max(num_segments, 1))
+    sizes = [base + (1 if i < extra else 0) for i in range(num_segments)]
+    return [0, *accumulate(sizes)] if num_segments else [0]
 
 
 def _raise_negative(

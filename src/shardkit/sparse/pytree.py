@@ -1,0 +1,70 @@
+"""``torch.utils._pytree`` registration of the jagged types, so that tree utilities (``tree_map``,
+``torch.export`` inputs, ...) see their tensors as leaves.
+
+Leaves: ``[values, weights, lengths, offsets]`` (a missing one is ``None``), as torchrec. The context
+keeps what is not a tensor: nothing for a JaggedTensor; the keys, the stride and the
+``stride_per_key_per_rank`` of a KeyedJaggedTensor (torchrec keeps the keys only; the variable batch
+is kept here so that a round trip gives the same tensor; inverse indices are not carried); the keys,
+``length_per_key`` and ``key_dim`` of a KeyedTensor. Unflattening does not validate (the leaves came
+from a valid tensor).
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import torch
+from torch.utils._pytree import register_pytree_node
+
+from shardkit.sparse.jagged_tensor import JaggedTensor
+from shardkit.sparse.keyed_jagged_tensor import KeyedJaggedTensor
+from shardkit.sparse.keyed_tensor import KeyedTensor
+
+Leaves = List[Optional[torch.Tensor]]
+
+
+def _fields(t) -> Leaves:
+    return [t.values(), t.weights_or_none(), t.lengths_or_none(), t.offsets_or_none()]
+
+
+def _jt_unflatten(leaves: Leaves, context: None) -> JaggedTensor:
+    values, weights, lengths, offsets = leaves
+    return JaggedTensor(values, weights, lengths, offsets, validate=False)
+
+
+def _kjt_flatten(kjt: KeyedJaggedTensor) -> Tuple[Leaves, Any]:
+    variable = kjt.variable_stride_per_key()
+    return _fields(kjt), (kjt.keys(), kjt.stride(), kjt.stride_per_key_per_rank() if variable else None)
+
+
+def _kjt_unflatten(leaves: Leaves, context) -> KeyedJaggedTensor:
+    values, weights, lengths, offsets = leaves
+    keys, stride, stride_per_key_per_rank = context
+    return KeyedJaggedTensor(
+        keys,
+        values,
+        weights,
+        lengths,
+        offsets,
+        stride=stride,
+        stride_per_key_per_rank=stride_per_key_per_rank,
+        validate=False,
+    )
+
+
+def _kt_flatten(kt: KeyedTensor) -> Tuple[Leaves, Any]:
+    return [kt.values()], (kt.keys(), kt.length_per_key(), kt.key_dim())
+
+
+def _kt_unflatten(leaves: Leaves, context) -> KeyedTensor:
+    keys, length_per_key, key_dim = context
+    return KeyedTensor(keys, length_per_key, leaves[0], key_dim)
+
+
+register_pytree_node(
+    JaggedTensor, lambda jt: (_fields(jt), None), _jt_unflatten, serialized_type_name="shardkit.JaggedTensor"
+)
+register_pytree_node(
+    KeyedJaggedTensor, _kjt_flatten, _kjt_unflatten, serialized_type_name="shardkit.KeyedJaggedTensor"
+)
+register_pytree_node(KeyedTensor, _kt_flatten, _kt_unflatten, serialized_type_name="shardkit.KeyedTensor")
