@@ -34,6 +34,8 @@ from shardkit.model_parallel.data_parallel import DataParallelWrapper, DefaultDa
 from shardkit.model_parallel.optimizers import CombinedOptimizer
 from shardkit.planner import EmbeddingShardingPlanner, Topology
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
+from shardkit.sharding.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
+from shardkit.sharding.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from shardkit.sharding.types import ModuleSharder, ShardedModule, ShardingPlan
 from shardkit.sharding.utils import append_prefix, copy_to_device
 
@@ -57,7 +59,13 @@ def get_unwrapped_module(module: nn.Module) -> nn.Module:
 
 
 def _default_sharders() -> List[ModuleSharder[nn.Module]]:
-    return [EmbeddingBagCollectionSharder()]
+    # the managed-collision sharders too: without them the inner EBC / EC of an MC module would be
+    # sharded alone and its maps would see only each rank's own ids
+    return [
+        EmbeddingBagCollectionSharder(),
+        ManagedCollisionEmbeddingBagCollectionSharder(),
+        ManagedCollisionEmbeddingCollectionSharder(),
+    ]
 
 
 class DistributedModelParallel(nn.Module):
@@ -68,7 +76,8 @@ class DistributedModelParallel(nn.Module):
         env: the world (default: the default process group's).
         device: the compute device (default CPU).
         plan: the sharding plan (default: ``EmbeddingShardingPlanner(...).collective_plan``).
-        sharders: the sharders to use (default: ``[EmbeddingBagCollectionSharder()]``).
+        sharders: the sharders to use (default: ``EmbeddingBagCollectionSharder()`` and the
+            managed-collision EBC / EC sharders).
         init_data_parallel: wrap the unsharded part for data parallelism now; pass False to
             postpone it (lazy modules), run a forward, then call :meth:`init_data_parallel`.
         init_parameters: allocate and initialize the parameters still on the meta device.

@@ -5,7 +5,8 @@
 - ``sharding_plan``: the plan constructors (``table_wise()``, ``row_wise()``, ...,
   ``construct_module_sharding_plan``);
 - the sharded modules and their sharders (``embeddingbag``, ``embedding_bag_module`` for a plain
-  ``nn.EmbeddingBag``, ``embedding``, ``fp_embeddingbag``), built
+  ``nn.EmbeddingBag``, ``embedding``, ``fp_embeddingbag``; managed collision: ``mc_modules``,
+  ``mc_embeddingbag``, ``mc_embedding``), built
   from one ``EmbeddingSharding`` per sharding type (``data_parallel``, ``table_wise``, ``column_wise``,
   ``row_wise``, ``table_row_wise``, ``table_column_wise``);
 - their state (``state_layout``, ``sharded_state``, ``sharded_module_state``) and the specification's
@@ -25,6 +26,23 @@ from shardkit.sharding.fp_embeddingbag import (
     ShardedFeatureProcessedEmbeddingBagCollection,
 )
 from shardkit.sharding.kjt_list import KJTList
+from shardkit.sharding.mc_embedding import (
+    ManagedCollisionEmbeddingCollectionContext,
+    ManagedCollisionEmbeddingCollectionSharder,
+    ShardedManagedCollisionEmbeddingCollection,
+)
+from shardkit.sharding.mc_embeddingbag import (
+    ManagedCollisionEmbeddingBagCollectionContext,
+    ManagedCollisionEmbeddingBagCollectionSharder,
+    ShardedManagedCollisionEmbeddingBagCollection,
+)
+from shardkit.sharding.mc_modules import (
+    ManagedCollisionCollectionAwaitable,
+    ManagedCollisionCollectionContext,
+    ManagedCollisionCollectionSharder,
+    ShardedManagedCollisionCollection,
+    create_mc_sharding,
+)
 from shardkit.sharding.row_wise import RwPooledEmbeddingSharding, RwSequenceEmbeddingSharding
 from shardkit.sharding.sharded_embedding_module import (
     BaseEmbeddingSharder,
@@ -92,6 +110,17 @@ from shardkit.sharding.utils import (
 )
 
 __all__ = [
+    "ManagedCollisionCollectionAwaitable",
+    "ManagedCollisionCollectionContext",
+    "ManagedCollisionCollectionSharder",
+    "ManagedCollisionEmbeddingBagCollectionContext",
+    "ManagedCollisionEmbeddingBagCollectionSharder",
+    "ManagedCollisionEmbeddingCollectionContext",
+    "ManagedCollisionEmbeddingCollectionSharder",
+    "ShardedManagedCollisionCollection",
+    "ShardedManagedCollisionEmbeddingBagCollection",
+    "ShardedManagedCollisionEmbeddingCollection",
+    "create_mc_sharding",
     # plan and module types
     "CommOp",
     "ComputeKernel",

@@ -28,6 +28,7 @@ from shardkit.distributed.tensor_split import split_offsets, split_sizes
 from shardkit.distributed.topology import get_local_size
 from shardkit.modules import EmbeddingBagCollection, EmbeddingCollection
 from shardkit.modules.embedding_configs import BaseEmbeddingConfig
+from shardkit.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 from shardkit.sharding.sharding_spec import EnumerableShardingSpec, ShardMetadata
 from shardkit.sharding.types import (
     EmbeddingComputeKernel,
@@ -267,11 +268,14 @@ def _check_column_split(name: str, shape: Sequence[int], num_shards: int) -> Non
 
 
 def table_configs(module: nn.Module) -> List[BaseEmbeddingConfig]:
-    """The table configs of an ``EmbeddingBagCollection`` or ``EmbeddingCollection``, in declaration order."""
+    """The table configs of an ``EmbeddingBagCollection`` or ``EmbeddingCollection`` (also inside a
+    managed-collision module), in declaration order."""
     if isinstance(module, EmbeddingBagCollection):
         return module.embedding_bag_configs()
     if isinstance(module, EmbeddingCollection):
         return module.embedding_configs()
+    if isinstance(module, BaseManagedCollisionEmbeddingCollection):
+        return table_configs(module._embedding_module)  # MC tables are planned with their slot count
     raise TypeError(
         f"{type(module).__name__} has no table configs; "
         "expected an EmbeddingBagCollection or EmbeddingCollection"
