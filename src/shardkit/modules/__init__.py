@@ -14,7 +14,12 @@ from shardkit.modules.embedding_configs import (
     PoolingType,
     data_type_to_dtype,
 )
-from shardkit.modules.feature_processor import FeatureProcessor, PositionWeightedModule
+from shardkit.modules.feature_processor_ import (
+    FeatureProcessor,
+    FeatureProcessorsCollection,
+    PositionWeightedModule,
+    PositionWeightedModuleCollection,
+)
 from shardkit.modules.fp_embedding_bag_collection import FeatureProcessedEmbeddingBagCollection
 from shardkit.modules.fused_optimizer_state import FusedOptimizer
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig, OptimType, SparseRowOptimizer
@@ -46,6 +51,7 @@ __all__ = [
     "EmbeddingConfig",
     "FeatureProcessedEmbeddingBagCollection",
     "FeatureProcessor",
+    "FeatureProcessorsCollection",
     "FusedOptimizer",
     "FusedOptimizerConfig",
     "GroupedEmbeddingLookup",
@@ -61,6 +67,7 @@ __all__ = [
     "OptimType",
     "PoolingType",
     "PositionWeightedModule",
+    "PositionWeightedModuleCollection",
     "ShardSpec",
     "SparseRowOptimizer",
     "average_threshold_filter",

@@ -61,6 +61,12 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedEmbeddingBagCollectio
         device: Optional[torch.device] = None,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
     ) -> None:
+        if not isinstance(module._feature_processors, nn.ModuleDict):
+            raise TypeError(
+                f"{type(module._feature_processors).__name__}: only a FeatureProcessedEmbeddingBagCollection "
+                "built with {feature: PositionWeightedModule} can be sharded; pass a dict of "
+                "shardkit.modules.PositionWeightedModule per feature instead of a processors collection"
+            )
         processors = dict(module._feature_processors)
         unsupported = [f for f, p in processors.items() if not isinstance(p, PositionWeightedModule)]
         if unsupported:

@@ -26,7 +26,11 @@ from torch import nn
 
 from shardkit.distributed.tensor_split import split_offsets, split_sizes
 from shardkit.distributed.topology import get_local_size
-from shardkit.modules import EmbeddingBagCollection, EmbeddingCollection
+from shardkit.modules import (
+    EmbeddingBagCollection,
+    EmbeddingCollection,
+    FeatureProcessedEmbeddingBagCollection,
+)
 from shardkit.modules.embedding_configs import BaseEmbeddingConfig
 from shardkit.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 from shardkit.sharding.sharding_spec import EnumerableShardingSpec, ShardMetadata
@@ -269,7 +273,9 @@ def _check_column_split(name: str, shape: Sequence[int], num_shards: int) -> Non
 
 def table_configs(module: nn.Module) -> List[BaseEmbeddingConfig]:
     """The table configs of an ``EmbeddingBagCollection`` or ``EmbeddingCollection`` (also inside a
-    managed-collision module), in declaration order."""
+    managed-collision module or a ``FeatureProcessedEmbeddingBagCollection``), in declaration order."""
+    if isinstance(module, FeatureProcessedEmbeddingBagCollection):
+        module = module.embedding_bag_collection
     if isinstance(module, EmbeddingBagCollection):
         return module.embedding_bag_configs()
     if isinstance(module, EmbeddingCollection):
