@@ -32,7 +32,11 @@ def _check_fused():
         for opts in OPTION_SETS:
             t = randint(opts.get("vocab_size", VOCAB), (2, 5), 23)
             t[1, ::2] = -100
-            for reduction in ("none", "mean"):
+            # the recomputing backward, and gradients computed in forward (fp32 / fp64 scalar losses)
+            modes = [("none", None), ("mean", False)]
+            if dtype == torch.float64:
+                modes += [("mean", True), ("sum", True)]
+            for reduction, grad_in_forward in modes:
                 h = Hs.clone().requires_grad_()
                 w = Ws[start:end].clone().requires_grad_()
                 out = vocab_parallel_linear_cross_entropy(
@@ -43,6 +47,7 @@ def _check_fused():
                     vocab_end_index=end,
                     reduction=reduction,
                     chunk_size=3,
+                    grad_in_forward=grad_in_forward,
                     **opts,
                 )
                 ref_h = Hs.to(torch.float64, copy=True).requires_grad_()
@@ -80,7 +85,7 @@ def _check_fused():
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_fused_linear_matches_unfused(world_size):
-    assert run_world(_check_fused, world_size) == [2 * len(OPTION_SETS) * 2] * world_size
+    assert run_world(_check_fused, world_size) == [(4 + 2) * len(OPTION_SETS)] * world_size
 
 
 def _check_saves_no_logits():
@@ -110,3 +115,32 @@ def _check_saves_no_logits():
 
 def test_fused_linear_saves_no_logits():
     assert all(run_world(_check_saves_no_logits, 2))
+
+
+def _check_gradients_in_forward():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    start, end = vocab_slice(VOCAB, world, rank)
+    T = 16
+    h = randn((T, HIDDEN), 30, torch.float32).requires_grad_()
+    w = randn((VOCAB, HIDDEN), 31, torch.float32)[start:end].clone().requires_grad_()
+    t = randint(VOCAB, (T,), 32)
+    kwargs = dict(vocab_start_index=start, vocab_end_index=end, reduction="mean", chunk_size=5)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda s: packed.append(s) or s, lambda s: s):
+        out = vocab_parallel_linear_cross_entropy(h, w, t, **kwargs)
+    assert packed == []  # the default for an fp32 mean: gradients made in forward, no input kept
+    (out * 3.0).backward(retain_graph=True)  # the incoming gradient scales the buffers
+    fast = (h.grad.clone(), w.grad.clone())
+    (out * 2.0).backward()  # a retained graph backpropagates through the same buffers again
+    torch.testing.assert_close((h.grad, w.grad), (fast[0] * 5 / 3, fast[1] * 5 / 3))
+    h.grad = w.grad = None
+    (vocab_parallel_linear_cross_entropy(h, w, t, grad_in_forward=False, **kwargs) * 3.0).backward()
+    torch.testing.assert_close(fast, (h.grad, w.grad), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="grad_in_forward=True needs"):
+        vocab_parallel_linear_cross_entropy(h.bfloat16(), w.bfloat16(), t, grad_in_forward=True, **kwargs)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_gradients_in_forward_are_scaled_by_the_incoming_gradient(world_size):
+    assert all(run_world(_check_gradients_in_forward, world_size))

@@ -164,16 +164,23 @@ def loss_from_source(
         dtype=st.work_dtype(dtype),
     )
     gathered, vocab = st.gather_statistics(stats, opts.shard.real_width, opts.group)
+    loss, lse = token_loss(gathered, vocab, active, opts)
+    out, count = reduce_tokens(loss, active, opts.reduction, opts.dp_group, out_shape)
+    return out, lse, count, vocab
+
+
+def token_loss(
+    gathered: torch.Tensor, vocab: torch.Tensor, active: torch.Tensor, opts: CrossEntropyOptions
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss [T], lse [T])`` in the work dtype from every rank's statistics ``[tp, T, k]``."""
     lse = st.combine_logsumexp(gathered)
     loss = lse - (1.0 - opts.label_smoothing) * gathered[..., st.TARGET].sum(0)
-    if smoothing:
+    if opts.label_smoothing > 0.0:
         loss = loss - (opts.label_smoothing / vocab) * gathered[..., st.SUM_Z].sum(0)
     if opts.z_loss:
         loss = loss + opts.z_loss * lse * lse
     # where, not a multiply: an ignored row with non-finite logits must still give exactly 0
-    loss = torch.where(active, loss, torch.zeros_like(loss))
-    out, count = reduce_tokens(loss, active, opts.reduction, opts.dp_group, out_shape)
-    return out, lse, count, vocab
+    return torch.where(active, loss, torch.zeros_like(loss)), lse
 
 
 def reduce_tokens(
@@ -288,9 +295,16 @@ def gradient_coefficients(
     num_rows = target1d.numel()
     index, owned, active = st.local_target_index(target1d, opts.shard, opts.ignore_index)
     g = per_token_grad(grad_output, opts.reduction, count, num_rows, lse.dtype)
+    return (index, owned, active, *loss_coefficients(g, lse, vocab, opts))
+
+
+def loss_coefficients(
+    g: torch.Tensor, lse: torch.Tensor, vocab: torch.Tensor, opts: CrossEntropyOptions
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``(coef_p, coef_target, coef_uniform)`` ``[T]`` for per-token incoming gradients ``g`` ``[T]``."""
     coef_p = g * (1.0 + 2.0 * opts.z_loss * lse) if opts.z_loss else g
     coef_uniform = g * (opts.label_smoothing / vocab) if opts.label_smoothing else None
-    return index, owned, active, coef_p, g * (1.0 - opts.label_smoothing), coef_uniform
+    return coef_p, g * (1.0 - opts.label_smoothing), coef_uniform
 
 
 def save_for_backward(ctx, logits, target, lse, count, vocab, opts) -> None:

@@ -18,7 +18,14 @@ its work is fp32 ``[c, V/tp]`` blocks. Backward allocates ``grad_weight`` (size 
 input dtype, ``c' = c * V/tp / T`` columns). No ``[T, V/tp]`` tensor at any time. The
 logits matmul runs twice (forward and backward): the price of not keeping them.
 
-Communication: forward as ``vocab_parallel_cross_entropy`` (one all-gather of per-token statistics).
+Gradients in forward (the default for a ``"sum"`` / ``"mean"`` loss on fp32 / fp64 inputs; see
+``vocab_parallel_linear_cross_entropy``): the loss is a scalar, so its gradient is known up to the
+incoming scalar while each block of logits is at hand. The forward then turns each block into its
+softmax gradient at once (one all-gather of that block's statistics first, when tp > 1) and runs the
+two gradient matmuls on it; the backward only scales the two buffers. Three matmuls instead of four.
+
+Communication: forward as ``vocab_parallel_cross_entropy`` (one all-gather of per-token statistics;
+per token block with gradients in forward).
 Backward: the partial ``grad_hidden`` of each rank is summed over ``group`` (one all-reduce of
 ``[T, H]``, through ``shardkit.distributed.copy_to_region``) unless ``reduce_hidden_grad=False``, for
 callers that reduce it themselves (e.g. fused into a sequence-parallel reduce-scatter).
@@ -34,7 +41,15 @@ import torch.distributed as dist
 from shardkit.distributed.regions import copy_to_region
 from shardkit.losses import statistics as st
 from shardkit.losses.checks import option_problems, validate_call
-from shardkit.losses.cross_entropy import CrossEntropyOptions, gradient_coefficients, loss_from_source
+from shardkit.losses.cross_entropy import (
+    CrossEntropyOptions,
+    gradient_coefficients,
+    loss_coefficients,
+    loss_from_source,
+    per_token_grad,
+    reduce_tokens,
+    token_loss,
+)
 from shardkit.losses.dtensor import plain_tensor, resolve_vocab_shard
 from shardkit.losses.first_order import first_order_only
 
@@ -103,6 +118,92 @@ class _FusedLinearLoss(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
+def _loss_and_gradients(hidden2d, weight, target1d, opts: CrossEntropyOptions, want_hidden, want_weight):
+    """The loss of a scalar reduction and its gradients for an incoming gradient of 1, in one pass.
+
+    Per block of ``opts.rows`` tokens: the logits ``[c, V/tp]`` (one matmul), their statistics (one
+    all-gather of ``[c, k]`` over ``group`` when tp > 1), the softmax gradient written over the logits
+    in cache-sized pieces, then ``grad_hidden[rows] = g @ W`` and ``grad_weight += g.T @ h[rows]``.
+    Three matmuls in all, as the unfused linear layer + loss, instead of the recomputing path's four.
+    Returns ``(out, count, grad_hidden [T, H] or None, grad_weight [V/tp, H] or None)``, with the
+    gradients of the *sum* over tokens (the backward scales them for "mean").
+    """
+    num_rows, work = target1d.numel(), st.work_dtype(hidden2d.dtype)
+    shard, transform = opts.shard, opts.transform
+    index, owned, active = st.local_target_index(target1d, shard, opts.ignore_index)
+    loss = torch.empty(num_rows, dtype=work, device=hidden2d.device)
+    ones = torch.ones(num_rows, dtype=work, device=hidden2d.device)
+    grad_hidden = torch.empty_like(hidden2d) if want_hidden else None
+    grad_weight = torch.zeros_like(weight) if want_weight else None
+    weight_t, vocab = weight.t(), None
+    pieces = st.cache_rows(shard.width, opts.rows, hidden2d.device)
+    for i0, i1 in st.row_blocks(num_rows, opts.rows):
+        logits = hidden2d[i0:i1] @ weight_t  # [c, V/tp], the work dtype (fp32 / fp64 inputs only)
+        block = lambda a, b, logits=logits: logits[a:b]  # noqa: E731
+        rows = slice(i0, i1)
+        stats = st.shard_statistics(
+            block, i1 - i0, shard, transform, index[rows], owned[rows], pieces,
+            with_sum=opts.label_smoothing > 0.0, device=hidden2d.device, dtype=work,
+        )  # fmt: skip
+        gathered, vocab = st.gather_statistics(stats, shard.real_width, opts.group)
+        loss[rows], lse = token_loss(gathered, vocab, active[rows], opts)
+        coef_p, coef_target, coef_uniform = loss_coefficients(ones[rows], lse, vocab, opts)
+        # the gradient overwrites the logits piece by piece (no second [c, V/tp] buffer)
+        for _ in st.softmax_gradient_blocks(
+            block, i1 - i0, shard, transform, lse, index[rows], owned[rows], active[rows],
+            coef_p, coef_target, coef_uniform, pieces, out=logits,
+        ):  # fmt: skip
+            pass
+        if want_hidden:
+            torch.mm(logits, weight, out=grad_hidden[rows])
+        if want_weight:
+            grad_weight.addmm_(logits.t(), hidden2d[rows])
+    out, count = reduce_tokens(loss, active, opts.reduction, opts.dp_group, target1d.shape)
+    return out, count, grad_hidden, grad_weight
+
+
+def gradients_in_forward(dtype: torch.dtype, reduction: str, requested: Optional[bool]) -> bool:
+    """Whether the forward computes the gradients (see ``vocab_parallel_linear_cross_entropy``)."""
+    # bf16 / fp16 would accumulate the weight gradient over token blocks either in the input dtype
+    # (one rounding per block, less exact than the unfused layer's one product) or in an fp32 buffer
+    # (a [V/tp, H] read-modify-write per block: measured on this CPU, slower than the extra matmul)
+    possible = reduction in ("sum", "mean") and st.work_dtype(dtype) == dtype
+    if requested and not possible:
+        raise ValueError(
+            "grad_in_forward=True needs reduction='sum' or 'mean' and fp32 / fp64 hidden states (the "
+            f"gradient is accumulated in the input dtype), got reduction={reduction!r}, {dtype}"
+        )
+    return possible if requested is None else bool(requested)
+
+
+class _FusedLinearLossGradInForward(torch.autograd.Function):
+    """``forward(ctx, hidden [T, H], weight [w, H], target [T], opts)`` -> the reduced loss, with the
+    gradients computed in forward (``_loss_and_gradients``); backward scales them by the incoming
+    gradient. Kept: the two gradient buffers and the token count (no reference to the inputs)."""
+
+    @staticmethod
+    def forward(ctx, hidden2d, weight, target1d, opts: CrossEntropyOptions):  # type: ignore[override]
+        out, count, grad_hidden, grad_weight = _loss_and_gradients(
+            hidden2d, weight, target1d, opts, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        )
+        ctx.grads, ctx.count, ctx.reduction = (grad_hidden, grad_weight), count, opts.reduction
+        return out
+
+    @staticmethod
+    @first_order_only  # backward is a closed-form kernel, not a graph: double backward raises
+    def backward(ctx, grad_output):  # type: ignore[override]
+        grad_hidden, grad_weight = ctx.grads
+        scale = per_token_grad(grad_output, ctx.reduction, ctx.count, 1, torch.float64)[0]
+        # scaled copies, not in place: a retained graph (gradcheck, retain_graph=True) backpropagates
+        # through the same buffers again
+        return (
+            None if grad_hidden is None else grad_hidden * scale.to(grad_hidden.dtype),
+            None if grad_weight is None else grad_weight * scale.to(grad_weight.dtype),
+            None,
+            None,
+        )
+
+
 def _fused(
     op: str,
     hidden: torch.Tensor,
@@ -124,6 +225,7 @@ def _fused(
     dp_group: Optional[dist.ProcessGroup] = None,
     chunk_size: Optional[int] = None,
     inference_only: bool = False,
+    grad_in_forward: Optional[bool] = None,
 ) -> torch.Tensor:
     target = plain_tensor(target)
     problems = option_problems(
@@ -189,7 +291,10 @@ def _fused(
     else:
         if reduce_hidden_grad and hidden.requires_grad:
             hidden2d = copy_to_region(hidden2d, group)
-        out = _FusedLinearLoss.apply(hidden2d, weight_shard, target1d, opts, sign)
+        if gradients_in_forward(hidden.dtype, reduction, grad_in_forward):
+            out = _FusedLinearLossGradInForward.apply(hidden2d, weight_shard, target1d, opts)
+        else:
+            out = _FusedLinearLoss.apply(hidden2d, weight_shard, target1d, opts, sign)
     return out.view(target.shape) if reduction == "none" else out
 
 
@@ -211,6 +316,7 @@ def vocab_parallel_linear_cross_entropy(
     dp_group: Optional[dist.ProcessGroup] = None,
     chunk_size: Optional[int] = None,
     reduce_hidden_grad: bool = True,
+    grad_in_forward: Optional[bool] = None,
 ) -> torch.Tensor:
     """``vocab_parallel_cross_entropy(hidden @ weight_shard.T, labels, ...)`` without the logits tensor.
 
@@ -218,6 +324,13 @@ def vocab_parallel_linear_cross_entropy(
     ``labels`` ``[...]``. Options, reductions and the result are those of
     ``vocab_parallel_cross_entropy``. Gradients flow to ``hidden`` (summed over ``group`` unless
     ``reduce_hidden_grad=False``) and to ``weight_shard`` (accumulated in fp32).
+
+    ``grad_in_forward`` (default: on for ``reduction="sum"`` / ``"mean"`` with fp32 / fp64 inputs when
+    a gradient is wanted): the forward also computes both gradients, for an incoming gradient of 1,
+    while each block of logits is at hand (three matmuls in all instead of four; one all-gather of
+    ``[c, k]`` statistics per block of ``c = chunk_size`` tokens instead of one in all), and the
+    backward returns scaled copies. The gradient buffers (``[T, H]`` and the weight's size) then exist
+    from the forward on instead of from the backward. ``False`` keeps the recomputing backward.
     """
     return _fused(
         "vocab_parallel_linear_cross_entropy",
@@ -238,6 +351,7 @@ def vocab_parallel_linear_cross_entropy(
         reduction=reduction,
         dp_group=dp_group,
         chunk_size=chunk_size,
+        grad_in_forward=grad_in_forward,
     )
 
 
