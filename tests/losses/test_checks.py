@@ -87,6 +87,11 @@ def _bad_inputs_raise_everywhere():
         ValueError,
         lambda: vocab_parallel_cross_entropy(x[:, : 6 - (rank == 2)], t[:, : 6 - (rank == 2)], **kw),
     )
+    # fp64 logits on one rank: its buffers would have another byte size
+    messages["dtype"] = _expect(
+        ValueError,
+        lambda: vocab_parallel_cross_entropy(x.to(torch.float64 if rank == 1 else torch.float32), t, **kw),
+    )
     messages["logprob"] = _expect(
         ValueError, lambda: DistributedLogprob.apply(x, t, start, end + 1, None, False)
     )
@@ -134,6 +139,7 @@ def test_bad_inputs_raise_on_every_rank():
         assert "different targets" in m["targets"]
         assert "disagree on the options" in m["options"]
         assert "disagree on the number of tokens" in m["tokens"] and "rank 2: 10" in m["tokens"]
+        assert "disagree on the dtype" in m["dtype"] and "rank 1: float64" in m["dtype"]
         assert "on rank" in m["logprob"] and "columns" in m["logprob"]
         assert "temperature must be > 0" in m["option value"]
         assert "weight_shard must be [V/tp, H]" in m["fused"]

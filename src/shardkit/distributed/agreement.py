@@ -69,6 +69,8 @@ _DTYPE_CODES = {
         )
     )
 }
+# public name for other layers that put a dtype into an exchanged descriptor
+DTYPE_CODES = _DTYPE_CODES
 _MAX_DIMS = 16
 _HEADER = 3  # ndim, dtype code, dim
 

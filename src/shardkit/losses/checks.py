@@ -27,14 +27,21 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from shardkit.distributed.agreement import all_gather_flat, format_per_rank, group_rank, group_size
+from shardkit.distributed.agreement import (
+    DTYPE_CODES,
+    all_gather_flat,
+    format_per_rank,
+    group_rank,
+    group_size,
+)
 from shardkit.distributed.validation import validation_enabled
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 _INT64_MIN = torch.iinfo(torch.int64).min
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # descriptor fields exchanged between ranks
-_PROBLEM, _START, _END, _TOKENS, _OPTIONS, _VOCAB, _TMIN, _TMAX, _TDIGEST = range(9)
+_DTYPE_NAMES = {code: str(dtype).replace("torch.", "") for dtype, code in DTYPE_CODES.items()}
+_PROBLEM, _START, _END, _TOKENS, _OPTIONS, _VOCAB, _DTYPE, _TMIN, _TMAX, _TDIGEST = range(10)
 _MAX_LISTED_IDS = 5
 
 
@@ -187,6 +194,8 @@ def validate_call(
             ntok,
             options_digest(options),
             -1 if vocab_size is None else vocab_size,
+            # ranks with different logits dtypes would exchange buffers of different byte sizes
+            DTYPE_CODES.get(logits.dtype, -1) if isinstance(logits, torch.Tensor) else -1,
         ],
         dtype=torch.int64,
         device=device,
@@ -207,8 +216,11 @@ def validate_call(
             f"{op}: rank(s) {failed} passed invalid input (their error names the problem); "
             "no rank entered the loss's collective"
         )
-    for field, what in ((_TOKENS, "number of tokens"), (_OPTIONS, "options"), (_VOCAB, "vocab_size")):
+    fields = ((_TOKENS, "number of tokens"), (_OPTIONS, "options"), (_VOCAB, "vocab_size"), (_DTYPE, "dtype"))
+    for field, what in fields:
         values = [row[field] for row in rows]
+        if field == _DTYPE:
+            values = [_DTYPE_NAMES.get(v, "another dtype") for v in values]
         if any(v != values[0] for v in values[1:]):
             raise ValueError(f"{op}: ranks disagree on the {what}: {format_per_rank(values)}")
     if target is not None:

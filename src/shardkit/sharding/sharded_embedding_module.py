@@ -14,7 +14,9 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterator, List, Optional, Tuple, Type
+import dataclasses
+from enum import Enum
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type
 
 import torch
 from torch import nn
@@ -23,6 +25,7 @@ from shardkit.distributed.agreement import gather_objects
 from shardkit.distributed.awaitable import Awaitable
 from shardkit.distributed.codecs import QuantizedCommCodecs
 from shardkit.distributed.sharding_env import ShardingEnv
+from shardkit.distributed.switches import result_switches, switch_disagreements
 from shardkit.distributed.validation import validation_enabled
 from shardkit.modules.embedding_configs import BaseEmbeddingConfig
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig
@@ -61,9 +64,34 @@ class EmbeddingShardingContext:
             ctx.record_stream(stream)
 
 
-def _plan_fingerprint(tables: List[BaseEmbeddingConfig], plan: EmbeddingModuleShardingPlan):
-    """A picklable summary of the tables and the plan that ranks compare."""
-    shapes = [(t.name, t.num_embeddings, t.embedding_dim, tuple(t.feature_names)) for t in tables]
+def _field_fingerprint(value: Any) -> Any:
+    """A value that compares equal on two ranks when the field means the same (functions by name,
+    enums by value, floats exactly)."""
+    if callable(value) and not isinstance(value, type):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return tuple(_field_fingerprint(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), str(value.dtype), value.detach().cpu().double().sum().item())
+    return repr(value)
+
+
+def _config_fingerprint(config: Any) -> Any:
+    """Every field of a table config (or of the fused optimizer config), by name."""
+    if config is None or not dataclasses.is_dataclass(config):
+        return repr(config)
+    fields = [(f.name, _field_fingerprint(getattr(config, f.name))) for f in dataclasses.fields(config)]
+    return (type(config).__name__, tuple(fields))
+
+
+def _plan_fingerprint(
+    tables: List[BaseEmbeddingConfig], plan: EmbeddingModuleShardingPlan, fused_optimizer: Any = None
+):
+    """A picklable summary of the tables (every config field), the plan and the fused optimizer config
+    that ranks compare: any difference would make ranks compute different things silently."""
+    configs = [_config_fingerprint(t) for t in tables]
     shardings = []
     for name in sorted(plan):
         ps = plan[name]
@@ -72,15 +100,24 @@ def _plan_fingerprint(tables: List[BaseEmbeddingConfig], plan: EmbeddingModuleSh
             if ps.sharding_spec is None
             else [(tuple(s.shard_offsets), tuple(s.shard_sizes), s.rank) for s in ps.sharding_spec.shards]
         )
-        shardings.append((name, ps.sharding_type, ps.compute_kernel, spec))
-    return shapes, shardings
+        options = tuple(
+            _field_fingerprint(getattr(ps, k))
+            for k in ("cache_params", "enforce_hbm", "stochastic_rounding", "bounds_check_mode")
+        )
+        shardings.append((name, ps.sharding_type, ps.compute_kernel, spec, options))
+    return configs, shardings, _config_fingerprint(fused_optimizer)
 
 
 def place_tables(
-    tables: List[BaseEmbeddingConfig], plan: EmbeddingModuleShardingPlan, env: ShardingEnv
+    tables: List[BaseEmbeddingConfig],
+    plan: EmbeddingModuleShardingPlan,
+    env: ShardingEnv,
+    fused_optimizer: Optional[FusedOptimizerConfig] = None,
 ) -> List[ShardedTable]:
     """Every table placed by ``plan``; raises ``ValueError`` / ``KeyError`` on every rank if the plan is
-    bad on any rank (unknown or missing table, invalid ranks or shards) or differs between ranks."""
+    bad on any rank (unknown or missing table, invalid ranks or shards) or if the ranks differ in the
+    tables (any config field), the plan, the fused optimizer config or a process-wide switch
+    (``shardkit.distributed.switches``)."""
     error: Optional[str] = None
     placed: List[ShardedTable] = []
     try:
@@ -92,19 +129,50 @@ def place_tables(
         if missing:
             raise KeyError(f"the plan has no sharding for table(s) {missing}")
         placed = [sharded_table(t, plan[t.name], env.world_size) for t in tables]
-    except (KeyError, ValueError) as err:
+    except Exception as err:  # noqa: BLE001 - every failure must reach the agreement below
         error = f"{type(err).__name__}: {err}"
     if env.world_size == 1:
         if error is not None:
             raise ValueError(error)
         return placed
-    verdicts = gather_objects((error, _plan_fingerprint(tables, plan)), env.process_group)
-    problems = [f"rank {r}: {e}" for r, (e, _) in enumerate(verdicts) if e is not None]
+    fingerprint = _plan_fingerprint(tables, plan, fused_optimizer)
+    verdicts = gather_objects((error, fingerprint, result_switches()), env.process_group)
+    problems = [f"rank {r}: {e}" for r, (e, _, _) in enumerate(verdicts) if e is not None]
     if problems:
         raise ValueError("invalid sharding plan: " + "; ".join(problems))
-    if any(fp != verdicts[0][1] for _, fp in verdicts[1:]):
-        raise ValueError("ranks disagree on the tables or the sharding plan")
+    switches = switch_disagreements([s for _, _, s in verdicts])
+    if switches:
+        raise ValueError("ranks disagree on process-wide settings: " + "; ".join(switches))
+    if any(fp != verdicts[0][1] for _, fp, _ in verdicts[1:]):
+        raise ValueError(
+            "ranks disagree on the tables or the sharding plan: "
+            + _first_difference([fp for _, fp, _ in verdicts])
+        )
     return placed
+
+
+def _first_difference(fingerprints: List[Any]) -> str:
+    """Which table / field first differs between rank 0 and another rank, for the error message."""
+    configs0, shardings0, fused0 = fingerprints[0]
+    for rank, (configs, shardings, fused) in enumerate(fingerprints[1:], start=1):
+        for a, b in zip(configs0, configs):
+            if a != b:
+                fields = (
+                    [name for (name, va), (_, vb) in zip(a[1], b[1]) if va != vb]
+                    if len(a) == 2 and len(b) == 2
+                    else []
+                )
+                where = f"table config differs between rank 0 and rank {rank} (fields {fields or '?'})"
+                return f"{where}: {a} vs {b}"[:2000]
+        if len(configs0) != len(configs):
+            return f"rank 0 has {len(configs0)} tables, rank {rank} has {len(configs)}"
+        if shardings0 != shardings:
+            return f"the sharding plan differs between rank 0 and rank {rank}"
+        if fused0 != fused:
+            return f"the fused optimizer config differs between rank 0 ({fused0}) and rank {rank} ({fused})"[
+                :2000
+            ]
+    return "?"
 
 
 def _reject_shared_features(tables: List[BaseEmbeddingConfig], owner: str) -> None:
@@ -132,13 +200,15 @@ def check_input(
     extra_check: Optional[Callable[[KeyedJaggedTensor], None]] = None,
 ) -> None:
     """Raise ``ValueError`` on every rank if any rank's input is bad: a missing or repeated feature
-    (features no table looks up are ignored), a missing weight, an id outside its table, a variable
-    batch per feature on some ranks only, or one without inverse indices; ``extra_check(features)``
-    may raise more (its ``KeyError`` / ``ValueError`` / ``IndexError`` is reported the same way). One
-    small all-gather and one host sync per forward; skipped when validation is off
-    (``shardkit.distributed.validation``)."""
-    if not validation_enabled():
-        return
+    (features no table looks up are ignored), negative lengths or lengths that do not sum to the
+    values, a missing weight, an id outside its table, a variable batch per feature on some ranks
+    only, or one without inverse indices; ``extra_check(features)`` may raise more. An exception
+    of any type on any rank is reported on every rank, and so is a process-wide switch set
+    differently on some ranks (``shardkit.distributed.switches``).
+
+    One small all-gather per forward, made whether validation is on or off (so ranks set differently
+    still make the same collectives); validation off skips the content checks (lengths, id ranges)
+    and their host sync."""
     error = None
     try:
         rows = {f: t.config.num_embeddings for t in tables for f in t.config.feature_names}
@@ -152,26 +222,47 @@ def check_input(
             raise ValueError(f"{owner}: a variable batch per feature needs the input's inverse_indices")
         if weighted and features.weights_or_none() is None:
             raise ValueError(f"{owner}: a weighted module needs a KeyedJaggedTensor with weights")
-        for key, ids in zip(keys, features.values().split(features.length_per_key())):
-            if key in rows and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows[key]):
-                bad = ids[(ids < 0) | (ids >= rows[key])][0]
-                raise IndexError(
-                    f"{owner}: id {int(bad)} of feature {key!r} is out of range [0, {rows[key]})"
-                )
+        if validation_enabled():
+            _check_lengths(features, owner)
+            for key, ids in zip(keys, features.values().split(features.length_per_key())):
+                if key in rows and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows[key]):
+                    bad = ids[(ids < 0) | (ids >= rows[key])][0]
+                    raise IndexError(
+                        f"{owner}: id {int(bad)} of feature {key!r} is out of range [0, {rows[key]})"
+                    )
         if extra_check is not None:
             extra_check(features)
-    except (KeyError, ValueError, IndexError) as err:
+    except Exception as err:  # noqa: BLE001 - every failure must reach the agreement below
         error = f"{type(err).__name__}: {err}"
     variable = features.variable_stride_per_key() if isinstance(features, KeyedJaggedTensor) else None
-    verdicts = (
-        [(error, variable)] if env.world_size == 1 else gather_objects((error, variable), env.process_group)
-    )
-    problems = [f"rank {r}: {e}" for r, (e, _) in enumerate(verdicts) if e is not None]
+    verdict = (error, variable, result_switches())
+    verdicts = [verdict] if env.world_size == 1 else gather_objects(verdict, env.process_group)
+    problems = [f"rank {r}: {e}" for r, (e, _, _) in enumerate(verdicts) if e is not None]
     if problems:
         raise ValueError("invalid input: " + "; ".join(problems))
-    if len({v for _, v in verdicts}) > 1:
-        per_rank = ", ".join(f"rank {r}: {v}" for r, (_, v) in enumerate(verdicts))
+    switches = switch_disagreements([s for _, _, s in verdicts])
+    if switches:
+        raise ValueError("ranks disagree on process-wide settings: " + "; ".join(switches))
+    if len({v for _, v, _ in verdicts}) > 1:
+        per_rank = ", ".join(f"rank {r}: {v}" for r, (_, v, _) in enumerate(verdicts))
         raise ValueError(f"ranks disagree on whether the input has a variable batch per feature ({per_rank})")
+
+
+def _check_lengths(features: KeyedJaggedTensor, owner: str) -> None:
+    """Lengths non-negative and summing to the number of values (one host sync): a KeyedJaggedTensor
+    built with ``validate=False`` was never checked, and bad lengths fail inside a kernel or, sent
+    on, on another rank."""
+    lengths = features.lengths()
+    if not lengths.numel():
+        smallest, total = 0, 0
+    else:
+        smallest, total = torch.stack([lengths.min(), lengths.sum()]).tolist()
+    if smallest < 0:
+        raise ValueError(f"{owner}: the input has a negative length ({smallest})")
+    if total != features.values().numel():
+        raise ValueError(
+            f"{owner}: the input's lengths sum to {total} but it has {features.values().numel()} values"
+        )
 
 
 class _InputDistAwaitable(Awaitable[Awaitable[KJTList]]):
@@ -234,7 +325,7 @@ class ShardedEmbeddingModule(ShardedModule):
         self._weighted = weighted
         self._owner = type(self).__name__
         _reject_shared_features(tables, self._owner)
-        placed = place_tables(tables, plan, env)
+        placed = place_tables(tables, plan, env, fused_optimizer)
         self._tables = placed
         by_kind: Dict[Tuple[str, str], List[ShardedTable]] = {}
         order = {t.value: i for i, t in enumerate(ShardingType)}

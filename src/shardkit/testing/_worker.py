@@ -31,6 +31,24 @@ def _reset_shardkit_state() -> None:
         state.reset_all()
 
 
+def _group_timeout_s(task: dict) -> float:
+    # SHARDKIT_TIMEOUT (seconds) bounds each collective; the task's timeout bounds the whole task
+    raw = task["env"].get("SHARDKIT_TIMEOUT") or os.environ.get("SHARDKIT_TIMEOUT")
+    if not raw:
+        return task["timeout"]
+    from shardkit.distributed.timeouts import parse_timeout
+
+    return parse_timeout(raw, "SHARDKIT_TIMEOUT")
+
+
+def _raise_naming_silent_ranks(err: Exception) -> None:
+    # imported on the error path only: a worker starts as fast as ``import torch``
+    from shardkit.distributed.timeouts import naming_silent_ranks
+
+    with naming_silent_ranks():
+        raise err
+
+
 def _run_task(task: dict) -> tuple:
     import torch.distributed as dist
 
@@ -52,7 +70,7 @@ def _run_task(task: dict) -> tuple:
                 store=dist.FileStore(task["store_path"], task["world_size"]),
                 rank=rank,
                 world_size=task["world_size"],
-                timeout=timedelta(seconds=task["timeout"]),
+                timeout=timedelta(seconds=_group_timeout_s(task)),
             )
         except Exception:  # noqa: BLE001 - reported apart: the parent may retry the task
             return ("init-error", rank, traceback.format_exc())
@@ -60,7 +78,10 @@ def _run_task(task: dict) -> tuple:
         # collective-free fn and tore its group down at once would break the peer's connection.
         # Barriers on both sides keep every rank's group alive until all ranks are done with it.
         dist.barrier()
-        result = fn(*args, **kwargs)
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as err:
+            _raise_naming_silent_ranks(err)
         dist.barrier()
         reply = ("ok", rank, pickle.dumps(result))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent with its traceback
