@@ -5,12 +5,12 @@ world sizes 1-4 (one launch each). Bad input and diverging configurations fail o
 
 from __future__ import annotations
 
-import copy
 import random
 
 import pytest
 import torch
 
+from shardkit import checkpoint
 from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.modules import (
     DistanceLFU_EvictionPolicy,
@@ -52,16 +52,18 @@ TABLES = {
 }
 
 
-def build(pooled: bool, world_size: int, equivalent: bool, interval_shift: int = 0):
+def build(
+    pooled: bool, world_size: int, equivalent: bool, interval_shift: int = 0, rw1_buckets: int = 1, seed=0
+):
     """The MC module; ``equivalent``: the unsharded equivalent (one-bucket row-wise modules cut into
     ``world_size`` buckets)."""
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config_type = EmbeddingBagConfig if pooled else EmbeddingConfig
     configs, modules = [], {}
     for name, (zch, dim, feats, policy, interval, hash_size, hash_fn, buckets) in TABLES.items():
         configs.append(config_type(zch, dim, name=name, feature_names=feats))
-        if equivalent and name == "rw1":
-            buckets = world_size
+        if name == "rw1":
+            buckets = world_size if equivalent and rw1_buckets == 1 else rw1_buckets
         modules[name] = MCHManagedCollisionModule(
             zch, None, policy(), interval + interval_shift, hash_size, hash_fn, name=name, buckets=buckets
         )
@@ -134,15 +136,23 @@ def bags_of(kjt: KeyedJaggedTensor, key: str, rows: slice):
 
 
 def check_equivalent(pooled: bool) -> None:
-    rank, world_size, _ = case.world()
+    _, world_size, _ = case.world()
     reference = build(pooled, world_size, equivalent=True)
     sharded = shard(build(pooled, world_size, equivalent=False), world_size)
+    assert run_steps(reference, sharded, range(STEPS)) > 20
+    reference.eval()
+    sharded.eval()
+    run_steps(reference, sharded, range(STEPS, STEPS + 2))  # eval: remap only
+    check_state(reference, sharded)
+
+
+def run_steps(reference, sharded, steps) -> int:
+    """Train both on the same global batches; compare each step; returns the evictions seen."""
+    rank, world_size, _ = case.world()
+    pooled = isinstance(reference, ManagedCollisionEmbeddingBagCollection)
     keys = [f for _, _, feats, *_ in TABLES.values() for f in feats]
     evictions_seen = 0
-    for step in range(STEPS + 2):
-        if step == STEPS:  # two eval steps: remap only
-            reference.eval()
-            sharded.eval()
+    for step in steps:
         per_rank = [rank_bags(step, r) for r in range(world_size)]
         global_kjt = case.to_kjt({f: [b for r in range(world_size) for b in per_rank[r][f]] for f in keys})
         local_kjt = case.to_kjt({f: per_rank[rank][f] for f in reversed(keys)})
@@ -170,11 +180,10 @@ def check_equivalent(pooled: bool) -> None:
                 torch.testing.assert_close(jt.values(), want.values()[rows].detach(), **TOL)
                 loss_ref = loss_ref + (want.values() * grad).sum()
                 loss = loss + (jt.values() * grad[rows]).sum()
-        if step < STEPS:
+        if reference.training:
             loss_ref.div(world_size).backward()
             loss.backward()
-    assert evictions_seen > 20
-    check_state(reference, sharded)
+    return evictions_seen
 
 
 def check_state(reference, sharded) -> None:
@@ -267,8 +276,43 @@ def test_bad_input_and_configs_fail_on_every_rank():
     assert all(run_world(_bad_input_worker, 3))
 
 
-def test_unsharded_equivalent_is_a_copy_for_one_rank():
-    module = build(True, 1, equivalent=False)
-    assert (
-        copy.deepcopy(module)._managed_collision_collection._managed_collision_modules["rw1"].buckets() == 1
-    )
+def _save_worker(directory: str) -> bool:
+    """Train 4 steps at this world size; save the sharded module (shardkit.checkpoint) and, on rank 0,
+    the unsharded equivalent. Every row-wise table has 12 buckets, so any world size up to 4 loads it."""
+    rank, world_size, _ = case.world()
+    reference = build(True, world_size, equivalent=True, rw1_buckets=12)
+    sharded = shard(build(True, world_size, equivalent=False, rw1_buckets=12), world_size)
+    assert run_steps(reference, sharded, range(4)) > 0
+    checkpoint.save(f"{directory}/sharded", sharded, {"fused": sharded.fused_optimizer})
+    if rank == 0:
+        ebc = reference._embedding_module
+        torch.save(
+            {"model": reference.state_dict(), "fused": ebc.fused_optimizer.state_dict()},
+            f"{directory}/ref.pt",
+        )
+    return True
+
+
+def _load_worker(directory: str) -> bool:
+    """Load into a differently initialized sharded module at another world size; continue 4 steps."""
+    _, world_size, _ = case.world()
+    reference = build(True, world_size, equivalent=True, rw1_buckets=12)
+    saved = torch.load(f"{directory}/ref.pt", weights_only=False)
+    reference.load_state_dict(saved["model"])
+    reference._embedding_module.fused_optimizer.load_state_dict(saved["fused"])
+    sharded = shard(build(True, world_size, equivalent=False, rw1_buckets=12, seed=5), world_size)
+    checkpoint.load(f"{directory}/sharded", sharded, {"fused": sharded.fused_optimizer})
+    check_state(reference, sharded)
+    assert run_steps(reference, sharded, range(4, 8)) > 0
+    check_state(reference, sharded)
+    # a map cut into other buckets does not load: every rank hears of it
+    other = shard(build(True, world_size, equivalent=False, rw1_buckets=24), world_size)
+    with pytest.raises(checkpoint.CheckpointError, match="12 buckets, this module 24"):
+        checkpoint.load(f"{directory}/sharded", other, {"fused": other.fused_optimizer})
+    return True
+
+
+def test_checkpoint_round_trip_at_other_world_sizes(tmp_path):
+    assert all(run_world(_save_worker, 2, str(tmp_path)))
+    for world_size in (4, 3, 1):
+        assert all(run_world(_load_worker, world_size, str(tmp_path)))
