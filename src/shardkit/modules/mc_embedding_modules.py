@@ -64,6 +64,14 @@ class BaseManagedCollisionEmbeddingCollection(nn.Module):
         self._allow_in_place_embed_weight_update = allow_in_place_embed_weight_update
         self.evictions_per_table: Dict[str, Optional[torch.Tensor]] = {}
 
+    @property
+    def fused_optimizer(self):
+        """The embedding module's fused optimizer (``ValueError`` if it was built without one)."""
+        return self._embedding_module.fused_optimizer
+
+    def is_weighted(self) -> bool:
+        return bool(getattr(self._embedding_module, "is_weighted", lambda: False)())
+
     def forward(
         self, features: KeyedJaggedTensor
     ) -> Tuple[Union[KeyedTensor, Dict[str, JaggedTensor]], Optional[KeyedJaggedTensor]]:
