@@ -25,7 +25,9 @@ def test_defaults_follow_the_specification():
     assert config.get_weight_init_max() == pytest.approx(math.sqrt(0.01))
     assert config.get_weight_init_min() == pytest.approx(-math.sqrt(0.01))
     assert EmbeddingConfig(num_embeddings=3, embedding_dim=2, name="e").pooling is PoolingType.NONE
-    assert [data_type_to_dtype(d) for d in DataType] == [torch.float32, torch.float16, torch.bfloat16]
+    assert [data_type_to_dtype(d) for d in DataType] == [torch.float32, torch.float16, torch.bfloat16] + [
+        torch.float32  # INT8 / INT4 / INT2 tables train in fp32; shardkit.quant quantizes them
+    ] * 3
     assert (
         EmbeddingBagConfig(num_embeddings=3, embedding_dim=2, name="s", data_type="BF16").dtype
         == torch.bfloat16

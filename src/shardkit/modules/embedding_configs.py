@@ -27,18 +27,32 @@ class PoolingType(Enum):
 
 @unique
 class DataType(Enum):
-    """Storage dtype of a table. Optimizer state and accumulations are fp32 whatever this is."""
+    """Storage dtype of a table. Optimizer state and accumulations are fp32 whatever this is.
+
+    INT8 / INT4 / INT2 are the serving precisions of ``shardkit.quant`` (row-wise quantized); the
+    trainable modules hold such a table in fp32 until ``from_float`` quantizes it.
+    """
 
     FP32 = "FP32"
     FP16 = "FP16"
     BF16 = "BF16"
+    INT8 = "INT8"
+    INT4 = "INT4"
+    INT2 = "INT2"
 
 
-_TORCH_DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
+_TORCH_DTYPES = {
+    DataType.FP32: torch.float32,
+    DataType.FP16: torch.float16,
+    DataType.BF16: torch.bfloat16,
+    DataType.INT8: torch.float32,
+    DataType.INT4: torch.float32,
+    DataType.INT2: torch.float32,
+}
 
 
 def data_type_to_dtype(data_type: DataType) -> torch.dtype:
-    """The torch dtype a table of ``data_type`` is stored in."""
+    """The torch dtype a trainable module stores a table of ``data_type`` in (fp32 for INT types)."""
     return _TORCH_DTYPES[DataType(data_type)]
 
 

@@ -199,17 +199,7 @@ class GroupedEmbeddingLookup(nn.Module):
         bag_shift = self._bag_shift(ids.device, bags_per_feature) if any(self._shifts) else None
         bag_scale = self._mean_scale(offsets, bags_per_feature) if self._has_mean else None
         try:
-            return lookup(
-                self.weight,
-                ids,
-                offsets,
-                bag_shift,
-                weights,
-                bag_scale,
-                self.pooled,
-                self.optimizer,
-                batch_major,
-            )
+            return self._run_kernel(ids, offsets, bag_shift, weights, bag_scale, batch_major)
         except IndexError:
             # validation was off and an id left the buffer (the kernel read nothing): name its feature
             self._check_ids(ids.to(torch.int64), offsets, bag_bounds)
@@ -224,6 +214,20 @@ class GroupedEmbeddingLookup(nn.Module):
         else:
             shape = (sum(bags_per_feature) if self.pooled else ids.size(0), self.embedding_dim)
         return torch.empty(shape, dtype=self.weight.dtype, device="meta")
+
+    def _run_kernel(
+        self,
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        bag_shift: Optional[torch.Tensor],
+        weights: Optional[torch.Tensor],
+        bag_scale: Optional[torch.Tensor],
+        batch_major: int,
+    ) -> torch.Tensor:
+        """The one kernel call over the buffer (a quantized group overrides it: shardkit.quant)."""
+        return lookup(
+            self.weight, ids, offsets, bag_shift, weights, bag_scale, self.pooled, self.optimizer, batch_major
+        )
 
     def _bag_shift(self, device: torch.device, bags_per_feature: Sequence[int]) -> torch.Tensor:
         """int64 ``[sum(bags_per_feature)]``: each bag's shift from table id to buffer row (cached)."""

@@ -1,6 +1,6 @@
 """What EmbeddingBagCollection and EmbeddingCollection share: tables grouped into lookups.
 
-Tables are grouped by (embedding_dim, dtype) in order of first appearance; each group is one
+Tables are grouped by (embedding_dim, data_type) in order of first appearance; each group is one
 :class:`GroupedEmbeddingLookup`. This base class routes a KeyedJaggedTensor's features to the groups
 (one permute and one split, both views or one copy, never a loop over samples), exposes each table's
 rows as a view of its group's buffer, and keeps the state dict keyed by table
@@ -16,6 +16,7 @@ from torch import nn
 
 from shardkit.modules.embedding_configs import (
     BaseEmbeddingConfig,
+    DataType,
     check_table_configs,
     embedding_names_by_table,
 )
@@ -27,10 +28,11 @@ from shardkit.sparse import KeyedJaggedTensor
 
 
 def group_tables(tables: Sequence[BaseEmbeddingConfig]) -> List[List[BaseEmbeddingConfig]]:
-    """Tables grouped by (embedding_dim, dtype), groups and members in order of first appearance."""
-    groups: Dict[Tuple[int, torch.dtype], List[BaseEmbeddingConfig]] = {}
+    """Tables grouped by (embedding_dim, data_type), groups and members in order of first appearance
+    (the data type decides the dtype, and a quantized module's storage)."""
+    groups: Dict[Tuple[int, DataType], List[BaseEmbeddingConfig]] = {}
     for table in tables:
-        groups.setdefault((table.embedding_dim, table.dtype), []).append(table)
+        groups.setdefault((table.embedding_dim, table.data_type), []).append(table)
     return list(groups.values())
 
 
@@ -47,7 +49,12 @@ class GroupedTablesModule(nn.Module):
 
     Input: a KeyedJaggedTensor with (at least) every feature of the tables, in any order; features no
     table looks up are ignored, so one KJT can feed several modules.
+
+    Subclasses may set ``lookup_class`` (the quantized modules store their groups in
+    ``shardkit.quant``'s lookup, which takes the same arguments).
     """
+
+    lookup_class = GroupedEmbeddingLookup
 
     def __init__(
         self,
@@ -65,7 +72,7 @@ class GroupedTablesModule(nn.Module):
         self._embedding_names = [name for names in names_by_table for name in names]
         self._state_prefix = state_prefix
         self.lookups = nn.ModuleList(
-            GroupedEmbeddingLookup([ShardSpec(t) for t in group], pooled, device, fused_optimizer)
+            self.lookup_class([ShardSpec(t) for t in group], pooled, device, fused_optimizer)
             for group in group_tables(self._tables)
         )
         # where each table lives: (group index, shard index)
@@ -194,7 +201,8 @@ def _tables_from_state_dict(
         if all(name in state_dict for name in names):
             parts = [state_dict.pop(name) for name in names]
             shapes = [tuple(p.shape) for p in parts]
-            expected = [(shard.num_rows, shard.num_cols) for shard in lookup.shards]
+            # the stored shapes ([rows, cols], or a quantized group's [rows, row bytes])
+            expected = [tuple(lookup.shard_rows(i).shape) for i in range(len(lookup.shards))]
             if shapes != expected:
                 error_msgs.append(f"table shapes {shapes} do not match the configs {expected} ({names})")
                 continue

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from shardkit.modules.embedding_configs import DataType
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig
 from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup
 from shardkit.sharding.embedding_sharding import ColumnBlock, ShardedTable, TableShard
@@ -25,10 +26,11 @@ PlacedShard = Tuple[ShardedTable, TableShard]
 
 
 def group_shards(shards: List[PlacedShard]) -> List[List[PlacedShard]]:
-    """Shards grouped by (width, dtype), groups and members in order of first appearance."""
-    groups: Dict[Tuple[int, torch.dtype], List[PlacedShard]] = {}
+    """Shards grouped by (width, data type), groups and members in order of first appearance."""
+    groups: Dict[Tuple[int, DataType], List[PlacedShard]] = {}
     for table, shard in shards:
-        groups.setdefault((shard.col_end - shard.col_start, table.config.dtype), []).append((table, shard))
+        key = (shard.col_end - shard.col_start, table.config.data_type)
+        groups.setdefault(key, []).append((table, shard))
     return list(groups.values())
 
 
@@ -55,6 +57,9 @@ class ShardedGroupedLookup(nn.Module):
         dtype: the output's dtype, the same on every rank (default: float32); groups of another
             dtype are converted.
 
+    Subclasses may set ``group_lookup_class`` (``shardkit.sharding.quant_lookup`` stores quantized
+    groups), called as ``GroupedEmbeddingLookup`` is.
+
     forward(kjt) with the features of :attr:`keys` in order, stride R (sum of the ranks' batches):
 
     - pooled: ``[R, sum of the keys' widths]``, key k's block at its place in :attr:`keys`;
@@ -64,6 +69,8 @@ class ShardedGroupedLookup(nn.Module):
     every rank must take part in the output dist's backward; weights that require grad are then kept
     in the graph too, for the KJT all-to-all's backward.
     """
+
+    group_lookup_class = GroupedEmbeddingLookup
 
     def __init__(
         self,
@@ -80,7 +87,7 @@ class ShardedGroupedLookup(nn.Module):
         self.dtype = dtype
         self.placed: List[List[PlacedShard]] = group_shards(shards)
         self.lookups = nn.ModuleList(
-            GroupedEmbeddingLookup([t.spec(s) for t, s in group], pooled, device, fused_optimizer)
+            self.group_lookup_class([t.spec(s) for t, s in group], pooled, device, fused_optimizer)
             for group in self.placed
         )
         self.keys: List[ColumnBlock] = received_keys(shards)

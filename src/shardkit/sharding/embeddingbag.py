@@ -6,6 +6,7 @@ The sharded plain ``nn.EmbeddingBag`` (``ShardedEmbeddingBag`` / ``EmbeddingBagS
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Dict, List, Optional, Tuple, Type
 
@@ -127,6 +128,7 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
     """
 
     table_key = "embedding_bags"
+    sharding_classes = POOLED_SHARDINGS  # the quantized collection brings its own
 
     def __init__(
         self,
@@ -136,13 +138,13 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
         device: Optional[torch.device] = None,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
     ) -> None:
-        on_meta = any(p.device.type == "meta" for p in module.parameters())
+        on_meta = any(t.device.type == "meta" for t in itertools.chain(module.parameters(), module.buffers()))
         super().__init__(
             module.embedding_bag_configs(),
             table_name_to_parameter_sharding,
             env,
             True,
-            POOLED_SHARDINGS,
+            self.sharding_classes,
             module._fused_optimizer.config if module._fused_optimizer is not None else None,
             None if on_meta else module.table_weight,
             device,

@@ -75,8 +75,8 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedEmbeddingBagCollectio
             module.embedding_bag_collection,
             table_name_to_parameter_sharding,
             env,
-            device,
-            qcomm_codecs_registry,
+            device=device,
+            qcomm_codecs_registry=qcomm_codecs_registry,
         )
         # the unsharded module's attribute name, so that state-dict keys match
         self._feature_processors = nn.ModuleDict({f: copy.deepcopy(p) for f, p in processors.items()})

@@ -49,6 +49,15 @@ from shardkit.sharding.types import (
 from shardkit.sparse import KeyedJaggedTensor
 
 _DATA_PARALLEL = (DpPooledEmbeddingSharding, DpSequenceEmbeddingSharding)
+# kernels that apply the module's fused optimizer in backward (the UVM variants behave as FUSED on CPU)
+_FUSED_KERNELS = tuple(
+    k.value
+    for k in (
+        EmbeddingComputeKernel.FUSED,
+        EmbeddingComputeKernel.FUSED_UVM,
+        EmbeddingComputeKernel.FUSED_UVM_CACHING,
+    )
+)
 
 
 class EmbeddingShardingContext:
@@ -304,6 +313,8 @@ class ShardedEmbeddingModule(ShardedModule):
     """
 
     table_key = ""
+    # the plan's compute kernels this module runs (the quantized modules run the QUANT ones)
+    supported_kernels: Tuple[str, ...] = (EmbeddingComputeKernel.DENSE.value, *_FUSED_KERNELS)
 
     def __init__(
         self,
@@ -326,6 +337,17 @@ class ShardedEmbeddingModule(ShardedModule):
         self._owner = type(self).__name__
         _reject_shared_features(tables, self._owner)
         placed = place_tables(tables, plan, env, fused_optimizer)
+        # the ranks agree on the plan by now, so every rank reaches the same verdict here
+        unsupported = [
+            f"{t.name!r} ({t.sharding_type}, {t.compute_kernel})"
+            for t in placed
+            if t.sharding_type not in sharding_classes or t.compute_kernel not in self.supported_kernels
+        ]
+        if unsupported:
+            raise ValueError(
+                f"{self._owner} cannot shard table(s) {', '.join(unsupported)}: it supports the sharding "
+                f"types {list(sharding_classes)} with the compute kernels {list(self.supported_kernels)}"
+            )
         self._tables = placed
         by_kind: Dict[Tuple[str, str], List[ShardedTable]] = {}
         order = {t.value: i for i, t in enumerate(ShardingType)}
@@ -333,7 +355,7 @@ class ShardedEmbeddingModule(ShardedModule):
             by_kind.setdefault((table.sharding_type, table.compute_kernel), []).append(table)
         self._shardings: List[EmbeddingSharding] = []
         for (kind, kernel), members in by_kind.items():
-            fused = kernel != EmbeddingComputeKernel.DENSE.value
+            fused = kernel in _FUSED_KERNELS
             if fused and fused_optimizer is None:
                 raise ValueError(
                     f"tables {[t.name for t in members]} use the {kernel} kernel, which needs a module built "
