@@ -2,24 +2,28 @@
 
 A submodule is planned by the first sharder whose ``module_type`` it is an instance of; its children
 are not searched further (the sharder shards it whole). Its tables come from the module's configs
-(``EmbeddingBagCollection`` / ``EmbeddingCollection``). A table's options are the product of the
+(``EmbeddingBagCollection`` / ``EmbeddingCollection``; a quantized one's tables count their stored
+bytes: packed values plus each row's scale and bias). A table's options are the product of the
 sharding types and compute kernels that both the sharder and the table's ``ParameterConstraints``
 allow, each with its shard layout; the estimators fill in storage and time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from shardkit.distributed.tensor_split import split_offsets, split_sizes
+from shardkit.kernels.quant_rows import data_bytes, row_bytes
 from shardkit.modules import OptimType, PoolingType
 from shardkit.planner.constraints import ParameterConstraints
 from shardkit.planner.errors import PlannerError
 from shardkit.planner.topology import Topology
 from shardkit.planner.types import ShardingOption, TableInfo
+from shardkit.quant import QuantEmbeddingBagCollection, QuantEmbeddingCollection
 from shardkit.sharding.sharding_plan import table_configs
 from shardkit.sharding.types import EmbeddingComputeKernel, ModuleSharder, ShardingType
 
@@ -50,6 +54,18 @@ def shardable_modules(
             return
     for name, child in module.named_children():
         yield from shardable_modules(child, sharders, f"{prefix}.{name}" if prefix else name)
+
+
+def _quantized_sizes(module: nn.Module, config) -> Dict[str, float]:
+    """A quantized table's stored sizes (``shardkit.kernels.quant_rows``): packed bytes per value, the
+    4-byte scale and bias of an int row, and its fp32 output (no gradient)."""
+    storage = module.table_storage(config.name)
+    return dict(
+        element_size=data_bytes(config.embedding_dim, storage) / config.embedding_dim,
+        row_bytes=row_bytes(config.embedding_dim, storage) - data_bytes(config.embedding_dim, storage),
+        output_bytes_per_value=4.0,
+        fused_optimizer=False,
+    )
 
 
 def _per_feature(
@@ -110,6 +126,9 @@ class EmbeddingEnumerator:
             state_row, state_value = _STATE_BYTES[optim] if optim is not None else (0, 0)
             # a weighted collection's ids travel with an fp32 weight each
             weighted = bool(getattr(sub, "is_weighted", lambda: False)())
+            quantized = isinstance(sub, (QuantEmbeddingBagCollection, QuantEmbeddingCollection))
+            if quantized:  # inference tables: no optimizer state
+                state_row = state_value = 0
             for config in table_configs(sub):
                 c = self.constraints.get(config.name, ParameterConstraints())
                 bad = [r for r in c.ranks or () if not 0 <= r < self.topology.world_size]
@@ -136,6 +155,8 @@ class EmbeddingEnumerator:
                     bytes_per_id=12 if weighted else 8,
                     fused_optimizer=own_optim is not None,
                 )
+                if quantized:
+                    table = dataclasses.replace(table, **_quantized_sizes(sub, config))
                 found.append((table, sharder))
         return found
 

@@ -94,13 +94,16 @@ class EmbeddingStorageEstimator:
 
         def coefficients(o: ShardingOption) -> List[Linear]:
             t: TableInfo = o.table
-            weights: Linear = (float(t.element_size), 0.0, 0.0, 0.0)
+            weights: Linear = (float(t.element_size), float(t.row_bytes), 0.0, 0.0)
             state: Linear = (float(t.state_bytes_per_value), float(t.state_bytes_per_row), 0.0, 0.0)
             if o.compute_kernel == _K.DENSE.value:
                 state = _add(state, weights)  # the dense gradient, as large as the table
             table = _add(weights, state)
+            output_bytes = (
+                2 * t.element_size if t.output_bytes_per_value is None else t.output_bytes_per_value
+            )
             buffers = _add(
-                _scale(_ids(o, world), t.bytes_per_id), _scale(_output_values(o, world), 2 * t.element_size)
+                _scale(_ids(o, world), t.bytes_per_id), _scale(_output_values(o, world), output_bytes)
             )
             zero: Linear = (0.0, 0.0, 0.0, 0.0)
             if not on_gpu:

@@ -37,7 +37,8 @@ class TableInfo:
     Attributes:
         module_path: FQN of the module that owns the table ("" for the root).
         name: table name (the key of the module's plan).
-        rows, cols: table shape; element_size: bytes per value.
+        rows, cols: table shape; element_size: bytes per value (a quantized table: its packed bytes
+            per value, 0.5 for int4).
         pooled: pooled lookups (one output row per bag) or sequence lookups (one per id).
         bags: bags per step on one rank (sum over the table's features of their batch sizes).
         ids: ids per step on one rank (sum over features of batch size x pooling factor).
@@ -47,13 +48,16 @@ class TableInfo:
         bytes_per_id: bytes an id costs in the input dist: 8 (int64), 12 with a per-id fp32 weight.
         fused_optimizer: whether its module was built with a fused optimizer (the FUSED kernels
             apply it in backward, so a sharded module refuses them without one).
+        row_bytes: bytes per row of a shard beside its values (a quantized row's fp16 scale and bias).
+        output_bytes_per_value: bytes per output value of one step (None: the output and its gradient
+            in the table dtype, ``2 * element_size``; a quantized table: its fp32 output only).
     """
 
     module_path: str
     name: str
     rows: int
     cols: int
-    element_size: int
+    element_size: float
     pooled: bool
     bags: float
     ids: float
@@ -62,6 +66,8 @@ class TableInfo:
     allowed_ranks: Optional[tuple] = None
     bytes_per_id: int = 8
     fused_optimizer: bool = True
+    row_bytes: int = 0
+    output_bytes_per_value: Optional[float] = None
 
     @property
     def fqn(self) -> str:
@@ -69,7 +75,7 @@ class TableInfo:
 
     @property
     def nbytes(self) -> int:
-        return self.rows * self.cols * self.element_size
+        return int(self.rows * self.cols * self.element_size) + self.rows * self.row_bytes
 
 
 @dataclasses.dataclass

@@ -381,7 +381,7 @@ class ShardedEmbeddingModule(ShardedModule):
         self._permutations: Dict[Tuple[str, ...], Optional[List[int]]] = {}
         self._states = TableStates(placed, plan, env.world_size, env.rank, list(self.lookups))
         grouped = [lk for lookup in self.lookups for lk in lookup.lookups if lk.optimizer is not None]
-        any_fused = any(t.compute_kernel != EmbeddingComputeKernel.DENSE.value for t in placed)
+        any_fused = any(t.compute_kernel in _FUSED_KERNELS for t in placed)
         # every rank gets one when any table is fused, also a rank holding none of their shards, so
         # that every rank's optimizer state dict has the same keys (a checkpoint saves and loads alike)
         self._fused = ShardedFusedOptimizer(fused_optimizer, grouped, self._states) if any_fused else None
