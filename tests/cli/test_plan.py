@@ -116,3 +116,70 @@ def test_parse_bytes_units():
     assert plan.parse_bytes("16GiB", "m") == 16 << 30
     assert plan.parse_bytes("1.5 KB", "m") == 1500
     assert plan.parse_bytes(1024, "m") == 1024
+
+
+def _yaml_config(**overrides) -> str:
+    """CONFIG as YAML text with some top-level or first-table values replaced by raw YAML."""
+    top = {"world_size": "2", "memory_per_rank": "1GiB", "device": "cpu"}
+    table = {"name": "t", "rows": "100", "dim": "8", "pooling_factor": "2"}
+    for key, value in overrides.items():
+        (table if key in table else top)[key] = value
+    lines = [f"{k}: {v}" for k, v in top.items()]
+    lines.append("tables:\n  - {" + ", ".join(f"{k}: {v}" for k, v in table.items()) + "}")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (_yaml_config(memory_per_rank="1.2.3GB"), "memory_per_rank must be a byte count"),
+        (_yaml_config(memory_per_rank=".nan"), "memory_per_rank must be a finite number"),
+        (_yaml_config(memory_per_rank=".inf"), "memory_per_rank must be a finite number"),
+        (_yaml_config(memory_per_rank="1.0e999"), "memory_per_rank must be a finite number"),
+        (_yaml_config(memory_per_rank="99999999EiB"), "memory_per_rank must be a byte count"),
+        (_yaml_config(memory_per_rank="1.0e30"), "more than"),
+        (_yaml_config(pooling_factor=".nan"), "pooling_factor must be a finite number"),
+        (_yaml_config(pooling_factor="-1"), "pooling_factor must not be negative"),
+        (_yaml_config(rows="1.0e20"), "rows must be a positive integer"),
+        (_yaml_config(rows=str(10**20)), "rows is 100000000000000000000, more than the largest"),
+        (_yaml_config(dim=str(10**12)), "dim is 1000000000000, more than the largest supported (65536)"),
+        (_yaml_config(world_size=str(10**12)), "world_size is 1000000000000, more than"),
+    ],
+)
+def test_hostile_yaml_values_are_one_line_errors(tmp_path, capsys, text, message):
+    pytest.importorskip("yaml")
+    path = tmp_path / "plan.yaml"
+    path.write_text(text)
+    assert main(["plan", str(path)]) == 2
+    assert message in error_line(capsys)
+
+
+def test_hostile_files_are_short_one_line_errors(tmp_path, capsys):
+    nan = tmp_path / "nan.json"
+    nan.write_text(json.dumps(CONFIG).replace('"1GiB"', "NaN"))
+    assert main(["plan", str(nan)]) == 2
+    assert "JSON NaN is not a number" in error_line(capsys)
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(json.dumps(CONFIG).encode()[:20] + b"\xff\xfe" + b"}")
+    assert main(["plan", str(binary)]) == 2
+    assert "not UTF-8 text: byte 0xff at offset 20" in error_line(capsys)
+    pytest.importorskip("yaml")
+    # a few hundred bytes of nested aliases (9**8 leaves): the error quotes an abbreviation
+    levels = ["&a [x, x, x, x, x, x, x, x, x]"]
+    levels += [f"&{chr(98 + i)} [" + ", ".join([f"*{chr(97 + i)}"] * 9) + "]" for i in range(7)]
+    path = tmp_path / "bomb.yaml"
+    path.write_text(f"world_size: [{', '.join(levels)}]\nmemory_per_rank: 1GiB\ntables: []\n")
+    assert path.stat().st_size < 600
+    assert main(["plan", str(path)]) == 2
+    line = error_line(capsys)
+    assert len(line) <= 330 and "world_size must be a positive integer" in line
+
+
+def test_bench_out_naming_a_file_is_a_one_line_error(tmp_path, capsys):
+    scripts = tmp_path / "benchmarks"
+    scripts.mkdir()
+    (scripts / "demo_bench.py").write_text("def main(argv):\n    pass\n")
+    existing = tmp_path / "results.json"
+    existing.write_text("{}")
+    assert main(["bench", "demo_bench", "--dir", str(scripts), "--out", str(existing)]) == 2
+    assert "--out" in error_line(capsys) and existing.read_text() == "{}"

@@ -83,3 +83,32 @@ def test_same_process_view_and_errors():
     assert torch.all(view == 7.0)  # existing views outlive the name
     with pytest.raises(FileNotFoundError, match="closed"):
         rebuild_teacher_full_logits_from_ipc({"teacher_full_logits_ipc": entries})
+
+
+def test_handles_open_only_files_shardkit_created(tmp_path):
+    """A crafted handle must not resize or write any file: checked before the file is mapped."""
+    victim = tmp_path / "important.txt"
+    victim.write_bytes(b"keep me")
+    buf = TeacherLogitsBuffer((2, 1, 3))
+    good = buf.handle()
+    shared_dir = os.path.dirname(good["path"])
+    link = os.path.join(shared_dir, "shardkit-teacher-logits-link-" + str(os.getpid()))
+    os.symlink(victim, link)
+    try:
+        crafted = {
+            "elsewhere": dict(good, path=str(victim)),
+            "traversal": dict(good, path=os.path.join(shared_dir, "..", str(victim).lstrip("/"))),
+            "other name": dict(good, path=os.path.join(shared_dir, "not-ours")),
+            "symlink": dict(good, path=link),
+            "too large": dict(good, numel=good["numel"] * 1000),
+            "bad shape": dict(good, shape=[2, -1, 3]),
+        }
+        for handle in crafted.values():
+            entries = [{"rank_logits_ipc": handle, "sample_idx_within_rank": 0}]
+            with pytest.raises(ValueError, match="refusing|shape must be"):
+                rebuild_teacher_full_logits_from_ipc({"teacher_full_logits_ipc": entries})
+        assert victim.read_bytes() == b"keep me"  # nothing resized or written
+        assert os.path.getsize(good["path"]) == good["numel"] * 4
+    finally:
+        os.unlink(link)
+        buf.close()

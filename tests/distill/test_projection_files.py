@@ -95,11 +95,29 @@ def test_errors(tmp_path):
         "badkey.pt": {(1, 2, 3): 1.0},
         "negkey.pt": {(-1, 2): 1.0},
         "badval.pt": {(1, 2): "x"},
+        # numbers that would make the loss NaN, or ids that overflow: each names its file
+        "nancount.pt": {(1, 2): float("nan")},
+        "infcount.pt": {(1, 2): float("inf")},
+        "negcount.pt": {(1, 2): -0.5},
+        "hugeid.pt": {(1, 2**70): 1.0},
+        "nanlikelihood.pt": {
+            "indices": torch.tensor([[0, 1]]),
+            "likelihoods": torch.tensor([[0.5, float("nan")]]),
+        },
+        "neglikelihood.pt": {"indices": torch.tensor([[0, 1]]), "likelihoods": torch.tensor([[-1.0, 2.0]])},
+        "inflikelihood.pt": {"indices": torch.tensor([[0]]), "likelihoods": torch.tensor([[float("inf")]])},
+        "hugeindex.pt": {"indices": torch.tensor([[2**62]]), "likelihoods": torch.ones(1, 1)},
     }
     for name, obj in cases.items():
         torch.save(obj, tmp_path / name)
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=name):
             parse_projection_file(tmp_path / name)
+    # an unused slot (-1) may hold anything: its likelihood is ignored
+    torch.save(
+        {"indices": torch.tensor([[0, -1]]), "likelihoods": torch.tensor([[1.0, float("nan")]])},
+        tmp_path / "ok.pt",
+    )
+    parse_projection_file(tmp_path / "ok.pt")
     with pytest.raises(ValueError, match="non-negative int"):
         get_sparse_projection_matrix(tmp_path / "list.pt", "cpu", student_vocab_size=-1, teacher_vocab_size=1)
 

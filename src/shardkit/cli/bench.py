@@ -156,7 +156,14 @@ def run(args) -> int:
         )
         return 2
     out_dir = Path(args.out) if args.out else bench_dir / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        print(f"shardkit bench: error: --out {out_dir} exists and is not a directory", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"shardkit bench: error: cannot create --out {out_dir}: {err.strerror}", file=sys.stderr)
+        return 2
     try:
         import matplotlib  # noqa: F401
 

@@ -22,7 +22,9 @@ error and exit code 2; a config whose tables fit nowhere prints the planner's ex
 from __future__ import annotations
 
 import json
+import math
 import re
+import reprlib
 import sys
 from pathlib import Path
 from typing import Any, Dict, List
@@ -48,22 +50,52 @@ CONSTRAINT_KEYS = {
 }
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
+_NUMBER = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
+# sizes checked before anything is built: a table past these is a typo, and planning it would
+# enumerate (dim) or count (rows) without bound
+MAX_ROWS = 1 << 48
+MAX_DIM = 1 << 16
+MAX_BYTES = 1 << 60
+MAX_WORLD = 1 << 16
+MAX_CONFIG_BYTES = 16 << 20
+_MAX_MESSAGE = 300
+# values quoted in errors are abbreviated: a small YAML file with nested aliases expands to gigabytes
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = 2, 4, 4, 60, 60
+
+
+def _short(value: Any) -> str:
+    return _SHORT.repr(value)
 
 
 class ConfigError(ValueError):
-    """A malformed plan config; the message is one line naming the offending key."""
+    """A malformed plan config; the message is one line naming the offending key (at most 300 chars)."""
+
+    def __init__(self, message: str) -> None:
+        if len(message) > _MAX_MESSAGE:
+            message = message[: _MAX_MESSAGE - 3] + "..."
+        super().__init__(message)
 
 
 def load_config(path: str) -> Dict[str, Any]:
     """Parse ``path`` as JSON (``.json``) or YAML (anything else, which needs PyYAML)."""
     file = Path(path)
     try:
-        text = file.read_text()
+        size = file.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: {size} bytes; a plan config is at most {MAX_CONFIG_BYTES}")
+        raw = file.read_bytes()
     except OSError as err:
         raise ConfigError(f"cannot read {path}: {err.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{path} is not UTF-8 text: byte 0x{raw[err.start]:02x} at offset {err.start}"
+        ) from None
     if file.suffix.lower() == ".json":
         try:
-            data = json.loads(text)
+            data = json.loads(text, parse_constant=_reject_constant)
         except json.JSONDecodeError as err:
             raise ConfigError(f"{path} is not valid JSON: {err.msg} at line {err.lineno}") from None
     else:
@@ -87,58 +119,77 @@ def load_config(path: str) -> Dict[str, Any]:
     return data
 
 
+def _reject_constant(name: str) -> Any:
+    raise ConfigError(f"JSON {name} is not a number a config can use")
+
+
+def _finite(value: Any, key: str) -> float:
+    if not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {_short(value)}")
+    return value
+
+
 def parse_bytes(value: Any, key: str) -> int:
     """``value`` as a byte count: an int / float, or a string such as ``"16GiB"`` or ``"512 MB"``."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{key} must be a byte count such as 16GiB, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"{key} must be a byte count such as 16GiB, got {_short(value)}")
     if isinstance(value, (int, float)):
         number, unit = float(value), ""
     else:
-        match = re.fullmatch(r"\s*([0-9.]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+        match = re.fullmatch(rf"\s*({_NUMBER})\s*([A-Za-z]*)\s*", value[:100])
         if match is None or match.group(2).upper() not in _UNITS:
-            raise ConfigError(f"{key} must be a byte count such as 16GiB, got {value!r}")
+            raise ConfigError(f"{key} must be a byte count such as 16GiB, got {_short(value)}")
         number, unit = float(match.group(1)), match.group(2).upper()
+    _finite(number, key)
     if number < 0:
-        raise ConfigError(f"{key} must not be negative, got {value!r}")
-    return int(number * _UNITS[unit])
+        raise ConfigError(f"{key} must not be negative, got {_short(value)}")
+    total = number * _UNITS[unit]
+    if total > MAX_BYTES:
+        raise ConfigError(f"{key} is {_short(value)}, more than {MAX_BYTES} bytes")
+    return int(total)
 
 
 def _expect(value: Any, kinds: tuple, key: str, what: str) -> Any:
     # bool is an int subclass, but `rows: true` is a mistake, not a row count
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise ConfigError(f"{key} must be {what}, got {value!r}")
+        raise ConfigError(f"{key} must be {what}, got {_short(value)}")
+    if isinstance(value, float):
+        _finite(value, key)
     return value
 
 
-def _positive_int(value: Any, key: str) -> int:
+def _positive_int(value: Any, key: str, limit: int = MAX_ROWS) -> int:
     if _expect(value, (int,), key, "a positive integer") < 1:
-        raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+        raise ConfigError(f"{key} must be a positive integer, got {_short(value)}")
+    if value > limit:
+        raise ConfigError(f"{key} is {value}, more than the largest supported ({limit})")
     return value
 
 
 def _unknown(keys, known: set, where: str) -> None:
     extra = sorted(set(keys) - known)
     if extra:
-        raise ConfigError(f"{where}: unknown key {extra[0]!r}; known: {', '.join(sorted(known))}")
+        raise ConfigError(f"{where}: unknown key {_short(extra[0])}; known: {', '.join(sorted(known))}")
 
 
 def _number_list(value: Any, key: str) -> List[float]:
     values = value if isinstance(value, list) else [value]
     for v in values:
-        _expect(v, (int, float), key, "a number or a list of numbers")
+        if _expect(v, (int, float), key, "a number or a list of numbers") < 0:
+            raise ConfigError(f"{key} must not be negative, got {_short(v)}")
     return [float(v) for v in values]
 
 
 def _topology(config: Dict[str, Any]):
     from shardkit.planner import Topology
 
-    world = _positive_int(config["world_size"], "world_size")
+    world = _positive_int(config["world_size"], "world_size", MAX_WORLD)
     local = config.get("local_world_size")
     if local is not None and (_positive_int(local, "local_world_size") > world or world % local):
         raise ConfigError(f"local_world_size {local} must divide world_size {world}")
     device = config.get("device", "cuda")
     if device not in ("cuda", "cpu"):
-        raise ConfigError(f"device must be cuda or cpu, got {device!r}")
+        raise ConfigError(f"device must be cuda or cpu, got {_short(device)}")
     memory = parse_bytes(config["memory_per_rank"], "memory_per_rank")
     caps = {"hbm_cap": memory} if device == "cuda" else {"ddr_cap": memory}
     return Topology(world_size=world, compute_device=device, local_world_size=local, **caps)
@@ -165,7 +216,7 @@ def _tables(config: Dict[str, Any]):
         tables.append(
             EmbeddingBagConfig(
                 num_embeddings=_positive_int(t["rows"], f"{where} rows"),
-                embedding_dim=_positive_int(t["dim"], f"{where} dim"),
+                embedding_dim=_positive_int(t["dim"], f"{where} dim", MAX_DIM),
                 name=name,
                 feature_names=[
                     _expect(f, (str,), f"{where} features", "a list of strings") for f in features
@@ -188,7 +239,7 @@ def _constraints(config: Dict[str, Any], names: set, pooling: Dict[str, dict], w
     )
     for name, c in given.items():
         if name not in names:
-            raise ConfigError(f"constraints: no table named {name!r}")
+            raise ConfigError(f"constraints: no table named {_short(name)}")
         _expect(c, (dict,), f"constraints of {name!r}", "a mapping")
         _unknown(c, CONSTRAINT_KEYS, f"constraints of {name!r}")
         merged.setdefault(name, {}).update(c)
@@ -203,7 +254,7 @@ def _constraints(config: Dict[str, Any], names: set, pooling: Dict[str, dict], w
             for v in _expect(c.get(key, []), (list,), f"{where} {key}", "a list"):
                 if v not in values:
                     what = key[:-1].replace("_", " ")
-                    raise ConfigError(f"{where}: unknown {what} {v!r}; known: {', '.join(values)}")
+                    raise ConfigError(f"{where}: unknown {what} {_short(v)}; known: {', '.join(values)}")
         if "pooling_factors" in c:
             c["pooling_factors"] = _number_list(c["pooling_factors"], f"{where} pooling_factors")
         for key in ("batch_sizes", "ranks"):
@@ -237,10 +288,10 @@ def build(config: Dict[str, Any]):
     fused = None
     if config.get("optimizer") is not None:
         optimizers = {t.value.lower(): t for t in OptimType}
-        name = str(config["optimizer"]).lower()
+        name = str(config["optimizer"])[:100].lower()
         if name not in optimizers:
             raise ConfigError(
-                f"optimizer: unknown {config['optimizer']!r}; known: {', '.join(sorted(optimizers))}"
+                f"optimizer: unknown {_short(config['optimizer'])}; known: {', '.join(sorted(optimizers))}"
             )
         fused = FusedOptimizerConfig(optimizers[name])
     tables, pooling = _tables(config)

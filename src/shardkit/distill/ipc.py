@@ -13,12 +13,19 @@ Handles are plain picklable data. On CPU the buffer is a file in shared memory (
 present) mapped with ``MAP_SHARED`` by ``torch.from_file``; on CUDA it is PyTorch's CUDA IPC handle
 (``torch.multiprocessing.reductions``), which a *different* process must open (CUDA does not let a
 process open its own IPC handle).
+
+A handle is untrusted input: mapping a file with ``torch.from_file(shared=True)`` would grow and
+write any file it names. A CPU handle is opened only if it names a regular file (not a link) that
+shardkit's producer created: in the shared-memory directory, with the producer's name prefix, owned
+by this user, and exactly as large as the handle's dtype and size say. Anything else is a
+``ValueError`` before the file is touched.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import stat
 import tempfile
 import weakref
 from typing import Any, Dict, List, Mapping, Sequence
@@ -29,6 +36,12 @@ from torch.multiprocessing import reductions
 IPC_KEY = "teacher_full_logits_ipc"
 _CPU_KIND = "cpu_shared_file"
 _CUDA_KIND = "cuda_ipc"
+_PREFIX = "shardkit-teacher-logits-"
+
+
+def _shared_dir() -> str:
+    """Where the producer creates its files: ``/dev/shm`` when present, else the temp directory."""
+    return os.path.realpath("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
 
 
 def _unlink(path: str) -> None:
@@ -75,8 +88,7 @@ class TeacherLogitsBuffer:
             self._handle: Dict[str, Any] = {"kind": _CUDA_KIND, "args": args}
             self._finalizer = None
         elif device.type == "cpu":
-            directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            fd, path = tempfile.mkstemp(prefix="shardkit-teacher-logits-", dir=directory)
+            fd, path = tempfile.mkstemp(prefix=_PREFIX, dir=_shared_dir())
             self._finalizer = weakref.finalize(self, _unlink, path)
             nbytes = max(numel, 1) * torch.empty((), dtype=dtype).element_size()
             try:
@@ -124,20 +136,54 @@ class TeacherLogitsBuffer:
 def _open(handle: Mapping[str, Any]) -> torch.Tensor:
     kind = handle.get("kind")
     if kind == _CPU_KIND:
-        dtype = _dtype_from_name(handle["dtype"])
-        shape = [int(s) for s in handle["shape"]]
-        path = handle["path"]
-        if not os.path.exists(path):
-            raise FileNotFoundError(
-                f"teacher logits shared-memory file {path} is gone (the producer closed it)"
-            )
-        flat = torch.from_file(path, shared=True, size=int(handle["numel"]), dtype=dtype)
+        dtype = _dtype_from_name(str(handle.get("dtype")))
+        path, shape, numel = _checked_cpu_handle(handle, dtype)
+        flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
         return flat[: math.prod(shape)].view(shape)
     if kind == _CUDA_KIND:
         return reductions.rebuild_cuda_tensor(*handle["args"]).detach()
     raise ValueError(
         f"teacher logits IPC handle has unknown kind {kind!r} (expected {_CPU_KIND!r} or {_CUDA_KIND!r})"
     )
+
+
+def _checked_cpu_handle(handle: Mapping[str, Any], dtype: torch.dtype):
+    """``(path, shape, numel)`` of a CPU handle, after checking that it names a file shardkit's
+    producer made and that mapping it writes nothing (the module doc); ``ValueError`` otherwise."""
+    path, shape, numel = handle.get("path"), handle.get("shape"), handle.get("numel")
+    if not (isinstance(path, str) and isinstance(shape, (list, tuple)) and isinstance(numel, int)):
+        raise ValueError(
+            "teacher logits IPC handle: 'path' (str), 'shape' (list), 'numel' (int) are required"
+        )
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape) or len(shape) != 3:
+        raise ValueError(
+            f"teacher logits IPC handle: shape must be 3 non-negative ints, got {str(shape)[:100]}"
+        )
+    if numel < max(math.prod(shape), 1):
+        raise ValueError(f"teacher logits IPC handle: numel {numel} is smaller than the shape {shape}")
+    name = os.path.basename(path)
+    if os.path.dirname(os.path.realpath(path)) != _shared_dir() or not name.startswith(_PREFIX):
+        raise ValueError(
+            f"teacher logits IPC handle names {path[:200]!r}, which is not a file shardkit created "
+            f"(those are {_shared_dir()}/{_PREFIX}*); refusing to open it"
+        )
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"teacher logits shared-memory file {path} is gone (the producer closed it)"
+        ) from None
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+        raise ValueError(
+            f"teacher logits IPC handle: {path} is not a regular file of this user; refusing to open it"
+        )
+    expected = numel * torch.empty((), dtype=dtype).element_size()
+    if info.st_size != expected:
+        raise ValueError(
+            f"teacher logits IPC handle: {path} has {info.st_size} bytes, the handle says {expected}; "
+            "refusing to map it (mapping would resize the file)"
+        )
+    return path, [int(n) for n in shape], numel
 
 
 def rebuild_teacher_full_logits_from_ipc(data: Mapping[str, Any]) -> torch.Tensor:

@@ -7,7 +7,9 @@ A projection file is a ``torch.save``d dict in one of two formats:
   slot (its likelihood is ignored);
 - sparse: ``{(student_id, teacher_id): count}`` with non-negative integer ids and real counts.
 
-Files are loaded with ``torch.load(weights_only=True)``: a projection file cannot run code.
+Files are loaded with ``torch.load(weights_only=True)``: a projection file cannot run code. Counts and
+likelihoods must be finite and non-negative, ids below ``MAX_TOKEN_ID``: a file breaking either is a
+``ValueError`` naming it (it would otherwise turn the loss into NaN, or fail later without a name).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Dict, Tuple, Union
 import torch
 
 PathLike = Union[str, "os.PathLike[str]"]
+# no tokenizer has 2**40 tokens; a larger id is a corrupted file, and would size matrices without bound
+MAX_TOKEN_ID = 1 << 40
 
 # Process-local caches (each worker process fills its own on first use). The sparse matrix's shape
 # depends on the requested vocabulary sizes, hence the longer key; the top-k arrays do not.
@@ -67,6 +71,17 @@ def _dense_arrays(data: dict, path: PathLike) -> Tuple[torch.Tensor, torch.Tenso
     if indices.numel() and int(indices.min()) < -1:
         bad = int(indices.min())
         raise ValueError(f"projection file {where}: teacher id {bad} in 'indices' (only -1 may be negative)")
+    if indices.numel() and int(indices.max()) >= MAX_TOKEN_ID:
+        raise ValueError(
+            f"projection file {where}: teacher id {int(indices.max())} in 'indices' is >= {MAX_TOKEN_ID}"
+        )
+    used = likelihoods[indices >= 0]
+    bad_weights = used[~torch.isfinite(used) | (used < 0)]
+    if bad_weights.numel():
+        raise ValueError(
+            f"projection file {where}: 'likelihoods' must be finite and non-negative, got "
+            f"{bad_weights[0].item()} ({bad_weights.numel()} such)"
+        )
     return indices, likelihoods.float()
 
 
@@ -77,18 +92,26 @@ def _sparse_arrays(data: dict, path: PathLike) -> Tuple[torch.Tensor, torch.Tens
         ok_key = (
             isinstance(key, tuple)
             and len(key) == 2
-            and all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0 for i in key)
+            and all(
+                isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < MAX_TOKEN_ID
+                for i in key
+            )
         )
         if not ok_key:
             raise ValueError(
                 f"projection file {where}: sparse keys must be (student_id, teacher_id) pairs of "
-                f"non-negative ints, got {key!r}"
+                f"ints in [0, {MAX_TOKEN_ID}), got {str(key)[:100]}"
             )
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
-        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        if (
+            not isinstance(value, numbers.Real)
+            or isinstance(value, bool)
+            or not 0 <= float(value) < float("inf")
+        ):
             raise ValueError(
-                f"projection file {where}: the count of {key!r} must be a real number, got {value!r}"
+                f"projection file {where}: the count of {key!r} must be a finite non-negative number, "
+                f"got {str(value)[:100]}"
             )
         students.append(int(key[0]))
         teachers.append(int(key[1]))
