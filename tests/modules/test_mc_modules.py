@@ -182,5 +182,5 @@ def test_collection_remaps_each_table_with_all_its_features_together():
         ManagedCollisionCollection(
             {"a": modules["a"], "b": MCHManagedCollisionModule(5, None, LFU_EvictionPolicy(), 1)}, tables
         )
-    with pytest.raises(KeyError, match="lacks feature"):
+    with pytest.raises(KeyError, match="lacks managed collision feature"):
         mcc(KeyedJaggedTensor(["fa1"], torch.tensor([1]), lengths=torch.tensor([1])))

@@ -77,17 +77,7 @@ class ManagedCollisionCollection(nn.Module):
 
     def in_table_order(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """``features`` permuted to the tables' feature order; ``KeyError`` naming missing features."""
-        keys = tuple(features.keys())
-        if keys not in self._permutations:
-            missing = [f for f in self._feature_names if f not in keys]
-            if missing:
-                raise KeyError(
-                    f"ManagedCollisionCollection: input lacks feature(s) {missing}; it has {list(keys)}"
-                )
-            order = [keys.index(f) for f in self._feature_names]
-            self._permutations[keys] = None if order == list(range(len(keys))) else order
-        order = self._permutations[keys]
-        return features if order is None else features.permute(order)
+        return in_feature_order(features, self._feature_names, self._permutations)
 
     def evict(self) -> Dict[str, Optional[torch.Tensor]]:
         """``{table: slots evicted since the last call (sorted int64) or None}``."""
@@ -95,6 +85,22 @@ class ManagedCollisionCollection(nn.Module):
 
     def open_slots(self) -> Dict[str, torch.Tensor]:
         return {t: m.open_slots() for t, m in self._managed_collision_modules.items()}
+
+
+def in_feature_order(
+    features: KeyedJaggedTensor, names: List[str], cache: Dict[tuple, Optional[List[int]]]
+) -> KeyedJaggedTensor:
+    """``features`` restricted and permuted to ``names`` (permutations cached per key tuple in ``cache``);
+    ``KeyError`` naming the missing features."""
+    keys = tuple(features.keys())
+    if keys not in cache:
+        missing = [f for f in names if f not in keys]
+        if missing:
+            raise KeyError(f"input lacks managed collision feature(s) {missing}; it has {list(keys)}")
+        order = [keys.index(f) for f in names]
+        cache[keys] = None if order == list(range(len(keys))) else order
+    order = cache[keys]
+    return features if order is None else features.permute(order)
 
 
 def replace_values(features: KeyedJaggedTensor, values: torch.Tensor) -> KeyedJaggedTensor:
@@ -113,4 +119,4 @@ def replace_values(features: KeyedJaggedTensor, values: torch.Tensor) -> KeyedJa
     )
 
 
-__all__ = ["ManagedCollisionCollection", "replace_values"]
+__all__ = ["ManagedCollisionCollection", "in_feature_order", "replace_values"]

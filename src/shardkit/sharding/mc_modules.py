@@ -39,7 +39,7 @@ from shardkit.distributed.awaitable import Awaitable, LazyAwaitable, NoWait
 from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.distributed.topology import get_local_size
 from shardkit.distributed.validation import validation_enabled
-from shardkit.modules.mc_collection import ManagedCollisionCollection, replace_values
+from shardkit.modules.mc_collection import ManagedCollisionCollection, in_feature_order, replace_values
 from shardkit.modules.mc_modules import MCHManagedCollisionModule
 from shardkit.sharding.embedding_sharding import ShardedTable, sharded_table
 from shardkit.sharding.kjt_list import KJTList
@@ -54,7 +54,7 @@ from shardkit.sharding.types import (
     ShardedModule,
     ShardingType,
 )
-from shardkit.sparse import KeyedJaggedTensor
+from shardkit.sparse import JaggedTensor, KeyedJaggedTensor
 
 MC_SHARDING_TYPES = [
     ShardingType.ROW_WISE.value,
@@ -237,17 +237,6 @@ class ShardedManagedCollisionCollection(ShardedModule):
     def create_context(self) -> ManagedCollisionCollectionContext:
         return ManagedCollisionCollectionContext()
 
-    def _in_table_order(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        keys = tuple(features.keys())
-        if keys not in self._permutations:
-            missing = [f for f in self._feature_names if f not in keys]
-            if missing:
-                raise KeyError(f"input lacks managed collision feature(s) {missing}; it has {list(keys)}")
-            order = [keys.index(f) for f in self._feature_names]
-            self._permutations[keys] = None if order == list(range(len(keys))) else order
-        order = self._permutations[keys]
-        return features if order is None else features.permute(order)
-
     def _table_ids(self, features: KeyedJaggedTensor) -> List[torch.Tensor]:
         """Each table's preprocessed ids (its features' values together), checked against the map."""
         per_key = features.length_per_key()
@@ -259,7 +248,9 @@ class ShardedManagedCollisionCollection(ShardedModule):
             ids = features.values()[first : first + n]
             module = self._global[config.name]
             if self.need_preprocess:
-                ids = module.preprocess({"t": _JT(ids)})["t"].values()
+                ids = module.preprocess({"t": JaggedTensor(ids, lengths=ids.new_tensor([ids.numel()]))})[
+                    "t"
+                ].values()
             module.check_ids(ids, f" of table {config.name!r}")
             out.append(ids)
         return out
@@ -270,7 +261,7 @@ class ShardedManagedCollisionCollection(ShardedModule):
         """Check, hash and send each id to the owner of its bucket (two all-to-alls, completed here)."""
         error, table_ids = None, []
         try:
-            features = self._in_table_order(features)
+            features = in_feature_order(features, self._feature_names, self._permutations)
             table_ids = self._table_ids(features)
         except (KeyError, ValueError, IndexError) as err:
             error = f"{type(err).__name__}: {err}"
@@ -410,12 +401,6 @@ class ShardedManagedCollisionCollection(ShardedModule):
 def _sliced_buffers(module: MCHManagedCollisionModule) -> Dict[str, torch.Tensor]:
     """The ``[zch_size]`` state buffers, by name."""
     return {n: b for n, b in module.named_buffers(recurse=False) if n not in _REPLICATED_BUFFERS}
-
-
-def _JT(ids: torch.Tensor):  # noqa: N802 (a constructor-like helper)
-    from shardkit.sparse import JaggedTensor
-
-    return JaggedTensor(ids, lengths=torch.tensor([ids.numel()], device=ids.device), validate=False)
 
 
 def _ids_kjt(ids: torch.Tensor) -> KeyedJaggedTensor:
