@@ -38,8 +38,10 @@ OTHER_CASES = ["out-of-range-id-raises", "empty-batch", "dispatch-selects-triton
 # vocab-parallel cross-entropy (shardkit.kernels.triton_ce): the statistics and gradient of each shard,
 # combined across shards as the ranks would, against F.cross_entropy on the whole vocabulary
 CE_CASES = ["ce-fp32", "ce-fp16", "ce-bf16", "ce-bf16-in-place", "ce-fp32-rows-longer-than-a-block"]
+# the same kernels reached through shardkit.losses (kernel_backend("triton")) against its torch blocks
+CE_LOSS_CASES = ["ce-loss-fp32", "ce-loss-bf16"]
 CE_TOL = {"fp32": 2e-6, "fp16": 5e-4, "bf16": 4e-3}  # gradients are at most 1: an ulp or two
-ALL_CASES = FORWARD_CASES + BACKWARD_CASES + OTHER_CASES + CE_CASES
+ALL_CASES = FORWARD_CASES + BACKWARD_CASES + OTHER_CASES + CE_CASES + CE_LOSS_CASES
 
 OptTensor = Optional[torch.Tensor]
 Batch = Tuple[torch.Tensor, torch.Tensor, OptTensor, OptTensor, OptTensor]
@@ -107,9 +109,9 @@ def _optimizer(kind: str, rows: int, dim: int, device: str, seed: int):
     from shardkit.kernels import RowOptimizerArgs
 
     gen = torch.Generator().manual_seed(seed)
-    shapes = {
-        "SGD": [], "ADAGRAD": [(rows, dim)], "ROWWISE_ADAGRAD": [(rows,)], "ADAM": [(rows, dim)] * 2
-    }[kind]
+    shapes = {"SGD": [], "ADAGRAD": [(rows, dim)], "ROWWISE_ADAGRAD": [(rows,)], "ADAM": [(rows, dim)] * 2}[
+        kind
+    ]
     state = [torch.rand(shape, generator=gen).to(device) for shape in shapes]
     make = lambda st: RowOptimizerArgs(kind, lr=0.05, eps=1e-3, step=3, state=tuple(st))  # noqa: E731
     return make(state), make([s.clone() for s in state])
@@ -178,8 +180,16 @@ def _other_case(case: str, device: str) -> List[List[Any]]:
         seq_out = triton_embedding.embedding_forward(weight, ids, offsets, None, None, None, False)
         before = weight.clone()
         pg = triton_embedding.embedding_fused_backward(
-            weight, ids, offsets, None, None, None, torch.ones(3, 12, device=device), True,
-            RowOptimizerArgs("SGD", lr=0.1), True,
+            weight,
+            ids,
+            offsets,
+            None,
+            None,
+            None,
+            torch.ones(3, 12, device=device),
+            True,
+            RowOptimizerArgs("SGD", lr=0.1),
+            True,
         )
         return [
             ["pooled output is [3, 12] zeros", pooled_out.shape == (3, 12) and not pooled_out.any(), ""],
@@ -265,12 +275,74 @@ def _ce_case(case: str, device: str) -> List[List[Any]]:
         ["gradient dtype is the logits'", grad.dtype == DTYPES[dt], str(grad.dtype)],
         ["out=logits writes over the logits" if in_place else "a new tensor", wrote_in_place == in_place, ""],
         ["ignored token has a zero gradient", not bool(grad[1].float().abs().max() > 0), ""],
-        ["max of each shard", all(bool(torch.equal(m, logits[:, a:b].float().max(1).values))
-                                  for (m, _, _), (a, b) in zip(stats, shards)), ""],
+        [
+            "max of each shard",
+            all(
+                bool(torch.equal(m, logits[:, a:b].float().max(1).values))
+                for (m, _, _), (a, b) in zip(stats, shards)
+            ),
+            "",
+        ],
     ]
 
 
+def _ce_loss_case(case: str, device: str) -> List[List[Any]]:
+    """``vocab_parallel_cross_entropy`` (one process) with the Triton passes against the torch blocks:
+    every reduction, ignored tokens, a padded vocabulary, the in-place backward; the kernels must run
+    (counted), and an option they lack must raise when they are forced, not fall back silently."""
+    from shardkit.kernels import kernel_backend, triton_ce
+    from shardkit.losses import vocab_parallel_cross_entropy
+
+    dt = DTYPES[case.split("-")[2]]
+    calls = {"ce_statistics": 0, "ce_gradient": 0}
+    for name in calls:
+        original = getattr(triton_ce, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        setattr(triton_ce, name, counted)
+    gen = torch.Generator().manual_seed(12)
+    X = (torch.randn(3, 5, 40, generator=gen) * 3).to(dt).to(device)
+    t = torch.randint(0, 37, (3, 5), generator=gen).to(device)
+    t[0, :2] = -100
+    checks: List[List[Any]] = []
+    settings = [
+        {"reduction": "none"},
+        {"reduction": "mean", "vocab_size": 37},  # 3 padding columns: never in the softmax, zero grad
+        {"reduction": "sum", "inplace_backward": True},
+    ]
+    for options in settings:
+        results = {}
+        for backend in ("torch", "triton"):
+            x = X.clone().requires_grad_()
+            with kernel_backend(backend):
+                # in place: the gradient overwrites a copy, so that x keeps its values for the next run
+                logits = x * 1 if options.get("inplace_backward") else x
+                loss = vocab_parallel_cross_entropy(logits, t, **options)
+                G = torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape).to(device)
+                (loss * G).sum().backward()
+            results[backend] = (loss.detach().float(), x.grad.float())
+        # the two paths round the bf16 gradient from different fp32 expressions: up to 2 ulps apart
+        tol = VALUE_TOL["fp32" if dt == torch.float32 else "bf16"]
+        checks.append(_close(f"loss {options}", results["triton"][0], results["torch"][0], 1e-5))
+        checks.append(_close(f"gradient {options}", results["triton"][1], results["torch"][1], tol))
+    ran = calls == {"ce_statistics": 3, "ce_gradient": 3}
+    checks.append(["the Triton passes ran (one each per call)", ran, str(calls)])
+    try:
+        with kernel_backend("triton"):
+            vocab_parallel_cross_entropy(X, t, label_smoothing=0.1)
+        checks.append(["forced triton with label smoothing raises", False, "no error"])
+    except RuntimeError as error:
+        named = "label smoothing" in str(error)
+        checks.append(["forced triton with label smoothing raises", named, str(error)])
+    return checks
+
+
 def run_case(case: str, device: str) -> List[List[Any]]:
+    if case.startswith("ce-loss-"):
+        return _ce_loss_case(case, device)
     if case.startswith("ce-"):
         return _ce_case(case, device)
     if case.startswith("forward-"):

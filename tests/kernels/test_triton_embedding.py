@@ -66,6 +66,11 @@ def test_vocab_parallel_ce_kernels_match_torch(interpreted, case):
     _assert_checks(interpreted[case])
 
 
+@pytest.mark.parametrize("case", cases.CE_LOSS_CASES)
+def test_losses_reach_the_triton_ce_kernels(interpreted, case):
+    _assert_checks(interpreted[case])
+
+
 def test_compiled_kernels_are_not_offered_cpu_tables():
     # this process did not set TRITON_INTERPRET: CPU tables must go to the torch / native backends
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):

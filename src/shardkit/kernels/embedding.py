@@ -69,6 +69,11 @@ def kernel_backend(name: Optional[str]) -> Iterator[None]:
         _forced = previous
 
 
+def forced_backend() -> Optional[str]:
+    """The backend :func:`kernel_backend` forces in the current block, or None (automatic)."""
+    return _forced
+
+
 def _triton_module():
     try:
         return importlib.import_module("shardkit.kernels.triton_embedding")

@@ -1,7 +1,8 @@
 """Triton kernels of the vocab-parallel cross-entropy over one rank's vocabulary shard (CUDA tensors).
 
-Standalone: nothing in :mod:`shardkit.losses` calls them yet. A rank holds logits ``[T, V/tp]`` for the
-vocabulary ids ``[vocab_start, vocab_start + V/tp)``; the loss needs two passes over them:
+:mod:`shardkit.losses` runs them on CUDA for the plain loss (the dispatch: :mod:`.cross_entropy`). A
+rank holds logits ``[T, V/tp]`` for the vocabulary ids ``[vocab_start, vocab_start + V/tp)``; the loss
+needs two passes over them:
 
 1. :func:`ce_statistics`: per token, the shard's max logit, the sum of ``exp(logit - that max)`` and the
    target's logit when the target is in the shard (0 otherwise), all fp32 ``[T]``. The caller combines

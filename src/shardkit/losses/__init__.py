@@ -3,7 +3,8 @@
 Exact at every tensor-parallel size, computed without gathering the logits: log-softmax, per-token
 log-probs, cross-entropy (label smoothing, z-loss, soft-capping, temperature, ignore index, padded
 vocabularies), the fused linear cross-entropy that never materializes the logits, and RL helpers
-(entropy, argmax, top-k). Imports only torch and ``shardkit.distributed``.
+(entropy, argmax, top-k). Imports only torch, ``shardkit.distributed`` and ``shardkit.kernels`` (the
+Triton passes of the plain cross-entropy on CUDA).
 """
 
 from shardkit.losses.checks import TargetOutOfRangeError

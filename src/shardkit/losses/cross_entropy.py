@@ -33,6 +33,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from shardkit.kernels.cross_entropy import triton_ce_kernels
 from shardkit.losses import statistics as st
 from shardkit.losses.checks import option_problems, validate_call
 from shardkit.losses.dtensor import plain_tensor, resolve_vocab_shard
@@ -125,11 +126,38 @@ def _flat(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, tor
     return logits.reshape(-1, logits.size(-1)), target.reshape(-1)
 
 
+# a target id no call can have: the Triton kernels' "ignore" value when nothing is ignored
+_NO_IGNORED_ID = -(2**62)
+
+
+def _triton_kernels(logits2d: torch.Tensor, opts: CrossEntropyOptions):
+    """The Triton CE kernels when they run this call (CUDA, the plain loss), else None."""
+    unsupported = [
+        name
+        for name, used in (
+            ("soft-capping", opts.transform.softcap is not None),
+            ("temperature", opts.transform.temperature != 1.0),
+            ("label smoothing", opts.label_smoothing > 0.0),
+            ("z-loss", opts.z_loss != 0.0),
+        )
+        if used
+    ]
+    return triton_ce_kernels(logits2d, ", ".join(unsupported) or None)
+
+
 def cross_entropy_forward(
     logits: torch.Tensor, target: torch.Tensor, opts: CrossEntropyOptions
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(result, lse [T] fp32, token count (fp64 0-d, for "mean"), real vocabulary size (0-d))``."""
     logits2d, target1d = _flat(logits, target)
+    kernels = _triton_kernels(logits2d, opts)
+    if kernels is not None:
+        # one Triton pass over the real columns: (max, sum of exp, target logit) per token
+        ignored = _NO_IGNORED_ID if opts.ignore_index is None else opts.ignore_index
+        real = logits2d[:, : opts.shard.real_width]
+        stats = torch.stack(kernels.ce_statistics(real, target1d, opts.shard.start, ignored), dim=1)
+        _, _, active = st.local_target_index(target1d, opts.shard, opts.ignore_index)
+        return loss_from_statistics(stats, active, target.shape, opts)
     # cache-sized blocks: the statistics read each block of logits once and reuse one small buffer
     rows = st.cache_rows(opts.shard.width, opts.rows, logits.device)
     source = lambda i0, i1: logits2d[i0:i1]  # noqa: E731
@@ -163,6 +191,13 @@ def loss_from_source(
         device=target1d.device,
         dtype=st.work_dtype(dtype),
     )
+    return loss_from_statistics(stats, active, out_shape, opts)
+
+
+def loss_from_statistics(
+    stats: torch.Tensor, active: torch.Tensor, out_shape: torch.Size, opts: CrossEntropyOptions
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward's end from this rank's ``[T, k]`` statistics: one all-gather, the loss, the reduction."""
     gathered, vocab = st.gather_statistics(stats, opts.shard.real_width, opts.group)
     loss, lse = token_loss(gathered, vocab, active, opts)
     out, count = reduce_tokens(loss, active, opts.reduction, opts.dp_group, out_shape)
@@ -237,6 +272,19 @@ def cross_entropy_backward(
         grad = logits2d
     else:
         grad = torch.empty_like(logits2d, memory_format=torch.contiguous_format)
+    kernels = _triton_kernels(logits2d, opts)
+    if kernels is not None:
+        # one Triton pass: (exp(x - lse) - onehot(target)) * g per token, written into grad's real
+        # columns (p = exp(x - M) / S with M = lse, S = 1); padding columns get zero
+        real = opts.shard.real_width
+        g = per_token_grad(grad_output, opts.reduction, count, target1d.numel(), lse.dtype)
+        ignored = _NO_IGNORED_ID if opts.ignore_index is None else opts.ignore_index
+        kernels.ce_gradient(
+            logits2d[:, :real], target1d, opts.shard.start, lse, torch.ones_like(lse), g, ignored,
+            out=grad[:, :real],
+        )  # fmt: skip
+        grad[:, real:] = 0
+        return grad.view(logits.shape)
     # cache-sized blocks written straight into the gradient: one read of the logits, one write of the
     # gradient, instead of one memory pass per step (the blocks are within the chunk_size bound)
     rows = st.cache_rows(opts.shard.width, opts.rows, logits.device)
