@@ -232,7 +232,7 @@ def test_subclass_that_skips_init_gets_a_clear_error():
         def _wait_impl(self):
             return 1
 
-    with pytest.raises(AttributeError, match=r"call super\(\).__init__\(\)"):
+    with pytest.raises(RuntimeError, match=r"not been initialized properly .*call super\(\).__init__\(\)"):
         Broken() + 1
 
 

@@ -167,9 +167,10 @@ class LazyAwaitable(Awaitable[W]):
         # A property of ours that raised AttributeError lands here too (callbacks without _callbacks):
         # forwarding it would wait, which needs the same attribute again, and recurse.
         if name in _OWN_ATTRIBUTES:
-            raise AttributeError(
-                f"{type(self).__name__!r} object has no attribute {name!r}; "
-                f"does its __init__ call super().__init__()?"
+            # torchrec's error type for this mistake, so that code catching it keeps working
+            raise RuntimeError(
+                f"LazyAwaitable type {type(self).__name__} has not been initialized properly (no "
+                f"{name!r}): did you forget to call super().__init__()?"
             )
         if self.__dict__.get("_lazy_waiting"):
             # _wait_impl or a callback looked up a missing attribute of the awaitable: forwarding it

@@ -29,7 +29,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-from typing import Generic, Optional, TypeVar
+from typing import Any, Dict, Generic, Optional, Sequence, TypeVar
 
 import torch
 
@@ -88,23 +88,33 @@ _CAST_DTYPES = {CommType.FP32: torch.float32, CommType.FP16: torch.float16, Comm
 
 
 class CastCommCodec(QuantizedCommCodec[None]):
-    """Sends values cast to fp32, fp16 or bf16 and decodes to float32; casts may be summed on the wire."""
+    """Sends values cast to fp32, fp16 or bf16 and decodes to float32; casts may be summed on the wire.
+
+    ``loss_scale`` (torchrec's ``forward_loss_scale`` / ``backward_loss_scale``): values are multiplied
+    by it before the cast and divided after, so that small gradients survive fp16's range.
+    """
 
     sums_on_wire = True
 
-    def __init__(self, precision: CommType) -> None:
+    def __init__(self, precision: CommType, loss_scale: Optional[float] = None) -> None:
         if precision not in _CAST_DTYPES:
             raise ValueError(
                 f"CastCommCodec supports {sorted(p.value for p in _CAST_DTYPES)}, got {precision}"
             )
+        if loss_scale is not None and not loss_scale > 0:
+            raise ValueError(f"CastCommCodec: loss_scale must be > 0, got {loss_scale}")
         self.precision = precision
+        self.loss_scale = loss_scale
         self._dtype = _CAST_DTYPES[precision]
 
     def encode(self, input_tensor: torch.Tensor, ctx: None = None) -> torch.Tensor:
+        if self.loss_scale is not None:
+            input_tensor = input_tensor * self.loss_scale
         return input_tensor.to(self._dtype)
 
     def decode(self, input_grad: torch.Tensor, ctx: None = None) -> torch.Tensor:
-        return input_grad.to(torch.float32)
+        out = input_grad.to(torch.float32)
+        return out if self.loss_scale is None else out / self.loss_scale
 
     def calc_quantized_size(self, input_len: int, ctx: None = None) -> int:
         return input_len
@@ -114,13 +124,18 @@ class CastCommCodec(QuantizedCommCodec[None]):
         return self._dtype
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, CastCommCodec) and other.precision == self.precision
+        return (
+            isinstance(other, CastCommCodec)
+            and other.precision == self.precision
+            and other.loss_scale == self.loss_scale
+        )
 
     def __hash__(self) -> int:
-        return hash((CastCommCodec, self.precision))
+        return hash((CastCommCodec, self.precision, self.loss_scale))
 
     def __repr__(self) -> str:
-        return f"CastCommCodec({self.precision.value})"
+        scale = "" if self.loss_scale is None else f", loss_scale={self.loss_scale}"
+        return f"CastCommCodec({self.precision.value}{scale})"
 
 
 class NoOpQuantizedCommCodec(CastCommCodec):
@@ -202,33 +217,66 @@ class QuantizedCommCodecs:
 
 @dataclasses.dataclass(frozen=True)
 class QCommsConfig:
-    """Forward and backward wire precisions, as ``CommType`` or its string value (``"fp16"``)."""
+    """Forward and backward wire precisions, as ``CommType`` or its string value (``"fp16"``).
+
+    ``forward_loss_scale`` / ``backward_loss_scale`` (torchrec's): scale values by it before a cast to
+    fp16 / bf16 and back after (ignored by fp8, whose blocks carry their own scales).
+    """
 
     forward_precision: CommType = CommType.FP32
     backward_precision: CommType = CommType.FP32
     fp8_block_size: int = 64
+    forward_loss_scale: Optional[float] = None
+    backward_loss_scale: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name in ("forward_precision", "backward_precision"):
             object.__setattr__(self, name, CommType(getattr(self, name)))
 
 
-def make_codec(precision: CommType | str, fp8_block_size: int = 64) -> QuantizedCommCodec:
+def make_codec(
+    precision: CommType | str, fp8_block_size: int = 64, loss_scale: Optional[float] = None
+) -> QuantizedCommCodec:
     """The codec for one precision: ``CastCommCodec`` for fp32/fp16/bf16, ``FP8CommCodec`` for fp8."""
     precision = CommType(precision)
     if precision is CommType.FP8:
         return FP8CommCodec(fp8_block_size)
-    return CastCommCodec(precision)
+    return CastCommCodec(precision, loss_scale)
 
 
 def get_qcomm_codecs(qcomms_config: Optional[QCommsConfig]) -> QuantizedCommCodecs:
     """``QuantizedCommCodecs`` for a config (both fp32, i.e. no-op on fp32 data, when None)."""
     if qcomms_config is None:
         return QuantizedCommCodecs()
+    config = qcomms_config
     return QuantizedCommCodecs(
-        forward=make_codec(qcomms_config.forward_precision, qcomms_config.fp8_block_size),
-        backward=make_codec(qcomms_config.backward_precision, qcomms_config.fp8_block_size),
+        forward=make_codec(config.forward_precision, config.fp8_block_size, config.forward_loss_scale),
+        backward=make_codec(config.backward_precision, config.fp8_block_size, config.backward_loss_scale),
     )
+
+
+# torchrec's CommOp names, the registry keys of get_qcomm_codecs_registry
+DEFAULT_COMM_OPS = (
+    "POOLED_EMBEDDINGS_ALL_TO_ALL",
+    "POOLED_EMBEDDINGS_REDUCE_SCATTER",
+    "SEQUENCE_EMBEDDINGS_ALL_TO_ALL",
+)
+
+
+def get_qcomm_codecs_registry(
+    qcomms_config: QCommsConfig,
+    comm_ops: Optional[Sequence[Any]] = None,
+    device: Optional[torch.device] = None,
+) -> Optional[Dict[str, QuantizedCommCodecs]]:
+    """torchrec's registry: ``{comm op name: codecs of qcomms_config}`` for ``comm_ops`` (``CommOp``
+    members or their names; default the three embedding output dists), None when both precisions are
+    fp32. The sharders accept it as ``qcomm_codecs_registry=``. ``device`` is accepted for torchrec's
+    signature: shardkit's codecs run in every precision on gloo and NCCL, so nothing falls back."""
+    del device
+    if qcomms_config.forward_precision is CommType.FP32 and qcomms_config.backward_precision is CommType.FP32:
+        return None
+    ops = DEFAULT_COMM_OPS if comm_ops is None else comm_ops
+    return {str(getattr(op, "name", op)): get_qcomm_codecs(qcomms_config) for op in ops}
 
 
 __all__ = [
@@ -240,5 +288,6 @@ __all__ = [
     "QuantizedCommCodec",
     "QuantizedCommCodecs",
     "get_qcomm_codecs",
+    "get_qcomm_codecs_registry",
     "make_codec",
 ]

@@ -119,6 +119,8 @@ class GroupedEmbeddingLookup(nn.Module):
         self.optimizer: Optional[SparseRowOptimizer] = None
         if fused_optimizer is not None:
             self.optimizer = SparseRowOptimizer(fused_optimizer, *self.weight.shape, device=device)
+            # torchrec's marker of a parameter trained in backward: in_backward_optimizer_filter skips it
+            self.weight._in_backward_optimizers = [fused_optimizer]
         if self.weight.device.type != "meta":
             self.reset_parameters()
 

@@ -80,8 +80,14 @@ def _per_feature(
     return list(values)
 
 
-def _optimizer_of(module: nn.Module) -> Optional[OptimType]:
-    """The ``OptimType`` of the module's fused optimizer; None when it was built without one."""
+def _optimizer_of(module: nn.Module, sharder: ModuleSharder[nn.Module]) -> Optional[OptimType]:
+    """The ``OptimType`` the module's FUSED tables would apply: the module's own fused optimizer, an
+    in-backward one on its parameters or the sharder's ``fused_params`` (the sharder decides, see
+    ``shardkit.sharding.fused_optimizer_config``); None when there is none."""
+    resolve = getattr(sharder, "fused_optimizer_for", None)
+    if resolve is not None:
+        config = resolve(getattr(module, "embedding_bag_collection", module))
+        return None if config is None else config.optimizer
     try:
         fused = module.fused_optimizer
     except (AttributeError, ValueError):  # no such property / built without a fused optimizer
@@ -121,7 +127,7 @@ class EmbeddingEnumerator:
         """Every table of every shardable submodule, with its sharder."""
         found = []
         for path, sub, sharder in shardable_modules(module, sharders):
-            own_optim = _optimizer_of(sub)
+            own_optim = _optimizer_of(sub, sharder)
             optim = self.optimizer or own_optim
             state_row, state_value = _STATE_BYTES[optim] if optim is not None else (0, 0)
             # a weighted collection's ids travel with an fp32 weight each

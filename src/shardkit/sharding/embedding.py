@@ -9,9 +9,10 @@ import torch
 from shardkit.distributed.awaitable import Awaitable, LazyAwaitable
 from shardkit.distributed.codecs import QuantizedCommCodecs
 from shardkit.distributed.sharding_env import ShardingEnv
-from shardkit.modules import EmbeddingCollection
+from shardkit.modules import EmbeddingCollection, FusedOptimizerConfig
 from shardkit.sharding.column_wise import CwSequenceEmbeddingSharding
 from shardkit.sharding.data_parallel import DpSequenceEmbeddingSharding
+from shardkit.sharding.fused_optimizer_config import resolve_fused_optimizer
 from shardkit.sharding.kjt_list import KJTList
 from shardkit.sharding.row_wise import RwSequenceEmbeddingSharding
 from shardkit.sharding.sharded_embedding_module import (
@@ -78,6 +79,7 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule):
         env: ShardingEnv,
         device: Optional[torch.device] = None,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+        fused_optimizer: Optional[FusedOptimizerConfig] = None,
     ) -> None:
         on_meta = any(p.device.type == "meta" for p in module.parameters())
         super().__init__(
@@ -86,7 +88,7 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule):
             env,
             False,
             SEQUENCE_SHARDINGS,
-            module._fused_optimizer.config if module._fused_optimizer is not None else None,
+            fused_optimizer or resolve_fused_optimizer(module, None),
             None if on_meta else module.table_weight,
             device,
             qcomm_codecs_registry,
@@ -135,7 +137,9 @@ class EmbeddingCollectionSharder(BaseEmbeddingSharder[EmbeddingCollection]):
         env: ShardingEnv,
         device: Optional[torch.device] = None,
     ) -> ShardedEmbeddingCollection:
-        return ShardedEmbeddingCollection(module, params, env, device, self.qcomm_codecs_registry)
+        return ShardedEmbeddingCollection(
+            module, params, env, device, self.qcomm_codecs_registry, self.fused_optimizer_for(module)
+        )
 
     def shardable_parameters(self, module: EmbeddingCollection) -> Dict[str, torch.Tensor]:
         return {t.name: module.table_weight(t.name) for t in module.embedding_configs()}

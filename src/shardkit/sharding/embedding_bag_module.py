@@ -37,10 +37,10 @@ from shardkit.modules import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
     FusedOptimizerConfig,
-    OptimType,
     PoolingType,
 )
 from shardkit.sharding.embeddingbag import ShardedEmbeddingBagCollection
+from shardkit.sharding.fused_optimizer_config import fused_optimizer_config
 from shardkit.sharding.kjt_list import KJTList
 from shardkit.sharding.sharded_embedding_module import EmbeddingShardingContext
 from shardkit.sharding.types import (
@@ -49,37 +49,11 @@ from shardkit.sharding.types import (
     ModuleSharder,
     ShardingType,
 )
-from shardkit.sharding.utils import merge_fused_params, optimizer_type_to_emb_opt_type
 from shardkit.sparse import KeyedJaggedTensor, KeyedTensor
 
 DEFAULT_TABLE_NAME = "weight"
 
 _DATA_TYPES = {torch.float32: DataType.FP32, torch.float16: DataType.FP16, torch.bfloat16: DataType.BF16}
-
-
-def fused_optimizer_config(fused_params: Optional[Dict[str, Any]]) -> Optional[FusedOptimizerConfig]:
-    """The ``FusedOptimizerConfig`` of a sharder's ``fused_params`` (None for None or ``{}``).
-
-    Keys: ``optimizer`` (an ``OptimType``, its name, or a ``torch.optim`` class that has a fused
-    equivalent), and ``FusedOptimizerConfig``'s fields ``lr`` (alias ``learning_rate``), ``eps``,
-    ``betas``, ``initial_accumulator_value``. Anything else is a ``ValueError``.
-    """
-    params = merge_fused_params(fused_params)
-    if not params:
-        return None
-    if "optimizer" not in params:
-        raise ValueError(f"fused_params {fused_params} name no 'optimizer'")
-    optimizer = params.pop("optimizer")
-    if isinstance(optimizer, type):
-        fused = optimizer_type_to_emb_opt_type(optimizer)
-        if fused is None:
-            raise ValueError(f"fused_params: {optimizer.__name__} has no fused equivalent")
-        optimizer = fused
-    fields = {"lr", "eps", "betas", "initial_accumulator_value"}
-    unknown = sorted(set(params) - fields)
-    if unknown:
-        raise ValueError(f"fused_params: unknown key(s) {unknown}; known: ['optimizer', *{sorted(fields)}]")
-    return FusedOptimizerConfig(OptimType(optimizer), **params)
 
 
 def _table_config(module: nn.EmbeddingBag, name: str) -> EmbeddingBagConfig:

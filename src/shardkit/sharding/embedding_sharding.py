@@ -250,8 +250,9 @@ class EmbeddingSharding(abc.ABC):
         return functools.reduce(torch.promote_types, [t.config.dtype for t in self.tables])
 
     def codecs(self, op: CommOp) -> Optional[QuantizedCommCodecs]:
-        """The wire precision configured for ``op`` (None: full precision)."""
-        return self._codecs.get(op.value)
+        """The wire precision configured for ``op`` (None: full precision); the registry may key it by
+        the op's value (shardkit) or its name (torchrec's ``get_qcomm_codecs_registry``)."""
+        return self._codecs.get(op.value, self._codecs.get(op.name))
 
     @abc.abstractmethod
     def received_features(self) -> List[str]:

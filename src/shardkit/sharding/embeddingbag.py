@@ -15,10 +15,11 @@ import torch
 from shardkit.distributed.awaitable import Awaitable, LazyAwaitable
 from shardkit.distributed.codecs import QuantizedCommCodecs
 from shardkit.distributed.sharding_env import ShardingEnv
-from shardkit.modules import EmbeddingBagCollection
+from shardkit.modules import EmbeddingBagCollection, FusedOptimizerConfig
 from shardkit.sharding.column_wise import CwPooledEmbeddingSharding
 from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding
 from shardkit.sharding.embedding_sharding import ColumnBlock
+from shardkit.sharding.fused_optimizer_config import resolve_fused_optimizer
 from shardkit.sharding.kjt_list import KJTList
 from shardkit.sharding.row_wise import RwPooledEmbeddingSharding
 from shardkit.sharding.sharded_embedding_module import (
@@ -137,6 +138,7 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
         env: ShardingEnv,
         device: Optional[torch.device] = None,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+        fused_optimizer: Optional[FusedOptimizerConfig] = None,
     ) -> None:
         on_meta = any(t.device.type == "meta" for t in itertools.chain(module.parameters(), module.buffers()))
         super().__init__(
@@ -145,7 +147,7 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
             env,
             True,
             self.sharding_classes,
-            module._fused_optimizer.config if module._fused_optimizer is not None else None,
+            fused_optimizer or resolve_fused_optimizer(module, None),
             None if on_meta else module.table_weight,
             device,
             qcomm_codecs_registry,
@@ -194,7 +196,9 @@ class EmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]
         env: ShardingEnv,
         device: Optional[torch.device] = None,
     ) -> ShardedEmbeddingBagCollection:
-        return ShardedEmbeddingBagCollection(module, params, env, device, self.qcomm_codecs_registry)
+        return ShardedEmbeddingBagCollection(
+            module, params, env, device, self.qcomm_codecs_registry, self.fused_optimizer_for(module)
+        )
 
     def shardable_parameters(self, module: EmbeddingBagCollection) -> Dict[str, torch.Tensor]:
         return {t.name: module.table_weight(t.name) for t in module.embedding_bag_configs()}

@@ -25,7 +25,11 @@ from shardkit.distributed.codecs import QuantizedCommCodecs
 from shardkit.distributed.comm_ops import get_gradient_division
 from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.kernels import bag_of_each_id
-from shardkit.modules import FeatureProcessedEmbeddingBagCollection, PositionWeightedModule
+from shardkit.modules import (
+    FeatureProcessedEmbeddingBagCollection,
+    FusedOptimizerConfig,
+    PositionWeightedModule,
+)
 from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding
 from shardkit.sharding.embedding_sharding import EmbeddingSharding, ScaleGrad, with_weights
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
@@ -60,6 +64,7 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedEmbeddingBagCollectio
         env: ShardingEnv,
         device: Optional[torch.device] = None,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+        fused_optimizer: Optional[FusedOptimizerConfig] = None,
     ) -> None:
         if not isinstance(module._feature_processors, nn.ModuleDict):
             raise TypeError(
@@ -77,6 +82,8 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedEmbeddingBagCollectio
             env,
             device=device,
             qcomm_codecs_registry=qcomm_codecs_registry,
+            # only when given: the quantized subclass's next base (inference) takes no optimizer
+            **({} if fused_optimizer is None else {"fused_optimizer": fused_optimizer}),
         )
         # the unsharded module's attribute name, so that state-dict keys match
         self._feature_processors = nn.ModuleDict({f: copy.deepcopy(p) for f, p in processors.items()})
@@ -176,7 +183,12 @@ class FeatureProcessedEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharde
         device: Optional[torch.device] = None,
     ) -> ShardedFeatureProcessedEmbeddingBagCollection:
         return ShardedFeatureProcessedEmbeddingBagCollection(
-            module, params, env, device, self.qcomm_codecs_registry
+            module,
+            params,
+            env,
+            device,
+            self.qcomm_codecs_registry,
+            self.fused_optimizer_for(module.embedding_bag_collection),
         )
 
     def shardable_parameters(self, module: FeatureProcessedEmbeddingBagCollection) -> Dict[str, torch.Tensor]:

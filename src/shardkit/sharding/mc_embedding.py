@@ -37,7 +37,9 @@ class ManagedCollisionEmbeddingCollectionSharder(BaseManagedCollisionEmbeddingCo
         qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
     ) -> None:
         super().__init__(
-            ec_sharder or EmbeddingCollectionSharder(qcomm_codecs_registry), mc_sharder, qcomm_codecs_registry
+            ec_sharder or EmbeddingCollectionSharder(qcomm_codecs_registry=qcomm_codecs_registry),
+            mc_sharder,
+            qcomm_codecs_registry,
         )
 
     @property

@@ -42,7 +42,7 @@ class ManagedCollisionEmbeddingBagCollectionSharder(BaseManagedCollisionEmbeddin
         qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
     ) -> None:
         super().__init__(
-            ebc_sharder or EmbeddingBagCollectionSharder(qcomm_codecs_registry),
+            ebc_sharder or EmbeddingBagCollectionSharder(qcomm_codecs_registry=qcomm_codecs_registry),
             mc_sharder,
             qcomm_codecs_registry,
         )

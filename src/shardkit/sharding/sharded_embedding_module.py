@@ -36,6 +36,7 @@ from shardkit.sharding.embedding_sharding import (
     ShardingContext,
     sharded_table,
 )
+from shardkit.sharding.fused_optimizer_config import fused_optimizer_config, resolve_fused_optimizer
 from shardkit.sharding.kjt_list import KJTList
 from shardkit.sharding.sharded_module_state import ShardedFusedOptimizer, TableStates
 from shardkit.sharding.types import (
@@ -385,6 +386,8 @@ class ShardedEmbeddingModule(ShardedModule):
         # every rank gets one when any table is fused, also a rank holding none of their shards, so
         # that every rank's optimizer state dict has the same keys (a checkpoint saves and loads alike)
         self._fused = ShardedFusedOptimizer(fused_optimizer, grouped, self._states) if any_fused else None
+        for lookup in grouped:  # torchrec's marker: in_backward_optimizer_filter leaves them out
+            lookup.weight._in_backward_optimizers = [fused_optimizer]
         # the lookups' buffers stay out of the state dict: each table is one value under its own key
         self.register_state_dict_post_hook(_tables_to_state_dict)
         self.register_load_state_dict_pre_hook(_tables_from_state_dict)
@@ -493,7 +496,31 @@ def _tables_from_state_dict(
 
 class BaseEmbeddingSharder(ModuleSharder[M]):
     """What the embedding collections' sharders share: every sharding type; FUSED or DENSE kernels,
-    DENSE only for data-parallel tables (their gradients are averaged by the data-parallel wrapper)."""
+    DENSE only for data-parallel tables (their gradients are averaged by the data-parallel wrapper).
+
+    Args (torchrec's order):
+        fused_params: the fused optimizer of a collection built without one and without an
+            in-backward optimizer (``{"optimizer": ..., "learning_rate": ...}``; see
+            ``shardkit.sharding.fused_optimizer_config``).
+        qcomm_codecs_registry: as for ``ModuleSharder``.
+    """
+
+    def __init__(
+        self,
+        fused_params: Optional[Dict[str, Any]] = None,
+        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+    ) -> None:
+        super().__init__(qcomm_codecs_registry)
+        fused_optimizer_config(fused_params)  # a bad dict fails here, not at the first shard()
+        self._fused_params = fused_params
+
+    @property
+    def fused_params(self) -> Optional[Dict[str, Any]]:
+        return self._fused_params
+
+    def fused_optimizer_for(self, module: nn.Module) -> Optional[FusedOptimizerConfig]:
+        """The fused optimizer ``module``'s FUSED tables apply (see ``resolve_fused_optimizer``)."""
+        return resolve_fused_optimizer(module, self._fused_params)
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
         return [t.value for t in ShardingType]

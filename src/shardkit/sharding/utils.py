@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from shardkit.modules.fused_optimizers import OptimType
+from shardkit.optim.rowwise_adagrad import RowWiseAdagrad
 from shardkit.sharding.dist_data.permute import PermutePooledEmbeddings
 from shardkit.sharding.types import ParameterSharding, ShardedModule
 
@@ -117,11 +118,13 @@ _FUSED_OPTIMIZERS = {
     torch.optim.Adagrad: OptimType.ADAGRAD,
     torch.optim.Adam: OptimType.ADAM,
     torch.optim.SparseAdam: OptimType.ADAM,
+    RowWiseAdagrad: OptimType.ROWWISE_ADAGRAD,
 }
 
 
 def optimizer_type_to_emb_opt_type(optimizer_class: Type[torch.optim.Optimizer]) -> Optional[OptimType]:
-    """The fused ``OptimType`` for a ``torch.optim`` class (SGD, Adagrad, Adam, SparseAdam), None if none."""
+    """The fused ``OptimType`` for a ``torch.optim`` class (SGD, Adagrad, Adam, SparseAdam) or
+    ``shardkit.optim.RowWiseAdagrad``, None if none."""
     return _FUSED_OPTIMIZERS.get(optimizer_class)
 
 
