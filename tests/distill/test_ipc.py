@@ -24,13 +24,29 @@ def _consumer(entries, to_producer, from_producer):
         # the same view object, not re-opened: it can only see the update if it aliases the buffer
         to_producer.put(("second", view.float().tolist(), None, None))
         view[0, 0, 0] = -123.0  # and writes travel the other way
+        if view.is_cuda:
+            torch.cuda.synchronize()  # the write must be done before the producer is told
         to_producer.put(("wrote", None, None, None))
     except Exception as err:  # noqa: BLE001 - report any failure to the test process
         to_producer.put(("error", repr(err), None, None))
 
 
-def test_second_process_sees_a_view_and_updates():
-    buf = TeacherLogitsBuffer((4, 3, 5), dtype=torch.bfloat16)
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        # CUDA IPC: a handle must be opened by another process, so this is the only way to test it
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.cuda,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: tools/device_check.sh"),
+            ],
+        ),
+    ],
+)
+def test_second_process_sees_a_view_and_updates(device):
+    buf = TeacherLogitsBuffer((4, 3, 5), dtype=torch.bfloat16, device=device)
     first = torch.randn(4, 3, 5)
     buf.update(first)
     entries = buf.entries()[1:3]  # a microbatch: samples [1, 3)
@@ -51,6 +67,8 @@ def test_second_process_sees_a_view_and_updates():
         assert values == second.to(torch.bfloat16)[1:3].float().tolist()
         tag, err, _, _ = to_producer.get(timeout=60)
         assert tag == "wrote", err
+        if device == "cuda":
+            torch.cuda.synchronize()  # the consumer's write is on its own stream
         assert buf.tensor[1, 0, 0].item() == -123.0
     finally:
         proc.join(timeout=60)

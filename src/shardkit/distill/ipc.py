@@ -119,13 +119,19 @@ class TeacherLogitsBuffer:
         return [{"rank_logits_ipc": handle, "sample_idx_within_rank": i} for i in range(self.shape[0])]
 
     def update(self, logits: torch.Tensor) -> None:
-        """Copy ``logits [B_r, T_t, V_t]`` (any castable dtype) into the buffer; ``logits`` is unchanged."""
+        """Copy ``logits [B_r, T_t, V_t]`` (any castable dtype) into the buffer; ``logits`` is unchanged.
+
+        On CUDA it waits for the copy to finish: another process reads the buffer on its own stream,
+        and nothing else orders that read after this copy.
+        """
         if tuple(logits.shape) != self.shape:
             raise ValueError(
                 f"TeacherLogitsBuffer.update: logits shape {tuple(logits.shape)} != buffer {self.shape}"
             )
         with torch.no_grad():
             self.tensor.copy_(logits)
+        if self.tensor.is_cuda:
+            torch.cuda.current_stream(self.tensor.device).synchronize()
 
     def close(self) -> None:
         """Remove the shared-memory name (CPU); the CUDA allocation lives as long as ``tensor``."""
