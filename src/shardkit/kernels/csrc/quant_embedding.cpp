@@ -10,6 +10,10 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -44,29 +48,55 @@ inline float half_at(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// Calls add(j, value) for each of the row's dim values, dequantized to fp32.
-template <int64_t S, typename Add>
-inline void for_each_value(const uint8_t* row, int64_t dim, Add&& add) {
+inline float bf16_bits_to_float(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Writes the row's dim values, dequantized to fp32, to vals (codes: scratch of dim bytes). Separate
+// restrict-qualified buffers let the compiler vectorize each loop (uint8 pointers may alias anything).
+template <int64_t S>
+inline void dequantize_row(const uint8_t* __restrict__ row, int64_t dim, float* __restrict__ vals,
+                           uint8_t* __restrict__ codes) {
   if constexpr (S == kFP32) {
-    const float* v = reinterpret_cast<const float*>(row);
-    for (int64_t j = 0; j < dim; ++j) add(j, v[j]);
+    std::memcpy(vals, row, dim * sizeof(float));
   } else if constexpr (S == kFP16) {
-    const c10::Half* v = reinterpret_cast<const c10::Half*>(row);
-    for (int64_t j = 0; j < dim; ++j) add(j, static_cast<float>(v[j]));
+    int64_t j = 0;
+#if defined(__F16C__)
+    for (; j + 8 <= dim; j += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * j));
+      _mm256_storeu_ps(vals + j, _mm256_cvtph_ps(h));
+    }
+#endif
+    for (; j < dim; ++j) {
+      uint16_t bits;
+      std::memcpy(&bits, row + 2 * j, 2);
+      vals[j] = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+    }
   } else if constexpr (S == kBF16) {
-    const c10::BFloat16* v = reinterpret_cast<const c10::BFloat16*>(row);
-    for (int64_t j = 0; j < dim; ++j) add(j, static_cast<float>(v[j]));
+    uint16_t bits[1];
+    for (int64_t j = 0; j < dim; ++j) {
+      std::memcpy(bits, row + 2 * j, 2);
+      vals[j] = bf16_bits_to_float(bits[0]);
+    }
   } else {
     constexpr int kBits = S == kINT8 ? 8 : S == kINT4 ? 4 : 2;
     constexpr int kPerByte = 8 / kBits;
     constexpr uint8_t kMask = static_cast<uint8_t>((1 << kBits) - 1);
     const int64_t nbytes = (dim + kPerByte - 1) / kPerByte;
     const float scale = half_at(row + nbytes), bias = half_at(row + nbytes + 2);
+    const uint8_t* c = row;
+    if constexpr (kBits < 8) {
+      for (int64_t k = 0; k < nbytes; ++k) {
+        for (int p = 0; p < kPerByte; ++p) codes[k * kPerByte + p] = (row[k] >> (p * kBits)) & kMask;
+      }
+      c = codes;
+    }
     for (int64_t j = 0; j < dim; ++j) {
-      const uint8_t code = kBits == 8 ? row[j] : (row[j / kPerByte] >> ((j % kPerByte) * kBits)) & kMask;
-      float v = static_cast<float>(code) * scale;
-      v = v + bias;
-      add(j, v);
+      float v = static_cast<float>(c[j]) * scale;
+      vals[j] = v + bias;
     }
   }
 }
@@ -84,14 +114,18 @@ int64_t quant_kernel(const at::Tensor& weight, int64_t dim, const at::Tensor& id
   const int64_t features = batch > 0 ? bags / batch : 1;
   std::vector<int64_t> first_bad(at::get_num_threads() + 1, std::numeric_limits<int64_t>::max());
   at::parallel_for(0, bags, 64, [&](int64_t b0, int64_t b1) {
-    std::vector<float> acc(dim);
+    std::vector<float> acc_storage(dim), vals_storage(dim);
+    std::vector<uint8_t> codes_storage(row_bytes * 4 + 8);  // unpacked codes of one row
+    float* __restrict__ acc = acc_storage.data();
+    float* __restrict__ vals = vals_storage.data();
+    uint8_t* __restrict__ codes = codes_storage.data();
     int64_t bad = std::numeric_limits<int64_t>::max();
     for (int64_t b = b0; b < b1; ++b) {
       // bag b's output row: feature-major bags, sample-major output when batch > 0
       const int64_t out_row = batch > 0 ? (b % batch) * features + b / batch : b;
       const int64_t s = shift ? shift[b] : 0;
       const int64_t lo = off[b], hi = off[b + 1];
-      if (pooled) std::fill(acc.begin(), acc.end(), 0.0f);
+      if (pooled) std::fill(acc, acc + dim, 0.0f);
       for (int64_t i = lo; i < hi; ++i) {
         const int64_t ahead = i + kPrefetch;
         if (ahead < hi) {
@@ -106,15 +140,16 @@ int64_t quant_kernel(const at::Tensor& weight, int64_t dim, const at::Tensor& id
           bad = std::min(bad, i);
           continue;
         }
-        const uint8_t* src = table + row * row_bytes;
         if (!pooled) {
-          float* o = dst + i * dim;
-          for_each_value<S>(src, dim, [&](int64_t j, float v) { o[j] = v; });
-        } else if (psw) {
+          dequantize_row<S>(table + row * row_bytes, dim, dst + i * dim, codes);
+          continue;
+        }
+        dequantize_row<S>(table + row * row_bytes, dim, vals, codes);
+        if (psw) {
           const float w = psw[i];
-          for_each_value<S>(src, dim, [&](int64_t j, float v) { acc[j] = std::fma(w, v, acc[j]); });
+          for (int64_t j = 0; j < dim; ++j) acc[j] = std::fma(w, vals[j], acc[j]);
         } else {
-          for_each_value<S>(src, dim, [&](int64_t j, float v) { acc[j] += v; });
+          for (int64_t j = 0; j < dim; ++j) acc[j] += vals[j];
         }
       }
       if (!pooled) continue;
@@ -123,7 +158,7 @@ int64_t quant_kernel(const at::Tensor& weight, int64_t dim, const at::Tensor& id
         const float c = scale[b];
         for (int64_t j = 0; j < dim; ++j) o[j] = acc[j] * c;
       } else {
-        std::copy(acc.begin(), acc.end(), o);
+        std::copy(acc, acc + dim, o);
       }
     }
     if (bad != std::numeric_limits<int64_t>::max()) {
