@@ -19,6 +19,8 @@ A row whose values are not finite or exceed fp16's range (65504) cannot be store
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 FLOAT_STORAGES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -86,8 +88,18 @@ def _scale_bias(qrows: torch.Tensor, dim: int, storage: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantize_rows(rows: torch.Tensor, storage: str) -> torch.Tensor:
-    """float ``[R, D]`` -> uint8 ``[R, row_bytes(D, storage)]`` (see the module doc for the format)."""
+def quantize_rows(
+    rows: torch.Tensor,
+    storage: str,
+    row_min: Optional[torch.Tensor] = None,
+    row_max: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """float ``[R, D]`` -> uint8 ``[R, row_bytes(D, storage)]`` (see the module doc for the format).
+
+    ``row_min`` / ``row_max`` (fp32 ``[R]``, int storages): the range of each *whole* row when ``rows``
+    holds only some of its columns (a column block), so that the block gets the codes, scale and bias
+    the whole row would (default: the range of ``rows`` itself).
+    """
     check_storage(storage)
     if rows.dim() != 2:
         raise ValueError(f"quantize_rows takes [rows, dim], got {tuple(rows.shape)}")
@@ -101,11 +113,13 @@ def quantize_rows(rows: torch.Tensor, storage: str) -> torch.Tensor:
             f"it cannot be stored as {storage} with an fp16 scale and bias"
         )
     levels = (1 << INT_BITS[storage]) - 1
-    if x.size(1) == 0:
+    if x.size(1) == 0 and row_min is None:
         bias = scale = torch.zeros(x.size(0), dtype=torch.float16, device=x.device)
     else:
-        bias = _fp16_toward(x.amin(dim=1), float("-inf"))
-        scale = _fp16_toward((x.amax(dim=1) - bias.float()) / levels, float("inf"))
+        low = x.amin(dim=1) if row_min is None else row_min.to(torch.float32)
+        high = x.amax(dim=1) if row_max is None else row_max.to(torch.float32)
+        bias = _fp16_toward(low, float("-inf"))
+        scale = _fp16_toward((high - bias.float()) / levels, float("inf"))
     s, b = scale.float().unsqueeze(1), bias.float().unsqueeze(1)
     # a constant row (scale 0) stores code 0: its value is the bias
     codes = torch.where(s > 0, ((x - b) / torch.where(s > 0, s, 1.0)).round(), 0.0).clamp(0, levels)

@@ -24,9 +24,16 @@ _CHUNK_ROWS = 1 << 16  # rows quantized at a time: bounds the fp32 temporaries o
 
 
 @torch.no_grad()
-def quantize_into(dst: torch.Tensor, src: torch.Tensor, storage: str) -> None:
+def quantize_into(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    storage: str,
+    row_min: Optional[torch.Tensor] = None,
+    row_max: Optional[torch.Tensor] = None,
+) -> None:
     """Store float rows ``src`` ``[R, D]`` into ``dst`` uint8 ``[R, row_bytes(D)]``, a chunk of rows
-    at a time (no fp32 copy of the whole table)."""
+    at a time (no fp32 copy of the whole table). ``row_min`` / ``row_max``: the whole rows' ranges
+    when ``src`` is a column block (``quantize_rows``)."""
     if dst.shape != (src.size(0), row_bytes(src.size(1), storage)):
         raise ValueError(
             f"{storage} rows of {tuple(src.shape)} need a [{src.size(0)}, {row_bytes(src.size(1), storage)}] "
@@ -34,7 +41,9 @@ def quantize_into(dst: torch.Tensor, src: torch.Tensor, storage: str) -> None:
         )
     for start in range(0, src.size(0), _CHUNK_ROWS):
         end = min(start + _CHUNK_ROWS, src.size(0))
-        dst[start:end].copy_(quantize_rows(src[start:end].to(dst.device), storage))
+        low = None if row_min is None else row_min[start:end]
+        high = None if row_max is None else row_max[start:end]
+        dst[start:end].copy_(quantize_rows(src[start:end].to(dst.device), storage, low, high))
 
 
 class QuantGroupedEmbeddingLookup(GroupedEmbeddingLookup):

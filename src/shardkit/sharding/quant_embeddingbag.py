@@ -116,7 +116,8 @@ class ShardedQuantEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         scale and bias), which no table-shaped DTensor describes. ``ValueError`` saying what to do."""
         raise ValueError(
             f"{type(self).__name__} has no state dict: save the trained float model (DCP / "
-            "shardkit.checkpoint) and convert it (shardkit.quant.convert, docs/quant.md), or read this "
+            "shardkit.checkpoint) and convert it (shardkit.sharding.quant_convert.quantize_sharded, "
+            "docs/quant.md), or read this "
             "rank's stored rows with local_shards()"
         )
 
