@@ -39,7 +39,7 @@ OTHER_CASES = ["out-of-range-id-raises", "empty-batch", "dispatch-selects-triton
 # combined across shards as the ranks would, against F.cross_entropy on the whole vocabulary
 CE_CASES = ["ce-fp32", "ce-fp16", "ce-bf16", "ce-bf16-in-place", "ce-fp32-rows-longer-than-a-block"]
 # the same kernels reached through shardkit.losses (kernel_backend("triton")) against its torch blocks
-CE_LOSS_CASES = ["ce-loss-fp32", "ce-loss-bf16"]
+CE_LOSS_CASES = ["ce-loss-fp32", "ce-loss-bf16", "ce-fused-linear-fp32", "ce-fused-linear-bf16"]
 CE_TOL = {"fp32": 2e-6, "fp16": 5e-4, "bf16": 4e-3}  # gradients are at most 1: an ulp or two
 ALL_CASES = FORWARD_CASES + BACKWARD_CASES + OTHER_CASES + CE_CASES + CE_LOSS_CASES
 
@@ -286,23 +286,77 @@ def _ce_case(case: str, device: str) -> List[List[Any]]:
     ]
 
 
-def _ce_loss_case(case: str, device: str) -> List[List[Any]]:
-    """``vocab_parallel_cross_entropy`` (one process) with the Triton passes against the torch blocks:
-    every reduction, ignored tokens, a padded vocabulary, the in-place backward; the kernels must run
-    (counted), and an option they lack must raise when they are forced, not fall back silently."""
-    from shardkit.kernels import kernel_backend, triton_ce
-    from shardkit.losses import vocab_parallel_cross_entropy
+def _count_ce_calls():
+    """Wrap the Triton CE entry points with call counters; returns the counts (a dict)."""
+    from shardkit.kernels import triton_ce
 
-    dt = DTYPES[case.split("-")[2]]
     calls = {"ce_statistics": 0, "ce_gradient": 0}
     for name in calls:
         original = getattr(triton_ce, name)
+        if hasattr(original, "counted"):
+            original = original.counted
 
         def counted(*args, _original=original, _name=name, **kwargs):
             calls[_name] += 1
             return _original(*args, **kwargs)
 
+        counted.counted = original
         setattr(triton_ce, name, counted)
+    return calls
+
+
+def _fused_linear_case(case: str, device: str) -> List[List[Any]]:
+    """``vocab_parallel_linear_cross_entropy`` / ``_logprobs`` with the Triton passes against the torch
+    blocks: the recomputing backward (per-token losses, log-probs) and, for fp32, the gradients made in
+    forward; a padded vocabulary; several row and column blocks (``chunk_size``)."""
+    from shardkit.kernels import kernel_backend
+    from shardkit.losses import vocab_parallel_linear_cross_entropy, vocab_parallel_linear_logprobs
+
+    dt = DTYPES[case.split("-")[3]]
+    calls = _count_ce_calls()
+    gen = torch.Generator().manual_seed(13)
+    H = (torch.randn(14, 8, generator=gen)).to(dt).to(device)
+    W = (torch.randn(40, 8, generator=gen) * 0.7).to(dt).to(device)
+    t = torch.randint(0, 37, (14,), generator=gen).to(device)
+    t[3] = -100
+    runs = [
+        ("ce none", lambda h, w: vocab_parallel_linear_cross_entropy(h, w, t, vocab_size=37, chunk_size=4)),
+        (
+            "ce mean",
+            lambda h, w: vocab_parallel_linear_cross_entropy(h, w, t, reduction="mean", chunk_size=4),
+        ),
+        ("logprobs", lambda h, w: vocab_parallel_linear_logprobs(h, w, t.clamp(min=0), chunk_size=5)),
+    ]
+    checks: List[List[Any]] = []
+    tol = VALUE_TOL["fp32" if dt == torch.float32 else "bf16"]
+    for name, fn in runs:
+        results = {}
+        for backend in ("torch", "triton"):
+            h, w = H.clone().requires_grad_(), W.clone().requires_grad_()
+            with kernel_backend(backend):
+                out = fn(h, w)
+                G = torch.linspace(0.5, 1.5, out.numel()).view(out.shape).to(device)
+                (out * G).sum().backward()
+            results[backend] = (out.detach().float(), h.grad.float(), w.grad.float())
+        for what, got, want in zip(
+            ("loss", "hidden grad", "weight grad"), results["triton"], results["torch"]
+        ):
+            checks.append(_close(f"{name}: {what}", got, want, 1e-5 if what == "loss" else tol))
+    # every call ran both passes in Triton (3 losses x (forward + backward)); per block, several each
+    ran = calls["ce_statistics"] >= 3 and calls["ce_gradient"] >= 3
+    checks.append(["the Triton passes ran", ran, str(calls)])
+    return checks
+
+
+def _ce_loss_case(case: str, device: str) -> List[List[Any]]:
+    """``vocab_parallel_cross_entropy`` (one process) with the Triton passes against the torch blocks:
+    every reduction, ignored tokens, a padded vocabulary, the in-place backward; the kernels must run
+    (counted), and an option they lack must raise when they are forced, not fall back silently."""
+    from shardkit.kernels import kernel_backend
+    from shardkit.losses import vocab_parallel_cross_entropy
+
+    dt = DTYPES[case.split("-")[2]]
+    calls = _count_ce_calls()
     gen = torch.Generator().manual_seed(12)
     X = (torch.randn(3, 5, 40, generator=gen) * 3).to(dt).to(device)
     t = torch.randint(0, 37, (3, 5), generator=gen).to(device)
@@ -343,6 +397,8 @@ def _ce_loss_case(case: str, device: str) -> List[List[Any]]:
 def run_case(case: str, device: str) -> List[List[Any]]:
     if case.startswith("ce-loss-"):
         return _ce_loss_case(case, device)
+    if case.startswith("ce-fused-linear-"):
+        return _fused_linear_case(case, device)
     if case.startswith("ce-"):
         return _ce_case(case, device)
     if case.startswith("forward-"):

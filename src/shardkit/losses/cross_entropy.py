@@ -130,8 +130,12 @@ def _flat(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, tor
 _NO_IGNORED_ID = -(2**62)
 
 
-def _triton_kernels(logits2d: torch.Tensor, opts: CrossEntropyOptions):
-    """The Triton CE kernels when they run this call (CUDA, the plain loss), else None."""
+def triton_kernels(logits2d: torch.Tensor, opts: CrossEntropyOptions):
+    """The Triton CE kernels when they run this call (CUDA, the plain loss), else None.
+
+    ``logits2d``: the ``[T, V/tp]`` logits, or any tensor of their dtype and device with contiguous
+    rows (the fused linear loss passes an empty one).
+    """
     unsupported = [
         name
         for name, used in (
@@ -145,18 +149,40 @@ def _triton_kernels(logits2d: torch.Tensor, opts: CrossEntropyOptions):
     return triton_ce_kernels(logits2d, ", ".join(unsupported) or None)
 
 
+def _ignored_id(opts: CrossEntropyOptions) -> int:
+    return _NO_IGNORED_ID if opts.ignore_index is None else opts.ignore_index
+
+
+def triton_statistics(kernels, logits2d, target1d, opts: CrossEntropyOptions) -> torch.Tensor:
+    """This shard's ``[T, 3]`` fp32 statistics (max, sum of exp, target logit) by one Triton pass over
+    the real columns of ``logits2d`` ``[T, V/tp]``."""
+    real = logits2d[:, : opts.shard.real_width]
+    return torch.stack(kernels.ce_statistics(real, target1d, opts.shard.start, _ignored_id(opts)), dim=1)
+
+
+def triton_gradient(kernels, logits2d, target1d, lse, g, opts: CrossEntropyOptions, out, c0: int = 0):
+    """``out = (exp(x - lse) - onehot(target)) * g`` per token by one Triton pass, for the columns
+    ``[c0, c0 + w)`` of the shard held by ``logits2d`` ``[T, w]`` (``out`` may be ``logits2d``);
+    padding columns get 0, as do ignored tokens. ``lse``, ``g``: ``[T]`` (``p = exp(x - M) / S`` with
+    ``M = lse`` and ``S = 1``)."""
+    real = max(0, min(opts.shard.real_width - c0, logits2d.size(1)))
+    kernels.ce_gradient(
+        logits2d[:, :real], target1d, opts.shard.start + c0, lse, torch.ones_like(lse), g,
+        _ignored_id(opts), out=out[:, :real],
+    )  # fmt: skip
+    out[:, real:] = 0
+    return out
+
+
 def cross_entropy_forward(
     logits: torch.Tensor, target: torch.Tensor, opts: CrossEntropyOptions
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(result, lse [T] fp32, token count (fp64 0-d, for "mean"), real vocabulary size (0-d))``."""
     logits2d, target1d = _flat(logits, target)
-    kernels = _triton_kernels(logits2d, opts)
+    kernels = triton_kernels(logits2d, opts)
     if kernels is not None:
-        # one Triton pass over the real columns: (max, sum of exp, target logit) per token
-        ignored = _NO_IGNORED_ID if opts.ignore_index is None else opts.ignore_index
-        real = logits2d[:, : opts.shard.real_width]
-        stats = torch.stack(kernels.ce_statistics(real, target1d, opts.shard.start, ignored), dim=1)
         _, _, active = st.local_target_index(target1d, opts.shard, opts.ignore_index)
+        stats = triton_statistics(kernels, logits2d, target1d, opts)
         return loss_from_statistics(stats, active, target.shape, opts)
     # cache-sized blocks: the statistics read each block of logits once and reuse one small buffer
     rows = st.cache_rows(opts.shard.width, opts.rows, logits.device)
@@ -272,19 +298,10 @@ def cross_entropy_backward(
         grad = logits2d
     else:
         grad = torch.empty_like(logits2d, memory_format=torch.contiguous_format)
-    kernels = _triton_kernels(logits2d, opts)
+    kernels = triton_kernels(logits2d, opts)
     if kernels is not None:
-        # one Triton pass: (exp(x - lse) - onehot(target)) * g per token, written into grad's real
-        # columns (p = exp(x - M) / S with M = lse, S = 1); padding columns get zero
-        real = opts.shard.real_width
         g = per_token_grad(grad_output, opts.reduction, count, target1d.numel(), lse.dtype)
-        ignored = _NO_IGNORED_ID if opts.ignore_index is None else opts.ignore_index
-        kernels.ce_gradient(
-            logits2d[:, :real], target1d, opts.shard.start, lse, torch.ones_like(lse), g, ignored,
-            out=grad[:, :real],
-        )  # fmt: skip
-        grad[:, real:] = 0
-        return grad.view(logits.shape)
+        return triton_gradient(kernels, logits2d, target1d, lse, g, opts, out=grad).view(logits.shape)
     # cache-sized blocks written straight into the gradient: one read of the logits, one write of the
     # gradient, instead of one memory pass per step (the blocks are within the chunk_size bound)
     rows = st.cache_rows(opts.shard.width, opts.rows, logits.device)

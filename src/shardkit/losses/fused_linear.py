@@ -46,9 +46,13 @@ from shardkit.losses.cross_entropy import (
     gradient_coefficients,
     loss_coefficients,
     loss_from_source,
+    loss_from_statistics,
     per_token_grad,
     reduce_tokens,
     token_loss,
+    triton_gradient,
+    triton_kernels,
+    triton_statistics,
 )
 from shardkit.losses.dtensor import plain_tensor, resolve_vocab_shard
 from shardkit.losses.first_order import first_order_only
@@ -67,9 +71,19 @@ class _FusedLinearLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden2d, weight, target1d, opts: CrossEntropyOptions, sign: float):  # type: ignore[override]
-        out, lse, count, vocab = loss_from_source(
-            _matmul_source(hidden2d, weight), hidden2d.dtype, target1d, target1d.shape, opts
-        )
+        kernels = triton_kernels(hidden2d.new_empty(0, opts.shard.width), opts)
+        if kernels is not None:  # CUDA, the plain loss: one Triton statistics pass per block
+            source = _matmul_source(hidden2d, weight)
+            stats = torch.cat([
+                triton_statistics(kernels, source(i0, i1), target1d[i0:i1], opts)
+                for i0, i1 in st.row_blocks(target1d.numel(), opts.rows)
+            ]) if target1d.numel() else hidden2d.new_zeros(0, 3, dtype=torch.float32)  # fmt: skip
+            _, _, active = st.local_target_index(target1d, opts.shard, opts.ignore_index)
+            out, lse, count, vocab = loss_from_statistics(stats, active, target1d.shape, opts)
+        else:
+            out, lse, count, vocab = loss_from_source(
+                _matmul_source(hidden2d, weight), hidden2d.dtype, target1d, target1d.shape, opts
+            )
         ctx.save_for_backward(hidden2d, weight, target1d, lse, count, vocab)
         ctx.opts, ctx.sign = opts, sign
         return out * sign if sign != 1.0 else out
@@ -91,19 +105,26 @@ class _FusedLinearLoss(torch.autograd.Function):
             grad_output, target1d, lse, count, vocab, opts
         )
         weight_t = weight.t()
-        blocks = st.softmax_gradient_column_blocks(
-            lambda c0, c1: hidden2d @ weight_t[:, c0:c1],
-            opts.shard,
-            opts.transform,
-            lse,
-            index,
-            owned,
-            active,
-            coef_p,
-            coef_target,
-            coef_uniform,
-            columns,
-        )
+        column_logits = lambda c0, c1: hidden2d @ weight_t[:, c0:c1]  # noqa: E731
+        kernels = triton_kernels(hidden2d.new_empty(0, width), opts)
+        if kernels is not None:  # CUDA, the plain loss: one Triton gradient pass per column block
+            blocks = _triton_column_blocks(
+                kernels, column_logits, width, columns, target1d, lse, coef_p, opts
+            )
+        else:
+            blocks = st.softmax_gradient_column_blocks(
+                column_logits,
+                opts.shard,
+                opts.transform,
+                lse,
+                index,
+                owned,
+                active,
+                coef_p,
+                coef_target,
+                coef_uniform,
+                columns,
+            )
         grad_hidden = torch.zeros(hidden2d.shape, dtype=work, device=hidden2d.device) if want_hidden else None
         grad_weight = torch.empty_like(weight) if want_weight else None
         for c0, c1, block in blocks:
@@ -116,6 +137,15 @@ class _FusedLinearLoss(torch.autograd.Function):
         if want_hidden:
             grad_hidden = grad_hidden.to(hidden2d.dtype)
         return grad_hidden, grad_weight, None, None, None
+
+
+def _triton_column_blocks(kernels, column_logits, width, columns, target1d, lse, coef_p, opts):
+    """Yield ``(c0, c1, gradient of the logits' columns [c0, c1))`` ``[T, c1 - c0]`` in the input
+    dtype, each written by the Triton gradient pass over its recomputed logits (the plain loss)."""
+    for c0 in range(0, width, columns):
+        c1 = min(width, c0 + columns)
+        logits = column_logits(c0, c1)
+        yield c0, c1, triton_gradient(kernels, logits, target1d, lse, coef_p, opts, out=logits, c0=c0)
 
 
 def _loss_and_gradients(hidden2d, weight, target1d, opts: CrossEntropyOptions, want_hidden, want_weight):
@@ -137,23 +167,30 @@ def _loss_and_gradients(hidden2d, weight, target1d, opts: CrossEntropyOptions, w
     grad_weight = torch.zeros_like(weight) if want_weight else None
     weight_t, vocab = weight.t(), None
     pieces = st.cache_rows(shard.width, opts.rows, hidden2d.device)
+    kernels = triton_kernels(hidden2d.new_empty(0, shard.width), opts)
     for i0, i1 in st.row_blocks(num_rows, opts.rows):
         logits = hidden2d[i0:i1] @ weight_t  # [c, V/tp], the work dtype (fp32 / fp64 inputs only)
         block = lambda a, b, logits=logits: logits[a:b]  # noqa: E731
         rows = slice(i0, i1)
-        stats = st.shard_statistics(
-            block, i1 - i0, shard, transform, index[rows], owned[rows], pieces,
-            with_sum=opts.label_smoothing > 0.0, device=hidden2d.device, dtype=work,
-        )  # fmt: skip
+        if kernels is not None:  # CUDA, the plain loss: one Triton pass per step
+            stats = triton_statistics(kernels, logits, target1d[rows], opts)
+        else:
+            stats = st.shard_statistics(
+                block, i1 - i0, shard, transform, index[rows], owned[rows], pieces,
+                with_sum=opts.label_smoothing > 0.0, device=hidden2d.device, dtype=work,
+            )  # fmt: skip
         gathered, vocab = st.gather_statistics(stats, shard.real_width, opts.group)
         loss[rows], lse = token_loss(gathered, vocab, active[rows], opts)
-        coef_p, coef_target, coef_uniform = loss_coefficients(ones[rows], lse, vocab, opts)
-        # the gradient overwrites the logits piece by piece (no second [c, V/tp] buffer)
-        for _ in st.softmax_gradient_blocks(
-            block, i1 - i0, shard, transform, lse, index[rows], owned[rows], active[rows],
-            coef_p, coef_target, coef_uniform, pieces, out=logits,
-        ):  # fmt: skip
-            pass
+        # the gradient overwrites the logits (no second [c, V/tp] buffer)
+        if kernels is not None:
+            triton_gradient(kernels, logits, target1d[rows], lse, ones[rows], opts, out=logits)
+        else:
+            coef_p, coef_target, coef_uniform = loss_coefficients(ones[rows], lse, vocab, opts)
+            for _ in st.softmax_gradient_blocks(
+                block, i1 - i0, shard, transform, lse, index[rows], owned[rows], active[rows],
+                coef_p, coef_target, coef_uniform, pieces, out=logits,
+            ):  # fmt: skip
+                pass
         if want_hidden:
             torch.mm(logits, weight, out=grad_hidden[rows])
         if want_weight:
