@@ -18,9 +18,10 @@ Workload: one fp32 ``[rows, dim]`` table, ``batch`` bags of 1/2..3/2 x ``pooling
   runs outside the timed region).
 - cross-entropy over one ``[T, V/tp]`` bf16 shard (``--ce-tokens`` x ``--ce-vocab``, default 16384 x
   64000): the Triton kernels of :mod:`shardkit.kernels.triton_ce` (statistics pass, then the gradient
-  written over the logits) vs ``F.cross_entropy`` + backward; bytes = the shard read twice and written
-  once; ``peak_extra_mib`` = ``torch.cuda.max_memory_allocated`` above the memory in use at the start
-  (the logits included in neither), also in units of one shard.
+  written over the logits) vs ``F.cross_entropy`` + backward, and ``vocab_parallel_cross_entropy``
+  (mean loss, forward + backward) with its Triton passes and with its torch blocks; bytes = the shard
+  read twice and written once; ``peak_extra_mib`` = ``torch.cuda.max_memory_allocated`` above the
+  memory in use at the start (the logits included in neither), also in units of one shard.
 - ``copy``: ``dst.copy_(src)`` of ``--copy-mib`` MiB; bytes = read + write. ``ratio_to_copy`` of a
   row = its GB/s over the copy's.
 
@@ -263,7 +264,8 @@ def _ce_rows(args, row) -> List[Dict[str, Any]]:
     vs ``F.cross_entropy`` + backward. Bytes: the shard read twice and written once."""
     import torch.nn.functional as F
 
-    from shardkit.kernels import triton_ce
+    from shardkit.kernels import kernel_backend, triton_ce
+    from shardkit.losses import vocab_parallel_cross_entropy
 
     tokens, vocab = args.ce_tokens, args.ce_vocab
     gen = torch.Generator(device=DEVICE).manual_seed(2)
@@ -295,9 +297,24 @@ def _ce_rows(args, row) -> List[Dict[str, Any]]:
     work = leaf = None
     nbytes = 3 * logits.numel() * logits.element_size()
     out = []
+    def shardkit_step(backend):
+        def step(leaf):
+            with kernel_backend(backend):
+                loss = vocab_parallel_cross_entropy(leaf, target, reduction="mean")
+                loss.backward()
+            return loss
+
+        return step
+
+    def new_leaf():
+        return logits.clone().requires_grad_()
+
     cases = (
         ("triton CE statistics + gradient (over the logits)", triton_step, logits.clone),
-        ("F.cross_entropy forward + backward", torch_step, lambda: logits.clone().requires_grad_()),
+        ("F.cross_entropy forward + backward", torch_step, new_leaf),
+        # the library call, fwd + bwd of the mean loss, with each backend of its two passes
+        ("shardkit vocab_parallel_cross_entropy, triton passes", shardkit_step("triton"), new_leaf),
+        ("shardkit vocab_parallel_cross_entropy, torch blocks", shardkit_step("torch"), new_leaf),
     )
     for name, step, setup in cases:
         ms = cuda_ms(step, setup, args.repeats)
