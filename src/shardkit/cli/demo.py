@@ -45,6 +45,8 @@ def check_args(args) -> str:
     if args.device == "cuda":
         if args.model == "gnn":
             return "--model gnn runs on CPU ranks only; drop --device cuda"
+        if getattr(args, "quantize", False):
+            return "--quantize serves on CPU ranks only; drop --device cuda"
         if not torch.cuda.is_available() or not dist.is_nccl_available():
             return "--device cuda needs CUDA and NCCL, and this torch build or machine has neither"
         if args.nproc > torch.cuda.device_count():
@@ -105,6 +107,11 @@ def add_parser(commands) -> None:
         choices=SHARDING_TYPES,
         metavar="TYPE",
         help=f"shard every table this way instead of planning: {', '.join(SHARDING_TYPES)}",
+    )
+    dlrm.add_argument(
+        "--quantize",
+        action="store_true",
+        help="then serve the trained model with int8 / int4 tables, sharded: memory, predictions vs fp32",
     )
     gnn = parser.add_argument_group("gnn")
     gnn.add_argument("--nodes", type=int, default=200, help="graph nodes (default 200)")

@@ -239,4 +239,9 @@ def run(args) -> int:
         ok &= passed
         print(f"  max abs difference of {name:<17} {diff:.3e}  {'ok' if passed else 'FAILED'}")
     print("result: sharded == unsharded" if ok else "result: MISMATCH")
+    if ok and getattr(args, "quantize", False):
+        from shardkit.cli import demo_quant
+
+        ok = demo_quant.run(model, tables, args, tolerance)
+        print("result: quantized sharded == quantized unsharded" if ok else "result: quantized MISMATCH")
     return 0 if ok else 1
