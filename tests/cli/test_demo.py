@@ -33,6 +33,7 @@ def test_planned_demo_prints_plan_throughput_curve_and_is_exact(capsys):
         "losses",
         "dense weights",
         "embedding tables",
+        "mc slot maps",  # the raw-id feature behind a managed-collision table (on by default)
     ]
     assert all(line.endswith(" ok") for line in lines)
     assert "result: sharded == unsharded" in out
@@ -45,7 +46,8 @@ def test_forced_sharding_type_is_used_for_every_table_and_is_exact(capsys, shard
     assert f"forced plan: every table {sharding_type}" in out
     plan_rows = [line for line in out.splitlines() if re.match(r"t\d+ ", line)]
     assert len(plan_rows) == 5 and all(line.split()[2] == sharding_type for line in plan_rows)
-    assert len(_exactness_lines(out)) == 3 and "result: sharded == unsharded" in out
+    assert len(_exactness_lines(out)) == 4 and "result: sharded == unsharded" in out
+    assert "managed collision: feature 'user_id' of raw 64-bit ids" in out
 
 
 def test_a_reference_that_trains_differently_fails_the_check(capsys, monkeypatch):

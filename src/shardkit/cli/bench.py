@@ -44,6 +44,10 @@ QUICK_ARGS: Dict[str, List[str]] = {
         *("--tables", "2", "--rows", "1000", "--dim", "8", "--batch", "32", "--pooling", "2"),
         *("--iters", "2", "--warmup", "1", "--rounds", "1", "--types", "table_wise"),
     ],
+    "managed_collision": [
+        *("--slots", "1000", "--batch", "10000", "--rows", "1000", "--dim", "8"),
+        *("--step-batch", "64", "--pooling", "2", "--repeats", "1"),
+    ],
     "quant_lookup": ["--rows", "1000", "--dim", "16", "--batch", "64", "--pooling", "4", "--repeats", "1"],
     "pipeline": [
         *("--tables", "2", "--rows", "1000", "--dim", "8", "--batch", "32", "--pooling", "2"),

@@ -63,6 +63,8 @@ def check_args(args) -> str:
         return f"--tables must be between 1 and {MAX_TABLES}, got {args.tables}"
     if not 1 <= args.batch_size <= MAX_BATCH:
         return f"--batch-size must be between 1 and {MAX_BATCH}, got {args.batch_size}"
+    if args.mc_slots < 0:
+        return f"--mc-slots must be >= 0, got {args.mc_slots}"
     if args.max_rows is not None and args.max_rows < 1:
         return f"--max-rows must be >= 1, got {args.max_rows}"
     return ""
@@ -112,6 +114,12 @@ def add_parser(commands) -> None:
         "--quantize",
         action="store_true",
         help="then serve the trained model with int8 / int4 tables, sharded: memory, predictions vs fp32",
+    )
+    dlrm.add_argument(
+        "--mc-slots",
+        type=int,
+        default=4096,
+        help="rows of the table behind the raw 64-bit-id feature (managed collision; 0 or --quantize: none)",
     )
     gnn = parser.add_argument_group("gnn")
     gnn.add_argument("--nodes", type=int, default=200, help="graph nodes (default 200)")

@@ -6,6 +6,11 @@ NCCL) each wrap a copy of the same initial model in ``DistributedModelParallel``
 ``TrainPipelineSparseDist`` on their own synthetic batches; rank 0 draws a progress bar. The parent
 then trains an unsharded copy on the global batches (every rank's samples of a step together) and
 compares losses, dense weights and every table shard with it.
+
+By default one more feature, ``user_id``, carries raw 64-bit ids (a million distinct ones, Zipf
+distributed) into a table of ``--mc-slots`` rows through a ManagedCollisionEmbeddingBagCollection: its
+map is cut into ``nproc`` buckets, so the sharded model (whatever sharding its table gets) equals the
+unsharded one, and the check also compares the slot maps.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.cli.textplot import ProgressBar, curve
-from shardkit.datasets import SyntheticClicks, TableSpec
+from shardkit.datasets import RawIdClicks, TableSpec
 from shardkit.models import MixedDimDLRM, dense_parameters
 
 DENSE_IN = 13  # as in Criteo
@@ -46,16 +51,36 @@ def demo_tables(count: int, max_rows: Optional[int] = None) -> List[TableSpec]:
     return specs
 
 
-def make_model(tables: Sequence[TableSpec], seed: int, device: Optional[torch.device] = None) -> MixedDimDLRM:
+MC_FEATURE = "user_id"
+MC_CARDINALITY = 1_000_000  # distinct raw ids of the managed-collision feature
+
+
+def mc_tables(slots: int, nproc: int) -> List[TableSpec]:
+    """The managed-collision table (``slots`` rounded up to whole buckets of ``nproc``), or none."""
+    if slots <= 0:
+        return []
+    return [TableSpec(MC_FEATURE, -(-slots // nproc) * nproc, DENSE_OUT, 1.0)]
+
+
+def data_source(tables, mc, batch_size: int, seed: int) -> RawIdClicks:
+    """The demo's batches: one feature per table, and the raw-id feature (a million distinct ids)."""
+    raw = [TableSpec(t.name, MC_CARDINALITY, t.dim, t.pooling) for t in mc]
+    return RawIdClicks([*tables, *raw], batch_size, DENSE_IN, seed, [t.name for t in raw])
+
+
+def make_model(
+    tables: Sequence[TableSpec], seed: int, device: Optional[torch.device] = None, mc=(), nproc: int = 1
+) -> MixedDimDLRM:
     torch.manual_seed(seed)
-    return MixedDimDLRM(tables, DENSE_IN, DENSE_OUT, lr=LR, device=device)
+    return MixedDimDLRM(tables, DENSE_IN, DENSE_OUT, lr=LR, device=device, mc_tables=mc, mc_buckets=nproc)
 
 
-def plan_sharding(model: MixedDimDLRM, tables: Sequence[TableSpec], args) -> tuple:
+def plan_sharding(model: MixedDimDLRM, tables: Sequence[TableSpec], args, mc=()) -> tuple:
     """``(ShardingPlan, printable table)``: the planner's plan and report, or the forced type's plan."""
     from shardkit.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
     from shardkit.sharding import sharding_plan as sp
     from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
+    from shardkit.sharding.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
     from shardkit.sharding.types import ShardingPlan
 
     world = args.nproc
@@ -63,9 +88,11 @@ def plan_sharding(model: MixedDimDLRM, tables: Sequence[TableSpec], args) -> tup
         planner = EmbeddingShardingPlanner(
             topology=Topology(world_size=world, compute_device=args.device),
             batch_size=args.batch_size,
-            constraints={t.name: ParameterConstraints(pooling_factors=[t.pooling]) for t in tables},
+            constraints={t.name: ParameterConstraints(pooling_factors=[t.pooling]) for t in [*tables, *mc]},
         )
-        plan = planner.plan(model, [EmbeddingBagCollectionSharder()])
+        plan = planner.plan(
+            model, [EmbeddingBagCollectionSharder(), ManagedCollisionEmbeddingBagCollectionSharder()]
+        )
         return plan, str(planner.last_report)
     make = {
         "data_parallel": lambda i: sp.data_parallel(),
@@ -78,6 +105,20 @@ def plan_sharding(model: MixedDimDLRM, tables: Sequence[TableSpec], args) -> tup
     module_plan = sp.construct_module_sharding_plan(
         model.ebc, {t.name: make(i) for i, t in enumerate(tables)}, world, world, args.device
     )
+    plans = {"ebc": module_plan}
+    if mc:
+        # a managed-collision table can be row-, table- or column-wise; row-wise for the other types
+        mc_type = args.sharding_type if args.sharding_type in ("table_wise", "column_wise") else "row_wise"
+        mc_make = {
+            "table_wise": lambda i: sp.table_wise(rank=0),
+            "column_wise": make,
+            "row_wise": lambda i: sp.row_wise(),
+        }
+        plans["mc_ebc"] = sp.construct_module_sharding_plan(
+            model.mc_ebc, {t.name: mc_make[mc_type](i) for i, t in enumerate(mc)}, world, world, args.device
+        )
+        module_plan = {**module_plan, **plans["mc_ebc"]}
+        tables = [*tables, *mc]
     rows = [("table", "shape", "sharding", "kernel", "ranks", "shards [rows,cols]")]
     for t in tables:
         ps = module_plan[t.name]
@@ -94,11 +135,11 @@ def plan_sharding(model: MixedDimDLRM, tables: Sequence[TableSpec], args) -> tup
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     text = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-    return ShardingPlan({"ebc": module_plan}), f"forced plan: every table {args.sharding_type}\n{text}"
+    return ShardingPlan(plans), f"forced plan: every table {args.sharding_type}\n{text}"
 
 
 def run_rank(
-    model: MixedDimDLRM, plan, tables, batch_size: int, steps: int, seed: int, device_type: str
+    model: MixedDimDLRM, plan, tables, batch_size: int, steps: int, seed: int, device_type: str, mc=()
 ) -> dict:
     """One rank: shard ``model``, train ``steps`` pipelined steps; losses, weights and seconds."""
     from shardkit.model_parallel import CombinedOptimizer, DistributedModelParallel
@@ -115,7 +156,7 @@ def run_rank(
     dense = torch.optim.SGD(dict(dmp.bare_named_parameters()).values(), lr=LR)
     optimizer = CombinedOptimizer([("fused", dmp.fused_optimizer), ("dense", dense)])
     pipeline = TrainPipelineSparseDist(dmp, optimizer, device)
-    data = SyntheticClicks(tables, batch_size, DENSE_IN, seed)
+    data = data_source(tables, mc, batch_size, seed)
     batches = (data.batch(step, rank) for step in range(steps))
     bar = ProgressBar(steps) if rank == 0 else None
     losses = []
@@ -130,11 +171,21 @@ def run_rank(
     mean_losses = torch.stack(losses).double()  # on the device: NCCL reduces device tensors
     dist.all_reduce(mean_losses)
     bare = dmp.module
+    shards = {k: w.detach().cpu() for k, w in bare.ebc.local_shards().items()}
+    maps = {}
+    if bare.mc_ebc is not None:
+        shards.update({k: w.detach().cpu() for k, w in bare.mc_ebc._embedding_module.local_shards().items()})
+        for name, local in bare.mc_ebc._managed_collision_collection._managed_collision_modules.items():
+            start = local._output_global_offset
+            maps[name] = (start, local._mch_sorted_raw_ids.cpu(), local._mch_remapped_ids_mapping.cpu())
     return {
         "losses": (mean_losses / world).cpu().tolist(),
         "seconds": seconds,
-        "dense": {n: p.detach().cpu() for n, p in bare.named_parameters() if not n.startswith("ebc.")},
-        "shards": {k: w.detach().cpu() for k, w in bare.ebc.local_shards().items()},
+        "dense": {
+            n: p.detach().cpu() for n, p in bare.named_parameters() if not n.startswith(("ebc.", "mc_ebc."))
+        },
+        "shards": shards,
+        "maps": maps,
     }
 
 
@@ -146,11 +197,12 @@ def train_reference(
     seed: int,
     world: int,
     progress: Optional[Callable[[int], None]] = None,
+    mc=(),
 ) -> List[float]:
     """Train the unsharded ``model`` in place on the global batches; its loss at each step.
 
     ``progress(steps_done)`` is called after every step."""
-    data = SyntheticClicks(tables, batch_size, DENSE_IN, seed)
+    data = data_source(tables, mc, batch_size, seed)
     optimizer = torch.optim.SGD(dense_parameters(model), lr=LR)
     losses = []
     for step in range(steps):
@@ -167,20 +219,41 @@ def train_reference(
 def differences(
     ranks: List[dict], reference: MixedDimDLRM, reference_losses: List[float]
 ) -> Dict[str, float]:
-    """Max abs difference of the losses, the dense weights and the table shards against the reference."""
+    """Max abs difference of the losses, the dense weights and the table shards against the reference;
+    with a managed-collision table, also the number of slot-map entries that differ."""
     dense = dict(reference.named_parameters())
-    return {
+
+    def table(name: str) -> torch.Tensor:
+        if (
+            reference.mc_ebc is not None
+            and name in reference.mc_ebc._managed_collision_collection.feature_names()
+        ):
+            return reference.mc_ebc._embedding_module.table_weight(name)
+        return reference.ebc.table_weight(name)
+
+    out = {
         "losses": max(abs(a - b) for a, b in zip(ranks[0]["losses"], reference_losses)),
         "dense weights": max(
             (w - dense[n].detach()).abs().max().item() for r in ranks for n, w in r["dense"].items()
         ),
         "embedding tables": max(
-            (w - reference.ebc.table_weight(t)[r0:r1, c0:c1].detach()).abs().max().item()
+            (w - table(t)[r0:r1, c0:c1].detach()).abs().max().item()
             for r in ranks
             for (t, r0, r1, c0, c1), w in r["shards"].items()
             if w.numel()
         ),
     }
+    if reference.mc_ebc is not None:
+        maps = reference.mc_ebc._managed_collision_collection._managed_collision_modules
+        out["mc slot maps"] = float(
+            sum(
+                int((ids != maps[n]._mch_sorted_raw_ids[s : s + ids.numel()]).sum())
+                + int((slots != maps[n]._mch_remapped_ids_mapping[s : s + ids.numel()]).sum())
+                for r in ranks
+                for n, (s, ids, slots) in r["maps"].items()
+            )
+        )
+    return out
 
 
 def run(args) -> int:
@@ -188,7 +261,9 @@ def run(args) -> int:
     from shardkit.testing import run_world
 
     tables = demo_tables(args.tables, args.max_rows)
-    model = make_model(tables, args.seed)
+    # quantized serving (demo_quant) draws batches without the raw-id feature: no MC table then
+    mc = mc_tables(0 if getattr(args, "quantize", False) else args.mc_slots, args.nproc)
+    model = make_model(tables, args.seed, mc=mc, nproc=args.nproc)
     rows = sum(t.rows for t in tables)
     backend = "nccl" if args.device == "cuda" else "gloo"
     print(
@@ -196,7 +271,12 @@ def run(args) -> int:
         f"values), {args.nproc} local {args.device.upper()} ranks ({backend}), "
         f"batch {args.batch_size} per rank, {args.steps} steps"
     )
-    plan, plan_text = plan_sharding(model, tables, args)
+    for t in mc:
+        print(
+            f"managed collision: feature {t.name!r} of raw 64-bit ids ({MC_CARDINALITY:,} distinct, Zipf) "
+            f"into {t.rows:,} slots (LFU, eviction every step, {args.nproc} buckets)"
+        )
+    plan, plan_text = plan_sharding(model, tables, args, mc)
     print(plan_text, flush=True)  # before the ranks' progress bar
     # On a fresh machine the native CPU kernels compile on first use (tens of seconds, with their own
     # notice): here, once, rather than on every rank inside the timed training loop.
@@ -215,6 +295,7 @@ def run(args) -> int:
         args.steps,
         args.seed,
         args.device,
+        mc,
         backend=backend,
     )
     seconds = max(r["seconds"] for r in ranks)
@@ -231,7 +312,7 @@ def run(args) -> int:
     )
     bar = ProgressBar(args.steps, "steps of the unsharded replica")
     reference_losses = train_reference(
-        model, tables, args.batch_size, args.steps, args.seed, args.nproc, progress=bar.update
+        model, tables, args.batch_size, args.steps, args.seed, args.nproc, progress=bar.update, mc=mc
     )
     ok = True
     for name, diff in differences(ranks, model, reference_losses).items():

@@ -17,11 +17,24 @@ from torch import nn
 
 from shardkit.datasets.table_spec import TableSpec
 from shardkit.datasets.utils import Batch
-from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig, OptimType
+from shardkit.modules import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    FusedOptimizerConfig,
+    LFU_EvictionPolicy,
+    ManagedCollisionCollection,
+    ManagedCollisionEmbeddingBagCollection,
+    MCHManagedCollisionModule,
+    OptimType,
+)
 
 
 class MixedDimDLRM(nn.Module):
     """Dense arch + ``EmbeddingBagCollection`` (fused SGD) + dot interaction + over-arch.
+
+    ``mc_tables`` (rows = slots) adds ``mc_ebc``, a ManagedCollisionEmbeddingBagCollection for features
+    of raw 64-bit ids (LFU, eviction every step, ``mc_buckets`` buckets per map); its tables join the
+    others in the interaction / over-arch.
 
     Tables of width ``dense_out`` interact with the dense output and each other; wider or narrower
     tables go to the over-arch as they are. ``lr`` is the tables' fused SGD rate; the dense parameters
@@ -36,6 +49,8 @@ class MixedDimDLRM(nn.Module):
         hidden: int = 64,
         lr: float = 0.1,
         device: torch.device = None,
+        mc_tables: Sequence[TableSpec] = (),
+        mc_buckets: int = 1,
     ) -> None:
         super().__init__()
         self.dense_arch = nn.Sequential(
@@ -48,6 +63,8 @@ class MixedDimDLRM(nn.Module):
         self.ebc = EmbeddingBagCollection(
             configs, device=device, fused_optimizer=FusedOptimizerConfig(OptimType.SGD, lr=lr)
         )
+        self.mc_ebc = managed_collision_ebc(mc_tables, mc_buckets, lr, device) if mc_tables else None
+        tables = [*tables, *mc_tables]  # the raw-id features' pooled vectors come after the others
         self._dims = [t.dim for t in tables]
         self._interacting = [i for i, t in enumerate(tables) if t.dim == dense_out]
         self._wide = [i for i, t in enumerate(tables) if t.dim != dense_out]
@@ -61,7 +78,10 @@ class MixedDimDLRM(nn.Module):
 
     def forward(self, batch: Batch) -> Tuple[torch.Tensor, torch.Tensor]:
         dense = self.dense_arch(batch.dense_features)
-        pooled = self.ebc(batch.sparse_features).values().split(self._dims, dim=1)
+        pooled = self.ebc(batch.sparse_features).values()
+        if self.mc_ebc is not None:
+            pooled = torch.cat([pooled, self.mc_ebc(batch.sparse_features)[0].values()], dim=1)
+        pooled = pooled.split(self._dims, dim=1)
         stacked = torch.stack([dense, *[pooled[i] for i in self._interacting]], dim=1)  # [B, n, dense_out]
         dots = torch.bmm(stacked, stacked.transpose(1, 2))[:, self._pair_rows, self._pair_cols]
         logits = self.over_arch(torch.cat([dense, dots, *[pooled[i] for i in self._wide]], dim=1))
@@ -69,6 +89,25 @@ class MixedDimDLRM(nn.Module):
         return loss, loss.detach()
 
 
+def managed_collision_ebc(
+    tables: Sequence[TableSpec], buckets: int, lr: float, device: torch.device = None
+) -> ManagedCollisionEmbeddingBagCollection:
+    """One table of ``rows`` slots per raw-id feature, behind an LFU map evicting every step."""
+    configs = [EmbeddingBagConfig(t.rows, t.dim, name=t.name, feature_names=[t.name]) for t in tables]
+    maps = {
+        t.name: MCHManagedCollisionModule(
+            t.rows, device, LFU_EvictionPolicy(), 1, name=t.name, buckets=buckets
+        )
+        for t in tables
+    }
+    return ManagedCollisionEmbeddingBagCollection(
+        EmbeddingBagCollection(
+            configs, device=device, fused_optimizer=FusedOptimizerConfig(OptimType.SGD, lr=lr)
+        ),
+        ManagedCollisionCollection(maps, configs),
+    )
+
+
 def dense_parameters(model: nn.Module) -> List[nn.Parameter]:
     """The parameters the dense optimizer trains in an unsharded model (the tables train themselves)."""
-    return [p for name, p in model.named_parameters() if not name.startswith("ebc.")]
+    return [p for name, p in model.named_parameters() if not name.startswith(("ebc.", "mc_ebc."))]

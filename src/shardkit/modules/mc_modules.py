@@ -157,7 +157,7 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         # ids seen since the last eviction, per bucket: (ids, iteration) pieces, not checkpointed
         self._history: List[List[Tuple[torch.Tensor, int]]] = [[] for _ in range(buckets)]
         self._evicted: List[torch.Tensor] = []
-        self.register_load_state_dict_post_hook(lambda module, _keys: module.validate_state())
+        self.register_load_state_dict_post_hook(_validate_after_load)
 
     # ---- sizes --------------------------------------------------------------------------------
 
@@ -402,6 +402,10 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
             output_global_offset=self._output_global_offset,
             buckets=buckets,
         )
+
+
+def _validate_after_load(module: ManagedCollisionModule, incompatible_keys) -> None:
+    module.validate_state()  # a module-level function: the module stays picklable
 
 
 def _with_values(jt: JaggedTensor, values: torch.Tensor) -> JaggedTensor:
