@@ -199,35 +199,28 @@ def softmax_gradient_column_blocks(
     columns: int,
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """Yield ``(c0, c1, d out / d x[:, c0:c1])``: the gradient of ``softmax_gradient_blocks``, by blocks
-    of ``columns`` vocabulary columns over all rows (fp32 ``[T, c1 - c0]``, a fresh buffer).
+    of ``columns`` vocabulary columns over all rows, ``[T, c1 - c0]`` in the dtype of the logits.
 
-    ``column_source(c0, c1)`` gives the logits ``[T, c1 - c0]`` of those columns. The gradient needs no
-    reduction over the vocabulary (``lse`` is known), so a column block is complete on its own: the
-    fused linear loss uses this to finish each block's weight gradient in one matmul.
+    ``column_source(c0, c1)`` gives a fresh tensor of the logits ``[T, c1 - c0]`` of those columns; the
+    gradient is written over it (``softmax_gradient_blocks`` on the columns as a shard of their own, in
+    cache-sized row pieces), so a block costs no second buffer. The gradient needs no reduction over the
+    vocabulary (``lse`` is known), so a column block is complete on its own: the fused linear loss uses
+    this to finish each block's weight gradient in one matmul.
     """
-    width, real = shard.width, shard.real_width
-    minus_target = torch.where(owned, -coef_target, torch.zeros_like(coef_target))
-    inactive = ~active[:, None]
-    for c0 in range(0, width, columns):
-        c1 = min(width, c0 + columns)
-        z, derivative = transform.apply_with_derivative(column_source(c0, c1))
-        if real < c1:
-            z[:, max(0, real - c0) :] = float("-inf")  # padding columns of the vocabulary
-        grad = z.sub_(lse[:, None]).exp_().mul_(coef_p[:, None])
-        if coef_uniform is not None and real > c0:
-            grad[:, : min(real, c1) - c0].sub_(coef_uniform[:, None])
-        # the target term, for rows whose target column falls in this block (others add 0 at column 0)
-        here = (index >= c0) & (index < c1)
+    for c0 in range(0, shard.width, columns):
+        c1 = min(shard.width, c0 + columns)
+        logits = column_source(c0, c1)
+        # these columns as a shard: its real columns, and the targets that fall in it
+        block = VocabShard(shard.start + c0, shard.start + c1, max(0, min(shard.real_width, c1) - c0))
+        here = owned & (index >= c0) & (index < c1)
         local = torch.where(here, index - c0, torch.zeros_like(index))
-        grad.scatter_add_(
-            1, local[:, None], torch.where(here, minus_target, torch.zeros_like(minus_target))[:, None]
-        )
-        if derivative is not None:
-            grad.mul_(derivative)
-        elif transform.temperature != 1.0:
-            grad.div_(transform.temperature)
-        grad.masked_fill_(inactive, 0.0)
-        yield c0, c1, grad
+        rows = cache_rows(c1 - c0, lse.numel(), lse.device)
+        for _ in softmax_gradient_blocks(
+            lambda i0, i1, logits=logits: logits[i0:i1], lse.numel(), block, transform, lse, local, here,
+            active, coef_p, coef_target, coef_uniform, rows, out=logits,
+        ):  # fmt: skip
+            pass
+        yield c0, c1, logits
 
 
 def _plain_statistics(
