@@ -22,21 +22,26 @@ def _exactness_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if "max abs difference" in line]
 
 
-def test_planned_demo_prints_plan_throughput_curve_and_is_exact(capsys):
-    assert main(SHORT) == 0
+def test_planned_demo_prints_plan_throughput_curve_and_is_exact(capsys, tmp_path):
+    # also saves a checkpoint, restores it on 3 ranks under the planner's plan for 3, checks it exact
+    assert main([*SHORT, "--checkpoint", str(tmp_path / "ckpt"), "--timeout", "60"]) == 0
     out = capsys.readouterr().out
     assert "DLRM: 5 tables" in out and "2 local CPU ranks (gloo)" in out
     assert "ebc.t0" in out and "imbalance" in out  # the planner's report
     assert "samples/s" in out and "step 1" in out
     lines = _exactness_lines(out)
-    assert [line.split("difference of ")[1].split("  ")[0].strip() for line in lines] == [
+    assert [line.split("difference of ")[1].split("  ")[0].strip() for line in lines[:3]] == [
         "losses",
         "dense weights",
         "embedding tables",
         "mc slot maps",  # the raw-id feature behind a managed-collision table (on by default)
     ]
-    assert all(line.endswith(" ok") for line in lines)
+    assert all(line.endswith(" ok") for line in lines[:3])
     assert "result: sharded == unsharded" in out
+    assert [line.split()[1] for line in lines[3:]] == ["dense", "embedding"]
+    assert all(line.endswith(" exact") for line in lines[3:])
+    assert "result: restored on 3 ranks == saved on 2" in out
+    assert (tmp_path / "ckpt" / "manifest.json").is_file()
 
 
 @pytest.mark.parametrize("sharding_type", ["row_wise", "table_column_wise"])
@@ -71,6 +76,10 @@ def test_a_reference_that_trains_differently_fails_the_check(capsys, monkeypatch
         (["--max-rows", "0"], "--max-rows must be >= 1"),
         (["--steps", "many"], "invalid int value: 'many'"),
         (["--model", "gnn", "--nodes", "1"], "need --nodes >= --nproc"),
+        (["--timeout", "0"], "--timeout must be a positive number of seconds"),
+        (["--timeout", "nan"], "--timeout must be a positive number of seconds"),
+        (["--model", "gnn", "--checkpoint", "x"], "--checkpoint is for --model dlrm"),
+        (["--checkpoint", __file__], "exists and is not a directory"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(capsys, argv, expected):

@@ -26,10 +26,12 @@ holds a second copy of this rank's state while staging.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
 import uuid
+import warnings
 from typing import Any, Callable, List, Optional, TypeVar
 
 import torch.distributed.checkpoint as dcp
@@ -86,6 +88,15 @@ class _ExactLoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self):
         return create_default_local_load_plan(self.state_dict, self.metadata, True)
+
+
+@contextlib.contextmanager
+def _quiet_dcp():
+    # dcp touches ShardedTensor attributes through their deprecated path and warns from inside torch
+    # on every save and load (docs/sharded_state.md); shardkit's own use of them is deliberate
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
+        yield
 
 
 def _broadcast(value: Any) -> Any:
@@ -178,7 +189,8 @@ def save(path: str | os.PathLike, model: nn.Module, optimizers: Any = None) -> N
 
     _agreed(_visible, "checking the temporary directory")
     try:
-        dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True))
+        with _quiet_dcp():
+            dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True))
     # dcp raises CheckpointException (a BaseException) on every rank when a rank failed
     except (Exception, CheckpointException) as err:
         raise CheckpointError(f"writing checkpoint {path} failed: {str(err)[:4000]}") from err
@@ -236,7 +248,8 @@ def load(path: str | os.PathLike, model: nn.Module, optimizers: Any = None) -> N
 
     staged = _agreed(_stage, f"preparing to load {path}")
     try:
-        dcp.load(staged, storage_reader=SafeFileSystemReader(path), planner=_ExactLoadPlanner())
+        with _quiet_dcp():
+            dcp.load(staged, storage_reader=SafeFileSystemReader(path), planner=_ExactLoadPlanner())
     # dcp raises CheckpointException (a BaseException) on every rank when a rank failed
     except (Exception, CheckpointException) as err:
         raise CheckpointError(f"reading checkpoint {path} failed: {str(err)[:4000]}") from err

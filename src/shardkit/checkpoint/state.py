@@ -7,9 +7,11 @@ optimizers' (one object, or a mapping of names to optimizers, each under its nam
 - shardkit's fused optimizers and ``CombinedOptimizer`` (anything with ``optimizers`` as
   ``(key, optimizer)`` pairs) save their own ``state_dict()``;
 - a ``torch.optim.Optimizer`` is saved with its state keyed by parameter *name* (``model``'s
-  ``named_parameters``) instead of by position, and its param groups listing names: a name means the
-  same parameter at any world size, and a load into an optimizer that has not stepped yet (no state)
-  builds its state from the checkpoint's metadata instead of silently skipping it.
+  ``named_parameters``) instead of by position, and its param groups' hyper-parameters by position
+  (their parameters are the loading optimizer's own): a name means the same parameter at any world
+  size, and a load into an optimizer that has not stepped yet (no state) builds its state from the
+  checkpoint's metadata instead of silently skipping it. State of a parameter that holds shards
+  (a DENSE-kernel table's buffer) is refused: it differs per rank under one name.
 
 ``staging_copy`` clones every tensor of a state dict (DTensor / ShardedTensor: their local shards,
 with the same placements), so ``dcp.load`` can fill the copy while the model's tensors stay as they
@@ -36,37 +38,57 @@ def _param_names(model: nn.Module) -> Dict[int, str]:
     return {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
 
 
-def _torch_index_names(optimizer: torch.optim.Optimizer, names: Dict[int, str], key: str) -> List[str]:
-    """The names of ``optimizer``'s parameters in its state-dict index order."""
-    out = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in names:
-                raise CheckpointError(
-                    f"optimizer {key!r} holds a parameter of shape {tuple(p.shape)} that is not one of "
-                    "the model's parameters; a checkpoint names optimizer state by parameter name"
-                )
-            out.append(names[id(p)])
-    return out
+def _sharded_parameters(model: nn.Module) -> set:
+    """ids of the parameters that hold shards (each rank its own piece under one name)."""
+    ids = set()
+    for sub in model.modules():
+        names = getattr(sub, "sharded_parameter_names", None)
+        if callable(names):
+            ids.update(id(sub.get_parameter(n)) for n in names())
+    return ids
 
 
-def optimizer_state(optimizer: Any, names: Dict[int, str], key: str, path: Path, fill: List[Path]) -> Any:
+def _torch_order(optimizer: torch.optim.Optimizer, names: Dict[int, str], key: str) -> List[Any]:
+    """``optimizer``'s parameters in its state-dict index order."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        if id(p) not in names:
+            raise CheckpointError(
+                f"optimizer {key!r} holds a parameter of shape {tuple(p.shape)} that is not one of "
+                "the model's parameters; a checkpoint names optimizer state by parameter name"
+            )
+    return params
+
+
+def optimizer_state(
+    optimizer: Any, model: nn.Module, names: Dict[int, str], key: str, path: Path, fill: List[Path]
+) -> Any:
     """``optimizer``'s state to save (see the module doc); appends to ``fill`` the paths (under
     ``path``) whose contents a load must take from the checkpoint's metadata."""
     if isinstance(optimizer, torch.optim.Optimizer):
-        order = _torch_index_names(optimizer, names, key)
+        params = _torch_order(optimizer, names, key)
+        sharded = _sharded_parameters(model)
         sd = optimizer.state_dict()
+        state = {}
+        for i, value in sd["state"].items():
+            if id(params[i]) in sharded:
+                if value:
+                    raise CheckpointError(
+                        f"optimizer {key!r} has state for {names[id(params[i])]!r}, which holds this rank's "
+                        "shards: a torch optimizer's per-shard state cannot be checkpointed (use a fused "
+                        "optimizer for sharded tables)"
+                    )
+                continue
+            state[names[id(params[i])]] = dict(value)
         fill.append(path + ("state",))
-        return {
-            "state": {order[i]: dict(v) for i, v in sd["state"].items()},
-            "param_groups": [
-                {**{k: v for k, v in g.items() if k != "params"}, "params": [order[i] for i in g["params"]]}
-                for g in sd["param_groups"]
-            ],
-        }
+        # the groups' hyper-parameters by position; their parameters are the loading optimizer's own
+        # (a sharded module's parameter names depend on the plan)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+        return {"state": state, "param_groups": groups}
     if hasattr(optimizer, "optimizers"):  # CombinedOptimizer: its parts under their keys
         return {
-            k: optimizer_state(opt, names, f"{key}.{k}", path + (k,), fill) for k, opt in optimizer.optimizers
+            k: optimizer_state(opt, model, names, f"{key}.{k}", path + (k,), fill)
+            for k, opt in optimizer.optimizers
         }
     if not (hasattr(optimizer, "state_dict") and hasattr(optimizer, "load_state_dict")):
         raise CheckpointError(
@@ -78,18 +100,24 @@ def optimizer_state(optimizer: Any, names: Dict[int, str], key: str, path: Path,
 def load_optimizer_state(optimizer: Any, state: Any, names: Dict[int, str], key: str) -> None:
     """Load what :func:`optimizer_state` gave (filled by a checkpoint) back into ``optimizer``."""
     if isinstance(optimizer, torch.optim.Optimizer):
-        position = {name: i for i, name in enumerate(_torch_index_names(optimizer, names, key))}
-        unknown = sorted({n for g in state["param_groups"] for n in g["params"]} - set(position))
-        unknown += sorted(set(state["state"]) - set(position))
+        params = _torch_order(optimizer, names, key)
+        position = {names[id(p)]: i for i, p in enumerate(params)}
+        unknown = sorted(set(state["state"]) - set(position))
         if unknown:
             raise CheckpointError(
-                f"optimizer {key!r}: the checkpoint has state of unknown parameters {unknown[:5]}"
+                f"optimizer {key!r}: the checkpoint has state of parameters this optimizer does not hold "
+                f"{unknown[:5]}"
+            )
+        current = optimizer.state_dict()["param_groups"]
+        if len(current) != len(state["param_groups"]):
+            raise CheckpointError(
+                f"optimizer {key!r}: {len(state['param_groups'])} param groups saved, {len(current)} here"
             )
         optimizer.load_state_dict(
             {
                 "state": {position[n]: v for n, v in state["state"].items()},
                 "param_groups": [
-                    {**g, "params": [position[n] for n in g["params"]]} for g in state["param_groups"]
+                    {**g, "params": c["params"]} for g, c in zip(state["param_groups"], current)
                 ],
             }
         )
@@ -115,9 +143,11 @@ def checkpoint_state(model: nn.Module, optimizers: Any) -> Tuple[Dict[str, Any],
         names = _param_names(model)
         keyed = optimizers_by_key(optimizers)
         if keyed is None:
-            state["optim"] = optimizer_state(optimizers, names, "optim", ("optim",), fill)
+            state["optim"] = optimizer_state(optimizers, model, names, "optim", ("optim",), fill)
         else:
-            state["optim"] = {k: optimizer_state(o, names, k, ("optim", k), fill) for k, o in keyed.items()}
+            state["optim"] = {
+                k: optimizer_state(o, model, names, k, ("optim", k), fill) for k, o in keyed.items()
+            }
     return state, fill
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Dict, Optional
 
 PROG = "shardkit demo"
 # More ranks than this per CPU core only measures the scheduler; the demo refuses them.
@@ -53,6 +54,13 @@ def check_args(args) -> str:
             return f"--nproc {args.nproc} is more than the {torch.cuda.device_count()} CUDA devices here"
     if args.tolerance is not None and not args.tolerance >= 0:
         return f"--tolerance must be >= 0, got {args.tolerance}"
+    if args.timeout is not None and not 0 < args.timeout < float("inf"):
+        return f"--timeout must be a positive number of seconds, got {args.timeout}"
+    if args.checkpoint is not None:
+        if args.model == "gnn":
+            return "--checkpoint is for --model dlrm"
+        if os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
+            return f"--checkpoint {args.checkpoint} exists and is not a directory"
     if args.model == "gnn":
         from shardkit.cli import demo_gnn
 
@@ -68,6 +76,11 @@ def check_args(args) -> str:
     if args.max_rows is not None and args.max_rows < 1:
         return f"--max-rows must be >= 1, got {args.max_rows}"
     return ""
+
+
+def timeout_env(args) -> Optional[Dict[str, str]]:
+    """The ranks' ``SHARDKIT_TIMEOUT`` from ``--timeout`` (None: the environment's, else the default)."""
+    return None if args.timeout is None else {"SHARDKIT_TIMEOUT": str(args.timeout)}
 
 
 def run(args) -> int:
@@ -99,10 +112,22 @@ def add_parser(commands) -> None:
     parser.add_argument(
         "--tolerance", type=float, help="max abs difference allowed (default 1e-4 dlrm, 1e-9 gnn)"
     )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        help="seconds a collective may wait for a silent rank before every rank fails naming it "
+        "(sets SHARDKIT_TIMEOUT for the ranks; default: SHARDKIT_TIMEOUT, else 120)",
+    )
     dlrm = parser.add_argument_group("dlrm")
     dlrm.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
     dlrm.add_argument("--tables", type=int, default=8, help="embedding tables (default 8)")
     dlrm.add_argument("--batch-size", type=int, default=256, help="samples per rank and step (default 256)")
+    dlrm.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="save the trained model there (shardkit.checkpoint), restore it on another number of ranks, "
+        "check it is exact",
+    )
     dlrm.add_argument("--max-rows", type=int, help="cap every table's rows (default: no cap, up to 100,000)")
     dlrm.add_argument(
         "--sharding-type",

@@ -11,10 +11,17 @@ By default one more feature, ``user_id``, carries raw 64-bit ids (a million dist
 distributed) into a table of ``--mc-slots`` rows through a ManagedCollisionEmbeddingBagCollection: its
 map is cut into ``nproc`` buckets, so the sharded model (whatever sharding its table gets) equals the
 unsharded one, and the check also compares the slot maps.
+
+With ``--checkpoint DIR`` the ranks save the trained model and optimizers with ``shardkit.checkpoint``;
+then a fresh model is restored from it on another number of ranks (another plan) and its tables and
+dense weights are compared with the saved ones, which must be equal exactly.
 """
 
 from __future__ import annotations
 
+import argparse
+import math
+import os
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence
@@ -138,23 +145,57 @@ def plan_sharding(model: MixedDimDLRM, tables: Sequence[TableSpec], args, mc=())
     return ShardingPlan(plans), f"forced plan: every table {args.sharding_type}\n{text}"
 
 
-def run_rank(
-    model: MixedDimDLRM, plan, tables, batch_size: int, steps: int, seed: int, device_type: str, mc=()
-) -> dict:
-    """One rank: shard ``model``, train ``steps`` pipelined steps; losses, weights and seconds."""
+def _sharded(model: MixedDimDLRM, plan, device_type: str):
+    """``(dmp, optimizer, device)``: this rank's DistributedModelParallel of ``model`` and its optimizers."""
     from shardkit.model_parallel import CombinedOptimizer, DistributedModelParallel
+
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        device = torch.device("cuda", dist.get_rank())  # one node: local rank == rank
+        torch.cuda.set_device(device)
+    dmp = DistributedModelParallel(model.to(device), device=device, plan=plan)
+    dense = torch.optim.SGD(dict(dmp.bare_named_parameters()).values(), lr=LR)
+    return dmp, CombinedOptimizer([("fused", dmp.fused_optimizer), ("dense", dense)]), device
+
+
+def _weights(dmp) -> dict:
+    """This rank's dense weights, table shards (the MC table's too) and MC slot maps, on the CPU."""
+    bare = dmp.module
+    shards = {k: w.detach().cpu() for k, w in bare.ebc.local_shards().items()}
+    maps = {}
+    if bare.mc_ebc is not None:
+        shards.update({k: w.detach().cpu() for k, w in bare.mc_ebc._embedding_module.local_shards().items()})
+        for name, local in bare.mc_ebc._managed_collision_collection._managed_collision_modules.items():
+            start = local._output_global_offset
+            maps[name] = (start, local._mch_sorted_raw_ids.cpu(), local._mch_remapped_ids_mapping.cpu())
+    return {
+        "dense": {
+            n: p.detach().cpu() for n, p in bare.named_parameters() if not n.startswith(("ebc.", "mc_ebc."))
+        },
+        "shards": shards,
+        "maps": maps,
+    }
+
+
+def run_rank(
+    model: MixedDimDLRM,
+    plan,
+    tables,
+    batch_size: int,
+    steps: int,
+    seed: int,
+    device_type: str,
+    mc=(),
+    checkpoint_dir: Optional[str] = None,
+) -> dict:
+    """One rank: shard ``model``, train ``steps`` pipelined steps (then save to ``checkpoint_dir``
+    when given); losses, weights and seconds."""
     from shardkit.pipeline import TrainPipelineSparseDist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cpu")
-    if device_type == "cuda":
-        device = torch.device("cuda", rank)  # one node: local rank == rank
-        torch.cuda.set_device(device)
     if rank == 0:
         print(f"{world} ranks started; sharding the model and training", file=sys.stderr, flush=True)
-    dmp = DistributedModelParallel(model.to(device), device=device, plan=plan)
-    dense = torch.optim.SGD(dict(dmp.bare_named_parameters()).values(), lr=LR)
-    optimizer = CombinedOptimizer([("fused", dmp.fused_optimizer), ("dense", dense)])
+    dmp, optimizer, device = _sharded(model, plan, device_type)
     pipeline = TrainPipelineSparseDist(dmp, optimizer, device)
     data = data_source(tables, mc, batch_size, seed)
     batches = (data.batch(step, rank) for step in range(steps))
@@ -170,23 +211,61 @@ def run_rank(
     # each rank's loss is the mean over its samples; equal batches make their mean the global loss
     mean_losses = torch.stack(losses).double()  # on the device: NCCL reduces device tensors
     dist.all_reduce(mean_losses)
-    bare = dmp.module
-    shards = {k: w.detach().cpu() for k, w in bare.ebc.local_shards().items()}
-    maps = {}
-    if bare.mc_ebc is not None:
-        shards.update({k: w.detach().cpu() for k, w in bare.mc_ebc._embedding_module.local_shards().items()})
-        for name, local in bare.mc_ebc._managed_collision_collection._managed_collision_modules.items():
-            start = local._output_global_offset
-            maps[name] = (start, local._mch_sorted_raw_ids.cpu(), local._mch_remapped_ids_mapping.cpu())
-    return {
-        "losses": (mean_losses / world).cpu().tolist(),
-        "seconds": seconds,
-        "dense": {
-            n: p.detach().cpu() for n, p in bare.named_parameters() if not n.startswith(("ebc.", "mc_ebc."))
-        },
-        "shards": shards,
-        "maps": maps,
+    if checkpoint_dir is not None:
+        from shardkit import checkpoint
+
+        checkpoint.save(checkpoint_dir, dmp, {"optim": optimizer})
+    return {"losses": (mean_losses / world).cpu().tolist(), "seconds": seconds, **_weights(dmp)}
+
+
+def restore_rank(model: MixedDimDLRM, plan, checkpoint_dir: str, device_type: str) -> dict:
+    """One rank: shard ``model`` by ``plan`` and load the checkpoint into it; its weights."""
+    from shardkit import checkpoint
+
+    dmp, optimizer, _ = _sharded(model, plan, device_type)
+    checkpoint.load(checkpoint_dir, dmp, {"optim": optimizer})
+    return _weights(dmp)
+
+
+def restored_differences(saved: List[dict], restored: List[dict]) -> Dict[str, float]:
+    """Max abs difference of the restored ranks' dense weights and table shards from the saved ones."""
+    extent: Dict[str, tuple] = {}  # every table's full shape, from its shards (the MC table's too)
+    for r in saved:
+        for t, _, r1, _, c1 in r["shards"]:
+            rows, cols = extent.get(t, (0, 0))
+            extent[t] = (max(rows, r1), max(cols, c1))
+    full = {t: torch.zeros(shape) for t, shape in extent.items()}
+    for r in saved:
+        for (t, r0, r1, c0, c1), w in r["shards"].items():
+            full[t][r0:r1, c0:c1] = w
+    # the managed-collision maps: each rank holds entries [start, start + n) of the whole map
+    maps: Dict[str, Dict[int, tuple]] = {}
+    for r in saved:
+        for name, (start, ids, slots) in r["maps"].items():
+            for i, pair in enumerate(zip(ids.tolist(), slots.tolist())):
+                maps.setdefault(name, {})[start + i] = pair
+    out = {
+        "dense weights": max(
+            (w - saved[0]["dense"][n]).abs().max().item() for r in restored for n, w in r["dense"].items()
+        ),
+        "embedding tables": max(
+            (w - full[t][r0:r1, c0:c1]).abs().max().item()
+            for r in restored
+            for (t, r0, r1, c0, c1), w in r["shards"].items()
+            if w.numel()
+        ),
     }
+    if maps:
+        restored_entries = [
+            maps[name].get(start + i) == pair
+            for r in restored
+            for name, (start, ids, slots) in r["maps"].items()
+            for i, pair in enumerate(zip(ids.tolist(), slots.tolist()))
+        ]
+        # entries that differ, and entries the restored ranks do not hold at all
+        total = sum(len(m) for m in maps.values())
+        out["mc slot maps"] = float(restored_entries.count(False) + total - len(restored_entries))
+    return out
 
 
 def train_reference(
@@ -258,12 +337,14 @@ def differences(
 
 def run(args) -> int:
     """Run the demo as parsed by ``shardkit.cli.demo``; returns the exit code."""
+    from shardkit.cli.demo import timeout_env
     from shardkit.testing import run_world
 
     tables = demo_tables(args.tables, args.max_rows)
     # quantized serving (demo_quant) draws batches without the raw-id feature: no MC table then
-    mc = mc_tables(0 if getattr(args, "quantize", False) else args.mc_slots, args.nproc)
-    model = make_model(tables, args.seed, mc=mc, nproc=args.nproc)
+    buckets = mc_buckets(args)
+    mc = mc_tables(0 if getattr(args, "quantize", False) else args.mc_slots, buckets)
+    model = make_model(tables, args.seed, mc=mc, nproc=buckets)
     rows = sum(t.rows for t in tables)
     backend = "nccl" if args.device == "cuda" else "gloo"
     print(
@@ -296,7 +377,9 @@ def run(args) -> int:
         args.seed,
         args.device,
         mc,
+        args.checkpoint,
         backend=backend,
+        env=timeout_env(args),
     )
     seconds = max(r["seconds"] for r in ranks)
     samples = args.steps * args.batch_size * args.nproc
@@ -325,4 +408,47 @@ def run(args) -> int:
 
         ok = demo_quant.run(model, tables, args, tolerance)
         print("result: quantized sharded == quantized unsharded" if ok else "result: quantized MISMATCH")
+    if args.checkpoint is not None:
+        ok &= check_restart(args, tables, ranks, backend)
     return 0 if ok else 1
+
+
+def restart_world_size(args) -> int:
+    """Another number of ranks to restart from the checkpoint on: one more when allowed, else one fewer."""
+    from shardkit.cli.demo import MAX_RANKS_PER_CPU  # demo imports this module lazily: no cycle
+
+    limit = MAX_RANKS_PER_CPU * (os.cpu_count() or 1) if args.device == "cpu" else torch.cuda.device_count()
+    return args.nproc + 1 if args.nproc + 1 <= limit else max(1, args.nproc - 1)
+
+
+def mc_buckets(args) -> int:
+    """Buckets of the managed-collision map: one per rank; with ``--checkpoint`` a multiple of both
+    world sizes, since a raw id's bucket (and so its slot) must not change when the world does."""
+    if args.checkpoint is None:
+        return args.nproc
+    return math.lcm(args.nproc, restart_world_size(args))
+
+
+def check_restart(args, tables, saved: List[dict], backend: str) -> bool:
+    """Restore a fresh model from ``args.checkpoint`` on another number of ranks; exact or not."""
+    from shardkit.cli.demo import timeout_env
+    from shardkit.testing import run_world
+
+    world = restart_world_size(args)
+    buckets = mc_buckets(args)
+    mc = mc_tables(0 if getattr(args, "quantize", False) else args.mc_slots, buckets)
+    # other initial weights: only the checkpoint can make them equal
+    fresh = make_model(tables, args.seed + 1, mc=mc, nproc=buckets)
+    plan, _ = plan_sharding(fresh, tables, argparse.Namespace(**{**vars(args), "nproc": world}), mc)
+    print(
+        f"checkpoint saved to {args.checkpoint}; restoring it on {world} ranks (another plan) ...", flush=True
+    )
+    restored = run_world(
+        restore_rank, world, fresh, plan, args.checkpoint, args.device, backend=backend, env=timeout_env(args)
+    )
+    ok = True
+    for name, diff in restored_differences(saved, restored).items():
+        ok &= diff == 0
+        print(f"  restored {name:<17} max abs difference {diff:.3e}  {'exact' if diff == 0 else 'FAILED'}")
+    print(f"result: restored on {world} ranks == saved on {args.nproc}" if ok else "result: RESTORE MISMATCH")
+    return ok

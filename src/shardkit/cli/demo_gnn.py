@@ -142,7 +142,9 @@ def run(args) -> int:
         f"{args.nproc} local CPU ranks (gloo)"
     )
     print(f"starting {args.nproc} rank processes ...", file=sys.stderr, flush=True)
-    ranks = run_world(run_rank, args.nproc, args.nodes, args.edges, args.seed)
+    from shardkit.cli.demo import timeout_env
+
+    ranks = run_world(run_rank, args.nproc, args.nodes, args.edges, args.seed, env=timeout_env(args))
     print(f"{'rank':>4} {'nodes':>6} {'edges':>6} {'step ms':>8}")
     for rank, result in enumerate(ranks):
         print(f"{rank:>4} {result['nodes']:>6} {result['edges']:>6} {1000 * result['seconds']:>8.1f}")
