@@ -30,16 +30,16 @@ def test_planned_demo_prints_plan_throughput_curve_and_is_exact(capsys, tmp_path
     assert "ebc.t0" in out and "imbalance" in out  # the planner's report
     assert "samples/s" in out and "step 1" in out
     lines = _exactness_lines(out)
-    assert [line.split("difference of ")[1].split("  ")[0].strip() for line in lines[:3]] == [
+    assert [line.split("difference of ")[1].split("  ")[0].strip() for line in lines[:4]] == [
         "losses",
         "dense weights",
         "embedding tables",
         "mc slot maps",  # the raw-id feature behind a managed-collision table (on by default)
     ]
-    assert all(line.endswith(" ok") for line in lines[:3])
+    assert all(line.endswith(" ok") for line in lines[:4])
     assert "result: sharded == unsharded" in out
-    assert [line.split()[1] for line in lines[3:]] == ["dense", "embedding"]
-    assert all(line.endswith(" exact") for line in lines[3:])
+    assert [line.split()[1] for line in lines[4:]] == ["dense", "embedding", "mc"]
+    assert all(line.endswith(" exact") for line in lines[4:])
     assert "result: restored on 3 ranks == saved on 2" in out
     assert (tmp_path / "ckpt" / "manifest.json").is_file()
 
