@@ -133,7 +133,7 @@ def _worker() -> bool:
     for override, message in [
         ({"rw_i4": table_row_wise(host_index=0, compute_kernel=QUANT)}, "'rw_i4' (table_row_wise, quant)"),
         ({"tw_i8": data_parallel(compute_kernel=QUANT)}, "'tw_i8' (data_parallel, quant)"),
-        ({"tw_fp32": table_wise(rank=0)}, "'tw_fp32' (table_wise, fused)"),
+        ({"tw_fp32": table_wise(rank=0)}, "'tw_fp32' (table_wise, dense)"),
     ]:
         bad_plan = construct_module_sharding_plan(
             reference, _generators(world_size, **override), world_size=world_size

@@ -86,7 +86,7 @@ def test_row_wise_default_is_array_split():
     assert [s.shard_sizes for s in shards] == [[4, 9], [3, 9], [3, 9], [3, 9]]
     assert [s.shard_offsets for s in shards] == [[0, 0], [4, 0], [7, 0], [10, 0]]
     assert plan["b"].ranks == [0, 1, 2, 3]
-    assert plan["b"].compute_kernel == "fused"
+    assert plan["b"].compute_kernel == "dense"  # no optimizer in backward: torchrec's default
 
 
 def test_row_wise_more_ranks_than_rows_leaves_empty_shards():

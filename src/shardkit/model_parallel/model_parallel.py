@@ -33,9 +33,7 @@ from shardkit.model_parallel.copying import shared_process_groups
 from shardkit.model_parallel.data_parallel import DataParallelWrapper, DefaultDataParallelWrapper
 from shardkit.model_parallel.optimizers import CombinedOptimizer
 from shardkit.planner import EmbeddingShardingPlanner, Topology
-from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
-from shardkit.sharding.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
-from shardkit.sharding.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
+from shardkit.sharding.default_sharders import get_default_sharders
 from shardkit.sharding.types import ModuleSharder, ShardedModule, ShardingPlan
 from shardkit.sharding.utils import append_prefix, copy_to_device
 
@@ -56,16 +54,6 @@ def get_unwrapped_module(module: nn.Module) -> nn.Module:
             module = module.module
         else:
             return module
-
-
-def _default_sharders() -> List[ModuleSharder[nn.Module]]:
-    # the managed-collision sharders too: without them the inner EBC / EC of an MC module would be
-    # sharded alone and its maps would see only each rank's own ids
-    return [
-        EmbeddingBagCollectionSharder(),
-        ManagedCollisionEmbeddingBagCollectionSharder(),
-        ManagedCollisionEmbeddingCollectionSharder(),
-    ]
 
 
 class DistributedModelParallel(nn.Module):
@@ -101,7 +89,7 @@ class DistributedModelParallel(nn.Module):
         super().__init__()
         self._env = env if env is not None else ShardingEnv.from_process_group(dist.GroupMember.WORLD)
         self.device = torch.device("cpu") if device is None else torch.device(device)
-        self._sharders = list(sharders) if sharders is not None else _default_sharders()
+        self._sharders = list(sharders) if sharders is not None else get_default_sharders()
         self._sharder_map: Dict[type, ModuleSharder[nn.Module]] = {s.module_type: s for s in self._sharders}
         self._data_parallel_wrapper = data_parallel_wrapper or DefaultDataParallelWrapper()
         self._plan = plan if plan is not None else self._make_plan(module)

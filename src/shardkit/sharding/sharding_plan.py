@@ -37,6 +37,7 @@ from shardkit.sharding.sharding_spec import EnumerableShardingSpec, ShardMetadat
 from shardkit.sharding.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
+    ModuleSharder,
     ParameterSharding,
     ShardingType,
 )
@@ -44,10 +45,27 @@ from shardkit.sharding.types import (
 #: ``generator(name, shape, local_size, world_size, device_type) -> ParameterSharding``
 ParameterShardingGenerator = Callable[[str, Tuple[int, int], int, int, str], ParameterSharding]
 
-# Sharded tables default to the fused kernel (optimizer in backward); a replicated table is updated
-# by the dense optimizer with the rest of the data-parallel parameters, so it uses the dense kernel.
+# build_parameter_sharding's default for sharded tables is the fused kernel (optimizer in backward); a
+# replicated table is updated by the dense optimizer with the rest of the data-parallel parameters.
+# The generators below leave the kernel to construct_module_sharding_plan when none is given, which
+# follows torchrec: fused for a module whose tables have an optimizer in backward, else dense.
 _DEFAULT_KERNEL = EmbeddingComputeKernel.FUSED.value
 _DEFAULT_DP_KERNEL = EmbeddingComputeKernel.DENSE.value
+
+
+def _generator(
+    generate: ParameterShardingGenerator, compute_kernel: Optional[str]
+) -> ParameterShardingGenerator:
+    """``generate``, marked with whether its caller chose the compute kernel."""
+    generate.chose_compute_kernel = compute_kernel is not None
+    return generate
+
+
+Devices = Union[str, Sequence[str]]  # one device type, or one per shard
+
+
+def _device_of(devices: Devices, shard: int) -> str:
+    return devices if isinstance(devices, str) else devices[shard]
 
 
 def placement(rank: int, device_type: str, local_size: int) -> str:
@@ -58,24 +76,40 @@ def placement(rank: int, device_type: str, local_size: int) -> str:
 
 
 def row_shards(
-    shape: Sequence[int], row_sizes: Sequence[int], ranks: Sequence[int], device_type: str, local_size: int
+    shape: Sequence[int],
+    row_sizes: Sequence[int],
+    ranks: Sequence[int],
+    device_type: Devices,
+    local_size: int,
 ) -> List[ShardMetadata]:
-    """Row blocks ``row_sizes`` (in order, covering all rows) on ``ranks``, each block all columns wide."""
+    """Row blocks ``row_sizes`` (in order, covering all rows) on ``ranks``, each block all columns wide;
+    ``device_type`` is one device type or one per block."""
     rows, cols = int(shape[0]), int(shape[1])
     if len(row_sizes) != len(ranks):
         raise ValueError(f"{len(row_sizes)} row sizes for {len(ranks)} ranks")
     if sum(row_sizes) != rows or any(s < 0 for s in row_sizes):
         raise ValueError(f"row sizes {list(row_sizes)} do not add up to the table's {rows} rows")
+    _check_devices(device_type, len(ranks))
     return [
-        ShardMetadata([offset, 0], [size, cols], placement(rank, device_type, local_size))
-        for offset, size, rank in zip(split_offsets(row_sizes), row_sizes, ranks)
+        ShardMetadata([offset, 0], [size, cols], placement(rank, _device_of(device_type, i), local_size))
+        for i, (offset, size, rank) in enumerate(zip(split_offsets(row_sizes), row_sizes, ranks))
     ]
 
 
+def _check_devices(device_type: Devices, num_shards: int) -> None:
+    if not isinstance(device_type, str) and len(device_type) != num_shards:
+        raise ValueError(f"{len(device_type)} device types {list(device_type)} for {num_shards} shards")
+
+
 def column_shards(
-    shape: Sequence[int], col_sizes: Sequence[int], ranks: Sequence[int], device_type: str, local_size: int
+    shape: Sequence[int],
+    col_sizes: Sequence[int],
+    ranks: Sequence[int],
+    device_type: Devices,
+    local_size: int,
 ) -> List[ShardMetadata]:
-    """Column blocks ``col_sizes`` (in order, covering all columns, none empty) on ``ranks``."""
+    """Column blocks ``col_sizes`` (in order, covering all columns, none empty) on ``ranks``;
+    ``device_type`` is one device type or one per block."""
     rows, cols = int(shape[0]), int(shape[1])
     if len(col_sizes) != len(ranks):
         raise ValueError(f"{len(col_sizes)} column sizes for {len(ranks)} ranks")
@@ -83,9 +117,10 @@ def column_shards(
         raise ValueError(
             f"column sizes {list(col_sizes)} must be positive and add up to the table's {cols} columns"
         )
+    _check_devices(device_type, len(ranks))
     return [
-        ShardMetadata([0, offset], [rows, size], placement(rank, device_type, local_size))
-        for offset, size, rank in zip(split_offsets(col_sizes), col_sizes, ranks)
+        ShardMetadata([0, offset], [rows, size], placement(rank, _device_of(device_type, i), local_size))
+        for i, (offset, size, rank) in enumerate(zip(split_offsets(col_sizes), col_sizes, ranks))
     ]
 
 
@@ -96,7 +131,7 @@ def build_parameter_sharding(
     *,
     sizes: Optional[Sequence[int]] = None,
     compute_kernel: Optional[str] = None,
-    device_type: str = "cpu",
+    device_type: Devices = "cpu",
     local_size: int = 1,
     world_size: Optional[int] = None,
 ) -> ParameterSharding:
@@ -141,11 +176,14 @@ def data_parallel(compute_kernel: Optional[str] = None) -> ParameterShardingGene
             ShardingType.DATA_PARALLEL, shape, [], compute_kernel=compute_kernel, world_size=world_size
         )
 
-    return generate
+    return _generator(generate, compute_kernel)
 
 
-def table_wise(rank: int, compute_kernel: Optional[str] = None) -> ParameterShardingGenerator:
-    """The whole table on ``rank``."""
+def table_wise(
+    rank: int, device: Optional[str] = None, compute_kernel: Optional[str] = None
+) -> ParameterShardingGenerator:
+    """The whole table on ``rank``, on ``device`` (a device type, e.g. ``"cpu"`` in a CUDA job;
+    default the job's)."""
 
     def generate(name, shape, local_size, world_size, device_type):
         return build_parameter_sharding(
@@ -153,21 +191,22 @@ def table_wise(rank: int, compute_kernel: Optional[str] = None) -> ParameterShar
             shape,
             [rank],
             compute_kernel=compute_kernel,
-            device_type=device_type,
+            device_type=device or device_type,
             local_size=local_size,
         )
 
-    return generate
+    return _generator(generate, compute_kernel)
 
 
 def row_wise(
-    sizes_placement: Optional[Tuple[Sequence[int], str]] = None, compute_kernel: Optional[str] = None
+    sizes_placement: Optional[Tuple[Sequence[int], Devices]] = None, compute_kernel: Optional[str] = None
 ) -> ParameterShardingGenerator:
     """Row blocks over all ranks: rank ``r`` holds block ``r``.
 
-    ``sizes_placement`` = ``(row count per rank, device type)`` gives uneven blocks (one per rank, in
-    rank order, possibly 0) and the device they live on (e.g. ``"cpu"`` in a CUDA job); None splits
-    the rows evenly by the ``array_split`` rule on the job's device type.
+    ``sizes_placement`` = ``(row count per rank, device type or one device type per block)`` gives
+    uneven blocks (one per rank, in rank order, possibly 0) and the device they live on (e.g.
+    ``"cpu"`` in a CUDA job); None splits the rows evenly by the ``array_split`` rule on the job's
+    device type.
     """
 
     def generate(name, shape, local_size, world_size, device_type):
@@ -189,31 +228,66 @@ def row_wise(
             local_size=local_size,
         )
 
-    return generate
+    return _generator(generate, compute_kernel)
 
 
 def column_wise(
-    ranks: Sequence[int], sizes: Optional[Sequence[int]] = None, compute_kernel: Optional[str] = None
+    ranks: Optional[Sequence[int]] = None,
+    size_per_rank: Optional[Sequence[int]] = None,
+    compute_kernel: Optional[str] = None,
+    device_types: Optional[Sequence[str]] = None,
+    *,
+    sizes: Optional[Sequence[int]] = None,
 ) -> ParameterShardingGenerator:
     """Column blocks, block ``i`` on ``ranks[i]`` (a rank may hold several blocks).
 
-    ``sizes`` are the blocks' widths (uneven allowed, none empty); None splits the columns evenly
-    into ``len(ranks)`` blocks.
+    torchrec's keywords: ``ranks`` alone splits the columns evenly into ``len(ranks)`` blocks;
+    ``size_per_rank`` gives the blocks' widths, block ``i`` on rank ``i`` (or on ``ranks[i]`` when
+    both are given: shardkit's uneven blocks on any ranks), the last block trimmed to the table's
+    width as torchrec does; ``device_types`` places block ``i`` on that device type. ``sizes`` is
+    the older shardkit spelling of ``size_per_rank`` (with ``ranks``). Blocks are never empty.
     """
+    widths = size_per_rank if size_per_rank is not None else sizes
+    if ranks is None and widths is None:
+        raise ValueError("column_wise needs ranks or size_per_rank")
 
     def generate(name, shape, local_size, world_size, device_type):
-        _check_column_split(name, shape, len(ranks))
+        owners = list(ranks) if ranks is not None else list(range(len(widths)))
+        devices = device_type if device_types is None else list(device_types)
+        block_sizes = None
+        if widths is not None:
+            block_sizes, owners, devices = _column_blocks(name, int(shape[1]), list(widths), owners, devices)
+        _check_column_split(name, shape, len(owners))
         return build_parameter_sharding(
             ShardingType.COLUMN_WISE,
             shape,
-            ranks,
-            sizes=sizes,
+            owners,
+            sizes=block_sizes,
             compute_kernel=compute_kernel,
-            device_type=device_type,
+            device_type=devices,
             local_size=local_size,
         )
 
-    return generate
+    return _generator(generate, compute_kernel)
+
+
+def _column_blocks(name: str, cols: int, widths: List[int], owners: List[int], devices: Devices):
+    """``(sizes, ranks, devices)`` of blocks of ``widths`` (positive) trimmed to ``cols`` as torchrec
+    trims them; a block trimmed to nothing is dropped."""
+    if not isinstance(devices, str) and len(devices) != len(widths):
+        raise ValueError(f"table {name!r}: {len(devices)} device types for {len(widths)} column blocks")
+    if len(owners) != len(widths) or any(w <= 0 for w in widths):
+        raise ValueError(f"table {name!r}: column sizes {widths} must be positive, one per rank of {owners}")
+    sizes, start = [], 0
+    for width in widths:
+        end = min(start + width, cols)
+        sizes.append(end - start)
+        start = end
+    if start < cols:
+        raise ValueError(f"table {name!r}: column sizes {widths} do not cover its {cols} columns")
+    keep = [i for i, size in enumerate(sizes) if size > 0]
+    kept_devices = devices if isinstance(devices, str) else [devices[i] for i in keep]
+    return [sizes[i] for i in keep], [owners[i] for i in keep], kept_devices
 
 
 def table_row_wise(host_index: int, compute_kernel: Optional[str] = None) -> ParameterShardingGenerator:
@@ -229,7 +303,7 @@ def table_row_wise(host_index: int, compute_kernel: Optional[str] = None) -> Par
             local_size=local_size,
         )
 
-    return generate
+    return _generator(generate, compute_kernel)
 
 
 def table_column_wise(
@@ -251,7 +325,7 @@ def table_column_wise(
             local_size=local_size,
         )
 
-    return generate
+    return _generator(generate, compute_kernel)
 
 
 def _host_ranks(name: str, host_index: int, local_size: int, world_size: int) -> List[int]:
@@ -291,17 +365,30 @@ def table_configs(module: nn.Module) -> List[BaseEmbeddingConfig]:
 def construct_module_sharding_plan(
     module: nn.Module,
     per_param_sharding: Mapping[str, ParameterShardingGenerator],
+    sharder: Optional[ModuleSharder[nn.Module]] = None,
     local_size: Optional[int] = None,
     world_size: Optional[int] = None,
     device_type: str = "cpu",
 ) -> EmbeddingModuleShardingPlan:
     """The plan of ``module``'s tables from one generator per table name (tables left out stay unsharded).
 
-    ``world_size`` defaults to torch.distributed's (1 when not initialized), ``local_size`` to the
-    ranks per node of the launcher's environment (``shardkit.distributed.topology.get_local_size``).
+    torchrec's signature. ``sharder`` (optional) must shard ``module``'s type. ``world_size`` defaults
+    to torch.distributed's (1 when not initialized), ``local_size`` to the ranks per node of the
+    launcher's environment (``shardkit.distributed.topology.get_local_size``). An int in
+    ``sharder``'s place is read as ``local_size`` (shardkit's older positional order, then
+    ``world_size``, ``device_type``). A generator given no ``compute_kernel`` gets torchrec's default:
+    ``fused`` when ``module``'s tables are trained in backward (an optimizer applied in backward, or
+    the module's own fused optimizer), else ``dense``; a data-parallel table is always ``dense``.
     Raises ``KeyError`` for a name that is not a table of ``module`` and ``ValueError`` (naming the
     table) for a sharding that does not fit the table or the world.
     """
+    if isinstance(sharder, int):  # shardkit's older positional call (module, gens, local, world, device)
+        legacy_device = device_type if world_size is None else world_size
+        sharder, local_size, world_size, device_type = None, sharder, local_size, legacy_device
+    if sharder is not None and not isinstance(module, sharder.module_type):
+        raise TypeError(
+            f"{type(sharder).__name__} shards {sharder.module_type.__name__}, not {type(module).__name__}"
+        )
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if local_size is None:
@@ -311,18 +398,53 @@ def construct_module_sharding_plan(
     shapes: Dict[str, Tuple[int, int]] = {
         t.name: (t.num_embeddings, t.embedding_dim) for t in table_configs(module)
     }
+    default_kernel = (
+        EmbeddingComputeKernel.FUSED.value
+        if _trained_in_backward(module)
+        else EmbeddingComputeKernel.DENSE.value
+    )
     plan = EmbeddingModuleShardingPlan()
     for name, generate in per_param_sharding.items():
         if name not in shapes:
             raise KeyError(f"{name!r} is not a table of {type(module).__name__}; tables: {list(shapes)}")
         sharding = generate(name, shapes[name], local_size, world_size, device_type)
+        if not getattr(generate, "chose_compute_kernel", True) and sharding.sharding_type != _DP:
+            sharding.compute_kernel = default_kernel
         sharding.check(name, shapes[name], world_size)
         plan[name] = sharding
     return plan
 
 
+_DP = ShardingType.DATA_PARALLEL.value
+
+
+def _trained_in_backward(module: nn.Module) -> bool:
+    """Whether the tables are trained in backward: a collection built with a fused optimizer (also
+    inside a feature-processed or managed-collision module), or parameters with torchrec's marker
+    (``_apply_optimizer_in_backward``)."""
+    if any(getattr(m, "_fused_optimizer", None) is not None for m in module.modules()):
+        return True
+    return any(
+        hasattr(p, "_in_backward_optimizers") or hasattr(p, "_optimizer_classes") for p in module.parameters()
+    )
+
+
+def apply_to_all(
+    module: nn.Module,
+    parameter_sharding_generator: ParameterShardingGenerator,
+    sharder: Optional[ModuleSharder[nn.Module]] = None,
+) -> Dict[str, ParameterShardingGenerator]:
+    """``{table name: parameter_sharding_generator}`` for every table of ``module`` (torchrec's helper)."""
+    if sharder is not None and not isinstance(module, sharder.module_type):
+        raise TypeError(
+            f"{type(sharder).__name__} shards {sharder.module_type.__name__}, not {type(module).__name__}"
+        )
+    return {t.name: parameter_sharding_generator for t in table_configs(module)}
+
+
 __all__ = [
     "ParameterShardingGenerator",
+    "apply_to_all",
     "build_parameter_sharding",
     "column_shards",
     "column_wise",

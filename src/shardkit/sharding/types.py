@@ -176,10 +176,27 @@ class EmbeddingModuleShardingPlan(ModuleShardingPlan, Dict[str, ParameterShardin
     """Parameter (table) name -> ``ParameterSharding`` for one embedding module."""
 
     def __str__(self) -> str:
-        rows = [("param", "sharding type", "compute kernel", "ranks")]
-        rows += [(name, ps.sharding_type, ps.compute_kernel, str(ps.ranks)) for name, ps in self.items()]
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        return "\n".join(" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows)
+        """torchrec's layout: a table of the parameters, then one of their shards (blank lines before)."""
+        params = [[name, ps.sharding_type, ps.compute_kernel, ps.ranks] for name, ps in self.items()]
+        shards = [
+            [name, shard.shard_offsets, shard.shard_sizes, shard.placement]
+            for name, ps in self.items()
+            if ps.sharding_spec is not None
+            for shard in ps.sharding_spec.shards
+        ]
+        out = "\n\n" + _tabulate(params, ["param", "sharding type", "compute kernel", "ranks"])
+        if shards:
+            out += "\n\n" + _tabulate(shards, ["param", "shard offsets", "shard sizes", "placement"])
+        return out
+
+
+def _tabulate(rows: List[List[Any]], headers: List[str]) -> str:
+    """Columns padded to their widest cell and joined by `` | ``, a dashed line under the header."""
+    cells = [headers, *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, " | ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 @dataclasses.dataclass
@@ -193,7 +210,8 @@ class ShardingPlan:
         return self.plan.get(module_path)
 
     def __str__(self) -> str:
-        return "\n".join(f"module: {path}\n{plan}" for path, plan in self.plan.items())
+        """torchrec's layout: per module ``module: <path>`` and its tables, modules a blank line apart."""
+        return "\n\n".join(f"module: {path}{plan}" for path, plan in self.plan.items())
 
 
 class NullShardedModuleContext:
