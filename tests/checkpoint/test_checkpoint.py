@@ -5,7 +5,8 @@ then holds no table) and saved again; loaded at 1 rank under a third plan. Every
 exactly the tables, fused optimizer state and dense Adam state saved at 2 ranks. The 2-rank launch
 also damages copies of its checkpoint (truncated, corrupted, missing files, a crafted ``.metadata``,
 a bad manifest), fails a save half way, and checks that each is an error on every rank that leaves
-the model and the previous checkpoint as they were.
+the model and the previous checkpoint as they were; between the launches a rank is killed in the
+middle of overwriting the checkpoint, which must then still load exactly.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
 from shardkit.sharding.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
 from shardkit.sparse import KeyedJaggedTensor
 from shardkit.testing import run_world
+from shardkit.testing.harness import WorldError
 
 TABLES = [("t0", 7), ("t1", 9), ("t2", 5)]
 DIM = 4
@@ -246,12 +248,33 @@ def _save_at_two(root: str) -> dict:
     _on_rank0(lambda: os.rename(os.path.join(root, ".ckpt.old-123"), path))
     checkpoint.load(path, fresh, optimizers)
     _assert_same(_everything(fresh, fresh_adam), expected, "2 -> 2 after the failed save")
+    # a torch optimizer with state for a parameter holding shards: refused (one name, a piece per rank)
+    sharded_param = next(p for n, p in fresh.named_parameters() if n.startswith("ebc.lookups."))
+    per_shard = torch.optim.SGD([sharded_param], lr=0.1, momentum=0.9)
+    per_shard.state[sharded_param]["momentum_buffer"] = torch.zeros_like(sharded_param)
+    _expect_error(
+        lambda: checkpoint.save(os.path.join(root, "x"), fresh, per_shard), "holds this rank's shards"
+    )
     # a directory that is not a checkpoint is never replaced
     _on_rank0(
         lambda: os.makedirs(os.path.join(root, "mine")) or open(os.path.join(root, "mine", "x"), "w").close()
     )
     _expect_error(lambda: checkpoint.save(os.path.join(root, "mine"), fresh), "not a shardkit checkpoint")
     return expected if dist.get_rank() == 0 else None
+
+
+def _die_mid_save(root: str) -> None:
+    """Rank 1's process dies while the ranks hash the files they wrote (before the manifest)."""
+    model, adam = _trained(7, 1)
+    real_digest = checkpointing.file_digest
+
+    def dying_digest(path):
+        if dist.get_rank() == 1:
+            os._exit(3)
+        return real_digest(path)
+
+    checkpointing.file_digest = dying_digest
+    checkpoint.save(os.path.join(root, "ckpt"), model, {"dense": adam, "fused": model.ebc.fused_optimizer})
 
 
 def _reload(root: str, expected: dict, source: str, target) -> bool:
@@ -274,5 +297,12 @@ def _reload(root: str, expected: dict, source: str, target) -> bool:
 def test_checkpoint_reshards_and_survives_faults(tmp_path):
     root = str(tmp_path)
     expected = run_world(_save_at_two, 2, root)[0]
+    manifest = (tmp_path / "ckpt" / "manifest.json").read_bytes()
+    # a rank killed mid-save: the survivor fails within the timeout; the checkpoint is untouched
+    with pytest.raises(WorldError, match="rank 1 ---\nworker process died"):
+        run_world(_die_mid_save, 2, root, timeout=60, env={"SHARDKIT_TIMEOUT": "10"})
+    assert (tmp_path / "ckpt" / "manifest.json").read_bytes() == manifest
+    assert any(name.startswith(".ckpt.tmp-") for name in os.listdir(root))  # its files were written
+    # ... and loads as saved, at 3 ranks under another plan
     assert all(run_world(_reload, 3, root, expected, "ckpt", "ckpt3"))
     assert all(run_world(_reload, 1, root, expected, "ckpt3", None))
