@@ -307,26 +307,27 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
             slot_meta["last_access_iter"][position[held]] = last[held]
         new = ~held
         new_ids = unique[new]
+        if new_ids.numel() == 0:
+            return  # nothing can displace an entry
         new_meta = {m: window_meta[m][new] for m in slot_meta}
         slot_scores = policy.eviction_scores(current_iter, slot_meta)
         slot_scores[-1] = float("inf")  # the miss slot always stays
-        scores = torch.cat([slot_scores, policy.eviction_scores(current_iter, new_meta)])
-        ranked = torch.argsort(scores, descending=True, stable=True)
+        # only the len(new_ids) lowest-scored entries can lose their slot (all ties with the last of
+        # them included): rank those with the window's ids, in the full ranking's relative order
         size = self._bucket_size
-        kept, dropped = ranked[:size], ranked[size:]
-        chosen = kept[kept >= size] - size  # window ids that get a slot, best first
-        evicted = dropped[dropped < size]  # entries that lose theirs, best first
+        threshold = torch.kthvalue(slot_scores, min(new_ids.numel(), size)).values
+        candidates = (slot_scores <= threshold).nonzero().squeeze(1)
+        scores = torch.cat([slot_scores[candidates], policy.eviction_scores(current_iter, new_meta)])
+        ranked = torch.argsort(scores, descending=True, stable=True)
+        stay = candidates.numel()  # the candidates keep this many slots between them and the window
+        kept, dropped = ranked[:stay], ranked[stay:]
+        chosen = kept[kept >= stay] - stay  # window ids that get a slot, best first
+        evicted = candidates[dropped[dropped < stay]]  # entries that lose theirs, best first
         if evicted.numel() == 0:
             return
-        sorted_ids[evicted] = new_ids[chosen]
-        for m, values in slot_meta.items():
-            values[evicted] = new_meta[m][chosen]
         self._evicted.append(mapping[evicted].clone())
-        resort = torch.argsort(sorted_ids, stable=True)
-        sorted_ids.copy_(sorted_ids[resort])
-        mapping.copy_(mapping[resort])
-        for values in slot_meta.values():
-            values.copy_(values[resort])
+        fresh = {m: new_meta[m][chosen] for m in slot_meta}
+        _replace_entries(sorted_ids, mapping, slot_meta, evicted, new_ids[chosen], fresh)
 
     def evict(self) -> Optional[torch.Tensor]:
         if not self._evicted:
@@ -402,6 +403,24 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
             output_global_offset=self._output_global_offset,
             buckets=buckets,
         )
+
+
+def _replace_entries(sorted_ids, mapping, slot_meta, evicted, ids, meta) -> None:
+    """Give the slots of the bucket's entries ``evicted`` to ``ids`` (with metadata ``meta``), keeping
+    the bucket sorted: the other entries keep their order and the new ones are merged in, which is what
+    a stable sort of the bucket gives (ids are distinct; the empty slots' sentinels keep their order)."""
+    slots = mapping[evicted]
+    stay = torch.ones_like(sorted_ids, dtype=torch.bool)
+    stay[evicted] = False
+    columns = [(sorted_ids, ids), (mapping, slots), *((slot_meta[m], meta[m]) for m in slot_meta)]
+    remaining = [column[stay] for column, _ in columns]
+    order = torch.argsort(ids)
+    at = torch.searchsorted(remaining[0], ids[order]) + torch.arange(ids.numel(), device=ids.device)
+    fill = torch.ones_like(stay)
+    fill[at] = False
+    for (column, fresh), rest in zip(columns, remaining):
+        column[fill] = rest
+        column[at] = fresh[order]
 
 
 def _validate_after_load(module: ManagedCollisionModule, incompatible_keys) -> None:

@@ -38,10 +38,10 @@ def reinit_values(
         config.init_weight_(rows)
         return rows[:, col_start:col_end]
     seed = zlib.crc32(config.name.encode()) ^ (iteration & _MASK32)
+    row_key = _hash32(_hash32((slots & _MASK32) ^ seed) ^ ((slots >> 32) & _MASK32))  # [n]
     cols = torch.arange(col_start, col_end, device=slots.device)
-    key = _hash32((slots.unsqueeze(1) & _MASK32) ^ seed)
-    key = _hash32(key ^ cols.unsqueeze(0)) ^ ((slots.unsqueeze(1) >> 32) & _MASK32)
-    unit = (_hash32(key).to(torch.float64) + 0.5) / 2.0**32
+    col_key = _hash32((cols * 0x9E3779B1) & _MASK32)  # [cols]
+    unit = (_hash32(row_key.unsqueeze(1) ^ col_key.unsqueeze(0)).to(torch.float64) + 0.5) / 2.0**32
     low, high = config.get_weight_init_min(), config.get_weight_init_max()
     return (low + unit * (high - low)).to(config.dtype)
 

@@ -248,9 +248,8 @@ class ShardedManagedCollisionCollection(ShardedModule):
             ids = features.values()[first : first + n]
             module = self._global[config.name]
             if self.need_preprocess:
-                ids = module.preprocess({"t": JaggedTensor(ids, lengths=ids.new_tensor([ids.numel()]))})[
-                    "t"
-                ].values()
+                jt = JaggedTensor(ids, lengths=ids.new_tensor([ids.numel()]))
+                ids = module.preprocess({"t": jt})["t"].values()
             module.check_ids(ids, f" of table {config.name!r}")
             out.append(ids)
         return out
@@ -275,7 +274,7 @@ class ShardedManagedCollisionCollection(ShardedModule):
             self._owners[c.name][self._global[c.name].bucket_of(ids)] * tables + t
             for t, (c, ids) in enumerate(zip(self._configs, table_ids))
         ]
-        key = torch.cat(keys) if keys else torch.empty(0, dtype=torch.int64)
+        key = torch.cat(keys) if keys else torch.empty(0, dtype=torch.int64, device=self._device)
         order = torch.argsort(key, stable=True)
         send = torch.cat(table_ids)[order]
         send_counts = torch.bincount(key, minlength=world * tables).view(world, tables)
@@ -342,8 +341,9 @@ class ShardedManagedCollisionCollection(ShardedModule):
         world = self._env.world_size
         sizes = [payload.numel()]
         if world > 1:
-            gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-            dist.all_gather(gathered, torch.tensor([payload.numel()]), group=self._env.process_group)
+            gathered = [torch.zeros(1, dtype=torch.int64, device=slots.device) for _ in range(world)]
+            size = torch.tensor([payload.numel()], device=slots.device)
+            dist.all_gather(gathered, size, group=self._env.process_group)
             sizes = [int(g) for g in gathered]
         back = ctx.recv_counts.sum(1).tolist()
         mine = ctx.send_counts.sum(1).tolist()
