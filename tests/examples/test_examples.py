@@ -41,3 +41,15 @@ def test_xtoken_distill_without_tokenizers_is_a_one_line_error(monkeypatch, caps
     assert module.main(["--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "tokenizers" in err
+
+
+def test_ported_torchrec_golden_training_runs_and_learns():
+    out = launch("train_dlrm_golden.py", "--steps", "40")
+    for path in ("dlrm.model.sparse_arch.embedding_bag_collection", "ec", "fp_ebc"):
+        assert f"module: {path}\n" in out
+    kernels = {
+        line.split("|")[2].strip() for line in out.splitlines() if line.startswith("t_") and "wise" in line
+    }
+    assert kernels == {"fused"}  # in-backward RowWiseAdagrad and the sharders' fused_params both select it
+    tenths = [float(v) for v in out.split("mean loss per tenth:")[1].split()]
+    assert len(tenths) == 10 and tenths[-1] < tenths[0] / 2  # 10 cached random batches get memorized
