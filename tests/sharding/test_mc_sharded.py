@@ -277,38 +277,38 @@ def test_bad_input_and_configs_fail_on_every_rank():
 
 
 def _save_worker(directory: str) -> bool:
-    """Train 4 steps at this world size; save the sharded module (shardkit.checkpoint) and, on rank 0,
-    the unsharded equivalent. Every row-wise table has 12 buckets, so any world size up to 4 loads it."""
+    """Train 4 steps at this world size; save the sharded MC-EBC and MC-EC (shardkit.checkpoint) and, on
+    rank 0, their unsharded equivalents. Every row-wise table has 12 buckets, so any world size up to 4
+    loads them."""
     rank, world_size, _ = case.world()
-    reference = build(True, world_size, equivalent=True, rw1_buckets=12)
-    sharded = shard(build(True, world_size, equivalent=False, rw1_buckets=12), world_size)
-    assert run_steps(reference, sharded, range(4)) > 0
-    checkpoint.save(f"{directory}/sharded", sharded, {"fused": sharded.fused_optimizer})
-    if rank == 0:
-        ebc = reference._embedding_module
-        torch.save(
-            {"model": reference.state_dict(), "fused": ebc.fused_optimizer.state_dict()},
-            f"{directory}/ref.pt",
-        )
+    for pooled in (True, False):
+        reference = build(pooled, world_size, equivalent=True, rw1_buckets=12)
+        sharded = shard(build(pooled, world_size, equivalent=False, rw1_buckets=12), world_size)
+        assert run_steps(reference, sharded, range(4)) > 0
+        checkpoint.save(f"{directory}/sharded_{pooled}", sharded, {"fused": sharded.fused_optimizer})
+        if rank == 0:
+            fused = reference._embedding_module.fused_optimizer.state_dict()
+            torch.save({"model": reference.state_dict(), "fused": fused}, f"{directory}/ref_{pooled}.pt")
     return True
 
 
 def _load_worker(directory: str) -> bool:
-    """Load into a differently initialized sharded module at another world size; continue 4 steps."""
+    """Load into differently initialized sharded modules at another world size; continue 4 steps."""
     _, world_size, _ = case.world()
-    reference = build(True, world_size, equivalent=True, rw1_buckets=12)
-    saved = torch.load(f"{directory}/ref.pt", weights_only=False)
-    reference.load_state_dict(saved["model"])
-    reference._embedding_module.fused_optimizer.load_state_dict(saved["fused"])
-    sharded = shard(build(True, world_size, equivalent=False, rw1_buckets=12, seed=5), world_size)
-    checkpoint.load(f"{directory}/sharded", sharded, {"fused": sharded.fused_optimizer})
-    check_state(reference, sharded)
-    assert run_steps(reference, sharded, range(4, 8)) > 0
-    check_state(reference, sharded)
+    for pooled in (True, False):
+        reference = build(pooled, world_size, equivalent=True, rw1_buckets=12)
+        saved = torch.load(f"{directory}/ref_{pooled}.pt", weights_only=False)
+        reference.load_state_dict(saved["model"])
+        reference._embedding_module.fused_optimizer.load_state_dict(saved["fused"])
+        sharded = shard(build(pooled, world_size, equivalent=False, rw1_buckets=12, seed=5), world_size)
+        checkpoint.load(f"{directory}/sharded_{pooled}", sharded, {"fused": sharded.fused_optimizer})
+        check_state(reference, sharded)
+        assert run_steps(reference, sharded, range(4, 8)) > 0
+        check_state(reference, sharded)
     # a map cut into other buckets does not load: every rank hears of it
     other = shard(build(True, world_size, equivalent=False, rw1_buckets=24), world_size)
     with pytest.raises(checkpoint.CheckpointError, match="12 buckets, this module 24"):
-        checkpoint.load(f"{directory}/sharded", other, {"fused": other.fused_optimizer})
+        checkpoint.load(f"{directory}/sharded_True", other, {"fused": other.fused_optimizer})
     return True
 
 
