@@ -118,8 +118,13 @@ def run(args: argparse.Namespace) -> List[Dict[str, Any]]:
     copy_ms = _copy_ms(copy_bytes, args.repeats)
     copy_gbs = 2 * copy_bytes / copy_ms / 1e6
     out_rows: List[Dict[str, Any]] = [
-        {"name": f"device copy ({args.copy_mib} MiB)", "op": "copy", "ms": copy_ms, "GB/s": copy_gbs,
-         "ratio_to_copy": 1.0}
+        {
+            "name": f"device copy ({args.copy_mib} MiB)",
+            "op": "copy",
+            "ms": copy_ms,
+            "GB/s": copy_gbs,
+            "ratio_to_copy": 1.0,
+        }
     ]
 
     def row(name: str, op: str, ms: float, nbytes: int, **extra: Any) -> Dict[str, Any]:
@@ -139,8 +144,15 @@ def run(args: argparse.Namespace) -> List[Dict[str, Any]]:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     del got, want
     triton_fwd = lambda _: triton_embedding.embedding_forward(weight, ids, offsets, None, None, None, True)  # noqa: E731
-    out_rows.append(row("triton forward", "forward", cuda_ms(triton_fwd, None, args.repeats), fwd_bytes,
-                        max_abs_err_vs_torch=fwd_err))
+    out_rows.append(
+        row(
+            "triton forward",
+            "forward",
+            cuda_ms(triton_fwd, None, args.repeats),
+            fwd_bytes,
+            max_abs_err_vs_torch=fwd_err,
+        )
+    )
     checked = triton_embedding.CHECK_IDS
     triton_embedding.CHECK_IDS = False
     try:
@@ -178,8 +190,14 @@ def run(args: argparse.Namespace) -> List[Dict[str, Any]]:
             extra = {"max_abs_err_vs_torch": err} if path == "triton" else {}
             ms = cuda_ms(step, None, args.repeats)
             out_rows.append(
-                row(f"{path} fused backward + {kind}", "fused backward+update", ms, bwd_bytes,
-                    distinct_rows=distinct, **extra)
+                row(
+                    f"{path} fused backward + {kind}",
+                    "fused backward+update",
+                    ms,
+                    bwd_bytes,
+                    distinct_rows=distinct,
+                    **extra,
+                )
             )
         table = args_mine = None
         torch.cuda.empty_cache()
@@ -196,13 +214,23 @@ def run(args: argparse.Namespace) -> List[Dict[str, Any]]:
 
     bwd_bytes = n * dim * 4 + n * 8 + distinct * 2 * dim * 4
     out_rows.append(
-        row("nn.EmbeddingBag(sparse) backward + SGD.step", "fused backward+update",
-            cuda_ms(backward_step, forward_for_backward, args.repeats), bwd_bytes, distinct_rows=distinct)
+        row(
+            "nn.EmbeddingBag(sparse) backward + SGD.step",
+            "fused backward+update",
+            cuda_ms(backward_step, forward_for_backward, args.repeats),
+            bwd_bytes,
+            distinct_rows=distinct,
+        )
     )
     # the part of the fused backward that is torch.sort (of int32 keys, as the Triton path sorts them)
     keys = ids.to(torch.int32)
-    out_rows.append({"name": "(of which: torch.sort of the ids)", "op": "part",
-                     "ms": cuda_ms(lambda _: torch.sort(keys, stable=True), None, args.repeats)})
+    out_rows.append(
+        {
+            "name": "(of which: torch.sort of the ids)",
+            "op": "part",
+            "ms": cuda_ms(lambda _: torch.sort(keys, stable=True), None, args.repeats),
+        }
+    )
     try:
         out_rows += _skewed_rows(args, weight, offsets, grad, row)
     except Exception as error:  # a failure here must not lose the rows above
@@ -240,8 +268,16 @@ def _skewed_rows(args, weight, offsets, grad, row) -> List[Dict[str, Any]]:
     for path, module in (("triton", triton_embedding), ("torch-path", embedding_torch)):
         ms = cuda_ms(functools.partial(_fused_step, module, table, batch_args, opt), None, args.repeats)
         extra = {"max_abs_err_vs_torch": err} if path == "triton" else {}
-        out.append(row(f"{path} fused backward + SGD, skewed ids", "fused backward+update", ms, nbytes,
-                       distinct_rows=distinct, **extra))
+        out.append(
+            row(
+                f"{path} fused backward + SGD, skewed ids",
+                "fused backward+update",
+                ms,
+                nbytes,
+                distinct_rows=distinct,
+                **extra,
+            )
+        )
     return out
 
 
@@ -297,6 +333,7 @@ def _ce_rows(args, row) -> List[Dict[str, Any]]:
     work = leaf = None
     nbytes = 3 * logits.numel() * logits.element_size()
     out = []
+
     def shardkit_step(backend):
         def step(leaf):
             with kernel_backend(backend):
@@ -319,8 +356,18 @@ def _ce_rows(args, row) -> List[Dict[str, Any]]:
     for name, step, setup in cases:
         ms = cuda_ms(step, setup, args.repeats)
         peak = _peak_extra_mib(step, setup())
-        out.append(row(name, "cross-entropy", ms, nbytes, peak_extra_mib=peak,
-                       peak_extra_shards=peak / shard_mib, tokens=tokens, vocab_shard=vocab))
+        out.append(
+            row(
+                name,
+                "cross-entropy",
+                ms,
+                nbytes,
+                peak_extra_mib=peak,
+                peak_extra_shards=peak / shard_mib,
+                tokens=tokens,
+                vocab_shard=vocab,
+            )
+        )
     out[0]["loss_abs_err_vs_torch"] = loss_err
     out[0]["grad_max_abs_err_vs_torch"] = grad_err
     return out
@@ -338,7 +385,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--ce-vocab", type=int, default=64000, help="cross-entropy rows: vocabulary shard")
     parser.add_argument("--out", default=None, help="directory for the JSON (default benchmarks/results)")
     parser.add_argument(
-        "--smoke-on-cpu", action="store_true",
+        "--smoke-on-cpu",
+        action="store_true",
         help="check this script on a CPU machine (needs TRITON_INTERPRET=1 and tiny sizes); the figures mean "
         "nothing and go only to --out",
     )
@@ -351,20 +399,26 @@ def main(argv: Optional[List[str]] = None) -> None:
             write_results("gpu", {k: v for k, v in vars(args).items() if k != "out"}, rows, args.out)
         return
     if not torch.cuda.is_available():
-        print("benchmarks/gpu.py: no CUDA device here; nothing measured (run it on a GPU machine, e.g. "
-              "tools/device_check.sh)")
+        print(
+            "benchmarks/gpu.py: no CUDA device here; nothing measured (run it on a GPU machine, e.g. "
+            "tools/device_check.sh)"
+        )
         if args.out:
             path = Path(args.out) / "gpu.json"
             path.parent.mkdir(parents=True, exist_ok=True)
-            config = {**{k: v for k, v in vars(args).items() if k != "out"}, "skipped": "no CUDA device",
-                      "machine": machine()}
+            config = {
+                **{k: v for k, v in vars(args).items() if k != "out"},
+                "skipped": "no CUDA device",
+                "machine": machine(),
+            }
             path.write_text(json.dumps({"benchmark": "gpu", "config": config, "rows": []}, indent=2))
         return
     print(f"device: {torch.cuda.get_device_name(0)}", flush=True)
     rows = run(args)
     config = {k: v for k, v in vars(args).items() if k != "out"}
-    config.update(dtype="fp32", ids_dtype="int64", pooling_mode="sum", goals=GOALS,
-                  device=torch.cuda.get_device_name(0))
+    config.update(
+        dtype="fp32", ids_dtype="int64", pooling_mode="sum", goals=GOALS, device=torch.cuda.get_device_name(0)
+    )
     write_results("gpu", config, rows, args.out)
 
 

@@ -27,13 +27,17 @@ def interpreted():
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.kernels._triton_cases", "cpu"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith(MARKER)]
     if proc.returncode != 0 or not lines:
         tail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         pytest.fail(f"the interpreter run failed (exit {proc.returncode}):\n{tail}")
-    outcome = json.loads(lines[-1][len(MARKER):])
+    outcome = json.loads(lines[-1][len(MARKER) :])
     if "error" in outcome:
         pytest.fail(f"{outcome['error']} (triton is in the dev extra: pip install -e '.[dev]')")
     assert outcome["interpreted"], "the kernels were compiled, not interpreted, under TRITON_INTERPRET=1"
