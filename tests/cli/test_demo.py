@@ -7,6 +7,7 @@ line on stderr and exit code 2 before any rank starts.
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -41,7 +42,8 @@ def test_planned_demo_prints_plan_throughput_curve_and_is_exact(capsys, tmp_path
     assert [line.split()[1] for line in lines[4:]] == ["dense", "embedding", "mc"]
     assert all(line.endswith(" exact") for line in lines[4:])
     assert "result: restored on 3 ranks == saved on 2" in out
-    assert (tmp_path / "ckpt" / "manifest.json").is_file()
+    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["plan"]["ebc"]["t0"]["sharding_type"]
 
 
 @pytest.mark.parametrize("sharding_type", ["row_wise", "table_column_wise"])

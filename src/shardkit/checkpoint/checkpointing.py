@@ -118,11 +118,7 @@ def _plan_summary(model: nn.Module) -> Any:
     for path, module_plan in plan.plan.items():
         if isinstance(module_plan, dict):
             out[path] = {
-                name: {
-                    "sharding_type": ps.sharding_type,
-                    "compute_kernel": ps.compute_kernel,
-                    "ranks": ps.ranks,
-                }
+                name: {k: getattr(ps, k, None) for k in ("sharding_type", "compute_kernel", "ranks")}
                 for name, ps in module_plan.items()
             }
         else:

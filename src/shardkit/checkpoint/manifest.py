@@ -70,7 +70,7 @@ def write_manifest(directory: str, manifest: Dict[str, Any]) -> None:
     path = os.path.join(directory, MANIFEST_FILE)
     tmp = path + ".partial"
     with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1)
+        json.dump(manifest, f, indent=1, default=str)  # a plan value JSON lacks is written as text
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
