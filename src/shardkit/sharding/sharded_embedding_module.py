@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type
 import torch
 from torch import nn
 
-from shardkit.distributed.agreement import gather_objects
+from shardkit.distributed.agreement import all_gather_flat, gather_objects
 from shardkit.distributed.awaitable import Awaitable
 from shardkit.distributed.codecs import QuantizedCommCodecs
 from shardkit.distributed.sharding_env import ShardingEnv
@@ -216,8 +216,9 @@ def check_input(
     of any type on any rank is reported on every rank, and so is a process-wide switch set
     differently on some ranks (``shardkit.distributed.switches``).
 
-    One small all-gather per forward, made whether validation is on or off (so ranks set differently
-    still make the same collectives); validation off skips the content checks (lengths, id ranges)
+    One all-gather of a few integers (and one host sync) per forward, made whether validation is on
+    or off, so that ranks set differently still make the same collectives; the error messages are
+    gathered only when a rank failed. Validation off skips the content checks (lengths, id ranges)
     and their host sync."""
     error = None
     try:
@@ -245,16 +246,26 @@ def check_input(
     except Exception as err:  # noqa: BLE001 - every failure must reach the agreement below
         error = f"{type(err).__name__}: {err}"
     variable = features.variable_stride_per_key() if isinstance(features, KeyedJaggedTensor) else None
-    verdict = (error, variable, result_switches())
-    verdicts = [verdict] if env.world_size == 1 else gather_objects(verdict, env.process_group)
-    problems = [f"rank {r}: {e}" for r, (e, _, _) in enumerate(verdicts) if e is not None]
-    if problems:
-        raise ValueError("invalid input: " + "; ".join(problems))
-    switches = switch_disagreements([s for _, _, s in verdicts])
-    if switches:
-        raise ValueError("ranks disagree on process-wide settings: " + "; ".join(switches))
-    if len({v for _, v, _ in verdicts}) > 1:
-        per_rank = ", ".join(f"rank {r}: {v}" for r, (_, v, _) in enumerate(verdicts))
+    switches = result_switches()
+    # one fixed-size all-gather (no pickling) of every rank's flags; the messages travel only when
+    # some rank failed, which every rank learns from the flags, so all make the second exchange
+    flags = [int(error is not None), -1 if variable is None else int(variable), *map(int, switches.values())]
+    rows = [flags]
+    if env.world_size > 1:
+        device = features.values().device if isinstance(features, KeyedJaggedTensor) else torch.device("cpu")
+        out = torch.empty(env.world_size * len(flags), dtype=torch.int64, device=device)
+        all_gather_flat(out, torch.tensor(flags, dtype=torch.int64, device=device), group=env.process_group)
+        rows = out.view(env.world_size, len(flags)).tolist()
+    if any(row[0] for row in rows):
+        errors = [error] if env.world_size == 1 else gather_objects(error, env.process_group)
+        raise ValueError("invalid input: " + "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
+    differ = switch_disagreements([dict(zip(switches, map(bool, row[2:]))) for row in rows])
+    if differ:
+        raise ValueError("ranks disagree on process-wide settings: " + "; ".join(differ))
+    if len({row[1] for row in rows}) > 1:
+        per_rank = ", ".join(
+            f"rank {r}: {bool(row[1]) if row[1] >= 0 else None}" for r, row in enumerate(rows)
+        )
         raise ValueError(f"ranks disagree on whether the input has a variable batch per feature ({per_rank})")
 
 
