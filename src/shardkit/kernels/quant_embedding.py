@@ -72,6 +72,7 @@ def quant_embedding_forward(
     if not pooled:
         per_sample_weights = bag_scale = None
     if quant_backend(weight, ids) == "native":
+        _register_fake()
         return native_ops().quant_embedding_forward(
             weight.contiguous(),
             _STORAGE_CODES[storage],
@@ -85,7 +86,12 @@ def quant_embedding_forward(
             batch_major,
         )
     rows = buffer_rows(ids, offsets, bag_shift)
-    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= weight.size(0)):
+    # a host read of the ids' range: not while torch.export / compile traces (index_select still checks)
+    if (
+        not torch.compiler.is_compiling()
+        and rows.numel()
+        and (int(rows.min()) < 0 or int(rows.max()) >= weight.size(0))
+    ):
         position = int(((rows < 0) | (rows >= weight.size(0))).nonzero()[0, 0])
         raise embedding.RowOutOfRange(position, int(rows[position]), weight.size(0))
     values = dequantize_rows(weight.index_select(0, rows), dim, storage)  # [N, dim] fp32: read rows only
@@ -107,5 +113,24 @@ def quant_embedding_forward(
 
 # the storage argument of the native op
 _STORAGE_CODES = {name: i for i, name in enumerate((*FLOAT_STORAGES, *INT_BITS))}
+_fake_registered = False
+
+
+def _register_fake() -> None:
+    """Shapes of the native op for torch.export / torch.compile tracing (once, after the build loaded)."""
+    global _fake_registered
+    if _fake_registered:
+        return
+    _fake_registered = True
+
+    @torch.library.register_fake("shardkit_native::quant_embedding_forward")
+    def _(weight, storage, dim, ids, offsets, bag_shift, per_sample_weights, bag_scale, pooled, batch):
+        bags = offsets.size(0) - 1
+        if not pooled:
+            return weight.new_empty((ids.size(0), dim), dtype=torch.float32)
+        if batch > 0:
+            return weight.new_empty((batch, bags // batch * dim), dtype=torch.float32)
+        return weight.new_empty((bags, dim), dtype=torch.float32)
+
 
 __all__ = ["quant_backend", "quant_embedding_forward"]
