@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from shardkit.distributed.sharding_env import ShardingEnv
+from shardkit.model_parallel import DistributedModelParallel
 from shardkit.modules import (
     DataType,
     EmbeddingBagCollection,
@@ -80,6 +81,15 @@ def _generators(world_size: int, **overrides):
     return gens
 
 
+class _Wrapper(torch.nn.Module):
+    def __init__(self, ebc: QuantEmbeddingBagCollection) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, features):
+        return self.ebc(features)
+
+
 def _check(sharded, reference, rank, world_size, weighted, step_seed=0) -> None:
     for step in range(2):
         global_kjt, local_kjt, batch = case.global_and_local(
@@ -110,6 +120,14 @@ def _worker() -> bool:
         assert isinstance(sharded, ShardedQuantEmbeddingBagCollection)
         assert list(sharded.parameters()) == []
         _check(sharded, reference, rank, world_size, weighted)
+
+    # a model holding the quantized collection, sharded by DistributedModelParallel with the planner's plan
+    reference = QuantEmbeddingBagCollection.from_float(_trained(False))
+    model = DistributedModelParallel(
+        _Wrapper(copy.deepcopy(reference)), sharders=[sharder], init_data_parallel=False
+    )
+    assert isinstance(model.module.ebc, ShardedQuantEmbeddingBagCollection)
+    _check(lambda kjt: model(kjt), reference, rank, world_size, False, step_seed=3)
 
     # feature processors in front of the quantized collection
     trained = _trained(True)

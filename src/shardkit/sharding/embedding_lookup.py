@@ -57,7 +57,7 @@ class ShardedGroupedLookup(nn.Module):
         dtype: the output's dtype, the same on every rank (default: float32); groups of another
             dtype are converted.
 
-    Subclasses may set ``group_lookup_class`` (``shardkit.sharding.quant_lookup`` stores quantized
+    Subclasses may set ``group_lookup_class`` (``shardkit.sharding.quant_sharding`` stores quantized
     groups), called as ``GroupedEmbeddingLookup`` is.
 
     forward(kjt) with the features of :attr:`keys` in order, stride R (sum of the ranks' batches):
