@@ -33,7 +33,7 @@ from shardkit.modules import (
     FeatureProcessedEmbeddingBagCollection,
 )
 from shardkit.modules.grouped_tables import GroupedTablesModule
-from shardkit.quant.data_types import qconfig_output_dtype, quantized_data_types, storage_of
+from shardkit.quant.data_types import qconfig_output_dtype, quantized_data_types
 from shardkit.quant.quant_lookup import QuantGroupedEmbeddingLookup, quantize_into
 from shardkit.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
@@ -92,9 +92,7 @@ class _QuantTables:
         )
         types = quantized_data_types(module, tables, data_type)
         configs = [dataclasses.replace(t, data_type=types[t.name]) for t in tables]
-        for config in configs:
-            storage_of(config.data_type)  # every DataType has a storage; fails loudly if one is added
-        device = next((b.device for b in module.buffers()), None) or next(module.parameters()).device
+        device = next(module.parameters()).device
         output_dtype = output_dtype or qconfig_output_dtype(module) or torch.float32
         quantized = cls(configs, device=torch.device("meta"), output_dtype=output_dtype, **kwargs)
         quantized.to_empty(device=device)
