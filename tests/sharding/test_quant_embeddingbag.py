@@ -24,12 +24,15 @@ from shardkit.modules import (
     PositionWeightedModule,
 )
 from shardkit.quant import QuantEmbeddingBagCollection, QuantFeatureProcessedEmbeddingBagCollection
+from shardkit.sharding.embedding_sharding import sharded_table
 from shardkit.sharding.quant_embeddingbag import (
     QuantEmbeddingBagCollectionSharder,
     QuantFeatureProcessedEmbeddingBagCollectionSharder,
     ShardedQuantEmbeddingBagCollection,
+    create_infer_embedding_bag_sharding,
     flatten_feature_lengths,
 )
+from shardkit.sharding.quant_sharding import InferRwPooledEmbeddingSharding, QuantShardedGroupedLookup
 from shardkit.sharding.sharding_plan import (
     column_wise,
     construct_module_sharding_plan,
@@ -120,6 +123,20 @@ def _worker() -> bool:
         assert isinstance(sharded, ShardedQuantEmbeddingBagCollection)
         assert list(sharded.parameters()) == []
         _check(sharded, reference, rank, world_size, weighted)
+
+    # the specification's factory: one inference sharding of a type, over placed tables
+    reference = QuantEmbeddingBagCollection.from_float(_trained(False))
+    plan = plan_of(reference, world_size)
+    row_wise_tables = [
+        sharded_table(c, plan[c.name], world_size)
+        for c in reference.embedding_bag_configs()
+        if plan[c.name].sharding_type == "row_wise"
+    ]
+    infer = create_infer_embedding_bag_sharding("row_wise", row_wise_tables, env)
+    assert isinstance(infer, InferRwPooledEmbeddingSharding)
+    assert isinstance(infer.create_lookup(), QuantShardedGroupedLookup)
+    with pytest.raises(ValueError, match="no inference sharding of type 'table_row_wise'"):
+        create_infer_embedding_bag_sharding("table_row_wise", row_wise_tables, env)
 
     # a model holding the quantized collection, sharded by DistributedModelParallel with the planner's plan
     reference = QuantEmbeddingBagCollection.from_float(_trained(False))
