@@ -40,13 +40,12 @@ from shardkit.modules import (
     PoolingType,
 )
 from shardkit.sharding.embeddingbag import ShardedEmbeddingBagCollection
-from shardkit.sharding.fused_optimizer_config import fused_optimizer_config
+from shardkit.sharding.fused_optimizer_config import FusedParamsSharder, fused_optimizer_config
 from shardkit.sharding.kjt_list import KJTList
 from shardkit.sharding.sharded_embedding_module import EmbeddingShardingContext
 from shardkit.sharding.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
-    ModuleSharder,
     ShardingType,
 )
 from shardkit.sparse import KeyedJaggedTensor, KeyedTensor
@@ -321,7 +320,7 @@ def _weight_to_state_dict(module: ShardedEmbeddingBag, state_dict, prefix: str, 
     state_dict[f"{prefix}weight"] = state_dict.pop(module._internal_key(prefix))
 
 
-class EmbeddingBagSharder(ModuleSharder[nn.EmbeddingBag]):
+class EmbeddingBagSharder(FusedParamsSharder[nn.EmbeddingBag]):
     """Shards an nn.EmbeddingBag: every sharding type; DENSE kernels, and FUSED ones when built with
     ``fused_params`` (data-parallel: DENSE only, as for the collections).
 
@@ -329,19 +328,6 @@ class EmbeddingBagSharder(ModuleSharder[nn.EmbeddingBag]):
         fused_params: the fused optimizer of FUSED-kernel plans (:func:`fused_optimizer_config`).
         qcomm_codecs_registry: as for ``ModuleSharder``.
     """
-
-    def __init__(
-        self,
-        fused_params: Optional[Dict[str, Any]] = None,
-        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
-    ) -> None:
-        super().__init__(qcomm_codecs_registry)
-        fused_optimizer_config(fused_params)  # a bad dict fails here, not at the first shard()
-        self._fused_params = fused_params
-
-    @property
-    def fused_params(self) -> Optional[Dict[str, Any]]:
-        return self._fused_params
 
     @property
     def module_type(self) -> Type[nn.EmbeddingBag]:

@@ -11,13 +11,17 @@ its tables the DENSE kernel only.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, Optional, TypeVar
 
 import torch
 from torch import nn
 
+from shardkit.distributed.codecs import QuantizedCommCodecs
 from shardkit.modules import FusedOptimizerConfig, OptimType
+from shardkit.sharding.types import ModuleSharder
 from shardkit.sharding.utils import merge_fused_params, optimizer_type_to_emb_opt_type
+
+M = TypeVar("M", bound=nn.Module)
 
 # fbgemm's EmbOptimType names for the rules shardkit's kernels implement (shardkit's are exact)
 _EMB_OPT_NAMES = {"EXACT_SGD": "SGD", "EXACT_ADAGRAD": "ADAGRAD", "EXACT_ROWWISE_ADAGRAD": "ROWWISE_ADAGRAD"}
@@ -99,3 +103,21 @@ def resolve_fused_optimizer(
     if own is not None:
         return own.config
     return in_backward_optimizer_config(module.parameters()) or fused_optimizer_config(fused_params)
+
+
+class FusedParamsSharder(ModuleSharder[M]):
+    """A sharder built as torchrec's: ``(fused_params=None, qcomm_codecs_registry=None)``; a bad
+    ``fused_params`` fails here, not at the first ``shard()``."""
+
+    def __init__(
+        self,
+        fused_params: Optional[Dict[str, Any]] = None,
+        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+    ) -> None:
+        super().__init__(qcomm_codecs_registry)
+        fused_optimizer_config(fused_params)
+        self._fused_params = fused_params
+
+    @property
+    def fused_params(self) -> Optional[Dict[str, Any]]:
+        return self._fused_params

@@ -36,14 +36,13 @@ from shardkit.sharding.embedding_sharding import (
     ShardingContext,
     sharded_table,
 )
-from shardkit.sharding.fused_optimizer_config import fused_optimizer_config, resolve_fused_optimizer
+from shardkit.sharding.fused_optimizer_config import FusedParamsSharder, resolve_fused_optimizer
 from shardkit.sharding.kjt_list import KJTList
 from shardkit.sharding.sharded_module_state import ShardedFusedOptimizer, TableStates
 from shardkit.sharding.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
     M,
-    ModuleSharder,
     ShardedModule,
     ShardingType,
 )
@@ -505,7 +504,7 @@ def _tables_from_state_dict(
         state_dict[name] = param
 
 
-class BaseEmbeddingSharder(ModuleSharder[M]):
+class BaseEmbeddingSharder(FusedParamsSharder[M]):
     """What the embedding collections' sharders share: every sharding type; FUSED or DENSE kernels,
     DENSE only for data-parallel tables (their gradients are averaged by the data-parallel wrapper).
 
@@ -515,19 +514,6 @@ class BaseEmbeddingSharder(ModuleSharder[M]):
             ``shardkit.sharding.fused_optimizer_config``).
         qcomm_codecs_registry: as for ``ModuleSharder``.
     """
-
-    def __init__(
-        self,
-        fused_params: Optional[Dict[str, Any]] = None,
-        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
-    ) -> None:
-        super().__init__(qcomm_codecs_registry)
-        fused_optimizer_config(fused_params)  # a bad dict fails here, not at the first shard()
-        self._fused_params = fused_params
-
-    @property
-    def fused_params(self) -> Optional[Dict[str, Any]]:
-        return self._fused_params
 
     def fused_optimizer_for(self, module: nn.Module) -> Optional[FusedOptimizerConfig]:
         """The fused optimizer ``module``'s FUSED tables apply (see ``resolve_fused_optimizer``)."""
