@@ -14,7 +14,7 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from shardkit.modules.feature_processor_ import check_bag_lengths, positions_in_bags
+from shardkit.modules.feature_processor_ import check_bag_lengths, positions_in_bags, with_weights
 from shardkit.sparse import JaggedTensor, KeyedJaggedTensor
 
 
@@ -115,14 +115,5 @@ class PositionWeightedProcessor(BaseGroupedFeatureProcessor):
         ):
             check_bag_lengths(type(self).__name__, key, bag_lengths, self.max_feature_lengths[key])
             pieces.append(self.position_weights[key].index_select(0, seq))
-        variable = features.variable_stride_per_key()
-        return KeyedJaggedTensor(
-            features.keys(),
-            features.values(),
-            torch.cat(pieces) if pieces else torch.zeros(0, device=features.values().device),
-            lengths=features.lengths(),
-            stride=None if variable else features.stride(),
-            stride_per_key_per_rank=features.stride_per_key_per_rank() if variable else None,
-            offset_per_key=features.offset_per_key(),
-            validate=False,
-        )
+        weights = torch.cat(pieces) if pieces else torch.zeros(0, device=features.values().device)
+        return with_weights(features, weights)

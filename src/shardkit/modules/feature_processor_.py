@@ -97,7 +97,8 @@ class FeatureProcessorsCollection(nn.Module, abc.ABC):
     def forward(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor: ...
 
 
-def _with_weights(features: KeyedJaggedTensor, weights: torch.Tensor) -> KeyedJaggedTensor:
+def with_weights(features: KeyedJaggedTensor, weights: torch.Tensor) -> KeyedJaggedTensor:
+    """``features`` with ``weights`` ``[N]`` as its weights (every other tensor and cache shared)."""
     variable = features.variable_stride_per_key()
     return KeyedJaggedTensor(
         features.keys(),
@@ -156,7 +157,7 @@ class PositionWeightedModuleCollection(FeatureProcessorsCollection):
             else:
                 pieces.append(torch.ones(seq.numel(), device=seq.device))
         weights = torch.cat(pieces) if pieces else features.values().new_zeros(0, dtype=torch.float32)
-        return _with_weights(features, weights)
+        return with_weights(features, weights)
 
 
 class FeatureProcessorDictWrapper(FeatureProcessorsCollection):
@@ -185,4 +186,4 @@ class FeatureProcessorDictWrapper(FeatureProcessorsCollection):
                 piece = torch.ones(count, device=features.values().device)
             pieces.append(piece)
         weights = torch.cat(pieces) if pieces else features.values().new_zeros(0, dtype=torch.float32)
-        return _with_weights(features, weights)
+        return with_weights(features, weights)
