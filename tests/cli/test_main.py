@@ -1,6 +1,7 @@
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -111,6 +112,29 @@ def test_launch_runs_a_script_on_two_ranks(tmp_path):
     assert (out_dir / "rank1").read_text() == "2 3.0 --flag"
 
 
+def test_launch_timeout_names_the_silent_rank(tmp_path):
+    script = tmp_path / "stall.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import time
+            import torch, torch.distributed as dist
+            dist.init_process_group("gloo")
+            if dist.get_rank() == 1:
+                time.sleep(60)  # silent; torchrun stops it once rank 0 has failed
+            dist.all_reduce(torch.ones(1))
+            """
+        )
+    )
+    cmd = [sys.executable, "-m", "shardkit.cli.main", "launch", "-n", "2", "--timeout", "3", str(script)]
+    start = time.monotonic()
+    done = subprocess.run(cmd, timeout=120, capture_output=True, text=True)
+    assert done.returncode != 0 and time.monotonic() - start < 50
+    assert (
+        "CollectiveTimeoutError: rank 0: a collective timed out (rank(s) [1] did not answer)" in done.stderr
+    )
+
+
 def test_demo_runs_and_matches_the_single_process_result(capsys):
     assert main(["demo", "--model", "gnn", "--nproc", "3", "--nodes", "31", "--edges", "120"]) == 0
     out = capsys.readouterr().out
@@ -126,6 +150,7 @@ def test_demo_runs_and_matches_the_single_process_result(capsys):
         (["-n", "0", "x.py"], "-n must be >= 1"),
         (["-n", "two", "x.py"], "invalid int value: 'two'"),
         (["no_such_script.py"], "no such script: no_such_script.py"),
+        (["--timeout", "soon", __file__], "--timeout must be a number of seconds"),
     ],
 )
 def test_launch_bad_input_is_one_line_and_exit_code_2(capsys, argv, expected):

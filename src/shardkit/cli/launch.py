@@ -3,7 +3,9 @@
 A thin wrapper over ``torch.distributed.run`` (torchrun) in standalone mode, so the script sees the
 usual RANK / LOCAL_RANK / WORLD_SIZE variables. Each rank runs the script through
 :mod:`shardkit.cli.script_runner`, so that a rank whose script is done cannot end in torch's
-"terminate called without an active exception" abort. For several machines use torchrun directly.
+"terminate called without an active exception" abort. ``--timeout SECONDS`` (or ``SHARDKIT_TIMEOUT``)
+becomes the default timeout of the script's ``init_process_group``. For several machines use torchrun
+directly.
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ def run(args) -> int:
         _one_line_error(f"-n must be >= 1, got {args.nproc}")
     if not os.path.isfile(args.script):
         _one_line_error(f"no such script: {args.script}")
+    if args.timeout is not None:
+        from shardkit.distributed.timeouts import ENV_VAR, parse_timeout
+
+        try:
+            os.environ[ENV_VAR] = str(parse_timeout(args.timeout, "--timeout"))
+        except ValueError as err:
+            _one_line_error(str(err))
     from torch.distributed.run import main as torchrun_main
 
     # torchrun sets 1 thread per rank anyway, with a 4-line warning when the variable is unset
@@ -53,6 +62,11 @@ def add_parser(commands) -> None:
     parser = commands.add_parser("launch", help="run a script on N local processes (torchrun)", usage=USAGE)
     parser.error = _one_line_error
     parser.add_argument("-n", "--nproc", type=int, default=2, help="number of local processes (default 2)")
+    parser.add_argument(
+        "--timeout",
+        help="seconds a collective may wait (SHARDKIT_TIMEOUT: the default timeout of the script's "
+        "init_process_group); a rank that times out names the ranks that went silent",
+    )
     parser.add_argument("script", nargs="?", help="python script to run on every rank")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     parser.set_defaults(run=run)

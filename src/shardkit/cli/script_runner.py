@@ -8,6 +8,10 @@ exception" abort (docs/running.md):
 - before the script: ``torch._dynamo`` and ``torch.distributed.checkpoint`` are imported. Imported
   after ``init_process_group`` (``torch.optim`` imports ``torch._dynamo`` on an optimizer's first
   step), each keeps the default group alive after ``destroy_process_group``;
+- ``SHARDKIT_TIMEOUT`` (seconds), when set, is the default timeout of the script's
+  ``init_process_group`` (a script that passes ``timeout=`` keeps its own), and a collective that
+  times out is reported naming the ranks that went silent
+  (``shardkit.distributed.timeouts.naming_silent_ranks``);
 - after it: the atexit handlers run, a default group the script left is destroyed, the output is
   flushed and the process ends with ``os._exit``, skipping the interpreter's finalization, during
   which a group's gloo threads that are still alive abort the process.
@@ -33,6 +37,18 @@ def _exit_code(err: SystemExit) -> int:
     return 1
 
 
+def _default_timeout_from_env() -> None:
+    """``SHARDKIT_TIMEOUT`` as the timeout ``init_process_group`` uses when given none (torch reads
+    these module defaults at each call)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from shardkit.distributed.timeouts import timeout_from_env
+
+    timeout = timeout_from_env(c10d.default_pg_timeout)
+    c10d.default_pg_timeout = timeout
+    c10d.default_pg_nccl_timeout = timeout_from_env(c10d.default_pg_nccl_timeout)
+
+
 def main() -> None:
     if len(sys.argv) < 2:
         print("usage: python -m shardkit.cli.script_runner SCRIPT [ARGS]", file=sys.stderr)
@@ -43,9 +59,13 @@ def main() -> None:
     import torch._dynamo  # noqa: F401 - before the script's init_process_group, see the docstring
     import torch.distributed.checkpoint  # noqa: F401
 
+    from shardkit.distributed.timeouts import naming_silent_ranks
+
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        _default_timeout_from_env()
+        with naming_silent_ranks():
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as err:
         code = _exit_code(err)
     except BaseException:  # noqa: BLE001 - reported as Python would, then the same exit code
