@@ -1,12 +1,11 @@
 """Sharded collections take the inputs torchrec's do: a KJT carrying features they do not use (one KJT
-feeds several modules) gives the unsharded module's result; a feature of several tables, which only
-the unsharded modules support, fails at sharding time with the fix in the message."""
+feeds several modules), and a feature that several tables look up (outputs ``feature@table``), give the
+unsharded module's result."""
 
 from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -21,7 +20,7 @@ from shardkit.modules import (
 )
 from shardkit.sharding.embedding import EmbeddingCollectionSharder
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
-from shardkit.sharding.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+from shardkit.sharding.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
 from shardkit.sparse import KeyedJaggedTensor
 from shardkit.testing import run_world
 
@@ -46,48 +45,48 @@ def _global_kjt(world: int) -> KeyedJaggedTensor:
 
 
 def _modules():
+    """t0 looks up f0, t1 f1, t2 f0 again (outputs f0@t0, f1, f0@t2); t2 is narrower."""
     fused = FusedOptimizerConfig(OptimType.SGD, lr=0.1)
     torch.manual_seed(0)
+    specs = [("t0", 4, "f0"), ("t1", 4, "f1"), ("t2", 3, "f0")]
     ebc = EmbeddingBagCollection(
-        [EmbeddingBagConfig(ROWS, 4, name=f"t{i}", feature_names=[f"f{i}"]) for i in range(2)],
-        fused_optimizer=fused,
+        [EmbeddingBagConfig(ROWS, d, name=t, feature_names=[f]) for t, d, f in specs], fused_optimizer=fused
     )
     ec = EmbeddingCollection(
-        [EmbeddingConfig(ROWS, 4, name=f"t{i}", feature_names=[f"f{i}"]) for i in range(2)],
-        fused_optimizer=fused,
+        [EmbeddingConfig(ROWS, d, name=t, feature_names=[f]) for t, d, f in specs], fused_optimizer=fused
     )
     return ebc, ec
 
 
-def _check_unused_features_are_ignored() -> None:
+NAMES = ["f0@t0", "f1", "f0@t2"]
+
+
+def _check_torchrec_inputs() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     env = ShardingEnv.from_process_group(None)
     ebc, ec = _modules()
-    gens = {"t0": table_wise(rank=world - 1), "t1": row_wise()}
+    gens = {"t0": table_wise(rank=world - 1), "t1": row_wise(), "t2": column_wise(ranks=[0, world - 1])}
     global_kjt, local_kjt = _global_kjt(world), _kjt(rank)
     for module, sharder in ((ebc, EmbeddingBagCollectionSharder()), (ec, EmbeddingCollectionSharder())):
-        plan = construct_module_sharding_plan(module, gens, world, world)
+        plan = construct_module_sharding_plan(module, gens, world_size=world)
         sharded = sharder.shard(copy.deepcopy(module), plan, env)
         out, expected = sharded(local_kjt), module(global_kjt)
         if isinstance(module, EmbeddingBagCollection):
-            out = out.wait() if hasattr(out, "wait") else out
-            assert out.keys() == ["f0", "f1"]
+            assert out.keys() == expected.keys() == NAMES
             torch.testing.assert_close(out.values(), expected.values()[2 * rank : 2 * rank + 2].detach())
+            # one fused SGD step: each table of the shared feature gets its own gradient
+            (out.values() * torch.arange(11.0)).sum().backward()
+            (expected.values() * torch.arange(11.0)).sum().div(world).backward()
+            for (name, r0, r1, c0, c1), weight in sharded.local_shards().items():
+                torch.testing.assert_close(weight, module.table_weight(name)[r0:r1, c0:c1].detach())
         else:
-            assert list(out) == ["f0", "f1"]
-            for name in out:
-                torch.testing.assert_close(
-                    out[name].values(), expected[name].values()[3 * rank : 3 * rank + 3].detach()
-                )
+            assert list(out) == list(expected) == NAMES
+            for name in NAMES:
+                mine = expected[name].values()[3 * rank : 3 * rank + 3].detach()
+                torch.testing.assert_close(out[name].values(), mine)
+                assert torch.equal(out[name].lengths(), local_kjt[name.split("@")[0]].lengths())
 
 
-def test_sharded_collections_ignore_features_no_table_looks_up():
-    run_world(_check_unused_features_are_ignored, 2)
-
-
-def test_sharding_a_feature_of_several_tables_says_how_to_fix_it():
-    tables = [EmbeddingBagConfig(ROWS, 4, name=f"t{i}", feature_names=["f"]) for i in range(2)]
-    module = EmbeddingBagCollection(tables, fused_optimizer=FusedOptimizerConfig(OptimType.SGD, lr=0.1))
-    plan = construct_module_sharding_plan(module, {"t0": table_wise(rank=0), "t1": table_wise(rank=0)}, 1, 1)
-    with pytest.raises(ValueError, match=r"\{'f': \['t0', 't1'\]\} cannot be sharded yet; give each table"):
-        EmbeddingBagCollectionSharder().shard(module, plan, ShardingEnv(1, 0, None))
+def test_sharded_collections_take_torchrec_inputs():
+    """Features no table looks up are ignored; a feature of several tables gives one output per table."""
+    run_world(_check_torchrec_inputs, 2)

@@ -43,10 +43,16 @@ class _SequenceOutputAwaitable(LazyAwaitable[Dict[str, JaggedTensor]]):
     """Waits each sharding's output dist; builds ``{feature: JaggedTensor}`` in declaration order."""
 
     def __init__(
-        self, parts: List[Awaitable], features: KeyedJaggedTensor, names: List[str], need_indices: bool
+        self,
+        parts: List[Awaitable],
+        features: KeyedJaggedTensor,
+        names: List[str],
+        need_indices: bool,
+        source_feature: Dict[str, str],
     ):
         super().__init__()
         self._parts, self._features, self._names, self._need_indices = parts, features, names, need_indices
+        self._source = source_feature
 
     def _wait_impl(self) -> Dict[str, JaggedTensor]:
         rows: Dict[str, torch.Tensor] = {}
@@ -54,7 +60,7 @@ class _SequenceOutputAwaitable(LazyAwaitable[Dict[str, JaggedTensor]]):
             rows.update(aw.wait())
         out = {}
         for name in self._names:
-            jt = self._features[name]
+            jt = self._features[self._source[name]]
             ids = jt.values() if self._need_indices else None
             out[name] = JaggedTensor(rows[name], ids, lengths=jt.lengths(), validate=False)
         return out
@@ -93,7 +99,7 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule):
             device,
             qcomm_codecs_registry,
         )
-        self._names = module.feature_names()
+        self._names = [f for t in self._tables for f in t.config.feature_names]  # feature@table if shared
         self._need_indices = module.need_indices()
 
     def input_dist(
@@ -112,13 +118,19 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule):
         self, ctx: EmbeddingShardingContext, output: List[torch.Tensor]
     ) -> LazyAwaitable[Dict[str, JaggedTensor]]:
         parts = [s.output_dist(c, out) for s, c, out in zip(self._shardings, ctx.sharding_contexts, output)]
-        return _SequenceOutputAwaitable(parts, ctx.features, self._names, self._need_indices)
+        return _SequenceOutputAwaitable(
+            parts, ctx.features, self._names, self._need_indices, self._source_feature
+        )
 
     def compute_and_output_dist(
         self, ctx: EmbeddingShardingContext, input: KJTList
     ) -> LazyAwaitable[Dict[str, JaggedTensor]]:
         return _SequenceOutputAwaitable(
-            self._compute_and_start(ctx, input), ctx.features, self._names, self._need_indices
+            self._compute_and_start(ctx, input),
+            ctx.features,
+            self._names,
+            self._need_indices,
+            self._source_feature,
         )
 
 

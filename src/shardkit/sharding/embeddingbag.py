@@ -153,8 +153,9 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
             qcomm_codecs_registry,
             module.is_weighted(),
         )
-        self._embedding_names = module.feature_names()
-        self._dims = {f: t.embedding_dim for t in module.embedding_bag_configs() for f in t.feature_names}
+        # one name per (table, feature), torchrec's: a feature's, or feature@table for one of several tables
+        self._embedding_names = [f for t in self._tables for f in t.config.feature_names]
+        self._dims = {f: t.config.embedding_dim for t in self._tables for f in t.config.feature_names}
         blocks = [block for s in self._shardings for block in s.output_layout()]
         permutation = column_permutation(blocks, self._embedding_names, self._dims)
         self._column_runs = None if permutation is None else column_runs(permutation)

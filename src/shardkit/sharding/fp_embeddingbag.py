@@ -132,7 +132,7 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedEmbeddingBagCollectio
 
     def _weigh(self, sharding: EmbeddingSharding, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Received positions -> position weights, for the processed features ``sharding`` looks up."""
-        features = sharding.received_features()
+        features = [self._source_feature[f] for f in sharding.received_features()]  # the input's names
         if not any(f in self.feature_processors for f in features):
             return kjt
         # a data-parallel lookup has no output dist to divide its gradient by the world size, as the

@@ -27,7 +27,7 @@ from shardkit.distributed.codecs import QuantizedCommCodecs
 from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.distributed.switches import result_switches, switch_disagreements
 from shardkit.distributed.validation import validation_enabled
-from shardkit.modules.embedding_configs import BaseEmbeddingConfig
+from shardkit.modules.embedding_configs import BaseEmbeddingConfig, embedding_names_by_table
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig
 from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding, DpSequenceEmbeddingSharding
 from shardkit.sharding.embedding_sharding import (
@@ -184,20 +184,35 @@ def _first_difference(fingerprints: List[Any]) -> str:
     return "?"
 
 
-def _reject_shared_features(tables: List[BaseEmbeddingConfig], owner: str) -> None:
-    """The sharded modules route and name their outputs by feature: one feature of several tables
-    (torchrec's ``feature@table`` outputs) works unsharded only. Same tables on every rank, so every
-    rank raises."""
-    tables_of: Dict[str, List[str]] = {}
-    for table in tables:
-        for feature in table.feature_names:
-            tables_of.setdefault(feature, []).append(table.name)
-    shared = {f: names for f, names in tables_of.items() if len(names) > 1}
-    if shared:
-        raise ValueError(
-            f"{owner}: feature(s) looked up by several tables {shared} cannot be sharded yet; give each "
-            f"table its own feature name (a copy of the KJT key) to shard this collection"
-        )
+def one_name_per_lookup(
+    tables: List[BaseEmbeddingConfig],
+) -> Tuple[List[BaseEmbeddingConfig], Dict[str, str]]:
+    """``(tables, {name: input feature})``: a feature that several tables look up renamed to
+    ``feature@table`` in each (torchrec's output name), so that inside a sharded module every
+    (table, feature) lookup has its own key; other features keep their name."""
+    names = embedding_names_by_table(tables)
+    renamed = [
+        t if list(t.feature_names) == ns else dataclasses.replace(t, feature_names=ns)
+        for t, ns in zip(tables, names)
+    ]
+    source = {n: f for t, ns in zip(tables, names) for f, n in zip(t.feature_names, ns)}
+    return renamed, source
+
+
+def with_keys(kjt: KeyedJaggedTensor, keys: List[str]) -> KeyedJaggedTensor:
+    """``kjt`` under other key names (same tensors and caches)."""
+    variable, inverse = kjt.variable_stride_per_key(), kjt.inverse_indices_or_none()
+    return KeyedJaggedTensor(
+        keys,
+        kjt.values(),
+        kjt.weights_or_none(),
+        lengths=kjt.lengths(),
+        stride=None if variable else kjt.stride(),
+        stride_per_key_per_rank=kjt.stride_per_key_per_rank() if variable else None,
+        offset_per_key=kjt.offset_per_key(),
+        inverse_indices=None if inverse is None else (keys, inverse[1]),
+        validate=False,
+    )
 
 
 def check_input(
@@ -207,8 +222,10 @@ def check_input(
     owner: str,
     env: ShardingEnv,
     extra_check: Optional[Callable[[KeyedJaggedTensor], None]] = None,
+    source_feature: Optional[Dict[str, str]] = None,
 ) -> None:
-    """Raise ``ValueError`` on every rank if any rank's input is bad: a missing or repeated feature
+    """Raise ``ValueError`` on every rank if any rank's input is bad (``source_feature`` maps the
+    tables' feature names to the input's, see ``one_name_per_lookup``): a missing or repeated feature
     (features no table looks up are ignored), negative lengths or lengths that do not sum to the
     values, a missing weight, an id outside its table, a variable batch per feature on some ranks
     only, or one without inverse indices; ``extra_check(features)`` may raise more. An exception
@@ -221,7 +238,11 @@ def check_input(
     and their host sync."""
     error = None
     try:
-        rows = {f: t.config.num_embeddings for t in tables for f in t.config.feature_names}
+        rows: Dict[str, int] = {}  # an input feature's ids must fit every table that looks it up
+        for t in tables:
+            for f in t.config.feature_names:
+                f = f if source_feature is None else source_feature[f]
+                rows[f] = min(rows.get(f, t.config.num_embeddings), t.config.num_embeddings)
         keys = features.keys()
         missing = [f for f in rows if f not in keys]
         if missing:
@@ -346,7 +367,8 @@ class ShardedEmbeddingModule(ShardedModule):
         self._extra_input_check: Optional[Callable[[KeyedJaggedTensor], None]] = None
         self._weighted = weighted
         self._owner = type(self).__name__
-        _reject_shared_features(tables, self._owner)
+        tables, self._source_feature = one_name_per_lookup(tables)
+        self._renamed = any(name != f for name, f in self._source_feature.items())
         placed = place_tables(tables, plan, env, fused_optimizer)
         # the ranks agree on the plan by now, so every rank reaches the same verdict here
         unsupported = [
@@ -449,15 +471,25 @@ class ShardedEmbeddingModule(ShardedModule):
         self, ctx: EmbeddingShardingContext, features: KeyedJaggedTensor
     ) -> Awaitable[Awaitable[KJTList]]:
         """Check the input on every rank, split it by sharding and start each sharding's input dist."""
-        check_input(features, self._tables, self._weighted, self._owner, self._env, self._extra_input_check)
+        check_input(
+            features,
+            self._tables,
+            self._weighted,
+            self._owner,
+            self._env,
+            self._extra_input_check,
+            self._source_feature,
+        )
         keys = tuple(features.keys())
         if keys not in self._permutations:
             position = {k: i for i, k in enumerate(keys)}
-            permute = [position[f] for f in self._input_order]
+            permute = [position[self._source_feature[f]] for f in self._input_order]
             self._permutations[keys] = None if permute == list(range(len(keys))) else permute
         permute = self._permutations[keys]
         if permute is not None:
             features = features.permute(permute)
+        if self._renamed:  # a feature of several tables: one key per lookup (repeated by the permute)
+            features = with_keys(features, self._input_order)
         parts = features.split(self._input_sizes) if len(self._shardings) > 1 else [features]
         return _InputDistAwaitable(
             [s.input_dist(c, part) for s, c, part in zip(self._shardings, ctx.sharding_contexts, parts)]
