@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.modules import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
@@ -16,8 +15,6 @@ from shardkit.modules import (
     feature_processor,
     feature_processor_,
 )
-from shardkit.sharding.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
-from shardkit.sharding.sharding_plan import construct_module_sharding_plan, table_wise
 from shardkit.sparse import KeyedJaggedTensor
 
 # f0: [[1, 2], []], f1: [[3], [4, 5, 6]], f2: [[7], [8]]
@@ -89,12 +86,3 @@ def test_fp_ebc_with_a_collection_or_a_dict_and_split():
         "_feature_processors.f0.position_weight",
         "_feature_processors.f1.position_weight",
     ]
-
-
-def test_sharding_an_fp_ebc_with_a_collection_says_what_to_pass():
-    fp_ebc = FeatureProcessedEmbeddingBagCollection(
-        _weighted_ebc(), feature_processor_.PositionWeightedModuleCollection({"f0": 3})
-    )
-    plan = construct_module_sharding_plan(fp_ebc, {f"t{i}": table_wise(rank=0) for i in range(3)}, 1, 1)
-    with pytest.raises(TypeError, match="dict of shardkit.modules.PositionWeightedModule"):
-        FeatureProcessedEmbeddingBagCollectionSharder().shard(fp_ebc, plan, ShardingEnv(1, 0, None))

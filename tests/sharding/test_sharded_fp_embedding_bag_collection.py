@@ -21,6 +21,7 @@ from shardkit.modules import (
     FusedOptimizerConfig,
     OptimType,
     PositionWeightedModule,
+    PositionWeightedModuleCollection,
 )
 from shardkit.sharding.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 from shardkit.sharding.sharding_plan import construct_module_sharding_plan
@@ -39,7 +40,9 @@ PROCESSED = [
 ]  # f_cw2 and f_tw2 keep their weights
 
 
-def _module() -> FeatureProcessedEmbeddingBagCollection:
+def _module(collection: bool = False) -> FeatureProcessedEmbeddingBagCollection:
+    """Position weights per feature (a dict), or torchrec's ``PositionWeightedModuleCollection`` (whose
+    unprocessed features weigh 1 instead of keeping their input weights)."""
     torch.manual_seed(0)
     tables = [
         EmbeddingBagConfig(rows, dim, name=name, feature_names=feats, pooling=pooling)
@@ -48,16 +51,36 @@ def _module() -> FeatureProcessedEmbeddingBagCollection:
     ebc = EmbeddingBagCollection(
         tables, is_weighted=True, fused_optimizer=FusedOptimizerConfig(OptimType.SGD, lr=case.LR)
     )
-    processors = {f: PositionWeightedModule(4) for f in PROCESSED}
-    for p in processors.values():
+    processors = (
+        PositionWeightedModuleCollection({f: 4 for f in PROCESSED})
+        if collection
+        else {f: PositionWeightedModule(4) for f in PROCESSED}
+    )
+    module = FeatureProcessedEmbeddingBagCollection(ebc, processors)
+    for f in PROCESSED:
         with torch.no_grad():
-            p.position_weight.uniform_(0.5, 1.5)
-    return FeatureProcessedEmbeddingBagCollection(ebc, processors)
+            _position_weight(module, f).uniform_(0.5, 1.5)
+    return module
+
+
+def _position_weight(module, feature: str) -> torch.Tensor:
+    processors = (
+        module.feature_processors if hasattr(module, "feature_processors") else module._feature_processors
+    )
+    if isinstance(processors, PositionWeightedModuleCollection):
+        return processors.position_weights[feature]
+    return processors[feature].position_weight
 
 
 def _worker() -> bool:
+    for collection in (False, True):
+        _check(collection)
+    return True
+
+
+def _check(collection: bool) -> None:
     rank, world_size, local_size = case.world()
-    reference = _module()
+    reference = _module(collection)
     plan = construct_module_sharding_plan(
         reference.embedding_bag_collection,
         case.plan_generators(world_size, local_size, True),
@@ -79,22 +102,27 @@ def _worker() -> bool:
         mine = case.my_rows(rank, batch)
         torch.testing.assert_close(out.values(), expected.values()[mine].detach(), **TOL)
         (out.values() * grad[mine]).sum().backward()
-        expected_grads = case.weight_grads(global_kjt, mine)
-        for key, got in case.weight_grads(local_kjt).items():
-            torch.testing.assert_close(got, expected_grads[key], **TOL, msg=f"input weight grads of {key}")
+        if collection:  # every weight is replaced: the input weights reach nothing, here as unsharded
+            assert local_kjt.weights().grad is None and global_kjt.weights().grad is None
+        else:
+            expected_grads = case.weight_grads(global_kjt, mine)
+            for key, got in case.weight_grads(local_kjt).items():
+                torch.testing.assert_close(
+                    got, expected_grads[key], **TOL, msg=f"input weight grads of {key}"
+                )
         for f in PROCESSED:
-            weight = sharded.feature_processors[f].position_weight
+            weight = _position_weight(sharded, f)
             # a rank whose shards looked up no id of f has no part of its gradient
             mine_grad = torch.zeros_like(weight) if weight.grad is None else weight.grad
             dist.all_reduce(mine_grad)
             torch.testing.assert_close(
                 mine_grad,
-                reference._feature_processors[f].position_weight.grad,
+                _position_weight(reference, f).grad,
                 **TOL,
                 msg=lambda m, f=f: f"{f}: {m}",
             )
-            sharded.feature_processors[f].position_weight.grad = None
-            reference._feature_processors[f].position_weight.grad = None
+            _position_weight(sharded, f).grad = None
+            _position_weight(reference, f).grad = None
         case.average_dense_gradients_(sharded, world_size)
     for (name, r0, r1, c0, c1), weight in sharded.local_shards().items():
         ref = reference.embedding_bag_collection.table_weight(name)[r0:r1, c0:c1]
@@ -111,7 +139,6 @@ def _worker() -> bool:
     bad = type(local_kjt)(local_kjt.keys(), values, weights, lengths=lengths)
     with pytest.raises(ValueError, match="max_feature_length"):
         sharded(bad)
-    return True
 
 
 @pytest.mark.parametrize("world_size, local_size", [(2, None), (4, 2)])

@@ -29,6 +29,7 @@ from shardkit.modules import (
     FeatureProcessedEmbeddingBagCollection,
     FusedOptimizerConfig,
     PositionWeightedModule,
+    PositionWeightedModuleCollection,
 )
 from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding
 from shardkit.sharding.embedding_sharding import EmbeddingSharding, ScaleGrad, with_weights
@@ -43,8 +44,8 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedEmbeddingBagCollectio
     """A FeatureProcessedEmbeddingBagCollection whose tables are placed by a plan.
 
     Args:
-        module: the unsharded module; its processors must be ``PositionWeightedModule`` (copied, so the
-            sharded module owns its parameters).
+        module: the unsharded module; its processors must be ``{feature: PositionWeightedModule}`` or
+            a ``PositionWeightedModuleCollection`` (copied, so the sharded module owns its parameters).
         table_name_to_parameter_sharding, env, device, qcomm_codecs_registry: as for
             ``ShardedEmbeddingBagCollection``.
 
@@ -52,7 +53,8 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedEmbeddingBagCollectio
     A bag longer than a processor's ``max_feature_length`` raises ``ValueError`` on every rank.
     ``state_dict()`` keys are the unsharded module's:
     ``_embedding_bag_collection.embedding_bags.<table>.weight`` (sharded values) and
-    ``_feature_processors.<feature>.position_weight`` (replicated, plain tensors).
+    ``_feature_processors.<feature>.position_weight`` or ``_feature_processors.position_weights.<feature>``
+    (replicated, plain tensors).
     """
 
     table_key = "_embedding_bag_collection.embedding_bags"
@@ -66,16 +68,18 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedEmbeddingBagCollectio
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
         fused_optimizer: Optional[FusedOptimizerConfig] = None,
     ) -> None:
-        if not isinstance(module._feature_processors, nn.ModuleDict):
+        processors = module._feature_processors
+        if isinstance(processors, nn.ModuleDict):
+            unsupported = [f for f, p in processors.items() if not isinstance(p, PositionWeightedModule)]
+            if unsupported:
+                raise TypeError(
+                    f"features {unsupported}: only PositionWeightedModule processors can be sharded"
+                )
+        elif not isinstance(processors, PositionWeightedModuleCollection):
             raise TypeError(
-                f"{type(module._feature_processors).__name__}: only a FeatureProcessedEmbeddingBagCollection "
-                "built with {feature: PositionWeightedModule} can be sharded; pass a dict of "
-                "shardkit.modules.PositionWeightedModule per feature instead of a processors collection"
+                f"{type(processors).__name__}: only PositionWeightedModule processors (a dict of them or a "
+                "PositionWeightedModuleCollection) can be sharded"
             )
-        processors = dict(module._feature_processors)
-        unsupported = [f for f, p in processors.items() if not isinstance(p, PositionWeightedModule)]
-        if unsupported:
-            raise TypeError(f"features {unsupported}: only PositionWeightedModule processors can be sharded")
         super().__init__(
             module.embedding_bag_collection,
             table_name_to_parameter_sharding,
@@ -85,19 +89,33 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedEmbeddingBagCollectio
             # only when given: the quantized subclass's next base (inference) takes no optimizer
             **({} if fused_optimizer is None else {"fused_optimizer": fused_optimizer}),
         )
-        # the unsharded module's attribute name, so that state-dict keys match
-        self._feature_processors = nn.ModuleDict({f: copy.deepcopy(p) for f, p in processors.items()})
+        # a replica under the unsharded module's attribute name, so that state-dict keys match
+        self._feature_processors = copy.deepcopy(processors)
+        if isinstance(processors, nn.ModuleDict):
+            self._max_lengths = {f: p.max_feature_length for f, p in processors.items()}
+        else:
+            self._max_lengths = dict(processors.max_feature_lengths)
+        # a collection weighs the features it does not process by 1; a dict keeps their input weights
+        self._others_weigh_one = not isinstance(processors, nn.ModuleDict)
         self._extra_input_check = self._check_bag_lengths
 
     @property
-    def feature_processors(self) -> nn.ModuleDict:
-        """Feature -> its ``PositionWeightedModule`` (a replica on every rank)."""
+    def feature_processors(self) -> nn.Module:
+        """The processors (a replica on every rank): ``{feature: PositionWeightedModule}`` or a
+        ``PositionWeightedModuleCollection``, as the unsharded module's."""
         return self._feature_processors
+
+    def _position_weight(self, feature: str) -> torch.Tensor:
+        """``[max length]``: feature ``feature``'s weight of each position."""
+        processors = self._feature_processors
+        if isinstance(processors, nn.ModuleDict):
+            return processors[feature].position_weight
+        return processors.position_weights[feature]
 
     def _check_bag_lengths(self, features: KeyedJaggedTensor) -> None:
         for key, jt in features.to_dict().items():
-            if key in self.feature_processors and jt.lengths().numel():
-                longest, limit = int(jt.lengths().max()), self.feature_processors[key].max_feature_length
+            if key in self._max_lengths and jt.lengths().numel():
+                longest, limit = int(jt.lengths().max()), self._max_lengths[key]
                 if longest > limit:
                     raise ValueError(
                         f"feature {key!r}: a bag has {longest} ids, more than max_feature_length {limit}"
@@ -121,8 +139,10 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedEmbeddingBagCollectio
             positions.split(counts),
             original.split(counts) if original is not None else [None] * len(counts),
         ):
-            if key in self.feature_processors:
+            if key in self._max_lengths:
                 pieces.append(pos.to(torch.float32))
+            elif self._others_weigh_one:
+                pieces.append(torch.ones_like(pos, dtype=torch.float32))
             else:
                 pieces.append(
                     old.to(torch.float32) if old is not None else torch.ones_like(pos, dtype=torch.float32)
@@ -133,7 +153,7 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedEmbeddingBagCollectio
     def _weigh(self, sharding: EmbeddingSharding, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Received positions -> position weights, for the processed features ``sharding`` looks up."""
         features = [self._source_feature[f] for f in sharding.received_features()]  # the input's names
-        if not any(f in self.feature_processors for f in features):
+        if not any(f in self._max_lengths for f in features):
             return kjt
         # a data-parallel lookup has no output dist to divide its gradient by the world size, as the
         # other shardings' dists do; dividing here gives every position weight the same convention
@@ -143,8 +163,8 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedEmbeddingBagCollectio
         received = kjt.weights()
         pieces = []
         for feature, piece in zip(features, received.split(kjt.length_per_key())):
-            if feature in self.feature_processors:
-                table = self.feature_processors[feature].position_weight
+            if feature in self._max_lengths:
+                table = self._position_weight(feature)
                 if scale != 1.0:
                     table = ScaleGrad.apply(table, scale)
                 piece = table.index_select(0, piece.to(torch.int64)).to(torch.float32)
