@@ -79,9 +79,12 @@ def main(argv=None) -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--pooling", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     config = {k: v for k, v in vars(args).items() if k != "out"}
     write_results("quant_lookup", config, rows_for(args), args.out)
 

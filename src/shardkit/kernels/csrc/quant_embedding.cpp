@@ -15,6 +15,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -88,10 +89,25 @@ inline void dequantize_row(const uint8_t* __restrict__ row, int64_t dim, float* 
     const int64_t nbytes = (dim + kPerByte - 1) / kPerByte;
     const float scale = half_at(row + nbytes), bias = half_at(row + nbytes + 2);
     const uint8_t* c = row;
-    if constexpr (kBits < 8) {
+    if constexpr (kBits == 4) {
+      // both codes of a byte straight to values (vals has room for the padding code of an odd dim)
       for (int64_t k = 0; k < nbytes; ++k) {
-        for (int p = 0; p < kPerByte; ++p) codes[k * kPerByte + p] = (row[k] >> (p * kBits)) & kMask;
+        float lo = static_cast<float>(row[k] & 15) * scale;
+        float hi = static_cast<float>(row[k] >> 4) * scale;
+        vals[2 * k] = lo + bias;
+        vals[2 * k + 1] = hi + bias;
       }
+      return;
+    } else if constexpr (kBits == 2) {
+      // one table lookup per byte gives its 4 codes, in memory order (measured faster than shifts)
+      static const auto table = [] {
+        std::array<std::array<uint8_t, kPerByte>, 256> t{};
+        for (int b = 0; b < 256; ++b) {
+          for (int p = 0; p < kPerByte; ++p) t[b][p] = static_cast<uint8_t>((b >> (p * kBits)) & kMask);
+        }
+        return t;
+      }();
+      for (int64_t k = 0; k < nbytes; ++k) std::memcpy(codes + k * kPerByte, table[row[k]].data(), kPerByte);
       c = codes;
     }
     for (int64_t j = 0; j < dim; ++j) {
@@ -114,7 +130,7 @@ int64_t quant_kernel(const at::Tensor& weight, int64_t dim, const at::Tensor& id
   const int64_t features = batch > 0 ? bags / batch : 1;
   std::vector<int64_t> first_bad(at::get_num_threads() + 1, std::numeric_limits<int64_t>::max());
   at::parallel_for(0, bags, 64, [&](int64_t b0, int64_t b1) {
-    std::vector<float> acc_storage(dim), vals_storage(dim);
+    std::vector<float> acc_storage(dim), vals_storage(dim + 8);
     std::vector<uint8_t> codes_storage(row_bytes * 4 + 8);  // unpacked codes of one row
     float* __restrict__ acc = acc_storage.data();
     float* __restrict__ vals = vals_storage.data();
@@ -140,11 +156,11 @@ int64_t quant_kernel(const at::Tensor& weight, int64_t dim, const at::Tensor& id
           bad = std::min(bad, i);
           continue;
         }
+        dequantize_row<S>(table + row * row_bytes, dim, vals, codes);
         if (!pooled) {
-          dequantize_row<S>(table + row * row_bytes, dim, dst + i * dim, codes);
+          std::memcpy(dst + i * dim, vals, dim * sizeof(float));
           continue;
         }
-        dequantize_row<S>(table + row * row_bytes, dim, vals, codes);
         if (psw) {
           const float w = psw[i];
           for (int64_t j = 0; j < dim; ++j) acc[j] = std::fma(w, vals[j], acc[j]);
