@@ -4,9 +4,10 @@
 ``uint8`` ``[R, row_bytes]`` buffer) and the arguments of :func:`shardkit.kernels.embedding_forward`.
 No fp32 copy of the table is ever made: the pure-torch backend gathers the ``[N, row_bytes]`` bytes of
 the ids' rows, dequantizes those ``N`` rows to fp32 and pools them in id order (``embedding_bag`` over
-``0 .. N-1``); the native C++ backend (CPU, when built) dequantizes each row into its fp32 accumulator
-as it reads it. Both compute ``code * scale + bias`` in fp32 and sum in id order, so they agree bitwise
-(``tests/kernels/test_quant_embedding.py``). Inference only: nothing here is differentiable.
+``0 .. N-1``); the native C++ backend (CPU, when built) dequantizes each row it reads into a row-sized
+fp32 buffer and adds it to the bag's accumulator. Both compute ``code * scale + bias`` in fp32 and
+sum in id order, so they agree bitwise (``tests/kernels/test_quant_embedding.py``). Inference only:
+nothing here is differentiable.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 // Native CPU lookup of quantized stored rows (shardkit/kernels/quant_rows.py describes the formats),
-// the twin of the pure-torch path in shardkit/kernels/quant_embedding.py. Each row is dequantized into
-// the bag's fp32 accumulator as it is read: value = code * scale + bias, rounded after the product and
-// after the sum (the build disables FMA contraction), exactly as the torch path computes it; weighted
-// sums use a fused multiply-add, as torch's CPU embedding_bag does, so the two paths agree bitwise.
+// the twin of the pure-torch path in shardkit/kernels/quant_embedding.py. Each row read is dequantized
+// into a row-sized fp32 buffer, then added to the bag's accumulator. value = code * scale + bias is
+// rounded after the product and after the sum (the build disables FMA contraction), exactly as the
+// torch path computes it; weighted sums use a fused multiply-add, as torch's CPU embedding_bag does,
+// so the two paths agree bitwise.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
