@@ -117,8 +117,7 @@ class ShardedQuantEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         raise ValueError(
             f"{type(self).__name__} has no state dict: save the trained float model (DCP / "
             "shardkit.checkpoint) and convert it (shardkit.sharding.quant_convert.quantize_sharded, "
-            "docs/quant.md), or read this "
-            "rank's stored rows with local_shards()"
+            "docs/quant.md), or read this rank's stored rows with local_shards()"
         )
 
     def _assemble(self, parts) -> LazyAwaitable[KeyedTensor]:
