@@ -52,3 +52,20 @@ def test_bad_configs_say_what_is_wrong():
         DLRM(_ebc(), 3, [5], [6, 1])
     with pytest.raises(ValueError, match="at least two layer sizes"):
         OverArch(3, [1])
+
+
+def test_state_dict_keys_are_torchrec_s():
+    """The keys torchrec's DLRMTrain has for the same model, so its checkpoints load by name."""
+    keys = list(DLRMTrain(DLRM(_ebc(), 3, [5, 4], [6, 1])).state_dict())
+    assert keys == [
+        "model.sparse_arch.embedding_bag_collection.embedding_bags.t0.weight",
+        "model.sparse_arch.embedding_bag_collection.embedding_bags.t1.weight",
+        "model.dense_arch.model._mlp.0._linear.weight",
+        "model.dense_arch.model._mlp.0._linear.bias",
+        "model.dense_arch.model._mlp.1._linear.weight",
+        "model.dense_arch.model._mlp.1._linear.bias",
+        "model.over_arch.model.0._mlp.0._linear.weight",
+        "model.over_arch.model.0._mlp.0._linear.bias",
+        "model.over_arch.model.1.weight",
+        "model.over_arch.model.1.bias",
+    ]

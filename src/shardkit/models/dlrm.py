@@ -13,16 +13,8 @@ from torch import nn
 
 from shardkit.datasets.utils import Batch
 from shardkit.modules import EmbeddingBagCollection
+from shardkit.modules.mlp import MLP
 from shardkit.sparse import KeyedJaggedTensor
-
-
-def _relu_mlp(in_features: int, layer_sizes: List[int], device: Optional[torch.device]) -> nn.Sequential:
-    """``Linear -> ReLU`` for each of ``layer_sizes``."""
-    layers: List[nn.Module] = []
-    for size in layer_sizes:
-        layers += [nn.Linear(in_features, size, device=device), nn.ReLU()]
-        in_features = size
-    return nn.Sequential(*layers)
 
 
 class SparseArch(nn.Module):
@@ -54,7 +46,7 @@ class DenseArch(nn.Module):
         self, in_features: int, layer_sizes: List[int], device: Optional[torch.device] = None
     ) -> None:
         super().__init__()
-        self.model = _relu_mlp(in_features, layer_sizes, device)
+        self.model = MLP(in_features, layer_sizes, bias=True, activation="relu", device=device)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.model(features)
@@ -89,7 +81,7 @@ class OverArch(nn.Module):
         if len(layer_sizes) <= 1:
             raise ValueError(f"OverArch needs at least two layer sizes, got {layer_sizes}")
         self.model = nn.Sequential(
-            _relu_mlp(in_features, layer_sizes[:-1], device),
+            MLP(in_features, layer_sizes[:-1], bias=True, activation="relu", device=device),
             nn.Linear(layer_sizes[-2], layer_sizes[-1], device=device),
         )
 
