@@ -69,6 +69,11 @@ def test_pytree_round_trips_keep_every_field():
     kt = KeyedTensor(["x", "y"], [2, 1], torch.arange(6.0).view(2, 3))
     doubled = pytree.tree_map(lambda t: t * 2, kt)
     assert doubled.keys() == ["x", "y"] and torch.equal(doubled.values(), kt.values() * 2)
+    # key paths (torch.export names a KJT input's tensors by them)
+    paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path({"batch": kjt})[0]]
+    assert paths == ["['batch']._values", "['batch']._weights", "['batch']._lengths", "['batch']._offsets"]
+    assert [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(kt)[0]] == ["._values"]
+    assert len(pytree.tree_flatten_with_path(jt)[0]) == 4
 
 
 # ---- functions and modules -----------------------------------------------------------------------

@@ -14,13 +14,15 @@ from __future__ import annotations
 from typing import Any, List, Optional, Tuple
 
 import torch
-from torch.utils._pytree import register_pytree_node
+from torch.utils._pytree import GetAttrKey, register_pytree_node
 
 from shardkit.sparse.jagged_tensor import JaggedTensor
 from shardkit.sparse.keyed_jagged_tensor import KeyedJaggedTensor
 from shardkit.sparse.keyed_tensor import KeyedTensor
 
 Leaves = List[Optional[torch.Tensor]]
+# the leaves' names in key paths (torch.export names its inputs by them)
+_FIELD_KEYS = [GetAttrKey(name) for name in ("_values", "_weights", "_lengths", "_offsets")]
 
 
 def _fields(t) -> Leaves:
@@ -61,10 +63,38 @@ def _kt_unflatten(leaves: Leaves, context) -> KeyedTensor:
     return KeyedTensor(keys, length_per_key, leaves[0], key_dim)
 
 
+def _with_keys(flatten, keys=_FIELD_KEYS):
+    """A ``flatten_with_keys_fn`` from a ``flatten_fn``: each leaf paired with its attribute key."""
+
+    def flatten_with_keys(tree):
+        leaves, context = flatten(tree)
+        return list(zip(keys, leaves)), context
+
+    return flatten_with_keys
+
+
+def _jt_flatten(jt: JaggedTensor) -> Tuple[Leaves, Any]:
+    return _fields(jt), None
+
+
 register_pytree_node(
-    JaggedTensor, lambda jt: (_fields(jt), None), _jt_unflatten, serialized_type_name="shardkit.JaggedTensor"
+    JaggedTensor,
+    _jt_flatten,
+    _jt_unflatten,
+    serialized_type_name="shardkit.JaggedTensor",
+    flatten_with_keys_fn=_with_keys(_jt_flatten),
 )
 register_pytree_node(
-    KeyedJaggedTensor, _kjt_flatten, _kjt_unflatten, serialized_type_name="shardkit.KeyedJaggedTensor"
+    KeyedJaggedTensor,
+    _kjt_flatten,
+    _kjt_unflatten,
+    serialized_type_name="shardkit.KeyedJaggedTensor",
+    flatten_with_keys_fn=_with_keys(_kjt_flatten),
 )
-register_pytree_node(KeyedTensor, _kt_flatten, _kt_unflatten, serialized_type_name="shardkit.KeyedTensor")
+register_pytree_node(
+    KeyedTensor,
+    _kt_flatten,
+    _kt_unflatten,
+    serialized_type_name="shardkit.KeyedTensor",
+    flatten_with_keys_fn=_with_keys(_kt_flatten, [GetAttrKey("_values")]),
+)
