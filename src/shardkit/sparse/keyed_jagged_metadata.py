@@ -9,6 +9,7 @@ from itertools import accumulate
 from typing import List, Optional, Tuple
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from shardkit.sparse.validation import check_tensor
 
@@ -77,6 +78,11 @@ def checked_inverse_indices(
     return keys, table
 
 
+def _host_int(n):
+    """``int(n)``, except that a symbolic int (``torch.export`` tracing) stays symbolic."""
+    return n if isinstance(n, torch.SymInt) else int(n)
+
+
 def cached_offsets(
     keys: List[str], num_values: int, length_per_key: Optional[List[int]], offset_per_key: Optional[List[int]]
 ) -> Optional[List[int]]:
@@ -88,9 +94,13 @@ def cached_offsets(
             raise ValueError(
                 f"{_OWNER}: length_per_key has {len(length_per_key)} entries for {len(keys)} keys"
             )
-        offset_per_key = [0, *accumulate(int(n) for n in length_per_key)]
-    offset_per_key = [int(o) for o in offset_per_key]
-    if len(offset_per_key) != len(keys) + 1 or offset_per_key[-1] > num_values or offset_per_key[0] != 0:
+        offset_per_key = [0, *accumulate(_host_int(n) for n in length_per_key)]
+    offset_per_key = [_host_int(o) for o in offset_per_key]
+    if (
+        len(offset_per_key) != len(keys) + 1
+        or guard_or_false(offset_per_key[-1] > num_values)
+        or guard_or_false(offset_per_key[0] != 0)
+    ):
         raise ValueError(
             f"{_OWNER}: per-key totals (length_per_key / offset_per_key) give offsets {offset_per_key}; "
             f"expected {len(keys) + 1} entries from 0 to at most the number of values {num_values}"

@@ -24,6 +24,7 @@ from itertools import accumulate
 from typing import Dict, List, Optional, Tuple
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from shardkit.sparse.jagged_fields import JaggedFields
 from shardkit.sparse.jagged_ops import (
@@ -472,8 +473,10 @@ class KeyedJaggedTensor(JaggedFields):
     def _drop_unused_tail(self) -> None:
         """Values past the last key's end belong to no key (torchrec ignores them): drop them (views)
         once the per-key offsets are known, so that every consumer of ``values()`` sees only real ones."""
-        if self._offset_per_key is not None and self._offset_per_key[-1] < self._values.size(0):
-            end = self._offset_per_key[-1]
+        # guard_or_false: under torch.export the per-key offsets can be unbacked symbols, and a tail
+        # that cannot be proven present is taken as absent (the exported program expects none)
+        end = self._offset_per_key[-1] if self._offset_per_key is not None else None
+        if end is not None and guard_or_false(end < self._values.size(0)):
             self._values = self._values[:end]
             self._weights = None if self._weights is None else self._weights[:end]
 
