@@ -9,7 +9,14 @@ from itertools import accumulate
 from typing import List, Optional, Tuple
 
 import torch
-from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+try:
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+except ImportError:  # older torch releases: no unbacked symbols to guard on, a plain bool does
+
+    def guard_or_false(condition) -> bool:
+        return bool(condition)
+
 
 from shardkit.sparse.validation import check_tensor
 

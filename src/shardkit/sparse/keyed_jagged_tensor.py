@@ -24,7 +24,6 @@ from itertools import accumulate
 from typing import Dict, List, Optional, Tuple
 
 import torch
-from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from shardkit.sparse.jagged_fields import JaggedFields
 from shardkit.sparse.jagged_ops import (
@@ -36,6 +35,7 @@ from shardkit.sparse.keyed_jagged_metadata import (
     InverseIndices,
     cached_offsets,
     checked_inverse_indices,
+    guard_or_false,
     resolve_stride,
     rows_mismatch,
 )
