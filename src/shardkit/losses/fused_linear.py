@@ -165,7 +165,7 @@ def _loss_and_gradients(hidden2d, weight, target1d, opts: CrossEntropyOptions, w
     ones = torch.ones(num_rows, dtype=work, device=hidden2d.device)
     grad_hidden = torch.empty_like(hidden2d) if want_hidden else None
     grad_weight = torch.zeros_like(weight) if want_weight else None
-    weight_t, vocab = weight.t(), None
+    weight_t = weight.t()
     pieces = st.cache_rows(shard.width, opts.rows, hidden2d.device)
     kernels = triton_kernels(hidden2d.new_empty(0, shard.width), opts)
     for i0, i1 in st.row_blocks(num_rows, opts.rows):
