@@ -12,6 +12,8 @@ from typing import Callable, List, Optional, Union
 import torch
 from torch import nn
 
+from shardkit.modules.activation import SwishLayerNorm
+
 Activation = Union[str, nn.Module, Callable[[], nn.Module], Callable[[torch.Tensor], torch.Tensor]]
 _NAMED = {"relu": torch.relu, "sigmoid": torch.sigmoid}
 
@@ -57,9 +59,9 @@ def _activation_for_layer(activation: Activation):
 class MLP(nn.Module):
     """``len(layer_sizes)`` perceptrons: ``[..., in_size]`` -> ``[..., layer_sizes[-1]]``.
 
-    ``activation``: ``"relu"`` / ``"sigmoid"``, a tensor function, a module, or a module factory (one
-    module per layer); ``activation_on_last=False`` leaves the last layer linear. torchrec's
-    ``"swish_layernorm"`` is not in shardkit (``ValueError``).
+    ``activation``: ``"relu"`` / ``"sigmoid"``, ``"swish_layernorm"`` (a ``SwishLayerNorm`` of each
+    layer's width, as torchrec), a tensor function, a module, or a module factory (one module per
+    layer); ``activation_on_last=False`` leaves the last layer linear.
     """
 
     def __init__(
@@ -73,13 +75,20 @@ class MLP(nn.Module):
         activation_on_last: bool = True,
     ) -> None:
         super().__init__()
-        if isinstance(activation, str):
-            if activation not in _NAMED:
-                raise ValueError(
-                    f"MLP: activation {activation!r} is not supported; use one of {list(_NAMED)}"
-                )
-            activation = _NAMED[activation]
         sizes = [in_size, *layer_sizes]
+        if isinstance(activation, str) and activation not in (*_NAMED, "swish_layernorm"):
+            raise ValueError(
+                f"MLP: activation {activation!r} is not supported; use one of {[*_NAMED, 'swish_layernorm']}"
+            )
+
+        def layer_activation(width: int):
+            if activation == "swish_layernorm":  # normalizes the layer's own output width
+                return SwishLayerNorm(width, device=device)
+            return _activation_for_layer(
+                _NAMED.get(activation, activation) if isinstance(activation, str) else activation
+            )
+
+        activations = [layer_activation(width) for width in layer_sizes]
         self._mlp = nn.Sequential(
             *[
                 Perceptron(
@@ -88,7 +97,7 @@ class MLP(nn.Module):
                     bias=bias,
                     activation=nn.Identity()
                     if not activation_on_last and i == len(layer_sizes) - 1
-                    else _activation_for_layer(activation),
+                    else activations[i],
                     device=device,
                     dtype=dtype,
                 )
