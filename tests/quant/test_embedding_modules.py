@@ -25,6 +25,7 @@ from shardkit.modules import (
     OptimType,
     PoolingType,
     PositionWeightedModule,
+    PositionWeightedModuleCollection,
     ShardSpec,
 )
 from shardkit.quant import (
@@ -141,17 +142,25 @@ def test_sequence_lookup_equals_dequantized_rows():
         assert torch.equal(out[key].lengths(), ref[key].lengths())
 
 
-def test_feature_processed_collection():
+@pytest.mark.parametrize("form", ["dict", "collection"])
+def test_feature_processed_collection(form):
     ebc = EmbeddingBagCollection(
         [EmbeddingBagConfig(30, 8, name="t", feature_names=["a", "b"], data_type=DataType.INT8)],
         is_weighted=True,
     )
-    processors = {"a": PositionWeightedModule(4)}
+    # torchrec's two forms: a dict of per-feature modules, or one processor collection
+    if form == "dict":
+        processors = {"a": PositionWeightedModule(4)}
+        weights = processors["a"].position_weight
+    else:
+        processors = PositionWeightedModuleCollection({"a": 4})
+        weights = processors.position_weights["a"]
     with torch.no_grad():
-        processors["a"].position_weight.copy_(torch.tensor([1.0, 0.5, 2.0, 3.0]))
+        weights.copy_(torch.tensor([1.0, 0.5, 2.0, 3.0]))
     trained = FeatureProcessedEmbeddingBagCollection(ebc, processors)
     quant = QuantFeatureProcessedEmbeddingBagCollection.from_float(trained)
     assert isinstance(quant.embedding_bag_collection, QuantEmbeddingBagCollection)
+    assert isinstance(quant._feature_processors, type(trained._feature_processors))
     features = random_kjt({"a": 30, "b": 30}, batch=4, seed=7)
     twin = FeatureProcessedEmbeddingBagCollection(
         _dequantized_twin(

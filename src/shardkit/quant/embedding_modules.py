@@ -219,7 +219,11 @@ class QuantFeatureProcessedEmbeddingBagCollection(FeatureProcessedEmbeddingBagCo
             ebc = copy.copy(ebc)
             ebc.qconfig = module.qconfig
         quantized = QuantEmbeddingBagCollection.from_float(ebc, data_type, output_dtype)
-        return cls(quantized, copy.deepcopy(dict(module._feature_processors)))
+        processors = module._feature_processors
+        # a processor collection (feature_processor_) is copied as one module; a dict, per feature
+        if isinstance(processors, torch.nn.ModuleDict):
+            processors = dict(processors)
+        return cls(quantized, copy.deepcopy(processors))
 
     @_no_grad_forward
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
