@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.datasets import Batch
+from shardkit.datasets import Batch, concat_batches
 from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig, OptimType
 from shardkit.sparse import KeyedJaggedTensor
 
@@ -98,16 +98,7 @@ def rank_batch(step: int, rank: int) -> Batch:
 
 def global_batch(step: int, world_size: int) -> Batch:
     """All ranks' samples of ``step``, in rank order, as one batch."""
-    parts = [rank_batch(step, r) for r in range(world_size)]
-    keys = parts[0].sparse_features.keys()
-    lengths, values = [], []
-    for key in keys:
-        for p in parts:
-            jt = p.sparse_features[key]
-            lengths.append(jt.lengths())
-            values.append(jt.values())
-    kjt = KeyedJaggedTensor(keys, torch.cat(values), lengths=torch.cat(lengths))
-    return Batch(torch.cat([p.dense_features for p in parts]), kjt, torch.cat([p.labels for p in parts]))
+    return concat_batches([rank_batch(step, r) for r in range(world_size)])
 
 
 def make_model(seed: int = 0, optimizer: OptimType = OptimType.SGD) -> DLRM:
