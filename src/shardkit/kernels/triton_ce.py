@@ -43,19 +43,14 @@ def available(logits: torch.Tensor) -> bool:
     return logits.device.type == ("cpu" if INTERPRETED else "cuda")
 
 
+# The kernels and their launches keep related arguments on shared lines (one argument per line, as
+# the formatter would write them, hides their structure): no formatting from here on.
+# fmt: off
 if triton is not None:
 
     @triton.jit
     def _ce_statistics_kernel(
-        logits_ptr,
-        target_ptr,
-        max_ptr,
-        sum_ptr,
-        target_logit_ptr,
-        stride_t,
-        V,
-        vocab_start,
-        ignore_index,
+        logits_ptr, target_ptr, max_ptr, sum_ptr, target_logit_ptr, stride_t, V, vocab_start, ignore_index,
         BLOCK_V: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
@@ -84,18 +79,8 @@ if triton is not None:
 
     @triton.jit
     def _ce_gradient_kernel(
-        logits_ptr,
-        out_ptr,
-        target_ptr,
-        max_ptr,
-        sum_ptr,
-        scale_ptr,
-        stride_t,
-        stride_o,
-        V,
-        vocab_start,
-        ignore_index,
-        BLOCK_V: tl.constexpr,
+        logits_ptr, out_ptr, target_ptr, max_ptr, sum_ptr, scale_ptr, stride_t, stride_o, V, vocab_start,
+        ignore_index, BLOCK_V: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         m = tl.load(max_ptr + t)
@@ -141,17 +126,8 @@ def ce_statistics(
     stats = torch.empty(3, T, dtype=torch.float32, device=logits.device)
     if T:
         _ce_statistics_kernel[(T,)](
-            logits,
-            target.contiguous(),
-            stats[0],
-            stats[1],
-            stats[2],
-            logits.stride(0),
-            V,
-            vocab_start,
-            ignore_index,
-            BLOCK_V=_block_v(V),
-            num_warps=8 if V >= 8192 else 4,
+            logits, target.contiguous(), stats[0], stats[1], stats[2], logits.stride(0), V, vocab_start,
+            ignore_index, BLOCK_V=_block_v(V), num_warps=8 if V >= 8192 else 4,
         )
     return stats[0], stats[1], stats[2]
 
@@ -178,18 +154,9 @@ def ce_gradient(
         raise ValueError(f"out must be {tuple(logits.shape)} on {logits.device} with contiguous rows")
     if T:
         _ce_gradient_kernel[(T,)](
-            logits,
-            out,
-            target.contiguous(),
-            global_max.to(torch.float32).contiguous(),
-            global_sum.to(torch.float32).contiguous(),
-            grad_scale.to(torch.float32).contiguous(),
-            logits.stride(0),
-            out.stride(0),
-            V,
-            vocab_start,
-            ignore_index,
-            BLOCK_V=_block_v(V),
-            num_warps=8 if V >= 8192 else 4,
+            logits, out, target.contiguous(), global_max.to(torch.float32).contiguous(),
+            global_sum.to(torch.float32).contiguous(), grad_scale.to(torch.float32).contiguous(),
+            logits.stride(0), out.stride(0), V, vocab_start, ignore_index,
+            BLOCK_V=_block_v(V), num_warps=8 if V >= 8192 else 4,
         )
     return out

@@ -76,6 +76,9 @@ def available(weight: torch.Tensor) -> bool:
     return weight.device.type == ("cpu" if INTERPRETED else "cuda")
 
 
+# The kernels and their launches keep related arguments on shared lines (one argument per line, as
+# the formatter would write them, hides their structure): no formatting from here on.
+# fmt: off
 if triton is not None:
 
     @triton.jit
@@ -158,23 +161,8 @@ if triton is not None:
 
     @triton.jit
     def _row_step(
-        weight_ptr,
-        state0_ptr,
-        state1_ptr,
-        row,
-        lane,
-        cols,
-        col_ok,
-        param,
-        acc,
-        D,
-        float_D,
-        neg_lr,
-        eps,
-        one_minus_beta1,
-        one_minus_beta2,
-        neg_step_size,
-        OPT: tl.constexpr,
+        weight_ptr, state0_ptr, state1_ptr, row, lane, cols, col_ok, param, acc,
+        D, float_D, neg_lr, eps, one_minus_beta1, one_minus_beta2, neg_step_size, OPT: tl.constexpr,
     ):
         """One optimizer step on rows ``row`` [S] (lanes where ``lane``), gradients ``acc`` [S, BLOCK_D].
 
@@ -206,22 +194,8 @@ if triton is not None:
 
     @triton.jit
     def _id_gradients(
-        pos,
-        active,
-        cols,
-        col_ok,
-        param,
-        order_ptr,
-        bag_ptr,
-        psw_ptr,
-        scale_ptr,
-        grad_ptr,
-        psw_grad_ptr,
-        D,
-        POOLED: tl.constexpr,
-        HAS_PSW: tl.constexpr,
-        HAS_SCALE: tl.constexpr,
-        WANT_PSW_GRAD: tl.constexpr,
+        pos, active, cols, col_ok, param, order_ptr, bag_ptr, psw_ptr, scale_ptr, grad_ptr, psw_grad_ptr, D,
+        POOLED: tl.constexpr, HAS_PSW: tl.constexpr, HAS_SCALE: tl.constexpr, WANT_PSW_GRAD: tl.constexpr,
     ):
         """fp32 ``w_i * scale_b * grad[b]`` [S, BLOCK_D] of the ids at sorted positions ``pos`` [S, 1]
         (zero where not ``active`` [S, 1]); stores their per-sample-weight gradients against ``param``.
@@ -247,36 +221,11 @@ if triton is not None:
 
     @triton.jit
     def _segments_kernel(
-        weight_ptr,
-        sorted_rows_ptr,
-        order_ptr,
-        starts_ptr,
-        num_segs_ptr,
-        bag_ptr,
-        psw_ptr,
-        scale_ptr,
-        grad_ptr,
-        state0_ptr,
-        state1_ptr,
-        psw_grad_ptr,
-        long_count_ptr,
-        long_list_ptr,
-        num_rows,
-        D,
-        float_D,
-        neg_lr,
-        eps,
-        one_minus_beta1,
-        one_minus_beta2,
-        neg_step_size,
-        OPT: tl.constexpr,
-        POOLED: tl.constexpr,
-        HAS_PSW: tl.constexpr,
-        HAS_SCALE: tl.constexpr,
-        WANT_PSW_GRAD: tl.constexpr,
-        LONG: tl.constexpr,
-        SEGS: tl.constexpr,
-        BLOCK_D: tl.constexpr,
+        weight_ptr, sorted_rows_ptr, order_ptr, starts_ptr, num_segs_ptr, bag_ptr, psw_ptr, scale_ptr,
+        grad_ptr, state0_ptr, state1_ptr, psw_grad_ptr, long_count_ptr, long_list_ptr,
+        num_rows, D, float_D, neg_lr, eps, one_minus_beta1, one_minus_beta2, neg_step_size,
+        OPT: tl.constexpr, POOLED: tl.constexpr, HAS_PSW: tl.constexpr, HAS_SCALE: tl.constexpr,
+        WANT_PSW_GRAD: tl.constexpr, LONG: tl.constexpr, SEGS: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         """SEGS distinct rows per program, one lane each, their ids summed one by one in id order;
         rows read by more than LONG ids are only listed (for _long_segments_kernel)."""
@@ -303,73 +252,22 @@ if triton is not None:
         while j < steps:
             active = j < length
             acc += _id_gradients(
-                (start + j)[:, None],
-                active[:, None],
-                cols,
-                col_ok,
-                param,
-                order_ptr,
-                bag_ptr,
-                psw_ptr,
-                scale_ptr,
-                grad_ptr,
-                psw_grad_ptr,
-                D,
-                POOLED,
-                HAS_PSW,
-                HAS_SCALE,
-                WANT_PSW_GRAD,
+                (start + j)[:, None], active[:, None], cols, col_ok, param, order_ptr, bag_ptr, psw_ptr,
+                scale_ptr, grad_ptr, psw_grad_ptr, D, POOLED, HAS_PSW, HAS_SCALE, WANT_PSW_GRAD,
             )
             j += 1
         _row_step(
-            weight_ptr,
-            state0_ptr,
-            state1_ptr,
-            row,
-            lane,
-            cols,
-            col_ok,
-            param,
-            acc,
-            D,
-            float_D,
-            neg_lr,
-            eps,
-            one_minus_beta1,
-            one_minus_beta2,
-            neg_step_size,
-            OPT,
+            weight_ptr, state0_ptr, state1_ptr, row, lane, cols, col_ok, param, acc,
+            D, float_D, neg_lr, eps, one_minus_beta1, one_minus_beta2, neg_step_size, OPT,
         )
 
     @triton.jit
     def _long_segments_kernel(
-        weight_ptr,
-        sorted_rows_ptr,
-        order_ptr,
-        starts_ptr,
-        bag_ptr,
-        psw_ptr,
-        scale_ptr,
-        grad_ptr,
-        state0_ptr,
-        state1_ptr,
-        psw_grad_ptr,
-        long_count_ptr,
-        long_list_ptr,
-        D,
-        float_D,
-        neg_lr,
-        eps,
-        one_minus_beta1,
-        one_minus_beta2,
-        neg_step_size,
-        OPT: tl.constexpr,
-        POOLED: tl.constexpr,
-        HAS_PSW: tl.constexpr,
-        HAS_SCALE: tl.constexpr,
-        WANT_PSW_GRAD: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr,
+        weight_ptr, sorted_rows_ptr, order_ptr, starts_ptr, bag_ptr, psw_ptr, scale_ptr,
+        grad_ptr, state0_ptr, state1_ptr, psw_grad_ptr, long_count_ptr, long_list_ptr,
+        D, float_D, neg_lr, eps, one_minus_beta1, one_minus_beta2, neg_step_size,
+        OPT: tl.constexpr, POOLED: tl.constexpr, HAS_PSW: tl.constexpr, HAS_SCALE: tl.constexpr,
+        WANT_PSW_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         """One row read by many ids per program, BLOCK_N of its ids at a time."""
         q = tl.program_id(0)
@@ -392,42 +290,13 @@ if triton is not None:
                 first += BLOCK_N
                 # the same param row broadcast to every id of the tile
                 g = _id_gradients(
-                    pos[:, None],
-                    (pos < last)[:, None],
-                    cols,
-                    col_ok,
-                    param,
-                    order_ptr,
-                    bag_ptr,
-                    psw_ptr,
-                    scale_ptr,
-                    grad_ptr,
-                    psw_grad_ptr,
-                    D,
-                    POOLED,
-                    HAS_PSW,
-                    HAS_SCALE,
-                    WANT_PSW_GRAD,
+                    pos[:, None], (pos < last)[:, None], cols, col_ok, param, order_ptr, bag_ptr, psw_ptr,
+                    scale_ptr, grad_ptr, psw_grad_ptr, D, POOLED, HAS_PSW, HAS_SCALE, WANT_PSW_GRAD,
                 )
                 acc += tl.sum(g, axis=0)[None, :]
             _row_step(
-                weight_ptr,
-                state0_ptr,
-                state1_ptr,
-                row,
-                lane,
-                cols,
-                col_ok,
-                param,
-                acc,
-                D,
-                float_D,
-                neg_lr,
-                eps,
-                one_minus_beta1,
-                one_minus_beta2,
-                neg_step_size,
-                OPT,
+                weight_ptr, state0_ptr, state1_ptr, row, lane, cols, col_ok, param, acc,
+                D, float_D, neg_lr, eps, one_minus_beta1, one_minus_beta2, neg_step_size, OPT,
             )
 
 
@@ -622,12 +491,7 @@ def embedding_fused_backward(
         long_list,
     )
     hyper = (
-        D,
-        float(D),
-        -optimizer.lr,
-        optimizer.eps,
-        1.0 - optimizer.beta1,
-        1.0 - optimizer.beta2,
+        D, float(D), -optimizer.lr, optimizer.eps, 1.0 - optimizer.beta1, 1.0 - optimizer.beta2,
         -optimizer.adam_step_size,
     )
     flags = dict(
@@ -639,32 +503,13 @@ def embedding_fused_backward(
     )
     segs, block_d, num_warps = _segment_tile(D)
     _segments_kernel[(triton.cdiv(N, segs),)](
-        weight,
-        sorted_rows,
-        order,
-        starts,
-        num_segs,
-        *common,
-        num_rows,
-        *hyper,
-        LONG=LONG_SEGMENT,
-        SEGS=segs,
-        BLOCK_D=block_d,
-        num_warps=num_warps,
-        **flags,
+        weight, sorted_rows, order, starts, num_segs, *common, num_rows, *hyper,
+        LONG=LONG_SEGMENT, SEGS=segs, BLOCK_D=block_d, num_warps=num_warps, **flags,
     )
     if N > LONG_SEGMENT:
         block_n, block_d, num_warps = _tile(D, elements=2048, most_ids=32)
         _long_segments_kernel[(long_list.numel(),)](
-            weight,
-            sorted_rows,
-            order,
-            starts,
-            *common,
-            *hyper,
-            BLOCK_N=block_n,
-            BLOCK_D=block_d,
-            num_warps=num_warps,
-            **flags,
+            weight, sorted_rows, order, starts, *common, *hyper,
+            BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, **flags,
         )
     return psw_grad
