@@ -16,6 +16,7 @@ from shardkit.planner import (
     PlannerError,
     Topology,
 )
+from shardkit.sharding.sharding_plan import grid_shard
 from shardkit.sharding.types import ShardingPlan, ShardingType
 from tests.planner._sharder import DENSE, FUSED, ebc_sharder, ec_sharder, meta_ebc, meta_ec, random_tables
 
@@ -26,6 +27,7 @@ TW, RW, CW, DP = (
     ShardingType.DATA_PARALLEL.value,
 )
 TWRW, TWCW = ShardingType.TABLE_ROW_WISE.value, ShardingType.TABLE_COLUMN_WISE.value
+GRID = ShardingType.GRID_SHARD.value
 
 
 def _planner(world=4, local=None, device="cpu", **kwargs) -> EmbeddingShardingPlanner:
@@ -118,6 +120,21 @@ def test_node_types_need_several_nodes():
     for name in ("t0", "t1"):
         ranks = two_nodes[name].ranks
         assert ranks in ([0, 1], [2, 3]), (name, ranks)
+
+
+def test_grid_shard_only_where_the_constraints_name_it():
+    tables = [EmbeddingBagConfig(num_embeddings=10, embedding_dim=64, name="g", feature_names=["f"])]
+    unconstrained = _planner(4, 2).plan(meta_ebc(tables), [ebc_sharder()]).plan[""]["g"]
+    assert unconstrained.sharding_type != GRID
+    constraints = {"g": ParameterConstraints(sharding_types=[GRID], min_partition=16)}
+    ps = _planner(4, 2, constraints=constraints).plan(meta_ebc(tables), [ebc_sharder()]).plan[""]["g"]
+    # one column block per node, its rows over the node's ranks: grid_shard(host_indexes=[0, 1])'s plan
+    expected = grid_shard(host_indexes=[0, 1])("g", (10, 64), 2, 4, "cpu")
+    assert ps.sharding_type == GRID and ps.ranks == expected.ranks == [0, 1, 2, 3]
+    assert ps.sharding_spec.shards == expected.sharding_spec.shards
+    one_node = {"g": ParameterConstraints(sharding_types=[GRID])}
+    with pytest.raises(PlannerError, match="GRID_SHARD need more than one node"):
+        _planner(4, 4, constraints=one_node).plan(meta_ebc(tables), [ebc_sharder()])
 
 
 def test_plans_fit_the_memory_and_big_tables_get_split():

@@ -70,7 +70,7 @@ def _shard_by_plans(world: int, local: int, forced_types):
     "world, local, forced_types",
     [
         (2, 2, [None, "data_parallel", "table_wise", "row_wise", "column_wise"]),
-        (4, 2, ["table_row_wise", "table_column_wise"]),
+        (4, 2, ["table_row_wise", "table_column_wise", "grid_shard"]),
         (3, 3, ["row_wise", "column_wise"]),
     ],
 )

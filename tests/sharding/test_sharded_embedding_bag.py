@@ -23,6 +23,7 @@ from shardkit.sharding import EmbeddingBagSharder, EmbeddingModuleShardingPlan, 
 from shardkit.sharding.sharding_plan import (
     column_wise,
     data_parallel,
+    grid_shard,
     row_wise,
     table_column_wise,
     table_row_wise,
@@ -46,6 +47,8 @@ def _generators(world_size: int, kernel: str):
         "row_wise": row_wise(compute_kernel=kernel),
         "table_row_wise": table_row_wise(host_index=0, compute_kernel=kernel),
         "table_column_wise": table_column_wise(host_index=0, compute_kernel=kernel),
+        # one node: one column block, its rows over the node's ranks
+        "grid_shard": grid_shard(host_indexes=[0], compute_kernel=kernel),
     }
 
 
@@ -221,7 +224,7 @@ def test_exports_and_sharder_surface():
     )
     assert plain.module_type is nn.EmbeddingBag
     assert plain.shardable_parameters(bag) == {"weight": bag.weight}
-    assert len(plain.sharding_types("cpu")) == 6
+    assert len(plain.sharding_types("cpu")) == 7
     assert plain.compute_kernels("row_wise", "cpu") == [DENSE]
     assert fused.compute_kernels("row_wise", "cpu") == [FUSED, DENSE]
     assert fused.compute_kernels("data_parallel", "cpu") == [DENSE]

@@ -38,6 +38,7 @@ def test_enum_values_follow_the_specification():
         "row_wise",
         "table_row_wise",
         "table_column_wise",
+        "grid_shard",
     ]
     assert EmbeddingComputeKernel("fused") is EmbeddingComputeKernel.FUSED
 

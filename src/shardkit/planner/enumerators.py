@@ -174,6 +174,8 @@ class EmbeddingEnumerator:
         for sharding_type in sharder.sharding_types(device):
             if c.sharding_types is not None and sharding_type not in c.sharding_types:
                 continue
+            if sharding_type == ShardingType.GRID_SHARD.value and c.sharding_types is None:
+                continue  # as torchrec: proposed only where the constraints name it
             layout = self._layout(table, sharding_type, c.min_partition)
             if layout is None:
                 continue
@@ -187,9 +189,10 @@ class EmbeddingEnumerator:
             raise PlannerError(
                 f"table {table.fqn!r} has no sharding option: the sharder allows "
                 f"{sharder.sharding_types(device)} on {device}, the constraints allow sharding types "
-                f"{c.sharding_types} and kernels {c.compute_kernels} (TABLE_ROW_WISE / TABLE_COLUMN_WISE "
-                f"need more than one node; COLUMN_WISE needs at least 2 x min_partition="
-                f"{c.min_partition} columns; FUSED kernels need a module built with a fused_optimizer)"
+                f"{c.sharding_types} and kernels {c.compute_kernels} (TABLE_ROW_WISE / TABLE_COLUMN_WISE / "
+                f"GRID_SHARD need more than one node; COLUMN_WISE needs at least 2 x min_partition="
+                f"{c.min_partition} columns, GRID_SHARD one min_partition per node; FUSED kernels need a "
+                "module built with a fused_optimizer)"
             )
         return options
 
@@ -208,6 +211,8 @@ class EmbeddingEnumerator:
             return _rows(table, split_sizes(table.rows, world), ranks=range(world))
         if st is ShardingType.TABLE_ROW_WISE:
             return _rows(table, split_sizes(table.rows, local), ranks=range(local)) if multi_node else None
+        if st is ShardingType.GRID_SHARD:
+            return _grid(table, self.topology.num_nodes, local, min_partition) if multi_node else None
         # column-wise: as many shards of at least min_partition columns as there are ranks to hold them
         slots = local if st is ShardingType.TABLE_COLUMN_WISE else world
         count = min(slots, table.cols // min_partition)
@@ -218,6 +223,20 @@ class EmbeddingEnumerator:
         offsets = torch.tensor([[0, o] for o in split_offsets(widths)], dtype=torch.int64)
         local_ranks = list(range(count)) if st is ShardingType.TABLE_COLUMN_WISE else [-1] * count
         return sizes, offsets, torch.tensor(local_ranks, dtype=torch.int64)
+
+
+def _grid(
+    table: TableInfo, nodes: int, local: int, min_partition: int
+) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """One column block per node (block j on node j), its rows over the node's ranks; None when the
+    table has fewer than ``nodes x min_partition`` columns."""
+    if table.cols // min_partition < nodes:
+        return None
+    widths, heights = split_sizes(table.cols, nodes), split_sizes(table.rows, local)
+    sizes = [[h, w] for w in widths for h in heights]
+    offsets = [[r, c] for c in split_offsets(widths) for r in split_offsets(heights)]
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    return as_tensor(sizes), as_tensor(offsets), as_tensor(list(range(nodes * local)))
 
 
 def _rows(

@@ -27,7 +27,8 @@ CACHE_LOAD_FACTOR = 0.2
 _K = EmbeddingComputeKernel
 _UVM = {_K.FUSED_UVM.value, _K.QUANT_UVM.value}
 _CACHING = {_K.FUSED_UVM_CACHING.value, _K.QUANT_UVM_CACHING.value}
-_ROW_SPLIT = {ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value}
+# a grid's column blocks are row-split too: each block sees every id, each of its shards its rows' share
+_ROW_SPLIT = {ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value, ShardingType.GRID_SHARD.value}
 _DP = ShardingType.DATA_PARALLEL.value
 
 # A linear form: coefficients of (r x c, r, c, 1).
@@ -128,7 +129,8 @@ class EmbeddingPerfEstimator:
               + output dist forward and backward, by sharding type:
               TABLE_WISE, COLUMN_WISE, TABLE_COLUMN_WISE: all-to-all of the shard's output values;
               ROW_WISE: reduce-scatter of B x c partial sums ((W-1)/W of them cross the wire);
-              TABLE_ROW_WISE: reduce-scatter within the node, then all-to-all of 1/L across nodes;
+              TABLE_ROW_WISE, GRID_SHARD (per column block): reduce-scatter within the node, then
+              all-to-all of 1/L across nodes;
               DATA_PARALLEL: no forward communication; the backward all-reduce of the gradient
               (2 (W-1)/W x weights).
     A sequence (unpooled) table's output values are ``c`` per id instead of ``c`` per bag, and its
@@ -168,7 +170,7 @@ class EmbeddingPerfEstimator:
                 comm = (2.0 * (world - 1) / world * e / coll, 0.0, 0.0, 0.0)
             elif st == ShardingType.ROW_WISE.value and t.pooled:
                 comm = _add(input_dist, _scale(out_bytes, 2.0 * (world - 1) / world / coll))
-            elif st == ShardingType.TABLE_ROW_WISE.value and t.pooled:
+            elif st in (ShardingType.TABLE_ROW_WISE.value, ShardingType.GRID_SHARD.value) and t.pooled:
                 per_byte = (local - 1) / local / intra + 1.0 / local / cross
                 comm = _add(input_dist, _scale(out_bytes, 2.0 * per_byte))
             else:

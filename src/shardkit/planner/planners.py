@@ -175,6 +175,8 @@ class EmbeddingShardingPlanner(ShardingPlanner):
         plans: Dict[str, EmbeddingModuleShardingPlan] = {}
         for o in partition.options:
             split = o.sizes[:, 1] if o.sharding_type in _COLUMN_SPLIT else o.sizes[:, 0]
+            if o.sharding_type == ShardingType.GRID_SHARD.value:  # one width per column block (node)
+                split = o.sizes[:: t.local_world_size, 1]
             plans.setdefault(o.table.module_path, EmbeddingModuleShardingPlan())[o.table.name] = (
                 build_parameter_sharding(
                     o.sharding_type,

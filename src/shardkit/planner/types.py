@@ -17,7 +17,7 @@ from shardkit.sharding.types import ShardingType
 
 # How the partitioner may move an option's shards:
 FREE = "free"  # each shard to any rank (TABLE_WISE, COLUMN_WISE)
-FIXED = "fixed"  # shard i on rank i (DATA_PARALLEL, ROW_WISE): nothing to choose
+FIXED = "fixed"  # each shard on a given rank (DATA_PARALLEL, ROW_WISE, GRID_SHARD): nothing to choose
 HOST = "host"  # shard i on local rank i of one node, the node to choose (TABLE_ROW_WISE / _COLUMN_WISE)
 
 PLACEMENT_KIND = {
@@ -27,6 +27,7 @@ PLACEMENT_KIND = {
     ShardingType.ROW_WISE.value: FIXED,
     ShardingType.TABLE_ROW_WISE.value: HOST,
     ShardingType.TABLE_COLUMN_WISE.value: HOST,
+    ShardingType.GRID_SHARD.value: FIXED,  # column block j on node j
 }
 
 

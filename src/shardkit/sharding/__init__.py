@@ -8,7 +8,7 @@
   ``nn.EmbeddingBag``, ``embedding``, ``fp_embeddingbag``; managed collision: ``mc_modules``,
   ``mc_embeddingbag``, ``mc_embedding``), built
   from one ``EmbeddingSharding`` per sharding type (``data_parallel``, ``table_wise``, ``column_wise``,
-  ``row_wise``, ``table_row_wise``, ``table_column_wise``);
+  ``row_wise``, ``table_row_wise``, ``table_column_wise``, ``grid_sharding``);
 - their state (``state_layout``, ``sharded_state``, ``sharded_module_state``) and the specification's
   ``utils``; ``dist_data`` holds the modules that move features and embeddings between ranks.
 
@@ -25,6 +25,7 @@ from shardkit.sharding.fp_embeddingbag import (
     FeatureProcessedEmbeddingBagCollectionSharder,
     ShardedFeatureProcessedEmbeddingBagCollection,
 )
+from shardkit.sharding.grid_sharding import GridPooledEmbeddingSharding
 from shardkit.sharding.kjt_list import KJTList
 from shardkit.sharding.mc_embedding import (
     ManagedCollisionEmbeddingCollectionContext,
@@ -65,6 +66,8 @@ from shardkit.sharding.sharding_plan import (
     column_wise,
     construct_module_sharding_plan,
     data_parallel,
+    grid_shard,
+    grid_shards,
     placement,
     row_shards,
     row_wise,
@@ -154,6 +157,8 @@ __all__ = [
     "table_column_wise",
     "table_configs",
     "table_row_wise",
+    "grid_shard",
+    "grid_shards",
     "table_wise",
     # sharded modules and sharders
     "BaseEmbeddingSharder",
@@ -181,6 +186,7 @@ __all__ = [
     "TwCwSequenceEmbeddingSharding",
     "TwPooledEmbeddingSharding",
     "TwRwPooledEmbeddingSharding",
+    "GridPooledEmbeddingSharding",
     "TwRwSequenceEmbeddingSharding",
     "TwSequenceEmbeddingSharding",
     # state

@@ -39,7 +39,7 @@ from shardkit.modules import (
     FusedOptimizerConfig,
     PoolingType,
 )
-from shardkit.sharding.embeddingbag import ShardedEmbeddingBagCollection
+from shardkit.sharding.embeddingbag import POOLED_SHARDINGS, ShardedEmbeddingBagCollection
 from shardkit.sharding.fused_optimizer_config import FusedParamsSharder, fused_optimizer_config
 from shardkit.sharding.kjt_list import KJTList
 from shardkit.sharding.sharded_embedding_module import EmbeddingShardingContext
@@ -348,7 +348,7 @@ class EmbeddingBagSharder(FusedParamsSharder[nn.EmbeddingBag]):
         return {DEFAULT_TABLE_NAME: module.weight}
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
-        return [t.value for t in ShardingType]
+        return list(POOLED_SHARDINGS)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         if sharding_type == ShardingType.DATA_PARALLEL.value or not self._fused_params:

@@ -77,7 +77,8 @@ def sharded_table(config: BaseEmbeddingConfig, sharding: ParameterSharding, worl
     Checks the plan against the table (``ParameterSharding.check``: ranks in range, shards tile the
     table) and the shape each type implies: TABLE_WISE one whole-table shard, ROW_WISE /
     TABLE_ROW_WISE full-width row blocks (at most one non-empty block per rank), COLUMN_WISE /
-    TABLE_COLUMN_WISE full-height column blocks.
+    TABLE_COLUMN_WISE full-height column blocks, GRID_SHARD column blocks of row blocks (at most one
+    non-empty block per rank).
     No communication, so every rank reaches the same verdict from the same plan.
     """
     shape = (config.num_embeddings, config.embedding_dim)
@@ -109,7 +110,23 @@ def sharded_table(config: BaseEmbeddingConfig, sharding: ParameterSharding, worl
             raise ValueError(f"table {config.name!r}: a rank holds two {kind.value} blocks (ranks {holders})")
     if kind in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE) and not full_height:
         raise ValueError(f"table {config.name!r}: {kind.value} shards must span all {rows} rows")
+    if kind is ShardingType.GRID_SHARD:
+        _check_grid(config.name, shards)
     return ShardedTable(config, kind.value, sharding.compute_kernel, shards)
+
+
+def _check_grid(name: str, shards: List[TableShard]) -> None:
+    """A grid's shards are column blocks that do not overlap, each cut into row blocks; a rank holds at
+    most one non-empty shard of the table (its row block of one column block)."""
+    blocks = sorted({(s.col_start, s.col_end) for s in shards})
+    if any(b0 < a1 for (_, a1), (b0, _) in zip(blocks, blocks[1:])):
+        raise ValueError(f"table {name!r}: grid_shard column blocks {blocks} overlap")
+    holders = [s.rank for s in shards if not s.empty]
+    if len(set(holders)) != len(holders):
+        raise ValueError(
+            f"table {name!r}: a rank holds two grid_shard blocks (ranks {holders}); each column block "
+            "goes to its own node (grid_shard(host_indexes=...) with distinct hosts)"
+        )
 
 
 @dataclasses.dataclass

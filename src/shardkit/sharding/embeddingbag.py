@@ -20,6 +20,7 @@ from shardkit.sharding.column_wise import CwPooledEmbeddingSharding
 from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding
 from shardkit.sharding.embedding_sharding import ColumnBlock
 from shardkit.sharding.fused_optimizer_config import resolve_fused_optimizer
+from shardkit.sharding.grid_sharding import GridPooledEmbeddingSharding
 from shardkit.sharding.kjt_list import KJTList
 from shardkit.sharding.row_wise import RwPooledEmbeddingSharding
 from shardkit.sharding.sharded_embedding_module import (
@@ -43,6 +44,7 @@ POOLED_SHARDINGS = {
     ShardingType.ROW_WISE.value: RwPooledEmbeddingSharding,
     ShardingType.TABLE_ROW_WISE.value: TwRwPooledEmbeddingSharding,
     ShardingType.TABLE_COLUMN_WISE.value: TwCwPooledEmbeddingSharding,
+    ShardingType.GRID_SHARD.value: GridPooledEmbeddingSharding,
 }
 
 
@@ -183,12 +185,15 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
 
 
 class EmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]):
-    """Shards an EmbeddingBagCollection: every sharding type; FUSED or DENSE kernels (DENSE only for
-    data-parallel tables, whose gradients the model's data-parallel wrapper averages)."""
+    """Shards an EmbeddingBagCollection: every sharding type, grid included; FUSED or DENSE kernels
+    (DENSE only for data-parallel tables, whose gradients the model's data-parallel wrapper averages)."""
 
     @property
     def module_type(self) -> Type[EmbeddingBagCollection]:
         return EmbeddingBagCollection
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return list(POOLED_SHARDINGS)
 
     def shard(
         self,

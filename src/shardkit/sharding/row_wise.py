@@ -12,7 +12,8 @@ empty blocks allowed: the plan's shard sizes are the blocks).
   the bag's mean); sequence, ``SequenceEmbeddingsAllToAll`` returns each id's
   row and the inverse of the bucketization sort puts the rows back in input order.
 
-Table-row-wise sharding (blocks over one node's ranks) reuses :class:`RowBucketRouting`.
+Table-row-wise sharding (blocks over one node's ranks) and grid sharding (its column blocks) reuse
+:class:`RowBucketRouting`.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ from shardkit.sparse import KeyedJaggedTensor
 
 
 class RowBucketRouting(EmbeddingSharding):
-    """Shardings whose shards are full-width row blocks: each id goes to the one block holding its row.
+    """Shardings whose shards are row blocks: each id goes to the one block holding its row.
+
+    A table's blocks span all its columns, or (grid sharding) the columns of one column block.
 
     ``stagger`` is the KJT all-to-all's (table-row-wise interleaves the source ranks by node).
     """
@@ -64,14 +67,20 @@ class RowBucketRouting(EmbeddingSharding):
         ]
         self._per_rank = per_rank
         self._local_shards = per_rank[self.rank]
-        position = {f: i for i, f in enumerate(self.feature_names)}
+        # a table's features' positions in the input (by table, not by name: grid sharding gives each
+        # column block of a table its own entry in ``tables``, so a feature name repeats in the input)
+        first_feature, position = {}, 0
+        for table in self.tables:
+            first_feature[id(table)] = position
+            position += len(table.config.feature_names)
         # one sent key per (rank, shard, feature of the shard's table), rank by rank
         sent: List[Tuple[int, int, int]] = []  # (input feature, first row of the block, rank)
         for r, shards in enumerate(per_rank):
             # the order of received_keys: groups, their shards, each shard's table's features
             for group in group_shards(shards):
                 for table, shard in group:
-                    sent += [(position[f], shard.row_start, r) for f in table.config.feature_names]
+                    first = first_feature[id(table)]
+                    sent += [(first + j, shard.row_start, r) for j in range(len(table.config.feature_names))]
         self._sent_feature = [i for i, _, _ in sent]
         self._sent_names = [f"{self.feature_names[i]}@{r}" for i, _, r in sent]
         self._splits = [sum(1 for _, _, r in sent if r == rank) for rank in range(self.world_size)]
@@ -161,8 +170,9 @@ class RowBucketRouting(EmbeddingSharding):
         return torch.cat(blocks, dim=1)
 
     def _full_keys(self, tables) -> List[ColumnBlock]:
-        """Pooled column layout of ``tables``' features (what a rank holding every block would output)."""
-        whole = [(t, TableShard(-1, 0, t.config.num_embeddings, 0, t.config.embedding_dim)) for t in tables]
+        """Pooled column layout of ``tables``' features (what a rank holding every block would output):
+        each table's columns are those of its shards (all of them, or one grid column block)."""
+        whole = [(t, TableShard(-1, 0, t.config.num_embeddings, *_column_span(t))) for t in tables]
         return received_keys(whole)
 
     def _pad_to(self, local_out: torch.Tensor, local_keys, full_keys) -> torch.Tensor:
@@ -170,15 +180,22 @@ class RowBucketRouting(EmbeddingSharding):
         if local_keys == full_keys:
             return local_out
         start, column = 0, {}
-        for f, c0, c1 in full_keys:
-            column[f] = start
-            start += c1 - c0
-        index = [column[f] + c for f, c0, c1 in local_keys for c in range(c1 - c0)]
+        for key in full_keys:
+            column[key] = start
+            start += key[2] - key[1]
+        index = [column[key] + c for key in local_keys for c in range(key[2] - key[1])]
         full = local_out.new_zeros(local_out.size(0), start)
         if not index:
             # nothing held here, but the collective's backward needs this rank: keep local_out's graph
             return full + local_out.sum() * 0
         return full.index_copy(1, torch.tensor(index, device=local_out.device), local_out)
+
+
+def _column_span(table) -> Tuple[int, int]:
+    """The columns ``[c0, c1)`` a row-split table's shards cover (the same for all of its shards)."""
+    if not table.shards:
+        return 0, table.config.embedding_dim
+    return table.shards[0].col_start, table.shards[0].col_end
 
 
 class RwPooledEmbeddingSharding(RowBucketRouting):

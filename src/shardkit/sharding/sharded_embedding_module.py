@@ -552,7 +552,8 @@ class BaseEmbeddingSharder(FusedParamsSharder[M]):
         return resolve_fused_optimizer(module, self._fused_params)
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
-        return [t.value for t in ShardingType]
+        # grid sharding is for pooled tables (EmbeddingBagCollectionSharder adds it), as in torchrec
+        return [t.value for t in ShardingType if t is not ShardingType.GRID_SHARD]
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         if sharding_type == ShardingType.DATA_PARALLEL.value:

@@ -124,6 +124,35 @@ def column_shards(
     ]
 
 
+def grid_shards(
+    shape: Sequence[int],
+    col_sizes: Sequence[int],
+    block_ranks: Sequence[Sequence[int]],
+    device_type: Devices,
+    local_size: int,
+) -> List[ShardMetadata]:
+    """Column blocks ``col_sizes`` (in order, none empty), block ``j``'s rows split evenly
+    (``array_split`` rule) over ``block_ranks[j]``; shards block by block, rows in order within a block;
+    ``device_type`` is one device type or one per shard."""
+    rows, cols = int(shape[0]), int(shape[1])
+    if len(col_sizes) != len(block_ranks):
+        raise ValueError(f"{len(col_sizes)} column sizes for {len(block_ranks)} blocks of ranks")
+    if sum(col_sizes) != cols or any(s <= 0 for s in col_sizes):
+        raise ValueError(
+            f"column sizes {list(col_sizes)} must be positive and add up to the table's {cols} columns"
+        )
+    _check_devices(device_type, sum(len(r) for r in block_ranks))
+    shards: List[ShardMetadata] = []
+    for col_offset, width, ranks in zip(split_offsets(col_sizes), col_sizes, block_ranks):
+        row_sizes = split_sizes(rows, len(ranks))
+        for row_offset, height, rank in zip(split_offsets(row_sizes), row_sizes, ranks):
+            device = _device_of(device_type, len(shards))
+            shards.append(
+                ShardMetadata([row_offset, col_offset], [height, width], placement(rank, device, local_size))
+            )
+    return shards
+
+
 def build_parameter_sharding(
     sharding_type: Union[str, ShardingType],
     shape: Sequence[int],
@@ -139,6 +168,8 @@ def build_parameter_sharding(
 
     ``sizes`` are the shards' row counts (ROW_WISE, TABLE_ROW_WISE) or column counts (COLUMN_WISE,
     TABLE_COLUMN_WISE), one per entry of ``ranks``; None splits evenly (``array_split`` rule).
+    GRID_SHARD reads ``ranks`` as column blocks of ``local_size`` ranks each (one node per block, in
+    order): ``sizes`` are the blocks' column counts, and each block's rows split evenly over its ranks.
     TABLE_WISE takes one rank; DATA_PARALLEL ignores ``ranks`` and ``sizes`` (every rank of
     ``world_size`` holds the whole table, and there is no spec). Used by the constructors below and
     by the planner, so hand-written and planned shardings have the same layout.
@@ -154,6 +185,14 @@ def build_parameter_sharding(
         if len(ranks) != 1:
             raise ValueError(f"a table_wise sharding names one rank, got {ranks}")
         shards = row_shards(shape, [int(shape[0])], ranks, device_type, local_size)
+    elif sharding_type is ShardingType.GRID_SHARD:
+        if len(ranks) % local_size:
+            raise ValueError(
+                f"a grid_shard sharding takes whole nodes of {local_size} ranks, got ranks {ranks}"
+            )
+        blocks = [ranks[i : i + local_size] for i in range(0, len(ranks), local_size)]
+        sizes = split_sizes(int(shape[1]), len(blocks)) if sizes is None else list(sizes)
+        shards = grid_shards(shape, sizes, blocks, device_type, local_size)
     elif sharding_type in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
         sizes = split_sizes(int(shape[0]), len(ranks)) if sizes is None else list(sizes)
         shards = row_shards(shape, sizes, ranks, device_type, local_size)
@@ -328,6 +367,40 @@ def table_column_wise(
     return _generator(generate, compute_kernel)
 
 
+def grid_shard(
+    host_indexes: Sequence[int],
+    compute_kernel: Optional[str] = None,
+    *,
+    sizes: Optional[Sequence[int]] = None,
+) -> ParameterShardingGenerator:
+    """Column blocks, block ``j`` on node ``host_indexes[j]``, its rows split evenly over that node's
+    ranks in local rank order (torchrec's ``grid_shard``; pooled tables only).
+
+    The columns are cut into one block per host, evenly (``array_split`` rule), or into ``sizes``
+    (one width per host: shardkit's uneven blocks). torchrec cuts blocks of its column-wise block
+    width and needs exactly one per host; where its plan is valid, the blocks are the same.
+    """
+    hosts = [int(h) for h in host_indexes]
+    if not hosts or len(set(hosts)) != len(hosts):
+        raise ValueError(f"grid_shard needs distinct host indexes, got {list(host_indexes)}")
+
+    def generate(name, shape, local_size, world_size, device_type):
+        if sizes is not None and len(sizes) != len(hosts):
+            raise ValueError(f"table {name!r}: {len(sizes)} column sizes {list(sizes)} for hosts {hosts}")
+        _check_column_split(name, shape, len(hosts))
+        return build_parameter_sharding(
+            ShardingType.GRID_SHARD,
+            shape,
+            [r for h in hosts for r in _host_ranks(name, h, local_size, world_size)],
+            sizes=sizes,
+            compute_kernel=compute_kernel,
+            device_type=device_type,
+            local_size=local_size,
+        )
+
+    return _generator(generate, compute_kernel)
+
+
 def _host_ranks(name: str, host_index: int, local_size: int, world_size: int) -> List[int]:
     num_hosts = world_size // local_size
     if not 0 <= host_index < num_hosts:
@@ -450,6 +523,8 @@ __all__ = [
     "column_wise",
     "construct_module_sharding_plan",
     "data_parallel",
+    "grid_shard",
+    "grid_shards",
     "placement",
     "row_shards",
     "row_wise",

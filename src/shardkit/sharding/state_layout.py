@@ -11,7 +11,8 @@ state tensor and the shards that tile it, each with its offsets, sizes and rank.
   rows it is ``[rows]``, cut where the table's rows are cut. A table split into column blocks keeps
   one accumulator per row *and block* (each block is updated as its own table), so the global state is
   ``[rows, num_blocks]`` with block ``j`` (by column offset) in column ``j``; each rank's local tensor of
-  a block is that column as ``[rows]`` (``per_block``).
+  a block is that column as ``[rows]`` (``per_block``). A grid table's blocks are cut into row blocks
+  too: its shard of rows ``[r0, r1)`` of block ``j`` is rows ``[r0, r1)`` of column ``j``.
 """
 
 from __future__ import annotations
@@ -108,9 +109,10 @@ def row_state_layout(
     """The layout of a per-row optimizer state of table ``name`` of ``shape`` ``[rows, dim]``.
 
     Row splits (TABLE_WISE, ROW_WISE, TABLE_ROW_WISE, DATA_PARALLEL): global ``[rows]``, shard ``i``
-    covers the rows of table shard ``i``. Column splits (COLUMN_WISE, TABLE_COLUMN_WISE): global
-    ``[rows, num_blocks]``, local tensors ``[rows]`` (see the module docstring). Raises ``ValueError``
-    for a spec whose shards cut both rows and columns (no plan constructor makes one).
+    covers the rows of table shard ``i``. Column splits (COLUMN_WISE, TABLE_COLUMN_WISE, and
+    GRID_SHARD, whose column blocks are cut into rows): global ``[rows, num_blocks]``, local tensors
+    ``[rows of the shard]`` (see the module docstring). Raises ``ValueError`` for a spec whose column
+    ranges overlap without being equal (no plan constructor makes one).
     """
     table = table_layout(name, sharding, shape, world_size)
     rows, cols = table.global_shape
@@ -119,15 +121,18 @@ def row_state_layout(
             ShardMetadata([s.shard_offsets[0]], [s.shard_sizes[0]], s.placement) for s in table.shards
         )
         return ShardLayout(name, (rows,), shards, replicated=table.replicated)
-    if all(s.shard_offsets[0] == 0 and s.shard_sizes[0] == rows for s in table.shards):
-        block = {off: j for j, off in enumerate(sorted(s.shard_offsets[1] for s in table.shards))}
+    spans = sorted({(s.shard_offsets[1], s.shard_offsets[1] + s.shard_sizes[1]) for s in table.shards})
+    if all(b0 >= a1 for (_, a1), (b0, _) in zip(spans, spans[1:])):
+        # column blocks (each cut into row blocks for GRID_SHARD): column j of the state is block j
+        block = {c0: j for j, (c0, _) in enumerate(spans)}
         shards = tuple(
-            ShardMetadata([0, block[s.shard_offsets[1]]], [rows, 1], s.placement) for s in table.shards
+            ShardMetadata([s.shard_offsets[0], block[s.shard_offsets[1]]], [s.shard_sizes[0], 1], s.placement)
+            for s in table.shards
         )
-        return ShardLayout(name, (rows, len(shards)), shards, per_block=True)
+        return ShardLayout(name, (rows, len(spans)), shards, per_block=True)
     raise ValueError(
-        f"table {name!r}: per-row state needs shards that split only rows or only columns; "
-        f"got shards {[(s.shard_offsets, s.shard_sizes) for s in table.shards]}"
+        f"table {name!r}: per-row state needs shards that split rows, or columns into blocks (each "
+        f"possibly cut into rows); got shards {[(s.shard_offsets, s.shard_sizes) for s in table.shards]}"
     )
 
 

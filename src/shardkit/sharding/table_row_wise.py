@@ -53,8 +53,9 @@ class TwRwPooledEmbeddingSharding(RowBucketRouting):
             nodes = {node_of[s.rank] for s in table.shards}
             if len(nodes) != 1:
                 raise ValueError(
-                    f"table {table.name!r}: table_row_wise blocks must be on one node of {intra_size} ranks, "
-                    f"got ranks {[s.rank for s in table.shards]}"
+                    f"table {table.name!r}: {table.sharding_type} row blocks (columns "
+                    f"{[table.shards[0].col_start, table.shards[0].col_end]}) must be on one node of "
+                    f"{intra_size} ranks, got ranks {[s.rank for s in table.shards]}"
                 )
             self._tables_per_node[nodes.pop()].append(table)
         self._node = self.rank // intra_size
@@ -75,8 +76,8 @@ class TwRwPooledEmbeddingSharding(RowBucketRouting):
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         if features.variable_stride_per_key():
             raise ValueError(
-                f"table_row_wise tables {[t.name for t in self.tables]} do not support a variable batch per "
-                "feature; use row_wise or table_wise"
+                f"{self.tables[0].sharding_type} tables {sorted({t.name for t in self.tables})} do not "
+                "support a variable batch per feature; use row_wise or table_wise"
             )
         self._record_mean_lengths(ctx, features)
         return self._route(ctx, features, need_recat=False)

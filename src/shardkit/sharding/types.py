@@ -38,7 +38,8 @@ class ShardingType(enum.Enum):
     DATA_PARALLEL: every rank holds the whole table. TABLE_WISE: one rank holds the whole table.
     COLUMN_WISE: column blocks, each on one rank (each block acts as its own table). ROW_WISE: row
     blocks over all ranks. TABLE_ROW_WISE: row blocks over the ranks of one node. TABLE_COLUMN_WISE:
-    column blocks over the ranks of one node.
+    column blocks over the ranks of one node. GRID_SHARD: column blocks, each cut into row blocks over
+    the ranks of one node (pooled tables only, as in torchrec).
     """
 
     DATA_PARALLEL = "data_parallel"
@@ -47,6 +48,7 @@ class ShardingType(enum.Enum):
     ROW_WISE = "row_wise"
     TABLE_ROW_WISE = "table_row_wise"
     TABLE_COLUMN_WISE = "table_column_wise"
+    GRID_SHARD = "grid_shard"
 
 
 class ComputeKernel(enum.Enum):
@@ -104,7 +106,8 @@ class ParameterSharding:
         sharding_type: a ``ShardingType`` value (an enum member is converted to its value).
         compute_kernel: an ``EmbeddingComputeKernel`` (or ``ComputeKernel``) value.
         ranks: TABLE_WISE: the one rank holding the table; COLUMN_WISE / TABLE_COLUMN_WISE /
-            ROW_WISE / TABLE_ROW_WISE: the rank of each shard, in shard order; DATA_PARALLEL: unused.
+            ROW_WISE / TABLE_ROW_WISE / GRID_SHARD: the rank of each shard, in shard order;
+            DATA_PARALLEL: unused.
         sharding_spec: the shards' offsets, sizes and placements (None for DATA_PARALLEL).
         cache_params, enforce_hbm, stochastic_rounding, bounds_check_mode: kernel options, carried
             for the kernels that use them.
