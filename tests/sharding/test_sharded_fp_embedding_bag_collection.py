@@ -24,7 +24,7 @@ from shardkit.modules import (
     PositionWeightedModuleCollection,
 )
 from shardkit.sharding.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
-from shardkit.sharding.sharding_plan import construct_module_sharding_plan
+from shardkit.sharding.sharding_plan import construct_module_sharding_plan, grid_shard
 from shardkit.testing import run_world
 from tests.sharding import _sharded_case as case
 
@@ -81,11 +81,11 @@ def _worker() -> bool:
 def _check(collection: bool) -> None:
     rank, world_size, local_size = case.world()
     reference = _module(collection)
+    generators = case.plan_generators(world_size, local_size, True)
+    if collection:  # the second pass grid-shards f_twrw's table: a column block per node
+        generators["t_twrw"] = grid_shard(host_indexes=range(world_size // local_size))
     plan = construct_module_sharding_plan(
-        reference.embedding_bag_collection,
-        case.plan_generators(world_size, local_size, True),
-        local_size,
-        world_size,
+        reference.embedding_bag_collection, generators, local_size, world_size
     )
     sharded = FeatureProcessedEmbeddingBagCollectionSharder().shard(
         copy.deepcopy(reference), plan, ShardingEnv.from_process_group(None)
