@@ -1,8 +1,10 @@
-"""Click data sets (L5): the ``Batch`` type, synthetic and Criteo-format data (``torchrec.datasets``' role).
+"""Click data sets (L1): the ``Batch`` type, synthetic and Criteo-format data (``torchrec.datasets``' role).
 
-See docs/datasets.md.
+See docs/datasets.md and docs/models.md. The submodules ``criteo``, ``random`` and ``utils`` are
+loaded with the package, as torchrec's are.
 """
 
+from shardkit.datasets import criteo, random, utils  # noqa: F401
 from shardkit.datasets.random import RandomRecDataset
 from shardkit.datasets.raw_id_clicks import RawIdClicks
 from shardkit.datasets.synthetic_clicks import SyntheticClicks
