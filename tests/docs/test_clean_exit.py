@@ -17,8 +17,19 @@ import pytest
 from tests.docs.markdown_blocks import DEV
 
 SCRIPT = r"""
-import os, sys
+import atexit, gc, os, sys
 import torch.distributed as dist
+
+
+def report(when):
+    threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    # one write call per rank: the ranks share torchrun's stdout, and print() may split a line
+    count = sum("gloo" in t for t in threads)
+    os.write(1, f"rank {os.environ['RANK']} gloo threads {when}: {count}\n".encode())
+
+
+# registered before shardkit is imported, so it runs after shardkit's exit handler (atexit is LIFO)
+atexit.register(report, "at exit")
 if sys.argv[1] != "after":
     from shardkit.planner import calibrate
 dist.init_process_group("gloo")
@@ -26,18 +37,26 @@ if sys.argv[1] == "after":
     from shardkit.planner import calibrate
 if sys.argv[1] == "global":
     pg = dist.group.WORLD
-calibrate("cpu", rows=1024, batch=64, pooling=2, repeats=1)
+
+
+def work():
+    if sys.argv[1] == "cycle":  # the group held by garbage that only the cycle collector frees
+        gc.disable()
+        holder = {"group": dist.group.WORLD}
+        holder["self"] = holder
+    calibrate("cpu", rows=1024, batch=64, pooling=2, repeats=1)
+
+
+work()
 dist.destroy_process_group()
-threads = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
-# one write call per rank: the ranks share torchrun's stdout, and print() may split a line
-count = sum("gloo" in t for t in threads)
-os.write(1, f"rank {os.environ['RANK']} gloo threads after destroy: {count}\n".encode())
+report("after destroy")
 """
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
 
 
-def _gloo_threads_after_destroy(tmp_path, order: str, launcher: str = "torchrun") -> list[str]:
+def _gloo_threads(tmp_path, order: str, launcher: str = "torchrun") -> dict[str, list[str]]:
+    """Per rank, the gloo threads running right after ``destroy_process_group`` and at exit."""
     script = tmp_path / "exit.py"
     script.write_text(SCRIPT)
     # plain torchrun, as in a user's own environment; or ./dev launch, which pre-imports for the script
@@ -49,9 +68,16 @@ def _gloo_threads_after_destroy(tmp_path, order: str, launcher: str = "torchrun"
     done = subprocess.run(
         [*launch, script.name, order], cwd=tmp_path, capture_output=True, text=True, timeout=180
     )
-    lines = sorted(line for line in done.stdout.splitlines() if "gloo threads after destroy" in line)
-    assert len(lines) == 2, done.stdout + done.stderr
-    return [line.split(":")[-1].strip() for line in lines]
+    counts = {}
+    for when in ("after destroy", "at exit"):
+        lines = sorted(line for line in done.stdout.splitlines() if f"gloo threads {when}" in line)
+        assert len(lines) == 2, done.stdout + done.stderr
+        counts[when] = [line.split(":")[-1].strip() for line in lines]
+    return counts
+
+
+def _gloo_threads_after_destroy(tmp_path, order: str, launcher: str = "torchrun") -> list[str]:
+    return _gloo_threads(tmp_path, order, launcher)["after destroy"]
 
 
 def test_shardkit_imported_before_init_leaves_no_gloo_thread_after_destroy(tmp_path):
@@ -73,3 +99,10 @@ def test_a_module_level_reference_keeps_the_group_alive(tmp_path):
     # the reason for rule 2's "when nothing refers to the group any more"
     counts = _gloo_threads_after_destroy(tmp_path, "global")
     assert all(int(c) > 0 for c in counts), counts
+
+
+def test_a_group_held_by_a_reference_cycle_is_freed_before_finalization(tmp_path):
+    counts = _gloo_threads(tmp_path, "cycle")
+    # destroy_process_group cannot free it (the cycle refers to it); shardkit's exit handler can
+    assert all(int(c) > 0 for c in counts["after destroy"]), counts
+    assert counts["at exit"] == ["0", "0"], counts

@@ -4,6 +4,8 @@ Everything else in shardkit communicates through this package. Each concept live
 the most used names are re-exported here.
 """
 
+# imported for its effect: an exit handler that frees groups kept alive by reference cycles
+import shardkit.distributed.clean_exit  # noqa: F401
 from shardkit.distributed.agreement import assert_same_on_all_ranks, gather_shapes
 from shardkit.distributed.awaitable import Awaitable, LazyAwaitable, LazyNoWait, NoWait
 from shardkit.distributed.codecs import (
