@@ -101,6 +101,13 @@ def _check_devices(device_type: Devices, num_shards: int) -> None:
         raise ValueError(f"{len(device_type)} device types {list(device_type)} for {num_shards} shards")
 
 
+def _check_column_sizes(col_sizes: Sequence[int], cols: int) -> None:
+    if sum(col_sizes) != cols or any(s <= 0 for s in col_sizes):
+        raise ValueError(
+            f"column sizes {list(col_sizes)} must be positive and add up to the table's {cols} columns"
+        )
+
+
 def column_shards(
     shape: Sequence[int],
     col_sizes: Sequence[int],
@@ -113,10 +120,7 @@ def column_shards(
     rows, cols = int(shape[0]), int(shape[1])
     if len(col_sizes) != len(ranks):
         raise ValueError(f"{len(col_sizes)} column sizes for {len(ranks)} ranks")
-    if sum(col_sizes) != cols or any(s <= 0 for s in col_sizes):
-        raise ValueError(
-            f"column sizes {list(col_sizes)} must be positive and add up to the table's {cols} columns"
-        )
+    _check_column_sizes(col_sizes, cols)
     _check_devices(device_type, len(ranks))
     return [
         ShardMetadata([0, offset], [rows, size], placement(rank, _device_of(device_type, i), local_size))
@@ -137,10 +141,7 @@ def grid_shards(
     rows, cols = int(shape[0]), int(shape[1])
     if len(col_sizes) != len(block_ranks):
         raise ValueError(f"{len(col_sizes)} column sizes for {len(block_ranks)} blocks of ranks")
-    if sum(col_sizes) != cols or any(s <= 0 for s in col_sizes):
-        raise ValueError(
-            f"column sizes {list(col_sizes)} must be positive and add up to the table's {cols} columns"
-        )
+    _check_column_sizes(col_sizes, cols)
     _check_devices(device_type, sum(len(r) for r in block_ranks))
     shards: List[ShardMetadata] = []
     for col_offset, width, ranks in zip(split_offsets(col_sizes), col_sizes, block_ranks):
