@@ -73,9 +73,9 @@ def test_shape_and_row_ranges_of_npy_files(tmp_path):
     for mmap_mode in (False, True):
         rows = Utils.load_npy_range(path, 3, 4, mmap_mode=mmap_mode)
         assert rows.dtype == torch.int32 and rows.tolist() == torch.arange(12, 28).reshape(4, 4).tolist()
-    with pytest.raises(ValueError, match=r"a.npy: start_row \(10\) is out of bounds"):
+    with pytest.raises(ValueError, match=r"a.npy: start_row 10 is outside the file's rows 0..9"):
         Utils.load_npy_range(path, 10, 1)
-    with pytest.raises(ValueError, match=r"a.npy: num_rows \(5\) exceeds number of available rows \(10\)"):
+    with pytest.raises(ValueError, match=r"a.npy: rows 6..10 \(num_rows=5\) go past the file's 10 rows"):
         Utils.load_npy_range(path, 6, 5)
     save_npy(path, torch.arange(4))
     with pytest.raises(ValueError, match=r"a.npy: cannot load a row range of an array of shape \(4,\)"):

@@ -23,8 +23,8 @@ from shardkit.datasets.criteo_tsv import (
     INT_FEATURE_COUNT,
     CriteoIterDataPipe,
 )
-from shardkit.datasets.npy import load_npy, read_npy_header, save_npy
-from shardkit.datasets.pipes import PATH_MANAGER_KEY, _check_path_manager_key
+from shardkit.datasets.npy import load_npy, read_npy_header, read_tensor, save_npy
+from shardkit.datasets.pipes import PATH_MANAGER_KEY, check_path_manager_key
 
 
 def _tsv_row_parser(with_label: bool):
@@ -68,7 +68,7 @@ class BinaryCriteoUtils:
         ``[N, 26]`` (the hex hashes; empty fields 0) and labels int32 ``[N, 1]``. For
         ``dataset_name="criteo_kaggle"`` and a path containing ``"test"`` the lines have no label and
         the labels are -1. A malformed line raises ValueError naming the file, line and column."""
-        _check_path_manager_key(path_manager_key)
+        check_path_manager_key(path_manager_key)
         with_label = not (dataset_name == "criteo_kaggle" and "test" in in_file)
         dense, sparse, labels = [], [], []
         for row_dense, row_sparse, label in CriteoIterDataPipe(
@@ -90,7 +90,7 @@ class BinaryCriteoUtils:
     @staticmethod
     def get_shape_from_npy(path: str, path_manager_key: str = PATH_MANAGER_KEY) -> Tuple[int, ...]:
         """The shape of the array in the ``.npy`` file ``path``, read from its header alone."""
-        _check_path_manager_key(path_manager_key)
+        check_path_manager_key(path_manager_key)
         with open(path, "rb") as stream:
             return read_npy_header(stream, path)[0]
 
@@ -125,7 +125,7 @@ class BinaryCriteoUtils:
         """Rows ``start_row .. start_row + num_rows - 1`` of the 2-D array in ``fname``, ``[num_rows,
         columns]`` of the file's dtype, reading only those rows (``mmap_mode``: a view of the mapped
         file). ValueError for a file that is not 2-D or rows out of range."""
-        _check_path_manager_key(path_manager_key)
+        check_path_manager_key(path_manager_key)
         with open(fname, "rb") as stream:
             shape, dtype = read_npy_header(stream, fname)
             if len(shape) != 2:
@@ -133,24 +133,16 @@ class BinaryCriteoUtils:
             total_rows, row_size = shape
             if not 0 <= start_row < total_rows:
                 raise ValueError(
-                    f"{fname}: start_row ({start_row}) is out of bounds. It must be between 0 and "
-                    f"{total_rows - 1}, inclusive."
+                    f"{fname}: start_row {start_row} is outside the file's rows 0..{total_rows - 1}"
                 )
             if start_row + num_rows > total_rows:
                 raise ValueError(
-                    f"{fname}: num_rows ({num_rows}) exceeds number of available rows ({total_rows}) for "
-                    f"the given start_row ({start_row})."
+                    f"{fname}: rows {start_row}..{start_row + num_rows - 1} (num_rows={num_rows}) go past "
+                    f"the file's {total_rows} rows"
                 )
             if not mmap_mode:
                 stream.seek(start_row * row_size * dtype.itemsize, os.SEEK_CUR)
-                data = bytearray(num_rows * row_size * dtype.itemsize)
-                if stream.readinto(data) != len(data):
-                    raise ValueError(f"{fname}: the file is shorter than its header says (truncated?)")
-                return (
-                    torch.frombuffer(data, dtype=dtype).reshape(num_rows, row_size)
-                    if data
-                    else torch.empty(0, row_size, dtype=dtype)
-                )
+                return read_tensor(stream, dtype, num_rows * row_size, fname).reshape(num_rows, row_size)
         return load_npy(fname, mmap_mode=True)[start_row : start_row + num_rows]
 
     @staticmethod
@@ -167,7 +159,7 @@ class BinaryCriteoUtils:
         than ``frequency_threshold`` times in all files become 1 (no threshold when it is <= 1). Writes
         ``output_dir/<name>{output_file_suffix}`` per file (``name``: its base name up to the first
         dot), same shape and dtype."""
-        _check_path_manager_key(path_manager_key)
+        check_path_manager_key(path_manager_key)
         names = [os.path.basename(f).split(".")[0] for f in in_files]
         if len(set(names)) != len(names):
             raise ValueError(f"sparse_to_contiguous: input files {in_files} share base names {names}")
@@ -211,7 +203,7 @@ class BinaryCriteoUtils:
         sparse and labels int32); the last day is copied unshuffled (validation and test). With
         ``output_dir_full_set``, ``full.npy`` gets the unshuffled rows as float32 ``[N, dense | sparse |
         label]``. The permutation is ``torch.randperm`` under ``random_seed`` (torchrec: numpy's)."""
-        _check_path_manager_key(path_manager_key)
+        check_path_manager_key(path_manager_key)
         folders = {
             "dense": input_dir_labels_and_dense,
             "sparse": input_dir_sparse,

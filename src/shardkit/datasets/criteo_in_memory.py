@@ -17,7 +17,7 @@ from torch.utils.data import IterableDataset
 
 from shardkit.datasets.criteo_tsv import CAT_FEATURE_COUNT, DEFAULT_CAT_NAMES
 from shardkit.datasets.npy import load_npy
-from shardkit.datasets.pipes import PATH_MANAGER_KEY, _check_path_manager_key
+from shardkit.datasets.pipes import PATH_MANAGER_KEY, check_path_manager_key
 from shardkit.datasets.utils import Batch
 from shardkit.sparse import KeyedJaggedTensor
 
@@ -83,7 +83,7 @@ class InMemoryBinaryCriteoIterDataPipe(IterableDataset):
     ) -> None:
         super().__init__()
         _check_arguments(stage, dense_paths, sparse_paths, labels_paths, batch_size, rank, world_size, hashes)
-        _check_path_manager_key(path_manager_key)
+        check_path_manager_key(path_manager_key)
         self.stage, self.batch_size, self.rank, self.world_size = stage, batch_size, rank, world_size
         self.dense_paths, self.sparse_paths, self.labels_paths = dense_paths, sparse_paths, labels_paths
         self.drop_last, self.shuffle_batches, self.mmap_mode = bool(drop_last), shuffle_batches, mmap_mode
@@ -95,7 +95,7 @@ class InMemoryBinaryCriteoIterDataPipe(IterableDataset):
             for paths in (dense_paths, sparse_paths, labels_paths)
         )
         _check_rows(
-            self.dense_arrs, self.sparse_arrs, self.labels_arrs, dense_paths, sparse_paths, labels_paths
+            [self.dense_arrs, self.sparse_arrs, self.labels_arrs], [dense_paths, sparse_paths, labels_paths]
         )
         if stage != "train":
             half = (len(self.dense_arrs[0]) + 1) // 2
@@ -169,7 +169,16 @@ class InMemoryBinaryCriteoIterDataPipe(IterableDataset):
         return len(self._sizes[self.rank :: self.world_size])
 
 
-def _check_arguments(stage, dense_paths, sparse_paths, labels_paths, batch_size, rank, world_size, hashes):
+def _check_arguments(
+    stage: str,
+    dense_paths: List[str],
+    sparse_paths: List[str],
+    labels_paths: List[str],
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    hashes: Optional[List[int]],
+) -> None:
     if stage not in _STAGES:
         raise ValueError(f"InMemoryBinaryCriteoIterDataPipe: stage {stage!r} is not one of {_STAGES}")
     counts = [len(dense_paths), len(sparse_paths), len(labels_paths)]
@@ -190,14 +199,14 @@ def _check_arguments(stage, dense_paths, sparse_paths, labels_paths, batch_size,
         )
 
 
-def _check_rows(dense_arrs, sparse_arrs, labels_arrs, dense_paths, sparse_paths, labels_paths):
-    for day, arrays in enumerate(zip(dense_arrs, sparse_arrs, labels_arrs)):
-        paths = (dense_paths[day], sparse_paths[day], labels_paths[day])
-        shapes = [tuple(a.shape) for a in arrays]
+def _check_rows(arrays: List[List[torch.Tensor]], paths: List[List[str]]) -> None:
+    """Each day's dense, sparse and labels arrays are 2-D with the same number of rows."""
+    for day_arrays, day_paths in zip(zip(*arrays), zip(*paths)):
+        shapes = [tuple(a.shape) for a in day_arrays]
         if any(len(s) != 2 for s in shapes) or len({s[0] for s in shapes}) != 1:
             raise ValueError(
                 "InMemoryBinaryCriteoIterDataPipe: the dense, sparse and labels files of a day must be 2-D "
-                f"with the same number of rows; {paths} have shapes {shapes}"
+                f"with the same number of rows; {day_paths} have shapes {shapes}"
             )
 
 

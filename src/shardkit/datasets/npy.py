@@ -120,7 +120,8 @@ def _write(stream: BinaryIO, header: bytes, payload: torch.Tensor) -> None:
         stream.write(buffer)
 
 
-def _read_tensor(stream: BinaryIO, dtype: torch.dtype, count: int, where: str) -> torch.Tensor:
+def read_tensor(stream: BinaryIO, dtype: torch.dtype, count: int, where: str) -> torch.Tensor:
+    """The next ``count`` elements of ``stream`` as a 1-D tensor of ``dtype`` (ValueError if it ends)."""
     buffer = bytearray(count * dtype.itemsize)
     got = stream.readinto(buffer)
     if got != len(buffer):
@@ -142,7 +143,7 @@ def load_npy(path: Union[str, os.PathLike], mmap_mode: bool = False) -> torch.Te
         for n in shape:
             count *= n
         if not mmap_mode or count == 0:
-            return _read_tensor(stream, dtype, count, where).reshape(shape)
+            return read_tensor(stream, dtype, count, where).reshape(shape)
         offset = stream.tell()
         mapped = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_COPY)
     if len(mapped) < offset + count * dtype.itemsize:
@@ -151,4 +152,4 @@ def load_npy(path: Union[str, os.PathLike], mmap_mode: bool = False) -> torch.Te
     return torch.frombuffer(mapped, dtype=dtype, count=count, offset=offset).reshape(shape)
 
 
-__all__ = ["MAGIC", "load_npy", "read_npy_header", "save_npy"]
+__all__ = ["MAGIC", "load_npy", "read_npy_header", "read_tensor", "save_npy"]

@@ -53,7 +53,7 @@ class LoadFiles(IterDataPipe):
         super().__init__()
         if mode not in _MODES:
             raise ValueError(f"LoadFiles: invalid mode {mode!r}; use one of {sorted(_MODES)}")
-        _check_path_manager_key(path_manager_key)
+        check_path_manager_key(path_manager_key)
         self.datapipe, self.mode, self.length, self.open_kw = datapipe, mode, length, open_kw
 
     def __iter__(self) -> Iterator[Tuple[str, IO]]:
@@ -68,7 +68,8 @@ class LoadFiles(IterDataPipe):
         return self.length
 
 
-def _check_path_manager_key(key: str) -> None:
+def check_path_manager_key(key: str) -> None:
+    """Reject an iopath ``path_manager_key`` other than torchrec's default: only local files are read."""
     if key != PATH_MANAGER_KEY:
         raise ValueError(
             f"path_manager_key={key!r}: shardkit opens local paths with open() and has no iopath path "
