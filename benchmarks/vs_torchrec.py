@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import os
 import re
 import time
 import warnings
@@ -34,6 +35,9 @@ import torch.nn.functional as F
 from benchmarks.common import write_results
 
 SHARDING_TYPES = ["table_wise", "row_wise", "column_wise", "data_parallel"]
+# grid_shard runs with one rank per node (a column block per rank, its rows on that rank): torchrec cuts
+# 128-column blocks and needs one per node, so its --dim must be 128 x --world
+OPTIONAL_TYPES = ["grid_shard"]
 LR = 0.01
 
 
@@ -111,7 +115,7 @@ def _build_torchrec(args: Dict[str, Any], kind: str):
         module,
         _generators(kind, "torchrec", args["tables"], EmbeddingComputeKernel.FUSED.value),
         sharder=sharder,
-        local_size=dist.get_world_size(),
+        local_size=_local_size(),
         world_size=dist.get_world_size(),
         device_type="cpu",
     )
@@ -149,7 +153,10 @@ def _build_shardkit(args: Dict[str, Any], kind: str):
     fused = FusedOptimizerConfig({"sgd": "SGD", "adagrad": "ADAGRAD"}[args["optimizer"]], lr=LR)
     module = EmbeddingBagCollection(configs, fused_optimizer=fused, device=torch.device("meta"))
     plan = construct_module_sharding_plan(
-        module, _generators(kind, "shardkit", args["tables"]), world_size=dist.get_world_size()
+        module,
+        _generators(kind, "shardkit", args["tables"]),
+        local_size=_local_size(),
+        world_size=dist.get_world_size(),
     )
     model = DistributedModelParallel(
         _Wrapper(module),
@@ -194,6 +201,10 @@ def _dense_optimizer(args: Dict[str, Any]):
     return {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}[args["optimizer"]]
 
 
+def _local_size() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+
+
 def _generators(kind: str, lib: str, tables: int, kernel: Optional[str] = None) -> Dict[str, Any]:
     if lib == "torchrec":
         from torchrec.distributed import sharding_plan as plans
@@ -206,6 +217,7 @@ def _generators(kind: str, lib: str, tables: int, kernel: Optional[str] = None) 
         "row_wise": lambda i: plans.row_wise(**extra),
         "column_wise": lambda i: plans.column_wise(ranks=list(range(world)), **extra),
         "data_parallel": lambda i: plans.data_parallel(),
+        "grid_shard": lambda i: plans.grid_shard(host_indexes=list(range(world // _local_size()))),
     }[kind]
     return {f"t{i}": make(i) for i in range(tables)}
 
@@ -266,7 +278,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2, help="alternate the libraries this many times")
     parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adagrad"])
-    parser.add_argument("--types", nargs="+", default=SHARDING_TYPES, choices=SHARDING_TYPES)
+    parser.add_argument("--types", nargs="+", default=SHARDING_TYPES, choices=SHARDING_TYPES + OPTIONAL_TYPES)
     parser.add_argument("--out", default=None, help="directory for the JSON (default benchmarks/results)")
     parsed = parser.parse_args(argv)
     if importlib.util.find_spec("torchrec") is None or importlib.util.find_spec("fbgemm_gpu") is None:
@@ -286,7 +298,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         for round_index in range(parsed.rounds):
             order = ("torchrec", "shardkit") if round_index % 2 == 0 else ("shardkit", "torchrec")
             for lib in order:
-                result = run_world(worker, parsed.world, lib, kind, args, timeout=900)[0]
+                local = 1 if kind == "grid_shard" else None  # one rank per node: a block per node
+                result = run_world(
+                    worker, parsed.world, lib, kind, args, timeout=900, local_world_size=local
+                )[0]
                 if lib not in best or result["steps_per_s"] > best[lib]["steps_per_s"]:
                     best[lib] = result
         shardkit, torchrec = best["shardkit"], best["torchrec"]
