@@ -7,7 +7,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardkit.distributed.awaitable import Awaitable, LazyAwaitable, LazyNoWait, NoWait
+from shardkit.distributed.awaitable import (
+    Awaitable,
+    GetItemLazyAwaitable,
+    LazyAwaitable,
+    LazyGetItemMixin,
+    LazyNoWait,
+    NoWait,
+)
 from shardkit.testing import run_world
 
 
@@ -250,6 +257,52 @@ def test_lazy_no_wait_and_generic_subscripts():
     assert isinstance(lazy, LazyAwaitable) and isinstance(lazy, Awaitable)
     assert torch.equal(torch.neg(lazy), torch.tensor([-2.0]))
     assert operator.index(LazyNoWait(3)) == 3
+
+
+def test_result_attribute_is_none_until_waited_and_does_not_wait():
+    lazy = _Counting(torch.tensor([1.0, 2.0]))
+    assert lazy._result is None and lazy.waits == 0
+    assert lazy.numel() == 2
+    assert torch.equal(lazy._result, torch.tensor([1.0, 2.0])) and lazy.waits == 1
+
+
+class _Mapping(LazyGetItemMixin[str, torch.Tensor], _Counting):
+    """A lazy dict whose items are lazy too."""
+
+
+def test_items_of_a_get_item_mixin_are_lazy_and_share_one_wait():
+    parent = _Mapping({"a": torch.tensor(2.0), "b": torch.tensor(5.0)})
+    a, b = parent["a"], parent["b"]
+    assert isinstance(a, GetItemLazyAwaitable) and a._result is None and parent.waits == 0
+    assert torch.add(a, b).item() == 7.0
+    assert parent.waits == 1 and a.is_waited and b.is_waited
+    with pytest.raises(KeyError):
+        parent["c"].wait()
+
+
+class _PlusEight(LazyAwaitable):
+    def __init__(self, x):
+        super().__init__()
+        self.x = x
+
+    def _wait_impl(self):
+        return self.x + 8
+
+
+class _AsyncModel(torch.nn.Module):
+    def forward(self, x):
+        first, second = _PlusEight(x), _PlusEight(x * 2)
+        # reflected and plain operators, a torch function and an attribute, on lazy operands
+        return 2 * first + x - second + torch.mul(first, 1.0) + first.numel()
+
+
+def test_fx_traces_a_module_that_builds_lazy_awaitables():
+    model = _AsyncModel()
+    x = torch.arange(6.0).reshape(2, 3)
+    traced = torch.fx.symbolic_trace(model)
+    # the construction is one node of the graph, run (and waited for) when the traced module runs
+    assert any(node.target is _PlusEight for node in traced.graph.nodes)
+    assert torch.equal(traced(x), model(x))
 
 
 # ---------------------------------------------------------------- overlap with communication

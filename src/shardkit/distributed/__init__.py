@@ -7,7 +7,14 @@ the most used names are re-exported here.
 # imported for its effect: an exit handler that frees groups kept alive by reference cycles
 import shardkit.distributed.clean_exit  # noqa: F401
 from shardkit.distributed.agreement import assert_same_on_all_ranks, gather_shapes
-from shardkit.distributed.awaitable import Awaitable, LazyAwaitable, LazyNoWait, NoWait
+from shardkit.distributed.awaitable import (
+    Awaitable,
+    GetItemLazyAwaitable,
+    LazyAwaitable,
+    LazyGetItemMixin,
+    LazyNoWait,
+    NoWait,
+)
 from shardkit.distributed.codecs import (
     CommType,
     QCommsConfig,
@@ -89,7 +96,9 @@ __all__ = [
     "GatherFromRegion",
     "GatherFromRegionLocalGrad",
     "GatherFromRegionSumGrad",
+    "GetItemLazyAwaitable",
     "LazyAwaitable",
+    "LazyGetItemMixin",
     "LazyNoWait",
     "NoWait",
     "ParallelGrid",

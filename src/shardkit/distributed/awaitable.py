@@ -11,6 +11,10 @@ before that code touches it, without the model author placing any ``wait()``.
 Limits of the lazy mechanism: only torch functions, attribute access and the magic methods generated
 below trigger the wait; any other Python function sees the awaitable itself (call ``wait()`` first).
 When one torch call takes several lazy arguments they are waited one after the other.
+
+Under ``torch.fx`` symbolic tracing, constructing a ``LazyAwaitable`` from traced values is recorded as
+one graph node (torch's ``ProxyableClassMeta``, as torchrec), so a module that returns one traces, and
+the traced module builds and waits for it at run time.
 """
 
 from __future__ import annotations
@@ -22,8 +26,11 @@ import operator
 from typing import Any, Callable, Generic, Optional, TypeVar
 
 import torch
+from torch.fx._symbolic_trace import ProxyableClassMeta
 
 W = TypeVar("W")
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 class _Pending(enum.Enum):
@@ -111,7 +118,12 @@ def _resolve(obj: Any) -> Any:
 _OWN_ATTRIBUTES = frozenset({"_lazy_result", "_callbacks", "callbacks", "is_waited", "wait", "_wait_impl"})
 
 
-class LazyAwaitable(Awaitable[W]):
+class _LazyAwaitableMeta(abc.ABCMeta, ProxyableClassMeta):
+    """Abstract methods (``_wait_impl``) plus fx tracing: under ``torch.fx.symbolic_trace`` a
+    construction from traced values becomes one graph node instead of running ``__init__``."""
+
+
+class LazyAwaitable(Awaitable[W], metaclass=_LazyAwaitableMeta):
     """An ``Awaitable`` that waits by itself, once, the first time its result is used.
 
     Uses that wait: passing it (also nested in lists, tuples, dicts) to a torch function
@@ -146,6 +158,12 @@ class LazyAwaitable(Awaitable[W]):
     def is_waited(self) -> bool:
         """Whether the result has been computed (by ``wait()`` or by a use)."""
         return self.__dict__.get("_lazy_result", _PENDING) is not _PENDING
+
+    @property
+    def _result(self) -> Optional[W]:
+        """torchrec's attribute: the cached result, ``None`` while it is pending (does not wait)."""
+        result = self.__dict__.get("_lazy_result", _PENDING)
+        return None if result is _PENDING else result
 
     @classmethod
     def __torch_function__(
@@ -197,6 +215,28 @@ class LazyNoWait(LazyAwaitable[W]):
 
     def _wait_impl(self) -> W:
         return self._obj
+
+
+class LazyGetItemMixin(Generic[K, V]):
+    """Mixin for a ``LazyAwaitable`` of a mapping: ``aw[key]`` is itself lazy (a ``GetItemLazyAwaitable``)
+    instead of waiting, as torchrec's ``LazyGetItemMixin``. List it before ``LazyAwaitable``:
+    ``class A(LazyGetItemMixin[str, Tensor], LazyAwaitable[Dict[str, Tensor]])``.
+    """
+
+    def __getitem__(self, key: K) -> GetItemLazyAwaitable[V]:
+        return GetItemLazyAwaitable(self, key)
+
+
+class GetItemLazyAwaitable(LazyAwaitable[W]):
+    """``parent[key]``, looked up when first used; waiting for it waits for ``parent`` (once)."""
+
+    def __init__(self, parent: LazyAwaitable[Any], key: Any) -> None:
+        super().__init__()
+        self._parent = parent
+        self._key = key
+
+    def _wait_impl(self) -> W:
+        return self._parent.wait()[self._key]
 
 
 def _forward(op: Callable[..., Any]) -> Callable[..., Any]:

@@ -20,7 +20,14 @@ from typing import Any, Dict, Generic, Iterator, List, Optional, Sequence, Type,
 import torch
 from torch import nn
 
-from shardkit.distributed.awaitable import Awaitable, LazyAwaitable, LazyNoWait, NoWait
+from shardkit.distributed.awaitable import (
+    Awaitable,
+    GetItemLazyAwaitable,
+    LazyAwaitable,
+    LazyGetItemMixin,
+    LazyNoWait,
+    NoWait,
+)
 from shardkit.distributed.codecs import NoOpQuantizedCommCodec, QuantizedCommCodec, QuantizedCommCodecs
 from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.sharding.sharding_spec import EnumerableShardingSpec, ShardMetadata
@@ -372,7 +379,9 @@ __all__ = [
     "EmbeddingComputeKernel",
     "EmbeddingModuleShardingPlan",
     "EnumerableShardingSpec",
+    "GetItemLazyAwaitable",
     "LazyAwaitable",
+    "LazyGetItemMixin",
     "LazyNoWait",
     "ModuleSharder",
     "ModuleShardingPlan",
