@@ -67,6 +67,17 @@ def test_plan_prints_as_torchrec():
     )
 
 
+def test_plan_headers_are_centred_as_torchrec():
+    table = EmbeddingBagConfig(name="user_id", embedding_dim=4, num_embeddings=8, feature_names=["u"])
+    ebc = EmbeddingBagCollection([table], device=torch.device("meta"))
+    plan = construct_module_sharding_plan(ebc, {"user_id": table_wise(rank=0)}, world_size=1)
+    lines = str(ShardingPlan({"ebc": plan})).splitlines()
+    # header cells centred in their column (torchrec pads " param  "), body cells left-aligned
+    assert lines[2] == " param  | sharding type | compute kernel | ranks"
+    assert lines[4] == "user_id | table_wise    | dense          | [0]  "
+    assert lines[6] == " param  | shard offsets | shard sizes | placement "
+
+
 def _placements(ps):
     return [(s.shard_offsets, s.shard_sizes, s.placement) for s in ps.sharding_spec.shards]
 

@@ -201,11 +201,15 @@ class EmbeddingModuleShardingPlan(ModuleShardingPlan, Dict[str, ParameterShardin
 
 
 def _tabulate(rows: List[List[Any]], headers: List[str]) -> str:
-    """Columns padded to their widest cell and joined by `` | ``, a dashed line under the header."""
-    cells = [headers, *[[str(c) for c in row] for row in rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = [" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
-    lines.insert(1, " | ".join("-" * w for w in widths))
+    """Columns padded to their widest cell and joined by `` | ``, a dashed line under the header.
+
+    torchrec's layout: header cells centred (``str.center``), body cells left-aligned.
+    """
+    body = [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in [headers, *body]) for i in range(len(headers))]
+    lines = [" | ".join(h.center(w) for h, w in zip(headers, widths))]
+    lines.append(" | ".join("-" * w for w in widths))
+    lines += [" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in body]
     return "\n".join(lines)
 
 
