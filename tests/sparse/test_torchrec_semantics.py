@@ -140,6 +140,10 @@ def test_str_prints_the_values_as_torchrec():
     kt = KeyedTensor(["a", "b"], [2, 1], torch.arange(6.0).view(2, 3))
     assert str(kt) == 'KeyedTensor({\n    "a": [[0.0, 1.0], [3.0, 4.0]],\n    "b": [[2.0], [5.0]]\n})\n'
     assert str(KeyedJaggedTensor.empty()) == "KeyedJaggedTensor()\n"
+    assert str(KeyedTensor([], [], torch.Tensor())) == "KeyedTensor()\n"
+    # torchrec prints a row as a list of ids or of 1-D rows, and refuses deeper values
+    with pytest.raises(ValueError, match=r"1 or 2 dimensions, got shape \(2, 1, 3\)"):
+        str(JaggedTensor(torch.zeros(2, 1, 3), lengths=torch.tensor([1, 1])))
 
 
 # ---- inputs torchrec accepts ---------------------------------------------------------------------
@@ -166,6 +170,51 @@ def test_empty_lengths_of_any_dtype_and_values_longer_than_the_lengths():
     tail = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 4, 5]), lengths=torch.tensor([1, 1, 1, 1]))
     assert tail.values().tolist() == [1, 2, 3, 4] and tail.to_dict()["b"].values().tolist() == [3, 4]
     assert JaggedTensor(torch.tensor([1, 2, 3]), lengths=torch.tensor([1])).values().tolist() == [1]
+
+
+def test_no_rows_spelled_as_torchrec_does():
+    # an empty offsets tensor means no rows, as offsets [0]
+    kjt = KeyedJaggedTensor(keys=["a"], values=torch.tensor([]), offsets=torch.tensor([]))
+    assert kjt.stride() == 0 and kjt["a"].lengths().numel() == 0 and kjt.offsets().tolist() == [0]
+    assert JaggedTensor(torch.tensor([]), offsets=torch.tensor([])).lengths().numel() == 0
+    # no lengths and no offsets: fine without values (torchrec's KeyedJaggedTensor([], torch.Tensor()))
+    assert KeyedJaggedTensor([], torch.Tensor()).to_dict() == {}
+    with pytest.raises(ValueError, match="one of lengths or offsets is required"):
+        KeyedJaggedTensor(["a"], torch.tensor([1, 2]))
+    empty = KeyedTensor([], [], torch.Tensor())
+    assert empty.keys() == [] and empty.to_dict() == {}
+
+
+def test_regroup_is_one_leaf_of_an_fx_graph():
+    class Grouping(torch.nn.Module):
+        def forward(self, kts, groups):
+            # groups named in the code (regroup_as_dict compares their count) or traced (regroup_kts)
+            named = KeyedTensor.regroup_as_dict(kts, [["c", "a"], ["b"]], ["x", "y"])
+            return named, regroup_kts(kts, groups)
+
+    kts = [
+        KeyedTensor.from_tensor_list(["a", "b"], [torch.randn(2, 3), torch.randn(2, 1)]),
+        KeyedTensor.from_tensor_list(["c"], [torch.randn(2, 2)]),
+    ]
+    groups = [["c", "a"], ["b"]]
+    traced = torch.fx.symbolic_trace(Grouping())
+    (as_dict, as_list), (ref_dict, ref_list) = traced(kts, groups), Grouping()(kts, groups)
+    assert list(as_dict) == ["x", "y"]
+    for got, want in zip([*as_dict.values(), *as_list], [*ref_dict.values(), *ref_list]):
+        assert torch.equal(got, want)
+    assert torch.equal(as_list[0], torch.cat([kts[1]["c"], kts[0]["a"]], dim=1))
+
+
+def test_kt_flattened_by_a_saved_spec_follows_the_spec_key_order():
+    from torch.fx._pytree import tree_flatten_spec
+
+    a, b = torch.randn(2, 1), torch.randn(2, 3)
+    _, spec = pytree.tree_flatten(KeyedTensor.from_tensor_list(["a", "b"], [a, b]))
+    reordered = KeyedTensor.from_tensor_list(["b", "a"], [b, a])
+    (values,) = tree_flatten_spec(reordered, spec)
+    assert torch.equal(values, torch.cat([a, b], dim=1))
+    rebuilt = pytree.tree_unflatten([values], spec)
+    assert torch.equal(rebuilt["a"], a) and torch.equal(rebuilt["b"], b)
 
 
 def test_fewer_ranks_for_one_key():

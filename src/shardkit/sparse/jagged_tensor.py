@@ -18,7 +18,7 @@ from shardkit.sparse.jagged_ops import (
 )
 from shardkit.sparse.printing import jagged_tensor_string
 from shardkit.sparse.validation import (
-    as_index_tensor,
+    as_lengths_and_offsets,
     check_lengths_offsets_sizes,
     check_same_device,
     check_tensor,
@@ -54,8 +54,7 @@ class JaggedTensor(JaggedFields):
         check_tensor(_OWNER, "values", values)
         if values.dim() == 0:
             raise ValueError(f"{_OWNER}: values must have at least one dimension, got a scalar")
-        lengths = as_index_tensor(_OWNER, "lengths", lengths)
-        offsets = as_index_tensor(_OWNER, "offsets", offsets)
+        lengths, offsets = as_lengths_and_offsets(_OWNER, values, lengths, offsets)
         batch = check_lengths_offsets_sizes(_OWNER, lengths, offsets)
         check_weights(_OWNER, values, weights)
         check_same_device(_OWNER, values, weights=weights, lengths=lengths, offsets=offsets)

@@ -42,7 +42,7 @@ from shardkit.sparse.keyed_jagged_metadata import (
 from shardkit.sparse.keyed_tensor import unknown_key_error
 from shardkit.sparse.printing import keyed_jagged_tensor_string
 from shardkit.sparse.validation import (
-    as_index_tensor,
+    as_lengths_and_offsets,
     check_lengths_offsets_sizes,
     check_same_device,
     check_tensor,
@@ -90,8 +90,7 @@ class KeyedJaggedTensor(JaggedFields):
         check_tensor(_OWNER, "values", values)
         if values.dim() == 0:
             raise ValueError(f"{_OWNER}: values must be [N] ids or [N, D] rows, got a scalar")
-        lengths = as_index_tensor(_OWNER, "lengths", lengths)
-        offsets = as_index_tensor(_OWNER, "offsets", offsets)
+        lengths, offsets = as_lengths_and_offsets(_OWNER, values, lengths, offsets)
         rows = check_lengths_offsets_sizes(_OWNER, lengths, offsets)
         check_weights(_OWNER, values, weights)
         check_same_device(_OWNER, values, weights=weights, lengths=lengths, offsets=offsets)

@@ -4,6 +4,10 @@
 ``offset_per_key[k] : offset_per_key[k + 1]`` of that dimension. Everything here is metadata on the
 host, so no method synchronizes with the device, and every result is a view or one concatenation
 (autograd flows through all of them).
+
+``regroup`` (and ``regroup_kts`` / ``permute_multi_embedding`` / ``regroup_as_dict``, which use it) is
+one leaf call under ``torch.fx`` symbolic tracing (``torch.fx.wrap``), as torchrec's, so a model that
+regroups traced KeyedTensors traces.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from itertools import accumulate
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.fx
 
 from shardkit.sparse.printing import keyed_tensor_string
 
@@ -45,6 +50,9 @@ class KeyedTensor:
         length_per_key = [int(n) for n in length_per_key]
         if not isinstance(values, torch.Tensor):
             raise TypeError(f"{_OWNER}: values must be a torch.Tensor, got {type(values).__name__}")
+        if not keys and not length_per_key and values.numel() == 0:
+            # torchrec's empty KeyedTensor([], [], torch.Tensor()): no key, nothing to lay out
+            key_dim = key_dim if values.dim() > key_dim >= 0 else values.dim() - 1
         if not -values.dim() <= key_dim < max(values.dim(), 1):
             raise ValueError(f"{_OWNER}: key_dim {key_dim} is out of range for values {tuple(values.shape)}")
         if len(keys) != len(length_per_key):
@@ -127,18 +135,7 @@ class KeyedTensor:
         adjacent in the same KeyedTensor are copied as one slice. All inputs must share key_dim and the
         other dimensions.
         """
-        locate = _locator(keyed_tensors)
-        key_dim = keyed_tensors[0].key_dim()
-        out = []
-        for group in groups:
-            pieces = _merged_slices([locate(key) for key in group])
-            tensors = [keyed_tensors[t].values().narrow(key_dim, start, size) for t, start, size in pieces]
-            if not tensors:
-                empty_shape = list(keyed_tensors[0].values().shape)
-                empty_shape[key_dim] = 0
-                tensors = [keyed_tensors[0].values().new_empty(empty_shape)]
-            out.append(torch.cat(tensors, dim=key_dim) if len(tensors) > 1 else tensors[0].clone())
-        return out
+        return _regroup(keyed_tensors, groups)
 
     @staticmethod
     def regroup_as_dict(
@@ -147,7 +144,9 @@ class KeyedTensor:
         """:meth:`regroup` with the i-th group named ``keys[i]``."""
         if len(keys) != len(groups):
             raise ValueError(f"{_OWNER}.regroup_as_dict: {len(groups)} groups but {len(keys)} names")
-        return dict(zip(keys, KeyedTensor.regroup(keyed_tensors, groups)))
+        grouped = KeyedTensor.regroup(keyed_tensors, groups)
+        # indexed, not zipped: under fx tracing ``grouped`` is one traced value
+        return {key: grouped[i] for i, key in enumerate(keys)}
 
     def to(self, device: torch.device, non_blocking: bool = False) -> KeyedTensor:
         return self._with_values(self._values.to(device, non_blocking=non_blocking))
@@ -170,6 +169,26 @@ class KeyedTensor:
     def __repr__(self) -> str:
         shape = tuple(self._values.shape)
         return f"KeyedTensor(keys={self._keys}, length_per_key={self._length_per_key}, values={shape})"
+
+
+def _regroup(keyed_tensors: List[KeyedTensor], groups: List[List[str]]) -> List[torch.Tensor]:
+    """The body of :meth:`KeyedTensor.regroup` (a module-level function so that fx can wrap it)."""
+    locate = _locator(keyed_tensors)
+    key_dim = keyed_tensors[0].key_dim()
+    out = []
+    for group in groups:
+        pieces = _merged_slices([locate(key) for key in group])
+        tensors = [keyed_tensors[t].values().narrow(key_dim, start, size) for t, start, size in pieces]
+        if not tensors:
+            empty_shape = list(keyed_tensors[0].values().shape)
+            empty_shape[key_dim] = 0
+            tensors = [keyed_tensors[0].values().new_empty(empty_shape)]
+        out.append(torch.cat(tensors, dim=key_dim) if len(tensors) > 1 else tensors[0].clone())
+    return out
+
+
+# a leaf of fx graphs: tracing records one call instead of running the body on traced values
+torch.fx.wrap("_regroup")
 
 
 def regroup_kts(keyed_tensors: List[KeyedTensor], groups: List[List[str]]) -> List[torch.Tensor]:

@@ -33,6 +33,12 @@ def _entry(
 
 
 def jagged_tensor_string(values: torch.Tensor, weights: Optional[torch.Tensor], offsets: torch.Tensor) -> str:
+    if values.dim() > 2:
+        # torchrec's rule: a row of a JaggedTensor prints as a list of ids or of 1-D rows
+        raise ValueError(
+            f"JaggedTensor: str() prints values of 1 or 2 dimensions, got shape {tuple(values.shape)}; "
+            "print jt.values() and jt.lengths() instead"
+        )
     host_offsets = offsets.tolist()
     rows = max(len(host_offsets) - 1, 0)
     host_weights = None if weights is None else weights.tolist()

@@ -7,6 +7,10 @@ keeps what is not a tensor: nothing for a JaggedTensor; the keys, the stride and
 is kept here so that a round trip gives the same tensor; inverse indices are not carried); the keys,
 ``length_per_key`` and ``key_dim`` of a KeyedTensor. Unflattening does not validate (the leaves came
 from a valid tensor).
+
+A KeyedTensor also has an fx flatten-spec function (``torch.fx._pytree.tree_flatten_spec``, used when an
+exported program flattens its inputs by a saved spec): a KeyedTensor whose keys come in another order is
+flattened in the spec's key order, as torchrec.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from __future__ import annotations
 from typing import Any, List, Optional, Tuple
 
 import torch
-from torch.utils._pytree import GetAttrKey, register_pytree_node
+from torch.fx._pytree import register_pytree_flatten_spec
+from torch.utils._pytree import GetAttrKey, TreeSpec, register_pytree_node
 
 from shardkit.sparse.jagged_tensor import JaggedTensor
 from shardkit.sparse.keyed_jagged_tensor import KeyedJaggedTensor
@@ -63,6 +68,14 @@ def _kt_unflatten(leaves: Leaves, context) -> KeyedTensor:
     return KeyedTensor(keys, length_per_key, leaves[0], key_dim)
 
 
+def _kt_flatten_spec(kt: KeyedTensor, spec: TreeSpec) -> Leaves:
+    """The values of ``kt`` laid out in the key order of ``spec`` (same keys, maybe another order)."""
+    keys = spec.context[0]
+    if kt.keys() == keys:
+        return [kt.values()]
+    return [KeyedTensor.regroup([kt], [keys])[0]]
+
+
 def _with_keys(flatten, keys=_FIELD_KEYS):
     """A ``flatten_with_keys_fn`` from a ``flatten_fn``: each leaf paired with its attribute key."""
 
@@ -98,3 +111,4 @@ register_pytree_node(
     serialized_type_name="shardkit.KeyedTensor",
     flatten_with_keys_fn=_with_keys(_kt_flatten, [GetAttrKey("_values")]),
 )
+register_pytree_flatten_spec(KeyedTensor, _kt_flatten_spec)

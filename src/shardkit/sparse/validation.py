@@ -49,6 +49,23 @@ def as_index_tensor(owner: str, name: str, tensor: Optional[torch.Tensor]) -> Op
     return tensor
 
 
+def as_lengths_and_offsets(
+    owner: str, values: torch.Tensor, lengths: Optional[torch.Tensor], offsets: Optional[torch.Tensor]
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``lengths`` / ``offsets`` as index tensors, with torchrec's spellings of "no rows" accepted.
+
+    An empty ``offsets`` (``torch.tensor([])``) means no rows, like ``[0]``; neither tensor given with
+    no values (``KeyedJaggedTensor([], torch.Tensor())``) means no rows too.
+    """
+    lengths = as_index_tensor(owner, "lengths", lengths)
+    offsets = as_index_tensor(owner, "offsets", offsets)
+    if offsets is not None and offsets.numel() == 0:
+        offsets = offsets.new_zeros(1)
+    if lengths is None and offsets is None and values.numel() == 0:
+        lengths = torch.zeros(0, dtype=torch.int32, device=values.device)
+    return lengths, offsets
+
+
 def check_1d(owner: str, name: str, tensor: torch.Tensor) -> None:
     if tensor.dim() != 1:
         raise ValueError(f"{owner}: {name} must be 1-D, got shape {tuple(tensor.shape)}")
@@ -77,13 +94,11 @@ def check_lengths_offsets_sizes(
 ) -> int:
     """Checks the shapes of lengths / offsets and returns the number of rows they describe."""
     if lengths is None and offsets is None:
-        raise ValueError(f"{owner}: one of lengths or offsets is required")
+        raise ValueError(f"{owner}: one of lengths or offsets is required (values are not empty)")
     if lengths is not None:
         check_1d(owner, "lengths", lengths)
     if offsets is not None:
         check_1d(owner, "offsets", offsets)
-        if offsets.numel() == 0:
-            raise ValueError(f"{owner}: offsets must hold at least one element (the leading 0)")
     if lengths is not None and offsets is not None and offsets.numel() != lengths.numel() + 1:
         raise ValueError(
             f"{owner}: offsets has {offsets.numel()} elements, expected lengths + 1 = {lengths.numel() + 1}"
