@@ -6,7 +6,9 @@ optimizers' (one object, or a mapping of names to optimizers, each under its nam
 
 - shardkit's fused optimizers and ``CombinedOptimizer`` (anything with ``optimizers`` as
   ``(key, optimizer)`` pairs) save their own ``state_dict()``;
-- a ``torch.optim.Optimizer`` is saved with its state keyed by parameter *name* (``model``'s
+- a ``KeyedOptimizer`` (torchrec's: its state dict already names the parameters) saves its own
+  ``state_dict()`` too (call ``init_state()`` before loading into one that has not stepped);
+- another ``torch.optim.Optimizer`` is saved with its state keyed by parameter *name* (``model``'s
   ``named_parameters``) instead of by position, and its param groups' hyper-parameters by position
   (their parameters are the loading optimizer's own): a name means the same parameter at any world
   size, and a load into an optimizer that has not stepped yet (no state) builds its state from the
@@ -30,6 +32,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor
 
 from shardkit.checkpoint.manifest import CheckpointError
+from shardkit.optim.keyed_optimizer import KeyedOptimizer
 
 Path = Tuple[str, ...]
 
@@ -60,12 +63,17 @@ def _torch_order(optimizer: torch.optim.Optimizer, names: Dict[int, str], key: s
     return params
 
 
+def _positional(optimizer: Any) -> bool:
+    """A torch optimizer whose state dict numbers its parameters (a KeyedOptimizer names them)."""
+    return isinstance(optimizer, torch.optim.Optimizer) and not isinstance(optimizer, KeyedOptimizer)
+
+
 def optimizer_state(
     optimizer: Any, model: nn.Module, names: Dict[int, str], key: str, path: Path, fill: List[Path]
 ) -> Any:
     """``optimizer``'s state to save (see the module doc); appends to ``fill`` the paths (under
     ``path``) whose contents a load must take from the checkpoint's metadata."""
-    if isinstance(optimizer, torch.optim.Optimizer):
+    if _positional(optimizer):
         params = _torch_order(optimizer, names, key)
         sharded = _sharded_parameters(model)
         sd = optimizer.state_dict()
@@ -99,7 +107,7 @@ def optimizer_state(
 
 def load_optimizer_state(optimizer: Any, state: Any, names: Dict[int, str], key: str) -> None:
     """Load what :func:`optimizer_state` gave (filled by a checkpoint) back into ``optimizer``."""
-    if isinstance(optimizer, torch.optim.Optimizer):
+    if _positional(optimizer):
         params = _torch_order(optimizer, names, key)
         position = {names[id(p)]: i for i, p in enumerate(params)}
         unknown = sorted(set(state["state"]) - set(position))

@@ -6,12 +6,15 @@ Layer L1: imports torch and ``shardkit.modules``. See docs/model_parallel.md ("O
 
 from shardkit.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from shardkit.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from shardkit.optim.keyed_optimizer import KeyedOptimizer, OptimizerWrapper
 from shardkit.optim.optimizers import in_backward_optimizer_filter
 from shardkit.optim.rowwise_adagrad import RowWiseAdagrad
 
 __all__ = [
     "CombinedOptimizer",
+    "KeyedOptimizer",
     "KeyedOptimizerWrapper",
+    "OptimizerWrapper",
     "RowWiseAdagrad",
     "apply_optimizer_in_backward",
     "in_backward_optimizer_filter",

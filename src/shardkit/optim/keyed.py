@@ -1,5 +1,7 @@
 """torchrec's keyed optimizers: ``CombinedOptimizer`` (several optimizers stepped, zeroed, saved and
-loaded as one) and ``KeyedOptimizerWrapper`` (a torch optimizer over a dict of named parameters).
+loaded as one) and ``KeyedOptimizerWrapper`` (a torch optimizer over a dict of named parameters);
+``KeyedOptimizer`` and ``OptimizerWrapper`` live in :mod:`shardkit.optim.keyed_optimizer` and are
+importable from here, torchrec's module.
 
 A model under ``DistributedModelParallel`` is trained by two kinds of optimizer: the fused optimizers of
 the sharded tables (their update already ran inside backward; ``step`` does nothing) and a regular
@@ -12,6 +14,8 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple, Union
 
 import torch
+
+from shardkit.optim.keyed_optimizer import KeyedOptimizer, OptimizerWrapper
 
 Named = Tuple[str, Any]
 
@@ -129,4 +133,4 @@ class KeyedOptimizerWrapper:
         return f"KeyedOptimizerWrapper({type(self._optimizer).__name__}, {len(self.params)} parameters)"
 
 
-__all__ = ["CombinedOptimizer", "KeyedOptimizerWrapper"]
+__all__ = ["CombinedOptimizer", "KeyedOptimizer", "KeyedOptimizerWrapper", "OptimizerWrapper"]
