@@ -40,6 +40,7 @@ from shardkit.modules.mc_eviction import (
     dynamic_threshold_filter,
 )
 from shardkit.modules.mc_modules import ManagedCollisionModule, MCHManagedCollisionModule
+from shardkit.modules.regroup import KTRegroupAsDict
 
 __all__ = [
     "BaseEmbeddingConfig",
@@ -55,6 +56,7 @@ __all__ = [
     "FusedOptimizer",
     "FusedOptimizerConfig",
     "GroupedEmbeddingLookup",
+    "KTRegroupAsDict",
     "LFU_EvictionPolicy",
     "LRU_EvictionPolicy",
     "MCHEvictionPolicy",
