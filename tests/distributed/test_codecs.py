@@ -100,6 +100,21 @@ def test_fp8_length_is_recovered_from_the_wire(n, block_size, seed):
     assert decoded.shape == (n,) and bool(torch.isfinite(decoded).all())
 
 
+@pytest.mark.parametrize("rows, cols, block_size", [(3, 10, 4), (1, 64, 64), (5, 7, 64), (2, 0, 4)])
+def test_fp8_two_dimensional_input_round_trips_row_by_row(rows, cols, block_size):
+    codec = FP8CommCodec(block_size)
+    # one order of magnitude: no value falls under the fp8 floor of its block
+    x = _values(rows * cols, 7, low=0.0, high=1.0).view(rows, cols) if cols else torch.zeros(rows, 0)
+    wire = codec.encode(x)
+    assert wire.shape == (rows, codec.calc_quantized_size(cols))  # each row its own 1-D wire
+    decoded = codec.decode(wire)
+    assert decoded.shape == (rows, cols)
+    for r in range(rows):
+        assert torch.equal(wire[r], codec.encode(x[r]))
+        assert torch.equal(decoded[r], codec.decode(wire[r]))
+        _assert_within(decoded[r], x[r], FP8_RELATIVE, 0.0)
+
+
 def test_configuration():
     codecs = get_qcomm_codecs(QCommsConfig(forward_precision="bf16", backward_precision=CommType.FP8))
     assert codecs.forward == CastCommCodec(CommType.BF16) and codecs.backward == FP8CommCodec(64)

@@ -17,8 +17,9 @@ magnitude is ``amax`` (round to nearest):
 
 fp8 scales every block of ``block_size`` consecutive elements (default 64) by its own ``amax / 448``
 (448 is float8_e4m3fn's largest value), so blocks of small values keep their precision; the wire holds
-``n + 4 * ceil(n / block_size)`` bytes for ``n`` elements. It exists only where torch has
-``torch.float8_e4m3fn``.
+``n + 4 * ceil(n / block_size)`` bytes for ``n`` elements. A 2-D ``[R, C]`` tensor encodes row by row
+into a 2-D wire and decodes back to ``[R, C]`` (fbgemm's row-wise layout, for callers of the codec
+itself). It exists only where torch has ``torch.float8_e4m3fn``.
 
 Decoding always yields float32 (the codecs assume fp32 input, as torchrec's do); the comm ops cast the
 result back to their input's dtype.
@@ -164,28 +165,36 @@ class FP8CommCodec(QuantizedCommCodec[None]):
         self.block_size = block_size
 
     def encode(self, input_tensor: torch.Tensor, ctx: None = None) -> torch.Tensor:
-        values = input_tensor.reshape(-1).to(torch.float32)
-        n, blocks = values.numel(), self._num_blocks(values.numel())
-        padded = torch.nn.functional.pad(values, (0, blocks * self.block_size - n)).view(
-            blocks, self.block_size
-        )
-        amax = padded.abs().amax(dim=1, keepdim=True)
+        """A 2-D ``[R, C]`` input gives a 2-D wire ``[R, C + 4 * ceil(C / block_size)]``, each row
+        blocked on its own (fbgemm's row-wise layout, so ``decode`` gives ``[R, C]`` back); any other
+        input is flattened to one 1-D wire."""
+        rows = input_tensor.to(torch.float32)
+        rows = rows if rows.dim() == 2 else rows.reshape(1, -1)
+        n, blocks = rows.size(1), self._num_blocks(rows.size(1))
+        padded = torch.nn.functional.pad(rows, (0, blocks * self.block_size - n))
+        padded = padded.view(rows.size(0), blocks, self.block_size)
+        amax = padded.abs().amax(dim=2, keepdim=True)
         # an all-zero block keeps scale 1 (any scale decodes zeros exactly); dividing by 0 would give NaN
         scale = torch.where(amax > 0, amax / _FP8_MAX, torch.ones_like(amax))
-        fp8 = (padded / scale).to(_FP8_DTYPE).reshape(-1)[:n]
-        return torch.cat([scale.reshape(-1).view(torch.uint8), fp8.view(torch.uint8)])
+        fp8 = (padded / scale).to(_FP8_DTYPE).reshape(rows.size(0), -1)[:, :n]
+        scale_bytes = scale.reshape(rows.size(0), blocks).view(torch.uint8)
+        wire = torch.cat([scale_bytes, fp8.view(torch.uint8)], dim=1)
+        return wire if input_tensor.dim() == 2 else wire.reshape(-1)
 
     def decode(self, input_grad: torch.Tensor, ctx: None = None) -> torch.Tensor:
-        wire = input_grad.reshape(-1)
-        blocks = -(-wire.numel() // (self.block_size + _SCALE_BYTES))
-        n = wire.numel() - _SCALE_BYTES * blocks
-        # copies, so that the float32 view below starts at an aligned offset whatever the wire's offset
-        scale = wire[: _SCALE_BYTES * blocks].clone().view(torch.float32)
-        values = wire[_SCALE_BYTES * blocks :].clone().view(_FP8_DTYPE).to(torch.float32)
-        padded = torch.nn.functional.pad(values, (0, blocks * self.block_size - n)).view(
-            blocks, self.block_size
-        )
-        return (padded * scale.unsqueeze(1)).reshape(-1)[:n]
+        """``[R, C]`` float32 from a 2-D wire, ``[C]`` from a 1-D one."""
+        wire = input_grad if input_grad.dim() == 2 else input_grad.reshape(1, -1)
+        blocks = -(-wire.size(1) // (self.block_size + _SCALE_BYTES))
+        n = wire.size(1) - _SCALE_BYTES * blocks
+        rows = wire.size(0)
+        # 1-D copies, so that the float32 view starts at an aligned offset whatever the wire's offset
+        scale = wire[:, : _SCALE_BYTES * blocks].reshape(-1).clone().view(torch.float32).view(rows, blocks)
+        values = wire[:, _SCALE_BYTES * blocks :].reshape(-1).clone().view(_FP8_DTYPE).view(rows, n)
+        values = values.to(torch.float32)
+        padded = torch.nn.functional.pad(values, (0, blocks * self.block_size - n))
+        padded = padded.view(rows, blocks, self.block_size)
+        out = (padded * scale.unsqueeze(2)).reshape(rows, -1)[:, :n]
+        return out if input_grad.dim() == 2 else out.reshape(-1)
 
     def calc_quantized_size(self, input_len: int, ctx: None = None) -> int:
         return input_len + _SCALE_BYTES * self._num_blocks(input_len)
