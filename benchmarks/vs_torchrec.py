@@ -90,6 +90,7 @@ def _load_tables(state: Dict[str, Any], tables: Dict[str, torch.Tensor]) -> None
 
 
 def _build_torchrec(args: Dict[str, Any], kind: str):
+    import torchrec.distributed.comm as torchrec_comm
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -102,6 +103,8 @@ def _build_torchrec(args: Dict[str, Any], kind: str):
     from torchrec.optim.optimizers import in_backward_optimizer_filter
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+    # torchrec caches its node groups per process; a pooled worker runs several worlds in turn
+    torchrec_comm._INTRA_PG = torchrec_comm._CROSS_PG = None
     fused = {"sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD}[args["optimizer"]]
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": fused, "learning_rate": LR})
     configs = [
