@@ -205,6 +205,18 @@ def test_regroup_is_one_leaf_of_an_fx_graph():
     assert torch.equal(as_list[0], torch.cat([kts[1]["c"], kts[0]["a"]], dim=1))
 
 
+def test_from_dense_lengths_is_one_leaf_of_an_fx_graph():
+    class Jag(torch.nn.Module):
+        def forward(self, padded, lengths):
+            return JaggedTensor.from_dense_lengths(padded, lengths).values() * 2
+
+    padded, lengths = torch.arange(12.0).view(3, 4), torch.tensor([1, 0, 3])
+    traced = torch.fx.symbolic_trace(Jag())
+    assert traced(padded, lengths).tolist() == [0.0, 16.0, 18.0, 20.0]
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, 4\]"):
+        traced(padded, torch.tensor([1, 5, 0]))  # the checks run when the graph runs
+
+
 def test_kt_flattened_by_a_saved_spec_follows_the_spec_key_order():
     from torch.fx._pytree import tree_flatten_spec
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
+import torch.fx
 
 from shardkit.sparse.jagged_fields import JaggedFields
 from shardkit.sparse.jagged_ops import (
@@ -119,25 +120,10 @@ class JaggedTensor(JaggedFields):
     ) -> JaggedTensor:
         """Row ``b`` is ``values[b, :lengths[b]]`` of a padded ``[B, L, *D]``.
 
-        Syncs with the host twice: to check lengths and to size the boolean-mask result.
+        Syncs with the host twice: to check lengths and to size the boolean-mask result. Under
+        ``torch.fx`` symbolic tracing it is one leaf call (as torchrec's), run when the graph runs.
         """
-        if values.dim() < 2 or lengths.shape != values.shape[:1]:
-            raise ValueError(
-                f"{_OWNER}.from_dense_lengths: values must be [B, L, ...] and lengths [B], got "
-                f"{tuple(values.shape)} and {tuple(lengths.shape)}"
-            )
-        if weights is not None and weights.shape != values.shape[:2]:
-            raise ValueError(
-                f"{_OWNER}.from_dense_lengths: weights must be [B, L] = {tuple(values.shape[:2])}, "
-                f"got {tuple(weights.shape)}"
-            )
-        if bool(((lengths < 0) | (lengths > values.size(1))).any()):
-            raise ValueError(f"{_OWNER}.from_dense_lengths: lengths must lie in [0, {values.size(1)}]")
-        mask = torch.arange(values.size(1), device=values.device) < lengths.unsqueeze(1)
-        kept = mask.view(-1).nonzero().squeeze(1)  # the one sync that sizes the result, shared below
-        flat_values = values.reshape(-1, *values.shape[2:]).index_select(0, kept)
-        kept_weights = weights.reshape(-1).index_select(0, kept) if weights is not None else None
-        return JaggedTensor(flat_values, kept_weights, lengths, validate=False)
+        return _from_dense_lengths(values, lengths, weights)
 
     def to_dense(self) -> List[torch.Tensor]:
         """The B rows as views ``[n_b, *D]`` of values; one host sync (the lengths)."""
@@ -205,3 +191,30 @@ class JaggedTensor(JaggedFields):
         rows = (self._lengths if self._lengths is not None else self._offsets[1:]).numel()
         weighted = ", weighted" if self._weights is not None else ""
         return f"JaggedTensor(rows={rows}, values={tuple(self._values.shape)}{weighted})"
+
+
+def _from_dense_lengths(
+    values: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor] = None
+) -> JaggedTensor:
+    """The body of :meth:`JaggedTensor.from_dense_lengths` (module level, so that fx can wrap it)."""
+    if values.dim() < 2 or lengths.shape != values.shape[:1]:
+        raise ValueError(
+            f"{_OWNER}.from_dense_lengths: values must be [B, L, ...] and lengths [B], got "
+            f"{tuple(values.shape)} and {tuple(lengths.shape)}"
+        )
+    if weights is not None and weights.shape != values.shape[:2]:
+        raise ValueError(
+            f"{_OWNER}.from_dense_lengths: weights must be [B, L] = {tuple(values.shape[:2])}, "
+            f"got {tuple(weights.shape)}"
+        )
+    if bool(((lengths < 0) | (lengths > values.size(1))).any()):
+        raise ValueError(f"{_OWNER}.from_dense_lengths: lengths must lie in [0, {values.size(1)}]")
+    mask = torch.arange(values.size(1), device=values.device) < lengths.unsqueeze(1)
+    kept = mask.view(-1).nonzero().squeeze(1)  # the one sync that sizes the result, shared below
+    flat_values = values.reshape(-1, *values.shape[2:]).index_select(0, kept)
+    kept_weights = weights.reshape(-1).index_select(0, kept) if weights is not None else None
+    return JaggedTensor(flat_values, kept_weights, lengths, validate=False)
+
+
+# a leaf of fx graphs: the checks and the data-dependent result size run when the graph runs
+torch.fx.wrap("_from_dense_lengths")
