@@ -5,6 +5,7 @@ Layer L1: imports torch and ``shardkit.modules``. See docs/model_parallel.md ("O
 """
 
 from shardkit.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from shardkit.optim.clipping import GradientClipping, GradientClippingOptimizer
 from shardkit.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from shardkit.optim.keyed_optimizer import KeyedOptimizer, OptimizerWrapper
 from shardkit.optim.optimizers import in_backward_optimizer_filter
@@ -12,6 +13,8 @@ from shardkit.optim.rowwise_adagrad import RowWiseAdagrad
 
 __all__ = [
     "CombinedOptimizer",
+    "GradientClipping",
+    "GradientClippingOptimizer",
     "KeyedOptimizer",
     "KeyedOptimizerWrapper",
     "OptimizerWrapper",
