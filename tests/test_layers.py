@@ -16,7 +16,7 @@ RANK = {
     "losses": 1,
     "graph_parallel": 1,
     "modules": 1,
-    "optim": 1,
+    "optim": 1.2,  # its combined and warm-up optimizers build on modules.optimizer_facade
     "datasets": 1,
     "distill": 1.5,  # its losses use shardkit.losses
     "models": 1.5,  # models of modules, fed by datasets

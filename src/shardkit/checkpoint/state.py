@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor
 
 from shardkit.checkpoint.manifest import CheckpointError
+from shardkit.modules.optimizer_facade import OptimizerFacade
 from shardkit.optim.keyed_optimizer import KeyedOptimizer
 
 Path = Tuple[str, ...]
@@ -64,8 +65,11 @@ def _torch_order(optimizer: torch.optim.Optimizer, names: Dict[int, str], key: s
 
 
 def _positional(optimizer: Any) -> bool:
-    """A torch optimizer whose state dict numbers its parameters (a KeyedOptimizer names them)."""
-    return isinstance(optimizer, torch.optim.Optimizer) and not isinstance(optimizer, KeyedOptimizer)
+    """A torch optimizer whose state dict numbers its parameters (a KeyedOptimizer names them; a
+    facade such as a fused or combined optimizer has a state dict of its own)."""
+    return isinstance(optimizer, torch.optim.Optimizer) and not isinstance(
+        optimizer, (KeyedOptimizer, OptimizerFacade)
+    )
 
 
 def optimizer_state(

@@ -14,14 +14,23 @@ from typing import Any, Dict, List
 import torch
 
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig, SparseRowOptimizer
+from shardkit.modules.optimizer_facade import LearningRateGroup, OptimizerFacade
 
 
-class FusedOptimizer:
-    """Per-table access to the fused optimizers of a list of grouped lookups (all with one config)."""
+class FusedOptimizer(OptimizerFacade):
+    """Per-table access to the fused optimizers of a list of grouped lookups (all with one config).
+
+    A ``torch.optim.Optimizer`` for LR schedulers: ``param_groups`` is one group whose ``"lr"`` is the
+    learning rate the next backward uses (``state`` is empty: the state is per table, see
+    :meth:`state_dict`).
+    """
 
     def __init__(self, config: FusedOptimizerConfig, lookups: List[Any]) -> None:
+        super().__init__()
         self.config = config
         self._lookups = lookups  # GroupedEmbeddingLookup; typed Any to keep this file import-light
+        self.state = {}
+        self.param_groups = [LearningRateGroup(self.set_learning_rate, config.lr)]
 
     def _optimizers(self) -> List[SparseRowOptimizer]:
         return [lookup.optimizer for lookup in self._lookups]
@@ -35,6 +44,7 @@ class FusedOptimizer:
             raise ValueError(f"learning rate must be >= 0, got {lr}")
         for optimizer in self._optimizers():
             optimizer.lr = lr
+        self.param_groups[0].show(lr)
 
     def step(self) -> None:
         """No-op: the update already happened during backward."""

@@ -15,12 +15,13 @@ from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple, Union
 
 import torch
 
+from shardkit.modules.optimizer_facade import OptimizerFacade
 from shardkit.optim.keyed_optimizer import KeyedOptimizer, OptimizerWrapper
 
 Named = Tuple[str, Any]
 
 
-class CombinedOptimizer:
+class CombinedOptimizer(OptimizerFacade):
     """Steps, zeroes, saves and loads a list of optimizers, each under a key.
 
     Args:
@@ -30,9 +31,13 @@ class CombinedOptimizer:
             their position (``"0"``, ``"1"``, ...). Keys must be unique.
 
     ``state_dict()`` is ``{key: optimizer.state_dict()}``; ``load_state_dict`` needs every key.
+    ``param_groups`` are its optimizers' groups (the same dicts, in order) and ``state`` their states
+    merged, so a torch LR scheduler given a ``CombinedOptimizer`` schedules every part, the fused
+    tables' learning rate included (their groups pass ``"lr"`` on).
     """
 
     def __init__(self, optimizers: Sequence[Union[Any, Named]]) -> None:
+        super().__init__()
         named: List[Named] = []
         for i, entry in enumerate(optimizers):
             key, optimizer = entry if isinstance(entry, tuple) else (str(i), entry)
@@ -46,6 +51,14 @@ class CombinedOptimizer:
     def optimizers(self) -> List[Named]:
         """``(key, optimizer)`` in order."""
         return list(self._optimizers)
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
+        return [group for _, opt in self._optimizers for group in getattr(opt, "param_groups", [])]
+
+    @property
+    def state(self) -> Dict[Any, Any]:  # type: ignore[override]
+        return {p: s for _, opt in self._optimizers for p, s in getattr(opt, "state", {}).items()}
 
     def step(self, closure: Any = None) -> None:
         """Step every optimizer, in order (a closure is not supported: it would run once per optimizer)."""

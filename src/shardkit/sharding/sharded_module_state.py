@@ -21,6 +21,7 @@ import torch
 from shardkit.modules.fused_optimizer_state import FusedOptimizer
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig, _state_shapes
 from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup
+from shardkit.modules.optimizer_facade import LearningRateGroup, OptimizerFacade
 from shardkit.sharding.embedding_sharding import ShardedTable
 from shardkit.sharding.sharded_state import full_table, load_full_table, load_state_value, to_state_value
 from shardkit.sharding.sharding_spec import ShardMetadata
@@ -105,8 +106,11 @@ class TableStates:
         load_full_table(full, self.weights(name), self.layouts[name], self.rank)
 
 
-class ShardedFusedOptimizer:
+class ShardedFusedOptimizer(OptimizerFacade):
     """The fused optimizer of a sharded module's shards: learning rate and a per-table state dict.
+
+    A ``torch.optim.Optimizer`` for LR schedulers: ``param_groups`` is one group whose ``"lr"`` is the
+    learning rate the next backward uses (``state`` is empty: the state is per table).
 
     ``state_dict()``: ``{"state": {table: {"step": int, name: value}}, "lr": float}`` for every table
     of a fused kernel (also those this rank holds no shard of, so every rank has the same keys; a
@@ -137,8 +141,11 @@ class ShardedFusedOptimizer:
         ]
         # state names and whether per row (every buffer has the same kind of state)
         self._kinds = {name: len(shape) == 1 for name, shape in _state_shapes(config.optimizer, 1, 1).items()}
+        super().__init__()
         self._groups = groups
         self._lr = config.lr  # a rank without buffers keeps the learning rate here
+        self.state = {}
+        self.param_groups = [LearningRateGroup(self.set_learning_rate, config.lr)]
 
     @property
     def config(self) -> FusedOptimizerConfig:
@@ -154,6 +161,7 @@ class ShardedFusedOptimizer:
         elif lr < 0:
             raise ValueError(f"learning rate must be >= 0, got {lr}")
         self._lr = lr
+        self.param_groups[0].show(lr)
 
     def step(self) -> None:
         """No-op: the update already happened during backward."""
