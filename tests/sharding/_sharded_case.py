@@ -150,6 +150,38 @@ def my_rows(rank: int, batch_per_rank: List[int]) -> slice:
     return slice(start, start + batch_per_rank[rank])
 
 
+def train_and_compare(
+    reference: torch.nn.Module,
+    sharded: torch.nn.Module,
+    features: List[Tuple[str, int]],
+    weighted: bool,
+    tol: Dict[str, float],
+) -> None:
+    """``STEPS`` training steps of ``sharded`` on this rank's batches and of ``reference`` on the
+    global batch, checking the pooled outputs and, ``weighted``, the input weights' gradients.
+
+    The comm ops divide gradients by the world size (DDP's mean), so the reference loss is a mean
+    over ranks; data-parallel replicas are averaged and stepped as DDP + SGD would."""
+    rank, world_size, _ = world()
+    for step in range(STEPS):
+        global_kjt, local_kjt, batch = global_and_local(step, rank, world_size, features, weighted)
+        if weighted:  # the input weights' gradients too (through the KJT all-to-all's backward)
+            global_kjt, local_kjt = with_leaf_weights(global_kjt), with_leaf_weights(local_kjt)
+        expected = reference(global_kjt)
+        grad = torch.randn(expected.values().shape, generator=torch.Generator().manual_seed(step))
+        (expected.values() * grad).sum().div(world_size).backward()
+        out = sharded(local_kjt)
+        assert out.keys() == expected.keys()
+        mine = my_rows(rank, batch)
+        torch.testing.assert_close(out.values(), expected.values()[mine].detach(), **tol)
+        (out.values() * grad[mine]).sum().backward()
+        average_dense_gradients_(sharded, world_size)
+        if weighted:
+            expected_grads = weight_grads(global_kjt, mine)
+            for key, got in weight_grads(local_kjt).items():
+                torch.testing.assert_close(got, expected_grads[key], **tol, msg=f"weight grads of {key}")
+
+
 def average_dense_gradients_(module: torch.nn.Module, world_size: int) -> None:
     """What DDP does for the data-parallel tables: average their gradients, then plain SGD."""
     for param in module.parameters():

@@ -99,22 +99,7 @@ def _check_exact(optimizer: OptimType, weighted: bool) -> None:
     rank, world_size, _ = case.world()
     reference = _ebc(0, optimizer, weighted)
     sharded = _shard(copy.deepcopy(reference))
-    for step in range(case.STEPS):
-        global_kjt, local_kjt, batch = case.global_and_local(step, rank, world_size, FEATURES, weighted)
-        if weighted:
-            global_kjt, local_kjt = case.with_leaf_weights(global_kjt), case.with_leaf_weights(local_kjt)
-        expected = reference(global_kjt)
-        grad = torch.randn(expected.values().shape, generator=torch.Generator().manual_seed(step))
-        (expected.values() * grad).sum().div(world_size).backward()
-        out = sharded(local_kjt)
-        assert out.keys() == expected.keys()
-        mine = case.my_rows(rank, batch)
-        torch.testing.assert_close(out.values(), expected.values()[mine].detach(), **TOL)
-        (out.values() * grad[mine]).sum().backward()
-        if weighted:
-            expected_grads = case.weight_grads(global_kjt, mine)
-            for key, got in case.weight_grads(local_kjt).items():
-                torch.testing.assert_close(got, expected_grads[key], **TOL, msg=f"weight grads of {key}")
+    case.train_and_compare(reference, sharded, FEATURES, weighted, TOL)
     shards = sharded.local_shards()
     # this rank holds exactly the grid blocks the plan gives it (a row block of one column block)
     planned = {

@@ -54,24 +54,7 @@ def _check_exact(optimizer: OptimType, weighted: bool) -> None:
     replicated = {name for name, _ in sharded.named_parameters()} - sharded_names
     assert len(replicated) == (1 if with_dp else 0)  # the data-parallel table's buffer
     features = [(f, rows) for t, rows, _, feats, _ in case.TABLES if with_dp or t != "t_dp" for f in feats]
-    for step in range(case.STEPS):
-        global_kjt, local_kjt, batch = case.global_and_local(step, rank, world_size, features, weighted)
-        if weighted:  # the input weights' gradients too (through the KJT all-to-all's backward)
-            global_kjt, local_kjt = case.with_leaf_weights(global_kjt), case.with_leaf_weights(local_kjt)
-        expected = reference(global_kjt)
-        grad = torch.randn(expected.values().shape, generator=torch.Generator().manual_seed(step))
-        # the comm ops divide gradients by the world size (DDP's mean), so the reference loss is a mean
-        (expected.values() * grad).sum().div(world_size).backward()
-        out = sharded(local_kjt)
-        assert out.keys() == expected.keys()
-        mine = case.my_rows(rank, batch)
-        torch.testing.assert_close(out.values(), expected.values()[mine].detach(), **TOL)
-        (out.values() * grad[mine]).sum().backward()
-        case.average_dense_gradients_(sharded, world_size)
-        if weighted:
-            expected_grads = case.weight_grads(global_kjt, mine)
-            for key, got in case.weight_grads(local_kjt).items():
-                torch.testing.assert_close(got, expected_grads[key], **TOL, msg=f"weight grads of {key}")
+    case.train_and_compare(reference, sharded, features, weighted, TOL)
     for (name, r0, r1, c0, c1), weight in sharded.local_shards().items():
         torch.testing.assert_close(weight, reference.table_weight(name)[r0:r1, c0:c1].detach(), **TOL)
 
