@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Optional, Tuple
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -148,6 +149,15 @@ def weight_grads(kjt: KeyedJaggedTensor, rows: Optional[slice] = None) -> Dict[s
 def my_rows(rank: int, batch_per_rank: List[int]) -> slice:
     start = sum(batch_per_rank[:rank])
     return slice(start, start + batch_per_rank[rank])
+
+
+def raises_value_error(fn, *words: str) -> None:
+    """``fn()`` raises ``ValueError`` whose message holds every one of ``words`` (run on every rank:
+    a bad plan or input must fail on all of them)."""
+    with pytest.raises(ValueError) as info:
+        fn()
+    for word in words:
+        assert word in str(info.value), str(info.value)
 
 
 def train_and_compare(

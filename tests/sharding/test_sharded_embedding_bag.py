@@ -30,6 +30,7 @@ from shardkit.sharding.sharding_plan import (
     table_wise,
 )
 from shardkit.testing import run_world
+from tests.sharding import _sharded_case as case
 
 ROWS, DIM = 13, 5  # uneven row blocks and column blocks at 2 and 3 ranks
 LR = 0.1
@@ -158,34 +159,27 @@ def test_every_sharding_type_matches_nn_embedding_bag(world_size):
     assert all(run_world(_exactness_worker, world_size))
 
 
-def _raises_everywhere(fn, *words: str) -> None:
-    with pytest.raises(ValueError) as info:
-        fn()
-    for word in words:
-        assert word in str(info.value), str(info.value)
-
-
 def _bad_input_worker() -> bool:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     env = ShardingEnv.from_process_group(None)
     sharder = EmbeddingBagSharder()
     plan = _plan(row_wise(compute_kernel=DENSE), world_size)
-    _raises_everywhere(lambda: sharder.shard(nn.EmbeddingBag(ROWS, DIM, mode="max"), plan, env), "'max'")
+    case.raises_value_error(lambda: sharder.shard(nn.EmbeddingBag(ROWS, DIM, mode="max"), plan, env), "'max'")
     # only rank 1's module is bad: every rank raises, naming it
     padded = nn.EmbeddingBag(ROWS, DIM, padding_idx=0 if rank == 1 else None)
-    _raises_everywhere(lambda: sharder.shard(padded, plan, env), "rank 1", "padding_idx")
+    case.raises_value_error(lambda: sharder.shard(padded, plan, env), "rank 1", "padding_idx")
     two_tables = EmbeddingModuleShardingPlan({**plan, "other": plan["weight"]})
-    _raises_everywhere(lambda: sharder.shard(nn.EmbeddingBag(ROWS, DIM), two_tables, env), "other")
+    case.raises_value_error(lambda: sharder.shard(nn.EmbeddingBag(ROWS, DIM), two_tables, env), "other")
     fused = _plan(row_wise(), world_size)  # a FUSED kernel without fused_params
-    _raises_everywhere(lambda: sharder.shard(nn.EmbeddingBag(ROWS, DIM), fused, env), "fused")
+    case.raises_value_error(lambda: sharder.shard(nn.EmbeddingBag(ROWS, DIM), fused, env), "fused")
 
     sharded = sharder.shard(nn.EmbeddingBag(ROWS, DIM), plan, env)
     ids = torch.tensor([[1, 2], [ROWS if rank == 0 else 3, 4]])
-    _raises_everywhere(lambda: sharded(ids), "rank 0", "out of range")
+    case.raises_value_error(lambda: sharded(ids), "rank 0", "out of range")
     offsets = torch.tensor([0, 1]) if rank == 1 else None  # 2-D input with offsets on rank 1 only
-    _raises_everywhere(lambda: sharded(torch.tensor([[1, 2]]), offsets), "rank 1", "offsets")
+    case.raises_value_error(lambda: sharded(torch.tensor([[1, 2]]), offsets), "rank 1", "offsets")
     decreasing = torch.tensor([0, 2, 1]) if rank == 0 else torch.tensor([0, 1, 2])
-    _raises_everywhere(lambda: sharded(torch.tensor([1, 2, 3]), decreasing), "rank 0", "offsets")
+    case.raises_value_error(lambda: sharded(torch.tensor([1, 2, 3]), decreasing), "rank 0", "offsets")
     # the module still works after the failed forwards
     torch.testing.assert_close(sharded(ids.clamp(max=ROWS - 1)).wait().shape, torch.Size([2, DIM]))
     return True
@@ -207,7 +201,7 @@ def _include_last_offset_worker() -> bool:
             reference, _plan(generator, world_size), ShardingEnv.from_process_group(None)
         )
         torch.testing.assert_close(sharded(ids, offsets).wait(), reference(ids, offsets).detach(), **TOL)
-    _raises_everywhere(lambda: sharded(torch.cat([ids, ids]), offsets), "offsets", "end at")
+    case.raises_value_error(lambda: sharded(torch.cat([ids, ids]), offsets), "offsets", "end at")
     return True
 
 
