@@ -19,7 +19,7 @@ Table-row-wise sharding (blocks over one node's ranks) and grid sharding (its co
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -95,6 +95,7 @@ class RowBucketRouting(EmbeddingSharding):
         # every rank holds a non-empty block of every table (no rank pads missing features)
         names = {t.name for t in self.tables}
         self._blocks_everywhere = all({t.name for t, _ in shards} == names for shards in per_rank)
+        self._pad_indices: Dict[tuple, Optional[torch.Tensor]] = {}  # see _pad_to
         self._mean_features = [
             f
             for t in self.tables
@@ -175,20 +176,33 @@ class RowBucketRouting(EmbeddingSharding):
         whole = [(t, TableShard(-1, 0, t.config.num_embeddings, *_column_span(t))) for t in tables]
         return received_keys(whole)
 
-    def _pad_to(self, local_out: torch.Tensor, local_keys, full_keys) -> torch.Tensor:
-        """Pooled ``[R, local widths]`` -> ``[R, full widths]``, zeros for blocks held elsewhere."""
-        if local_keys == full_keys:
+    def _pad_to(self, local_out: torch.Tensor, full_keys: List[ColumnBlock]) -> torch.Tensor:
+        """Pooled ``[R, this rank's received widths]`` -> ``[R, full widths]``, zeros for blocks held
+        elsewhere. The column index is built once per layout (the layouts are fixed by the plan)."""
+        cache_key = (tuple(full_keys), local_out.device)
+        if cache_key not in self._pad_indices:
+            self._pad_indices[cache_key] = self._pad_index(full_keys, local_out.device)
+        index = self._pad_indices[cache_key]
+        if index is None:
             return local_out
+        width = sum(c1 - c0 for _, c0, c1 in full_keys)
+        full = local_out.new_zeros(local_out.size(0), width)
+        if index.numel() == 0:
+            # nothing held here, but the collective's backward needs this rank: keep local_out's graph
+            return full + local_out.sum() * 0
+        return full.index_copy(1, index, local_out)
+
+    def _pad_index(self, full_keys: List[ColumnBlock], device) -> Optional[torch.Tensor]:
+        """The full layout's column of each received column (None: the layouts are equal)."""
+        local_keys = received_keys(self._local_shards)
+        if local_keys == full_keys:
+            return None
         start, column = 0, {}
         for key in full_keys:
             column[key] = start
             start += key[2] - key[1]
         index = [column[key] + c for key in local_keys for c in range(key[2] - key[1])]
-        full = local_out.new_zeros(local_out.size(0), start)
-        if not index:
-            # nothing held here, but the collective's backward needs this rank: keep local_out's graph
-            return full + local_out.sum() * 0
-        return full.index_copy(1, torch.tensor(index, device=local_out.device), local_out)
+        return torch.tensor(index, dtype=torch.int64, device=device)
 
 
 def _column_span(table) -> Tuple[int, int]:
@@ -232,7 +246,7 @@ class RwPooledEmbeddingSharding(RowBucketRouting):
         codecs = self.codecs(CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER)
         if ctx.variable_batch:
             return self._variable_batch_output_dist(ctx, local_out, codecs)
-        full = self._pad_to(local_out, received_keys(self._local_shards), self.output_layout())
+        full = self._pad_to(local_out, self.output_layout())
         dist = PooledEmbeddingsReduceScatter(self.pg, codecs)
         summed = dist(full, input_splits=ctx.stride_per_rank)
         return (

@@ -26,7 +26,7 @@ import torch
 from shardkit.distributed.awaitable import Awaitable
 from shardkit.distributed.topology import intra_and_cross_node_pg
 from shardkit.sharding.dist_data import PooledEmbeddingsAllToAll, PooledEmbeddingsReduceScatter
-from shardkit.sharding.embedding_lookup import ShardedGroupedLookup, received_keys
+from shardkit.sharding.embedding_lookup import ShardedGroupedLookup
 from shardkit.sharding.embedding_sharding import ColumnBlock, MappedAwaitable, ShardingContext
 from shardkit.sharding.row_wise import RowBucketRouting, RwSequenceEmbeddingSharding
 from shardkit.sharding.types import CommOp
@@ -83,8 +83,7 @@ class TwRwPooledEmbeddingSharding(RowBucketRouting):
         return self._route(ctx, features, need_recat=False)
 
     def output_dist(self, ctx: ShardingContext, local_out: torch.Tensor) -> Awaitable[torch.Tensor]:
-        node_keys = self._full_keys(self._tables_per_node[self._node])
-        full = self._pad_to(local_out, received_keys(self._local_shards), node_keys)
+        full = self._pad_to(local_out, self._full_keys(self._tables_per_node[self._node]))
         L, H = self._local_size, self._num_nodes
         batch = ctx.stride_per_rank
         # received rows are grouped by source local rank l, nodes in order within each group
