@@ -132,6 +132,7 @@ class ShardedFusedOptimizer(OptimizerFacade):
     def __init__(
         self, config: FusedOptimizerConfig, groups: List[GroupedEmbeddingLookup], states: TableStates
     ) -> None:
+        super().__init__()
         self._fused = FusedOptimizer(config, groups)
         self._states = states
         self._tables = [
@@ -141,10 +142,9 @@ class ShardedFusedOptimizer(OptimizerFacade):
         ]
         # state names and whether per row (every buffer has the same kind of state)
         self._kinds = {name: len(shape) == 1 for name, shape in _state_shapes(config.optimizer, 1, 1).items()}
-        super().__init__()
         self._groups = groups
-        self._lr = config.lr  # a rank without buffers keeps the learning rate here
         self.state = {}
+        # a rank without buffers keeps the learning rate in its group only
         self.param_groups = [LearningRateGroup(self.set_learning_rate, config.lr)]
 
     @property
@@ -153,14 +153,13 @@ class ShardedFusedOptimizer(OptimizerFacade):
 
     @property
     def lr(self) -> float:
-        return self._fused.lr if self._groups else self._lr
+        return self._fused.lr if self._groups else self.param_groups[0]["lr"]
 
     def set_learning_rate(self, lr: float) -> None:
         if self._groups:
             self._fused.set_learning_rate(lr)
         elif lr < 0:
             raise ValueError(f"learning rate must be >= 0, got {lr}")
-        self._lr = lr
         self.param_groups[0].show(lr)
 
     def step(self) -> None:
