@@ -96,3 +96,15 @@ def test_a_real_benchmark_runs_quick(tmp_path, capfd):
     assert main(["bench", "planner", "--quick", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "planner.json").read_text())
     assert result["benchmark"] == "planner" and result["rows"][0]["name"] == "10 tables / 8 ranks"
+
+
+def test_the_gpu_losses_benchmark_runs_its_cpu_smoke_shapes(tmp_path):
+    from benchmarks import gpu_losses
+
+    gpu_losses.main(["--smoke-on-cpu", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "gpu_losses.json").read_text())["rows"]
+    assert {(r["kind"], r["impl"]) for r in rows} == {
+        (kind, impl) for kind in ("ce", "linear_ce") for impl in ("torch", "shardkit")
+    }
+    # fp32 on the CPU: shardkit's loss is torch's to rounding
+    assert all(r["loss_diff"] < 1e-4 for r in rows if r["dtype"] == "fp32")
