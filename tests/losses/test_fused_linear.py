@@ -144,3 +144,14 @@ def _check_gradients_in_forward():
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_gradients_in_forward_are_scaled_by_the_incoming_gradient(world_size):
     assert all(run_world(_check_gradients_in_forward, world_size))
+
+
+def test_linear_blocks_grow_to_the_hidden_states_size_off_the_cpu():
+    from shardkit.losses import statistics as st
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert st.linear_chunk_rows(128000, 16384, 4096, cpu, None) == st.chunk_rows(128000, None) == 65
+    assert st.linear_chunk_rows(128000, 16384, 4096, gpu, None) == 525  # ceil(16384 * 4096 / 128000)
+    assert st.linear_chunk_rows(1000, 10, 4096, gpu, None) == 10  # never more than the tokens
+    assert st.linear_chunk_rows(128000, 1000, 8, gpu, None) == 65  # never less than chunk_rows
+    assert st.linear_chunk_rows(128000, 16384, 4096, gpu, 7) == 7  # the caller's chunk_size wins

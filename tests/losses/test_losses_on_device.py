@@ -44,7 +44,7 @@ def _inputs(device: str, dtype: torch.dtype):
     logits = (3 * torch.randn(T, V, generator=gen)).to(dtype)
     target = torch.randint(0, V, (T,), generator=gen)
     target[::7] = -100
-    return logits.to(device).requires_grad_(), target.to(device), logits.detach().float()
+    return logits.to(device, copy=True).requires_grad_(), target.to(device), logits.float().clone()
 
 
 def _backend(name):
@@ -94,8 +94,10 @@ def test_fused_linear_cross_entropy(device, backend, dtype):
     weight = (torch.randn(V, H, generator=gen) / H**0.5).to(dtype)
     target = torch.randint(0, V, (T,), generator=gen)
     target[::5] = -100
-    ref_hidden, ref_weight = hidden.float().requires_grad_(), weight.float().requires_grad_()
-    hidden, weight = hidden.to(device).requires_grad_(), weight.to(device).requires_grad_()
+    # separate leaves (on the CPU in fp32, .float() and .to("cpu") would return the same tensor)
+    ref_hidden, ref_weight = hidden.float().clone().requires_grad_(), weight.float().clone().requires_grad_()
+    hidden = hidden.to(device, copy=True).requires_grad_()
+    weight = weight.to(device, copy=True).requires_grad_()
     with _backend(backend):
         loss = vocab_parallel_linear_cross_entropy(hidden, weight, target.to(device), reduction="mean")
         loss.backward()

@@ -314,7 +314,9 @@ def _fused(
         z_loss=float(z_loss),
         reduction=reduction,
         dp_group=dp_group,
-        rows=st.chunk_rows(shard.width, chunk_size),
+        rows=st.linear_chunk_rows(
+            shard.width, hidden.numel() // max(1, hidden.size(-1)), hidden.size(-1), hidden.device, chunk_size
+        ),
     )
     hidden2d = hidden.reshape(-1, hidden.size(-1))
     target1d = target.reshape(-1)

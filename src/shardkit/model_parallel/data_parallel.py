@@ -10,9 +10,11 @@ model-parallel state, so DDP neither broadcasts nor all-reduces a shard.
 from __future__ import annotations
 
 import abc
+import inspect
 from typing import TYPE_CHECKING, Optional, Set
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
@@ -41,6 +43,12 @@ def model_parallel_state_names(module: nn.Module, prefix: str = "") -> Set[str]:
 def _device_index(device: torch.device) -> int:
     """The index of ``device`` (DDP needs one), the current CUDA device when it has none."""
     return device.index if device.index is not None else torch.cuda.current_device()
+
+
+# DDP's forward_sync_buffers came in torch 2.13 (broadcast_buffers, deprecated there, before it)
+_HAS_FORWARD_SYNC_BUFFERS = (
+    "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+)
 
 
 class DataParallelWrapper(abc.ABC):
@@ -89,12 +97,21 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
         if not replicated:
             return
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, sorted(ignored))
+        if not _HAS_FORWARD_SYNC_BUFFERS:
+            # torch < 2.13: broadcast_buffers=False also skips the init sync, so sync them here
+            for name, buffer in module.named_buffers():
+                if name not in ignored:
+                    dist.broadcast(
+                        buffer, src=dist.get_global_rank(env.process_group, 0), group=env.process_group
+                    )
         ddp = DistributedDataParallel(
             module,
             device_ids=None if device.type == "cpu" else [_device_index(device)],
             process_group=env.process_group,
             # replicated buffers start equal (synced at init) and are not re-broadcast every forward
-            forward_sync_buffers=False,
+            **(
+                {"forward_sync_buffers": False} if _HAS_FORWARD_SYNC_BUFFERS else {"broadcast_buffers": False}
+            ),
             bucket_cap_mb=self._bucket_cap_mb,
             static_graph=self._static_graph,
             find_unused_parameters=self._find_unused_parameters,
