@@ -178,6 +178,24 @@ def run(args: argparse.Namespace) -> List[Dict[str, Any]]:
     return rows
 
 
+def _profile_linear(args: argparse.Namespace) -> None:
+    """CUDA time per kernel of one shardkit linear_ce step (bf16, the first T and V): where it goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device("cuda")
+    T, V = args.tokens[0], args.vocab[0]
+    step = _linear_ce_steps(T, V, args.hidden, torch.bfloat16, device, None)["shardkit"]
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20)
+    text = f"shardkit linear_ce, T={T} V={V} H={args.hidden} bf16, one forward + backward\n{table}"
+    print(text)
+    (args.out / "linear_ce_profile.txt").write_text(text)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
@@ -186,6 +204,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--hidden", type=int, default=4096, help="H of the linear_ce rows")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", type=Path, required=True, help="directory for gpu_losses.json")
+    p.add_argument("--profile", action="store_true", help="also profile one shardkit linear_ce step")
     p.add_argument("--smoke-on-cpu", action="store_true", help="tiny shapes on the CPU (tests the script)")
     args = p.parse_args(argv)
     # fp32 matmuls of the linear rows cost ~8x bf16's: the fp32 linear rows stop at the smaller T
@@ -197,6 +216,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         print("benchmarks.gpu_losses: no CUDA device here; nothing measured (use --smoke-on-cpu to test it)")
         return
     rows = run(args)
+    if args.profile and not args.smoke_on_cpu:
+        _profile_linear(args)
     config = {k: v for k, v in vars(args).items() if k != "out"}
     if torch.cuda.is_available() and not args.smoke_on_cpu:
         config["device"] = torch.cuda.get_device_name(0)

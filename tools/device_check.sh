@@ -84,7 +84,7 @@ if [ -d "$root/.device_deps" ]; then export PYTHONPATH="$PYTHONPATH:$root/.devic
 "$PY" -c 'import liger_kernel; print("liger-kernel", getattr(liger_kernel, "__version__", "?"))' 2>&1 \
   | tail -n 1 | tee -a "$OUT/env.txt"
 step "benchmarks/gpu_losses.py" "${LOSSES_BENCH_TIMEOUT:-200}" "$OUT/losses_bench.txt" \
-  "$PY" -m benchmarks.gpu_losses --out "$OUT"
+  "$PY" -m benchmarks.gpu_losses --out "$OUT" --profile
 
 echo "== summary"
 cat "$summary"

@@ -34,7 +34,13 @@ BACKWARD_CASES = [
     f"backward-{opt}-{dt}-{it}-{mode}"
     for opt, dt, it, mode in itertools.product(OPTIMIZER_KINDS, DTYPES, ID_DTYPES, BACKWARD_MODES)
 ]
-OTHER_CASES = ["out-of-range-id-raises", "empty-batch", "dispatch-selects-triton", "deterministic-hot-rows"]
+OTHER_CASES = [
+    "out-of-range-id-raises",
+    "empty-batch",
+    "dispatch-selects-triton",
+    "deterministic-hot-rows",
+    "measured-tiles",
+]
 # vocab-parallel cross-entropy (shardkit.kernels.triton_ce): the statistics and gradient of each shard,
 # combined across shards as the ranks would, against F.cross_entropy on the whole vocabulary
 CE_CASES = ["ce-fp32", "ce-fp16", "ce-bf16", "ce-bf16-in-place", "ce-fp32-rows-longer-than-a-block"]
@@ -227,7 +233,51 @@ def _other_case(case: str, device: str) -> List[List[Any]]:
             ["two runs bitwise equal", bool(torch.equal(tables[0], tables[1])), ""],
             _close("hot rows match the reference", tables[0], ref, 1e-5),
         ]
+    if case == "measured-tiles":
+        return _measured_tiles_case(device)
     raise KeyError(case)
+
+
+def _measured_tiles_case(device: str) -> List[List[Any]]:
+    """With tile measurement forced on (it applies to large CUDA calls only), the forward and the fused
+    backward choose a tile among the candidates and still equal the reference; the user's table and
+    state get exactly one step (the candidates of the backward run on a scratch table)."""
+    from shardkit.kernels import embedding_torch, triton_embedding
+    from shardkit.kernels import triton_tiles as tiles
+
+    ids, offsets, bag_shift, psw, scale = make_batch(device, torch.int64, "weighted", False, seed=5)
+    rows, dim = 40, 12
+    weight = torch.randn(rows, dim, generator=torch.Generator().manual_seed(4)).to(device)
+    grad = torch.randn(offsets.numel() - 1, dim, generator=torch.Generator().manual_seed(6)).to(device)
+    applies = tiles.tuning_applies
+    tiles.reset()
+    tiles.tuning_applies = lambda *args: True
+    try:
+        got = triton_embedding.embedding_forward(weight, ids, offsets, None, psw, None, True)
+        mine, ref = weight.clone(), weight.clone()
+        opt_mine, opt_ref = _optimizer("ADAM", rows, dim, device, seed=8)
+        got_pg = triton_embedding.embedding_fused_backward(
+            mine, ids, offsets, None, psw, None, grad, True, opt_mine, True
+        )
+        chosen = tiles.chosen()
+    finally:
+        tiles.tuning_applies = applies
+        tiles.reset()
+    want = embedding_torch.embedding_forward(weight, ids, offsets, None, psw, None, True)
+    want_pg = embedding_torch.embedding_fused_backward(
+        ref, ids, offsets, None, psw, None, grad, True, opt_ref, True
+    )
+    kinds = {key[0]: tile for key, tile in chosen.items()}
+    return [
+        ["a forward and a backward tile were chosen", sorted(kinds) == ["forward", "segments"], str(chosen)],
+        ["forward tile is a candidate", kinds.get("forward") in tiles.forward_candidates(dim), str(kinds)],
+        ["backward tile is a candidate", kinds.get("segments") in tiles.segment_candidates(dim), str(kinds)],
+        _close("forward", got, want, VALUE_TOL["fp32"]),
+        _close("table after one step", mine, ref, VALUE_TOL["fp32"]),
+        _close("Adam state 0", opt_mine.state[0], opt_ref.state[0], STATE_TOL),
+        _close("Adam state 1", opt_mine.state[1], opt_ref.state[1], STATE_TOL),
+        _close("per-sample-weight gradient", got_pg, want_pg, STATE_TOL * 4),
+    ]
 
 
 def _ce_case(case: str, device: str) -> List[List[Any]]:

@@ -169,7 +169,9 @@ def _dmp_and_pipelines(device_type: str) -> bool:
         plan = ShardingPlan(
             {"ebc": construct_module_sharding_plan(reference.ebc, generators, 1, 1, device_type=device_type)}
         )
-        dmp = DistributedModelParallel(copy.deepcopy(reference), device=device, plan=plan)
+        # as with torchrec, the model is built on (or moved to) the device; DMP materializes only meta
+        # parameters there
+        dmp = DistributedModelParallel(copy.deepcopy(reference).to(device), device=device, plan=plan)
         dense = torch.optim.SGD(dict(dmp.bare_named_parameters()).values(), lr=d.LR)
         return dmp, CombinedOptimizer([("fused", dmp.fused_optimizer), ("dense", dense)])
 

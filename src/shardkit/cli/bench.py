@@ -36,6 +36,10 @@ QUICK_ARGS: Dict[str, List[str]] = {
         *("--rows", "10000", "--dim", "16", "--batch", "256", "--pooling", "4", "--repeats", "1"),
         *("--copy-mib", "8", "--ce-tokens", "64", "--ce-vocab", "512"),
     ],
+    "gpu_tiles": [
+        *("--rows", "10000", "--dim", "16", "--batch", "256", "--pooling", "4", "--repeats", "1"),
+        *("--copy-mib", "8"),
+    ],
     "gpu_losses": [
         *("--tokens", "64", "--vocab", "512", "--hidden", "16", "--dtypes", "fp32", "--repeats", "1"),
     ],

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from shardkit.kernels import embedding_torch
+from shardkit.kernels import triton_tiles as tiles
 from shardkit.kernels.row_optimizer import OPTIMIZERS, RowOptimizerArgs
 
 try:
@@ -361,25 +362,21 @@ def embedding_forward(
         shift = dummy if bag_shift is None else bag_shift.to(torch.int64).contiguous()
         psw = dummy if per_sample_weights is None else per_sample_weights.contiguous()
         scale = dummy if bag_scale is None else bag_scale.to(torch.float32).contiguous()
-        _pooled_forward_kernel[(B,)](
-            weight,
-            ids,
-            offsets,
-            shift,
-            psw,
-            scale,
-            out,
-            first_bad,
-            num_rows,
-            D,
-            HAS_SHIFT=bag_shift is not None,
-            HAS_PSW=per_sample_weights is not None,
-            HAS_SCALE=bag_scale is not None,
-            CHECK=CHECK_IDS,
-            BLOCK_N=block_n,
-            BLOCK_D=block_d,
-            num_warps=num_warps,
-        )
+
+        def launch(tile):
+            _pooled_forward_kernel[(B,)](
+                weight, ids, offsets, shift, psw, scale, out, first_bad, num_rows, D,
+                HAS_SHIFT=bag_shift is not None, HAS_PSW=per_sample_weights is not None,
+                HAS_SCALE=bag_scale is not None, CHECK=CHECK_IDS,
+                BLOCK_N=tile[0], BLOCK_D=block_d, num_warps=tile[1],
+            )
+
+        tile = (block_n, num_warps)
+        if tiles.tuning_applies(device, N, INTERPRETED):
+            flags = (bag_shift is not None, per_sample_weights is not None, bag_scale is not None, CHECK_IDS)
+            key = tiles.key_of("forward", D, weight.dtype, ids.dtype, flags, num_ids=N)
+            tile = tiles.fastest(key, tiles.forward_candidates(D), launch, device)
+        launch(tile)
     else:
         out = torch.empty(N, D, dtype=weight.dtype, device=device)
         if N == 0:
@@ -448,6 +445,54 @@ def embedding_fused_backward(
     _check_weight(weight)
     if optimizer.kind not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer '{optimizer.kind}'; expected one of {OPTIMIZERS}")
+    tile = None
+    if tiles.tuning_applies(weight.device, ids.numel(), INTERPRETED):
+        tile = _measured_segment_tile(
+            weight, ids, offsets, per_sample_weights, bag_scale, grad, pooled, optimizer, want_psw_grad
+        )
+    return _fused_backward(
+        weight, ids, offsets, bag_shift, per_sample_weights, bag_scale, grad, pooled, optimizer,
+        want_psw_grad, tile,
+    )
+
+
+def _measured_segment_tile(weight, ids, offsets, psw, bag_scale, grad, pooled, optimizer, want_psw_grad):
+    """The fastest (SEGS, num_warps) for this call's kind, timed on a scratch problem of the same
+    width, dtypes, flags and number of ids (see :mod:`.triton_tiles`)."""
+    D, N, B = weight.shape[1], ids.numel(), offsets.numel() - 1
+    flags = (optimizer.kind, pooled, psw is not None, bag_scale is not None, want_psw_grad)
+    key = tiles.key_of("segments", D, weight.dtype, ids.dtype, grad.dtype, flags, num_ids=N)
+    if key in tiles.chosen():
+        return tiles.chosen()[key]
+    device, rows = weight.device, tiles.scratch_rows(D, weight.dtype, N)
+    gen = torch.Generator(device=device).manual_seed(0)
+    table = torch.randn(rows, D, device=device, generator=gen).to(weight.dtype)
+    scratch_ids = torch.randint(0, rows, (N,), device=device, generator=gen).to(ids.dtype)
+    scratch_offsets = torch.arange(B + 1, device=device, dtype=torch.int64) * N // max(1, B)
+    scratch_grad = torch.randn(grad.shape, device=device, generator=gen).to(grad.dtype)
+    scratch_psw = None if psw is None else torch.rand(N, device=device, generator=gen).to(psw.dtype)
+    scratch_scale = None if bag_scale is None else torch.ones_like(bag_scale)
+    state = tuple(torch.zeros(rows, *s.shape[1:], device=device) for s in optimizer.state)
+    scratch_opt = RowOptimizerArgs(
+        optimizer.kind, lr=optimizer.lr, eps=optimizer.eps, beta1=optimizer.beta1, beta2=optimizer.beta2,
+        step=optimizer.step, state=state,
+    )
+
+    def run(tile):
+        _fused_backward(
+            table, scratch_ids, scratch_offsets, None, scratch_psw, scratch_scale, scratch_grad, pooled,
+            scratch_opt, want_psw_grad, tile,
+        )
+
+    return tiles.fastest(key, tiles.segment_candidates(D), run, device)
+
+
+def _fused_backward(
+    weight, ids, offsets, bag_shift, per_sample_weights, bag_scale, grad, pooled, optimizer, want_psw_grad,
+    tile,
+):
+    """``embedding_fused_backward`` with ``tile`` = (SEGS, num_warps) of the segments kernel, or None
+    for the fixed one."""
     state0, state1 = _state_tensors(weight, optimizer)
     num_rows, D = weight.shape
     device = weight.device
@@ -502,6 +547,8 @@ def embedding_fused_backward(
         WANT_PSW_GRAD=want_psw_grad,
     )
     segs, block_d, num_warps = _segment_tile(D)
+    if tile is not None:
+        segs, num_warps = tile
     _segments_kernel[(triton.cdiv(N, segs),)](
         weight, sorted_rows, order, starts, num_segs, *common, num_rows, *hyper,
         LONG=LONG_SEGMENT, SEGS=segs, BLOCK_D=block_d, num_warps=num_warps, **flags,
