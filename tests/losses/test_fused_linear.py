@@ -151,7 +151,8 @@ def test_linear_blocks_grow_to_the_hidden_states_size_off_the_cpu():
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert st.linear_chunk_rows(128000, 16384, 4096, cpu, None) == st.chunk_rows(128000, None) == 65
-    assert st.linear_chunk_rows(128000, 16384, 4096, gpu, None) == 525  # ceil(16384 * 4096 / 128000)
+    # ceil(16384 * 4096 / 128000) = 525, rounded up to a multiple of 64 for the GEMM kernels
+    assert st.linear_chunk_rows(128000, 16384, 4096, gpu, None) == 576
     assert st.linear_chunk_rows(1000, 10, 4096, gpu, None) == 10  # never more than the tokens
-    assert st.linear_chunk_rows(128000, 1000, 8, gpu, None) == 65  # never less than chunk_rows
+    assert st.linear_chunk_rows(128000, 1000, 8, gpu, None) == 128  # never less than chunk_rows (65)
     assert st.linear_chunk_rows(128000, 16384, 4096, gpu, 7) == 7  # the caller's chunk_size wins

@@ -100,7 +100,7 @@ class _FusedLinearLoss(torch.autograd.Function):
         # blocks of vocabulary columns over all tokens, of the forward's block size in elements: each
         # block's weight gradient is then one matmul over all tokens, written once (no [V/tp, H]
         # accumulator re-read per block), and only the small [T, H] hidden gradient accumulates
-        columns = max(1, opts.rows * width // max(1, num_rows))
+        columns = st.aligned(opts.rows * width // max(1, num_rows))
         index, owned, active, coef_p, coef_target, coef_uniform = gradient_coefficients(
             grad_output, target1d, lse, count, vocab, opts
         )
