@@ -92,9 +92,11 @@ def _ce_steps(T: int, V: int, dtype: torch.dtype, device: torch.device, liger) -
 
     def run(loss_fn):
         def step():
-            logits.grad = None
             loss = loss_fn(logits, target)
             loss.backward()
+            # freed here, not at the next step's start: the next variant's peak must not be measured
+            # against a base that still holds this one's gradient
+            logits.grad = None
             return loss.detach()
 
         return step
@@ -118,9 +120,9 @@ def _linear_ce_steps(T, V, H, dtype, device, liger) -> Dict[str, Callable]:
 
     def run(loss_fn):
         def step():
-            hidden.grad = weight.grad = None
             loss = loss_fn(hidden, weight, target)
             loss.backward()
+            hidden.grad = weight.grad = None  # as in _ce_steps
             return loss.detach()
 
         return step
