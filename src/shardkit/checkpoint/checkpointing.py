@@ -16,9 +16,15 @@ checkpoint under ``.<name>.old-<token>``: ``load`` says so, and the next ``save`
 
 Load: the manifest and every file's size and checksum are verified first (each rank a share of the
 files; any problem is an error on every rank naming the files), ``.metadata`` is read without
-unpickling arbitrary objects (``safe_metadata``), ``dcp.load`` fills *staging copies* of the state,
-and the model and optimizers are written only when every rank has read everything. A failed load
-leaves them as they were.
+unpickling arbitrary objects (``safe_metadata``) and must describe no more than an exact tiling of
+each tensor by a bounded number of chunks inside the listed files (``metadata_bounds``), non-tensor
+records are read with torch's weights-only loader (``safe_records``: no code runs), ``dcp.load``
+fills *staging copies* of the state, and the model and optimizers are written only when every rank
+has read everything. A failed load leaves them as they were.
+
+Both follow a symbolic link ``path`` (the checkpoint replaces the directory it points to; the link
+stays), and turn a collective timeout (a rank stalled inside them) into a ``CheckpointError`` naming
+the ranks that do not answer a roll call (``shardkit.distributed.timeouts``).
 
 Only the default process group is supported (the state values name global ranks). Memory: a load
 holds a second copy of this rank's state while staging.
@@ -51,9 +57,11 @@ from shardkit.checkpoint.manifest import (
     verify_files,
     write_manifest,
 )
+from shardkit.checkpoint.metadata_bounds import check_storage_files
 from shardkit.checkpoint.safe_metadata import METADATA_FILE, SafeFileSystemReader, read_metadata_file
 from shardkit.checkpoint.state import apply_state, checkpoint_state, fill_from_metadata, staging_copy
 from shardkit.distributed.agreement import gather_objects, group_rank, group_size
+from shardkit.distributed.timeouts import ENV_VAR, is_timeout, silent_ranks
 from shardkit.sharding.types import ShardingPlan
 
 T = TypeVar("T")
@@ -97,6 +105,43 @@ def _quiet_dcp():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
         yield
+
+
+def _timed_out(err: BaseException) -> bool:
+    """Whether ``err``, its causes, or (dcp's ``CheckpointException``) a rank's failure in it is a
+    collective or store wait that timed out."""
+    seen = set()
+    todo = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if is_timeout(e):
+            return True
+        todo += [e.__cause__, e.__context__]
+        if isinstance(e, CheckpointException):
+            todo += [f for f in e.failures.values() if isinstance(f, BaseException)]
+    return False
+
+
+@contextlib.contextmanager
+def _naming_silent_ranks(what: str, path: str):
+    """A timeout inside the block (a rank stalled inside reading or writing, so the others' next
+    collective timed out) becomes a ``CheckpointError`` naming the ranks that do not answer a roll
+    call (``shardkit.distributed.timeouts.silent_ranks``); other errors pass unchanged."""
+    try:
+        yield
+    except (Exception, CheckpointException) as err:
+        if not _timed_out(err):
+            raise
+        silent = silent_ranks()
+        who = f"rank(s) {silent} did not answer" if silent else "every rank answered a roll call afterwards"
+        raise CheckpointError(
+            f"{what} {path} failed on rank {group_rank(None)}: a collective timed out ({who}; a rank stalled "
+            f"inside the checkpoint's reads or writes, or died); the timeout is set by "
+            f"init_process_group(timeout=...) or {ENV_VAR}. torch said: {str(err)[:500]}"
+        ) from err
 
 
 def _broadcast(value: Any) -> Any:
@@ -172,9 +217,16 @@ def save(path: str | os.PathLike, model: nn.Module, optimizers: Any = None) -> N
             fused optimizers, ``CombinedOptimizer``).
 
     Raises ``CheckpointError`` on every rank if any rank fails; the previous checkpoint at ``path``
-    stays intact.
+    stays intact. A rank that stalls makes the others fail at the process group's timeout with a
+    ``CheckpointError`` naming it. A symbolic link ``path`` is followed: the checkpoint replaces the
+    directory it points to and the link stays.
     """
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.realpath(os.fspath(path))
+    with _naming_silent_ranks("saving checkpoint", path):
+        _save(path, model, optimizers)
+
+
+def _save(path: str, model: nn.Module, optimizers: Any) -> None:
     rank, world = group_rank(None), group_size(None)
     state, _ = _agreed(lambda: checkpoint_state(model, optimizers), "collecting the state to checkpoint")
     tmp = _broadcast(_agreed(lambda: _prepare_directory(path) if rank == 0 else None, f"preparing {path}"))
@@ -229,14 +281,23 @@ def load(path: str | os.PathLike, model: nn.Module, optimizers: Any = None) -> N
     saved shard). ``optimizers`` must be given as at save time (the same keys). Raises
     ``CheckpointError`` on every rank, with the model and optimizers unchanged, when any file is
     missing, truncated or corrupted (naming it), ``.metadata`` refers to anything but checkpoint
-    metadata classes, or the checkpoint does not hold what the model needs.
+    metadata classes or describes more than a checkpoint holds (``metadata_bounds``), a non-tensor
+    record is not a plain value (``safe_records``: no code runs), or the checkpoint does not hold what
+    the model needs. A rank that stalls makes the others fail at the process group's timeout with a
+    ``CheckpointError`` naming it. A symbolic link ``path`` is followed.
     """
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.realpath(os.fspath(path))
+    with _naming_silent_ranks("loading checkpoint", path):
+        _load(path, model, optimizers)
+
+
+def _load(path: str, model: nn.Module, optimizers: Any) -> None:
     rank, world = group_rank(None), group_size(None)
-    _agreed(lambda: _verify(path, rank, world), f"verifying checkpoint {path}")
+    manifest = _agreed(lambda: _verify(path, rank, world), f"verifying checkpoint {path}")
 
     def _stage():
         metadata = read_metadata_file(os.path.join(path, METADATA_FILE))
+        check_storage_files(metadata, manifest["files"], os.path.join(path, METADATA_FILE))
         state, fill = checkpoint_state(model, optimizers)
         staged = staging_copy(state)
         fill_from_metadata(staged, fill, metadata, model)
