@@ -197,6 +197,13 @@ def test_storage_entries_stay_inside_the_listed_files(saved):
     _rewrite(path, metadata)
     with pytest.raises(CheckpointError, match="not a plain slice of a checkpoint file"):
         checkpoint.load(path, model, adam)
+    metadata = _read_metadata(path)
+    index = next(iter(metadata.storage_data))
+    del metadata.storage_data[index]
+    _rewrite(path, metadata)
+    missing = f"the chunk of '{index.fqn}' at offsets .* has no storage entry"
+    with pytest.raises(CheckpointError, match=missing):
+        checkpoint.load(path, model, adam)
 
 
 def test_save_through_a_symlink_replaces_the_target(tmp_path):

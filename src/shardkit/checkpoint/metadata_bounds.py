@@ -147,6 +147,14 @@ def check_metadata(metadata: Metadata, where: str) -> None:
         raise UnsafeMetadataError(
             f"{where}: the metadata's storage entries are not a dict of at most one entry per chunk"
         )
+    for fqn, entry in entries.items():
+        offsets = [None] if isinstance(entry, BytesStorageMetadata) else [c.offsets for c in entry.chunks]
+        for offset in offsets:
+            if MetadataIndex(fqn, offset) not in storage:
+                raise UnsafeMetadataError(
+                    f"{where}: the chunk of {fqn!r} at offsets {offset} has no storage entry (the file is "
+                    "corrupted or crafted)"
+                )
     for index, info in storage.items():
         if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
             raise UnsafeMetadataError(
