@@ -12,10 +12,11 @@ exact tiling (each element saved once, by one chunk), so :func:`check_metadata` 
   no two overlap (checked on the grid of the chunks' boundaries, at most ``MAX_GRID_CELLS`` cells).
 
 A load then reads each element of a tensor it asks for once, as a model of that shape needs
-(DCP itself refuses a saved size different from the model's tensor). The storage entries must be
-plain file-slice descriptions without transforms (``_StorageInfo``: a file name without a
-directory, non-negative offset and length); :func:`check_storage_files` additionally ties them to
-the files a manifest lists, within their sizes.
+(DCP itself refuses a saved size different from the model's tensor). Every chunk and non-tensor
+record has a storage entry, at most one each, and the entries must be plain file-slice descriptions
+without transforms (``_StorageInfo``: a file name without a directory, non-negative offset and
+length); :func:`check_storage_files` additionally ties them to the files a manifest lists, within
+their sizes.
 """
 
 from __future__ import annotations
