@@ -100,7 +100,9 @@ def test_fp8_length_is_recovered_from_the_wire(n, block_size, seed):
     assert decoded.shape == (n,) and bool(torch.isfinite(decoded).all())
 
 
-@pytest.mark.parametrize("rows, cols, block_size", [(3, 10, 4), (1, 64, 64), (5, 7, 64), (2, 0, 4)])
+@pytest.mark.parametrize(
+    "rows, cols, block_size", [(3, 10, 4), (1, 64, 64), (5, 7, 64), (2, 0, 4), (0, 10, 4), (0, 70, 64)]
+)
 def test_fp8_two_dimensional_input_round_trips_row_by_row(rows, cols, block_size):
     codec = FP8CommCodec(block_size)
     # one order of magnitude: no value falls under the fp8 floor of its block

@@ -1,13 +1,14 @@
 """Shared set-up of the sharded-module tests: tables with one sharding type each, the plan, the batches.
 
 Every rank builds every rank's batch from fixed seeds, so the unsharded reference can run on the
-global batch anywhere. Rank r has ``2 + r`` samples (uneven batches).
+global batch anywhere. Rank r has ``2 + r`` samples (uneven batches), or none when it is one of the
+``empty`` ranks a test names (a zero-sample batch, e.g. the last batch of an epoch).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
@@ -72,12 +73,20 @@ def table_rows(name: str) -> int:
     return next(rows for t, rows, *_ in TABLES if t == name)
 
 
-def batch_rows(step: int, rank: int, features: List[Tuple[str, int]]) -> Dict[str, List[List[int]]]:
-    """Rank ``rank``'s bags at ``step``: ``{feature: [[ids of sample b], ...]}`` (some bags empty)."""
+def batch_size(rank: int, empty: Sequence[int] = ()) -> int:
+    """Rank ``rank``'s number of samples: ``2 + rank``, or 0 for one of the ``empty`` ranks."""
+    return 0 if rank in empty else 2 + rank
+
+
+def batch_rows(
+    step: int, rank: int, features: List[Tuple[str, int]], samples: Optional[int] = None
+) -> Dict[str, List[List[int]]]:
+    """Rank ``rank``'s bags at ``step``: ``{feature: [[ids of sample b], ...]}`` (some bags empty);
+    ``samples`` bags per feature (``2 + rank`` by default)."""
     gen = torch.Generator().manual_seed(7919 * step + 104729 * rank + 1)
     out = {}
     for feature, rows in features:
-        lengths = torch.randint(0, 4, (2 + rank,), generator=gen).tolist()
+        lengths = torch.randint(0, 4, (2 + rank if samples is None else samples,), generator=gen).tolist()
         out[feature] = [torch.randint(0, rows, (n,), generator=gen).tolist() for n in lengths]
     return out
 
@@ -90,13 +99,20 @@ def to_kjt(bags: Dict[str, List[List[int]]]) -> KeyedJaggedTensor:
 
 
 def global_and_local(
-    step: int, rank: int, world_size: int, features: List[Tuple[str, int]], weighted: bool
+    step: int,
+    rank: int,
+    world_size: int,
+    features: List[Tuple[str, int]],
+    weighted: bool,
+    empty: Sequence[int] = (),
 ) -> Tuple[KeyedJaggedTensor, KeyedJaggedTensor, List[int]]:
     """(global KJT of all ranks' samples in rank order, this rank's KJT, each rank's batch size).
 
     The local KJT lists its keys in reverse order, so the sharded module's permutation is exercised.
+    The ranks in ``empty`` have zero samples (a KJT of stride 0).
     """
-    per_rank = [batch_rows(step, r, features) for r in range(world_size)]
+    sizes = [batch_size(r, empty) for r in range(world_size)]
+    per_rank = [batch_rows(step, r, features, sizes[r]) for r in range(world_size)]
     if weighted:
         global_kjt = _with_rank_weights(per_rank, features, step)
         local_kjt = _with_rank_weights([per_rank[rank]], features, step, offset_rank=rank)
@@ -105,7 +121,7 @@ def global_and_local(
         local_kjt = to_kjt(per_rank[rank])
     reversed_keys = list(reversed(local_kjt.keys()))
     local_kjt = local_kjt.permute([local_kjt.keys().index(k) for k in reversed_keys])
-    return global_kjt, local_kjt, [2 + r for r in range(world_size)]
+    return global_kjt, local_kjt, sizes
 
 
 def _weight(step: int, rank: int, feature: str, bag: int, pos: int) -> float:
@@ -166,15 +182,17 @@ def train_and_compare(
     features: List[Tuple[str, int]],
     weighted: bool,
     tol: Dict[str, float],
+    empty: Sequence[int] = (),
 ) -> None:
     """``STEPS`` training steps of ``sharded`` on this rank's batches and of ``reference`` on the
     global batch, checking the pooled outputs and, ``weighted``, the input weights' gradients.
+    The ranks in ``empty`` have zero samples at every step.
 
     The comm ops divide gradients by the world size (DDP's mean), so the reference loss is a mean
     over ranks; data-parallel replicas are averaged and stepped as DDP + SGD would."""
     rank, world_size, _ = world()
     for step in range(STEPS):
-        global_kjt, local_kjt, batch = global_and_local(step, rank, world_size, features, weighted)
+        global_kjt, local_kjt, batch = global_and_local(step, rank, world_size, features, weighted, empty)
         if weighted:  # the input weights' gradients too (through the KJT all-to-all's backward)
             global_kjt, local_kjt = with_leaf_weights(global_kjt), with_leaf_weights(local_kjt)
         expected = reference(global_kjt)
@@ -203,12 +221,18 @@ def average_dense_gradients_(module: torch.nn.Module, world_size: int) -> None:
 
 
 def variable_batch(
-    step: int, rank: int, world_size: int, features: List[Tuple[str, int]]
+    step: int,
+    rank: int,
+    world_size: int,
+    features: List[Tuple[str, int]],
+    sizes: Optional[Sequence[int]] = None,
 ) -> Tuple[KeyedJaggedTensor, KeyedJaggedTensor, List[int]]:
-    """Like :func:`global_and_local` with a variable batch per feature: rank r has ``2 + r`` samples,
-    feature i has ``1 + (r + i) % 3`` bags on it, and inverse indices map samples to bags."""
+    """Like :func:`global_and_local` with a variable batch per feature: rank r has ``sizes[r]``
+    samples (``2 + r`` by default), feature i has ``1 + (r + i) % 3`` bags on it (none on a rank with
+    zero samples), and inverse indices map samples to bags."""
     keys = [f for f, _ in features]
-    bags = [[1 + (r + i) % 3 for r in range(world_size)] for i in range(len(keys))]
+    sizes = [2 + r for r in range(world_size)] if sizes is None else list(sizes)
+    bags = [[1 + (r + i) % 3 if sizes[r] else 0 for r in range(world_size)] for i in range(len(keys))]
     rows, inverse = [], []
     for r in range(world_size):
         gen = torch.Generator().manual_seed(7919 * step + 104729 * r + 5)
@@ -224,7 +248,9 @@ def variable_batch(
             }
         )
         inverse.append(
-            torch.stack([torch.randint(0, bags[i][r], (2 + r,), generator=gen) for i in range(len(keys))])
+            torch.stack(
+                [torch.randint(0, max(bags[i][r], 1), (sizes[r],), generator=gen) for i in range(len(keys))]
+            ).reshape(len(keys), sizes[r])
         )
 
     def build(ranks: List[int]) -> KeyedJaggedTensor:
@@ -243,4 +269,4 @@ def variable_batch(
             inverse_indices=(keys, torch.cat(shifted, dim=1)),
         )
 
-    return build(list(range(world_size))), build([rank]), [2 + r for r in range(world_size)]
+    return build(list(range(world_size))), build([rank]), sizes

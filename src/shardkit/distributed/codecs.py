@@ -176,7 +176,7 @@ class FP8CommCodec(QuantizedCommCodec[None]):
         amax = padded.abs().amax(dim=2, keepdim=True)
         # an all-zero block keeps scale 1 (any scale decodes zeros exactly); dividing by 0 would give NaN
         scale = torch.where(amax > 0, amax / _FP8_MAX, torch.ones_like(amax))
-        fp8 = (padded / scale).to(_FP8_DTYPE).reshape(rows.size(0), -1)[:, :n]
+        fp8 = (padded / scale).to(_FP8_DTYPE).reshape(rows.size(0), blocks * self.block_size)[:, :n]
         scale_bytes = scale.reshape(rows.size(0), blocks).view(torch.uint8)
         wire = torch.cat([scale_bytes, fp8.view(torch.uint8)], dim=1)
         return wire if input_tensor.dim() == 2 else wire.reshape(-1)
@@ -193,7 +193,7 @@ class FP8CommCodec(QuantizedCommCodec[None]):
         values = values.to(torch.float32)
         padded = torch.nn.functional.pad(values, (0, blocks * self.block_size - n))
         padded = padded.view(rows, blocks, self.block_size)
-        out = (padded * scale.unsqueeze(2)).reshape(rows, -1)[:, :n]
+        out = (padded * scale.unsqueeze(2)).reshape(rows, blocks * self.block_size)[:, :n]
         return out if input_grad.dim() == 2 else out.reshape(-1)
 
     def calc_quantized_size(self, input_len: int, ctx: None = None) -> int:

@@ -78,7 +78,7 @@ def unpack_codes(packed: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
         return packed[:, :dim]
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     codes = (packed.unsqueeze(2) >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(packed.size(0), -1)[:, :dim]
+    return codes.reshape(packed.size(0), packed.size(1) * per_byte)[:, :dim]  # not -1: N may be 0
 
 
 def _scale_bias(qrows: torch.Tensor, dim: int, storage: str) -> torch.Tensor:

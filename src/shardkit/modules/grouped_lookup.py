@@ -193,6 +193,12 @@ class GroupedEmbeddingLookup(nn.Module):
                     f"sample_major needs a pooled lookup with one batch size, got {bags_per_feature}"
                 )
             batch_major = bags_per_feature[0]
+            if batch_major == 0:
+                # zero samples: the kernels read batch_major 0 as "feature-major [B, D]", so look up the
+                # (no) bags that way and give the empty result its [0, features * width] shape; the
+                # reshape keeps the autograd edge, so the backward (and a fused step) still runs
+                rows = self.forward(ids, offsets, bags_per_feature, weights)
+                return rows.reshape(0, num_features * self.embedding_dim)
         if ids.is_meta or self.weight.is_meta:
             return self._meta_output(ids, bags_per_feature, batch_major)
         offsets = offsets.to(torch.int64)

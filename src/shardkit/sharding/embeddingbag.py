@@ -93,12 +93,15 @@ class _PermuteColumnRuns(torch.autograd.Function):
             0, order, torch.arange(len(blocks), device=order.device)
         )
         ctx.width = width
-        return values.view(values.size(0), -1, width).index_select(1, order).view(values.shape)
+        # explicit block count, not -1: a zero-sample batch ([0, C]) has no elements to infer it from
+        blocks_view = values.view(values.size(0), values.size(1) // width, width)
+        return blocks_view.index_select(1, order).view(values.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous()
-        return grad.view(grad.size(0), -1, ctx.width).index_select(1, ctx.inverse).view(grad.shape), None
+        blocks_view = grad.view(grad.size(0), grad.size(1) // ctx.width, ctx.width)
+        return blocks_view.index_select(1, ctx.inverse).view(grad.shape), None
 
 
 class _PooledOutputAwaitable(LazyAwaitable[KeyedTensor]):

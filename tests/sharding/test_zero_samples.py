@@ -1,0 +1,331 @@
+"""Zero-sample batches (a KJT of stride 0, e.g. the last batch of an epoch) on any subset of ranks.
+
+Every sharded module equals its unsharded module on the same global batch when some ranks (or all)
+have no samples: pooled (EBC, position-weighted FP-EBC, MC-EBC, quantized EBC) and sequence (EC,
+MC-EC), with one table per sharding type (data-parallel, table-wise, row-wise, column-wise,
+table-row-wise, table-column-wise, grid), checking forward values, input-weight gradients and the
+weights (and MC maps) after fused optimizer steps. The empty ranks vary; one ``run_world`` per world
+size runs every pattern (worker processes are reused). Issue 23, docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import List, Sequence
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardkit.distributed.codecs import CommType, QCommsConfig, get_qcomm_codecs
+from shardkit.distributed.sharding_env import ShardingEnv
+from shardkit.modules import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    FeatureProcessedEmbeddingBagCollection,
+    FusedOptimizerConfig,
+    OptimType,
+    PoolingType,
+    PositionWeightedModule,
+)
+from shardkit.quant import QuantEmbeddingBagCollection
+from shardkit.sharding.embedding import EmbeddingCollectionSharder
+from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
+from shardkit.sharding.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+from shardkit.sharding.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
+from shardkit.sharding.sharding_plan import construct_module_sharding_plan, grid_shard, table_wise
+from shardkit.sharding.types import CommOp
+from shardkit.testing import run_world
+from tests.sharding import _sharded_case as case
+from tests.sharding import test_mc_sharded as mc
+from tests.sharding import test_quant_embeddingbag as quant
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+FP8_TOL = dict(rtol=0.07, atol=0.02)
+FP8_WEIGHT_TOL = dict(rtol=0.0, atol=0.02)
+# (table, rows, dim, features, pooling): the shared tables plus a grid-sharded one
+TABLES = case.TABLES + [("t_grid", 9, 6, ["f_grid"], PoolingType.SUM)]
+FEATURES = [(f, rows) for _, rows, _, feats, _ in TABLES for f in feats]
+# the data-parallel table is stepped by plain SGD (case.average_dense_gradients_): SGD modules only
+NO_DP_FEATURES = [(f, rows) for f, rows in FEATURES if f != "f_dp"]
+# which ranks have zero samples, per world size: each single rank, a pair, and all of them
+EMPTY = {2: [(0,), (1,), (0, 1)], 3: [(0,), (1,), (2,), (0, 2), (0, 1, 2)]}
+
+
+def _generators():
+    _, world_size, local_size = case.world()
+    gens = case.plan_generators(world_size, local_size, with_dp=True)
+    gens["t_grid"] = grid_shard(host_indexes=range(world_size // local_size))
+    return gens
+
+
+def _configs(config_type, pooled: bool, with_dp: bool = True):
+    return [
+        config_type(rows, dim, name=name, feature_names=feats, **({"pooling": pooling} if pooled else {}))
+        for name, rows, dim, feats, pooling in TABLES
+        if (with_dp or name != "t_dp") and (pooled or name != "t_grid")  # EC: no grid (as torchrec)
+    ]
+
+
+def _ebc(optimizer: OptimType, weighted: bool) -> EmbeddingBagCollection:
+    torch.manual_seed(0)
+    return EmbeddingBagCollection(
+        _configs(EmbeddingBagConfig, True, with_dp=optimizer is OptimType.SGD),
+        is_weighted=weighted,
+        fused_optimizer=FusedOptimizerConfig(optimizer, lr=case.LR),
+    )
+
+
+def _plan(module):
+    _, world_size, local_size = case.world()
+    configs = (
+        module.embedding_bag_configs()
+        if hasattr(module, "embedding_bag_configs")
+        else module.embedding_configs()
+    )
+    names = {c.name for c in configs}
+    gens = {name: gen for name, gen in _generators().items() if name in names}
+    return construct_module_sharding_plan(module, gens, local_size, world_size)
+
+
+def _assert_same_shards(sharded, reference_ebc) -> None:
+    for (name, r0, r1, c0, c1), weight in sharded.local_shards().items():
+        torch.testing.assert_close(
+            weight, reference_ebc.table_weight(name)[r0:r1, c0:c1].detach(), **TOL, msg=name
+        )
+
+
+def _check_ebc(empty: Sequence[int], optimizer: OptimType, weighted: bool, fp8: bool = False) -> None:
+    """``fp8``: fp8 comm codecs on the pooled all-to-all and reduce-scatter (forward and backward):
+    within fp8 rounding (3 mantissa bits: a relative error up to 1/16 per value sent)."""
+    reference = _ebc(optimizer, weighted)
+    registry = None
+    if fp8:
+        codecs = get_qcomm_codecs(QCommsConfig(CommType.FP8, CommType.FP8, fp8_block_size=4))
+        registry = {
+            CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.value: codecs,
+            CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.value: codecs,
+        }
+    sharded = EmbeddingBagCollectionSharder(qcomm_codecs_registry=registry).shard(
+        copy.deepcopy(reference), _plan(reference), ShardingEnv.from_process_group(None)
+    )
+    features = FEATURES if optimizer is OptimType.SGD else NO_DP_FEATURES
+    tol = FP8_TOL if fp8 else TOL
+    case.train_and_compare(reference, sharded, features, weighted, tol, empty)
+    for (name, r0, r1, c0, c1), weight in sharded.local_shards().items():
+        want = reference.table_weight(name)[r0:r1, c0:c1].detach()
+        torch.testing.assert_close(weight, want, **(FP8_WEIGHT_TOL if fp8 else TOL), msg=name)
+
+
+def _check_ec(empty: Sequence[int]) -> None:
+    rank, world_size, _ = case.world()
+    torch.manual_seed(0)
+    reference = EmbeddingCollection(
+        _configs(EmbeddingConfig, False),
+        need_indices=True,
+        fused_optimizer=FusedOptimizerConfig(OptimType.SGD, lr=case.LR),
+    )
+    sharded = EmbeddingCollectionSharder().shard(
+        copy.deepcopy(reference), _plan(reference), ShardingEnv.from_process_group(None)
+    )
+    for step in range(case.STEPS):
+        features = [(f, rows) for f, rows in FEATURES if f != "f_grid"]
+        global_kjt, local_kjt, sizes = case.global_and_local(step, rank, world_size, features, False, empty)
+        expected = reference(global_kjt)
+        out = sharded(local_kjt)
+        assert list(out.keys()) == list(expected.keys())
+        loss, expected_loss = 0, 0
+        for i, (name, jt) in enumerate(expected.items()):
+            lengths = jt.lengths().tolist()
+            mine = case.my_rows(rank, sizes)
+            rows = slice(sum(lengths[: mine.start]), sum(lengths[: mine.stop]))
+            got = out[name]
+            assert got.lengths().tolist() == local_kjt[name].lengths().tolist()
+            torch.testing.assert_close(got.values(), jt.values()[rows].detach(), **TOL, msg=name)
+            grad = torch.randn(jt.values().shape, generator=torch.Generator().manual_seed(10 * step + i))
+            expected_loss = expected_loss + (jt.values() * grad).sum()
+            loss = loss + (got.values() * grad[rows]).sum()
+        (expected_loss / world_size).backward()
+        loss.backward()
+        case.average_dense_gradients_(sharded, world_size)
+    _assert_same_shards(sharded, reference)
+
+
+def _vbe_generators(pooled: bool):
+    """The sharding types a variable batch per feature supports (row-wise MEAN and row-wise tables
+    with fewer rows than ranks are refused for pooled lookups: table-wise here)."""
+    _, world_size, _ = case.world()
+    gens = _generators()
+    if pooled:
+        gens["t_twrw"] = table_wise(rank=0)
+        gens["t_twcw"] = gens["t_cw"]
+        gens["t_rw_small"] = table_wise(rank=world_size - 1)
+        gens["t_rw_mean"] = table_wise(rank=0)
+        gens["t_twrw_mean"] = table_wise(rank=world_size - 1)
+        gens["t_grid"] = table_wise(rank=world_size - 1)
+    return gens
+
+
+def _check_vbe(empty: Sequence[int], pooled: bool) -> None:
+    """A variable batch per feature (stride per key per rank, inverse indices) with empty ranks."""
+    rank, world_size, local_size = case.world()
+    torch.manual_seed(0)
+    optimizer = FusedOptimizerConfig(OptimType.SGD, lr=case.LR)
+    if pooled:
+        reference = EmbeddingBagCollection(_configs(EmbeddingBagConfig, True), fused_optimizer=optimizer)
+        sharder = EmbeddingBagCollectionSharder()
+    else:
+        reference = EmbeddingCollection(_configs(EmbeddingConfig, False), fused_optimizer=optimizer)
+        sharder = EmbeddingCollectionSharder()
+    configs = reference.embedding_bag_configs() if pooled else reference.embedding_configs()
+    gens = {c.name: _vbe_generators(pooled)[c.name] for c in configs}
+    plan = construct_module_sharding_plan(reference, gens, local_size, world_size)
+    sharded = sharder.shard(copy.deepcopy(reference), plan, ShardingEnv.from_process_group(None))
+    features = [(f, rows) for f, rows in FEATURES if pooled or f != "f_grid"]
+    sizes = [case.batch_size(r, empty) for r in range(world_size)]
+    for step in range(case.STEPS):
+        global_kjt, local_kjt, _ = case.variable_batch(step, rank, world_size, features, sizes)
+        expected = reference(global_kjt)
+        out = sharded(local_kjt)
+        gen = torch.Generator().manual_seed(step)
+        if pooled:
+            mine = case.my_rows(rank, sizes)
+            assert out.values().shape == (sizes[rank], expected.values().shape[1])
+            torch.testing.assert_close(out.values(), expected.values()[mine].detach(), **TOL)
+            grad = torch.randn(expected.values().shape, generator=gen)
+            expected_loss, loss = (expected.values() * grad).sum(), (out.values() * grad[mine]).sum()
+        else:
+            expected_loss, loss = 0, 0
+            for name, jt in expected.items():
+                bags = global_kjt.stride_per_key_per_rank()[global_kjt.keys().index(name)]
+                lengths = jt.lengths().tolist()
+                start = sum(lengths[: sum(bags[:rank])])
+                mine = slice(start, start + sum(lengths[sum(bags[:rank]) : sum(bags[: rank + 1])]))
+                torch.testing.assert_close(out[name].values(), jt.values()[mine].detach(), **TOL)
+                grad = torch.randn(jt.values().shape, generator=gen)
+                expected_loss = expected_loss + (jt.values() * grad).sum()
+                loss = loss + (out[name].values() * grad[mine]).sum()
+        (expected_loss / world_size).backward()
+        loss.backward()
+        case.average_dense_gradients_(sharded, world_size)
+    _assert_same_shards(sharded, reference)
+
+
+PROCESSED = ["f_tw", "f_cw1", "f_rw", "f_dp", "f_twrw", "f_twcw", "f_grid"]
+
+
+def _check_fp_ebc(empty: Sequence[int]) -> None:
+    """Position weights: forward, the position weights' gradient (summed over ranks), table weights."""
+    rank, world_size, _ = case.world()
+    reference = FeatureProcessedEmbeddingBagCollection(
+        _ebc(OptimType.SGD, weighted=True), {f: PositionWeightedModule(4) for f in PROCESSED}
+    )
+    for f in PROCESSED:
+        with torch.no_grad():
+            reference._feature_processors[f].position_weight.uniform_(0.5, 1.5)
+    plan = _plan(reference.embedding_bag_collection)
+    sharded = FeatureProcessedEmbeddingBagCollectionSharder().shard(
+        copy.deepcopy(reference), plan, ShardingEnv.from_process_group(None)
+    )
+    for step in range(case.STEPS):
+        global_kjt, local_kjt, sizes = case.global_and_local(step, rank, world_size, FEATURES, True, empty)
+        expected = reference(global_kjt)
+        grad = torch.randn(expected.values().shape, generator=torch.Generator().manual_seed(step))
+        (expected.values() * grad).sum().div(world_size).backward()
+        out = sharded(local_kjt)
+        mine = case.my_rows(rank, sizes)
+        assert out.values().shape == (sizes[rank], expected.values().shape[1])
+        torch.testing.assert_close(out.values(), expected.values()[mine].detach(), **TOL)
+        (out.values() * grad[mine]).sum().backward()
+        for f in PROCESSED:
+            weight = sharded._feature_processors[f].position_weight
+            mine_grad = torch.zeros_like(weight) if weight.grad is None else weight.grad
+            dist.all_reduce(mine_grad)
+            want = reference._feature_processors[f].position_weight.grad
+            torch.testing.assert_close(mine_grad, torch.zeros_like(weight) if want is None else want, **TOL)
+            weight.grad = None
+            reference._feature_processors[f].position_weight.grad = None
+        case.average_dense_gradients_(sharded, world_size)
+    _assert_same_shards(sharded, reference.embedding_bag_collection)
+
+
+def _check_mc(empty: Sequence[int], pooled: bool) -> None:
+    """MC-EBC / MC-EC (row-wise, table-wise, column-wise tables): remaps, evictions, outputs, state."""
+    rank, world_size, _ = case.world()
+    reference = mc.build(pooled, world_size, equivalent=True)
+    sharded = mc.shard(mc.build(pooled, world_size, equivalent=False), world_size)
+    keys = [f for _, _, feats, *_ in mc.TABLES.values() for f in feats]
+    for step in range(4):
+        per_rank = [{f: [] for f in keys} if r in empty else mc.rank_bags(step, r) for r in range(world_size)]
+        sizes = [case.batch_size(r, empty) for r in range(world_size)]
+        global_kjt = case.to_kjt({f: [b for r in range(world_size) for b in per_rank[r][f]] for f in keys})
+        local_kjt = case.to_kjt({f: per_rank[rank][f] for f in reversed(keys)})
+        assert local_kjt.stride() == sizes[rank]
+        expected, expected_remap = reference(global_kjt)
+        out, remapped = sharded(local_kjt)
+        mine = case.my_rows(rank, sizes)
+        for key in keys:
+            assert mc.bags_of(remapped, key, slice(None)) == mc.bags_of(expected_remap, key, mine), key
+        gen = torch.Generator().manual_seed(step)
+        if pooled:
+            assert out.values().shape == (sizes[rank], expected.values().shape[1])
+            torch.testing.assert_close(out.values(), expected.values()[mine].detach(), **TOL)
+            grad = torch.randn(expected.values().shape, generator=gen)
+            loss_ref, loss = (expected.values() * grad).sum(), (out.values() * grad[mine]).sum()
+        else:
+            loss_ref, loss = 0.0, 0.0
+            for key in keys:
+                jt, want = out[key], expected[key]
+                offsets = want.offsets().tolist()
+                rows = slice(offsets[mine.start], offsets[mine.stop])
+                grad = torch.randn(want.values().shape, generator=gen)
+                torch.testing.assert_close(jt.values(), want.values()[rows].detach(), **TOL)
+                loss_ref = loss_ref + (want.values() * grad).sum()
+                loss = loss + (jt.values() * grad[rows]).sum()
+        loss_ref.div(world_size).backward()
+        loss.backward()
+    mc.check_state(reference, sharded)
+
+
+def _check_quant(empty: Sequence[int]) -> None:
+    rank, world_size, _ = case.world()
+    reference = QuantEmbeddingBagCollection.from_float(quant._trained(True))
+    plan = quant.plan_of(reference, world_size)
+    sharded = QuantEmbeddingBagCollectionSharder().shard(
+        copy.deepcopy(reference), plan, ShardingEnv.from_process_group(None)
+    )
+    for step in range(2):
+        global_kjt, local_kjt, sizes = case.global_and_local(
+            step, rank, world_size, quant.FEATURES, True, empty
+        )
+        expected = reference(global_kjt)
+        out = sharded(local_kjt)
+        assert out.keys() == expected.keys()
+        assert out.values().shape == (sizes[rank], expected.values().shape[1])
+        torch.testing.assert_close(out.values(), expected.values()[case.my_rows(rank, sizes)], **quant.TOL)
+
+
+def _worker() -> List[str]:
+    _, world_size, _ = case.world()
+    done = []
+    for empty in EMPTY[world_size]:
+        _check_ebc(empty, OptimType.SGD, weighted=False)
+        _check_ebc(empty, OptimType.ADAGRAD, weighted=True)
+        _check_ebc(empty, OptimType.SGD, weighted=False, fp8=True)
+        _check_ec(empty)
+        _check_vbe(empty, pooled=True)
+        _check_vbe(empty, pooled=False)
+        _check_fp_ebc(empty)
+        _check_mc(empty, pooled=True)
+        _check_mc(empty, pooled=False)
+        _check_quant(empty)
+        done.append(str(empty))
+    return done
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_zero_samples_on_any_ranks_match_unsharded(world_size):
+    results = run_world(_worker, world_size)
+    assert results == [[str(e) for e in EMPTY[world_size]]] * world_size
