@@ -16,6 +16,7 @@ from typing import List, Sequence
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from shardkit.distributed.codecs import CommType, QCommsConfig, get_qcomm_codecs
 from shardkit.distributed.sharding_env import ShardingEnv
@@ -30,17 +31,22 @@ from shardkit.modules import (
     PoolingType,
     PositionWeightedModule,
 )
-from shardkit.quant import QuantEmbeddingBagCollection
+from shardkit.quant import QuantEmbeddingBagCollection, QuantFeatureProcessedEmbeddingBagCollection
+from shardkit.sharding import EmbeddingBagSharder
 from shardkit.sharding.embedding import EmbeddingCollectionSharder
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
 from shardkit.sharding.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
-from shardkit.sharding.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
+from shardkit.sharding.quant_embeddingbag import (
+    QuantEmbeddingBagCollectionSharder,
+    QuantFeatureProcessedEmbeddingBagCollectionSharder,
+)
 from shardkit.sharding.sharding_plan import construct_module_sharding_plan, grid_shard, table_wise
 from shardkit.sharding.types import CommOp
 from shardkit.testing import run_world
 from tests.sharding import _sharded_case as case
 from tests.sharding import test_mc_sharded as mc
 from tests.sharding import test_quant_embeddingbag as quant
+from tests.sharding import test_sharded_embedding_bag as plain
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 FP8_TOL = dict(rtol=0.07, atol=0.02)
@@ -289,13 +295,28 @@ def _check_mc(empty: Sequence[int], pooled: bool) -> None:
     mc.check_state(reference, sharded)
 
 
-def _check_quant(empty: Sequence[int]) -> None:
+def _check_quant(empty: Sequence[int], processed: bool) -> None:
+    """Quantized tables (int8 / int4 / int2 / fp16 / bf16 / fp32; table-, row-, column-wise), inference;
+    ``processed``: position weights in front (the quantized FP-EBC)."""
     rank, world_size, _ = case.world()
-    reference = QuantEmbeddingBagCollection.from_float(quant._trained(True))
-    plan = quant.plan_of(reference, world_size)
-    sharded = QuantEmbeddingBagCollectionSharder().shard(
-        copy.deepcopy(reference), plan, ShardingEnv.from_process_group(None)
-    )
+    env = ShardingEnv.from_process_group(None)
+    if processed:
+        torch.manual_seed(0)
+        processors = {"a": PositionWeightedModule(4), "c": PositionWeightedModule(4)}
+        for p in processors.values():
+            with torch.no_grad():
+                p.position_weight.uniform_(0.5, 1.5)
+        reference = QuantFeatureProcessedEmbeddingBagCollection.from_float(
+            FeatureProcessedEmbeddingBagCollection(quant._trained(True), processors)
+        )
+        plan = quant.plan_of(reference.embedding_bag_collection, world_size)
+        sharded = QuantFeatureProcessedEmbeddingBagCollectionSharder().shard(
+            copy.deepcopy(reference), plan, env
+        )
+    else:
+        reference = QuantEmbeddingBagCollection.from_float(quant._trained(True))
+        plan = quant.plan_of(reference, world_size)
+        sharded = QuantEmbeddingBagCollectionSharder().shard(copy.deepcopy(reference), plan, env)
     for step in range(2):
         global_kjt, local_kjt, sizes = case.global_and_local(
             step, rank, world_size, quant.FEATURES, True, empty
@@ -305,6 +326,48 @@ def _check_quant(empty: Sequence[int]) -> None:
         assert out.keys() == expected.keys()
         assert out.values().shape == (sizes[rank], expected.values().shape[1])
         torch.testing.assert_close(out.values(), expected.values()[case.my_rows(rank, sizes)], **quant.TOL)
+
+
+def _bag_inputs(bags: List[List[int]], form: str):
+    """(input, offsets) of ``bags`` in nn.EmbeddingBag's 1-D or 2-D form (``[0, LENGTH]`` for none)."""
+    if not bags:  # (plain._inputs would give offsets [0]: one empty bag)
+        none = torch.zeros(0, dtype=torch.int64)
+        return (torch.zeros(0, plain.LENGTH, dtype=torch.int64), None) if form == "2d" else (none, none)
+    return plain._inputs(bags, form)
+
+
+def _check_embedding_bag(empty: Sequence[int]) -> None:
+    """The sharded plain nn.EmbeddingBag, every sharding type, both input forms, sum and mean."""
+    rank, world_size, _ = case.world()
+    env = ShardingEnv.from_process_group(None)
+    for sharding_type in plain._generators(world_size, plain.FUSED):
+        for mode, kernel in (("sum", plain.DENSE), ("mean", plain.FUSED)):
+            torch.manual_seed(0)
+            reference = nn.EmbeddingBag(plain.ROWS, plain.DIM, mode=mode)
+            fused = kernel == plain.FUSED and sharding_type != "data_parallel"
+            sharder = EmbeddingBagSharder(
+                fused_params={"optimizer": OptimType.SGD, "learning_rate": plain.LR} if fused else None
+            )
+            generator = plain._generators(world_size, kernel)[sharding_type]
+            sharded = sharder.shard(copy.deepcopy(reference), plain._plan(generator, world_size), env)
+            for step, form in enumerate(["1d", "2d"]):
+                per_rank = [[] if r in empty else plain._bags(step, r, form) for r in range(world_size)]
+                mine = case.my_rows(rank, [len(bags) for bags in per_rank])
+                expected = reference(*_bag_inputs([b for bags in per_rank for b in bags], form))
+                grad = torch.randn(expected.shape, generator=torch.Generator().manual_seed(100 + step))
+                (expected * grad).sum().div(world_size).backward()
+                with torch.no_grad():
+                    reference.weight.add_(reference.weight.grad, alpha=-plain.LR)
+                reference.weight.grad = None
+                out = sharded(*_bag_inputs(per_rank[rank], form))
+                what = f"{sharding_type} {mode} step {step} ({form})"
+                torch.testing.assert_close(
+                    out.wait(), expected[mine].detach(), **TOL, msg=lambda m, what=what: f"{what}: {m}"
+                )
+                (out * grad[mine]).sum().backward()
+                plain._step_sgd_(sharded, world_size)
+            full = sharded.full_table("weight")
+            torch.testing.assert_close(full, reference.weight.detach(), **TOL, msg=sharding_type)
 
 
 def _worker() -> List[str]:
@@ -320,7 +383,9 @@ def _worker() -> List[str]:
         _check_fp_ebc(empty)
         _check_mc(empty, pooled=True)
         _check_mc(empty, pooled=False)
-        _check_quant(empty)
+        _check_quant(empty, processed=False)
+        _check_quant(empty, processed=True)
+        _check_embedding_bag(empty)
         done.append(str(empty))
     return done
 
