@@ -105,11 +105,13 @@ def global_and_local(
     features: List[Tuple[str, int]],
     weighted: bool,
     empty: Sequence[int] = (),
+    unused: Sequence[int] = (),
 ) -> Tuple[KeyedJaggedTensor, KeyedJaggedTensor, List[int]]:
     """(global KJT of all ranks' samples in rank order, this rank's KJT, each rank's batch size).
 
     The local KJT lists its keys in reverse order, so the sharded module's permutation is exercised.
-    The ranks in ``empty`` have zero samples (a KJT of stride 0).
+    The ranks in ``empty`` have zero samples (a KJT of stride 0); those in ``unused`` have one more
+    key, :data:`UNUSED`, that no table looks up (see :func:`with_unused_feature`).
     """
     sizes = [batch_size(r, empty) for r in range(world_size)]
     per_rank = [batch_rows(step, r, features, sizes[r]) for r in range(world_size)]
@@ -121,7 +123,24 @@ def global_and_local(
         local_kjt = to_kjt(per_rank[rank])
     reversed_keys = list(reversed(local_kjt.keys()))
     local_kjt = local_kjt.permute([local_kjt.keys().index(k) for k in reversed_keys])
+    if rank in unused:
+        local_kjt = with_unused_feature(local_kjt)
     return global_kjt, local_kjt, sizes
+
+
+UNUSED = "unused_feature"
+
+
+def with_unused_feature(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """``kjt`` with one more key first, :data:`UNUSED`, that no table looks up: two ids per sample,
+    outside every table (-1 and 10**9), with weights when ``kjt`` has them (a leaf's stay leaves)."""
+    batch = kjt.stride()
+    lengths = torch.cat([torch.full((batch,), 2, dtype=kjt.lengths().dtype), kjt.lengths()])
+    values = torch.cat([torch.tensor([-1, 10**9] * batch, dtype=kjt.values().dtype), kjt.values()])
+    weights = kjt.weights_or_none()
+    if weights is not None:
+        weights = torch.cat([torch.ones(2 * batch, dtype=weights.dtype), weights])
+    return KeyedJaggedTensor([UNUSED, *kjt.keys()], values, weights, lengths=lengths)
 
 
 def _weight(step: int, rank: int, feature: str, bag: int, pos: int) -> float:
@@ -183,16 +202,19 @@ def train_and_compare(
     weighted: bool,
     tol: Dict[str, float],
     empty: Sequence[int] = (),
+    unused: Sequence[int] = (),
 ) -> None:
     """``STEPS`` training steps of ``sharded`` on this rank's batches and of ``reference`` on the
     global batch, checking the pooled outputs and, ``weighted``, the input weights' gradients.
-    The ranks in ``empty`` have zero samples at every step.
+    The ranks in ``empty`` have zero samples at every step, those in ``unused`` an unused feature.
 
     The comm ops divide gradients by the world size (DDP's mean), so the reference loss is a mean
     over ranks; data-parallel replicas are averaged and stepped as DDP + SGD would."""
     rank, world_size, _ = world()
     for step in range(STEPS):
-        global_kjt, local_kjt, batch = global_and_local(step, rank, world_size, features, weighted, empty)
+        global_kjt, local_kjt, batch = global_and_local(
+            step, rank, world_size, features, weighted, empty, unused
+        )
         if weighted:  # the input weights' gradients too (through the KJT all-to-all's backward)
             global_kjt, local_kjt = with_leaf_weights(global_kjt), with_leaf_weights(local_kjt)
         expected = reference(global_kjt)
@@ -207,7 +229,9 @@ def train_and_compare(
         if weighted:
             expected_grads = weight_grads(global_kjt, mine)
             for key, got in weight_grads(local_kjt).items():
-                torch.testing.assert_close(got, expected_grads[key], **tol, msg=f"weight grads of {key}")
+                # the unused feature's weights reach nothing: zero gradient
+                want = torch.zeros_like(got) if key == UNUSED else expected_grads[key]
+                torch.testing.assert_close(got, want, **tol, msg=f"weight grads of {key}")
 
 
 def average_dense_gradients_(module: torch.nn.Module, world_size: int) -> None:

@@ -103,7 +103,9 @@ def _assert_same_shards(sharded, reference_ebc) -> None:
         )
 
 
-def _check_ebc(empty: Sequence[int], optimizer: OptimType, weighted: bool, fp8: bool = False) -> None:
+def _check_ebc(
+    empty: Sequence[int], optimizer: OptimType, weighted: bool, fp8: bool = False, unused: Sequence[int] = ()
+) -> None:
     """``fp8``: fp8 comm codecs on the pooled all-to-all and reduce-scatter (forward and backward):
     within fp8 rounding (3 mantissa bits: a relative error up to 1/16 per value sent)."""
     reference = _ebc(optimizer, weighted)
@@ -119,13 +121,13 @@ def _check_ebc(empty: Sequence[int], optimizer: OptimType, weighted: bool, fp8: 
     )
     features = FEATURES if optimizer is OptimType.SGD else NO_DP_FEATURES
     tol = FP8_TOL if fp8 else TOL
-    case.train_and_compare(reference, sharded, features, weighted, tol, empty)
+    case.train_and_compare(reference, sharded, features, weighted, tol, empty, unused)
     for (name, r0, r1, c0, c1), weight in sharded.local_shards().items():
         want = reference.table_weight(name)[r0:r1, c0:c1].detach()
         torch.testing.assert_close(weight, want, **(FP8_WEIGHT_TOL if fp8 else TOL), msg=name)
 
 
-def _check_ec(empty: Sequence[int]) -> None:
+def _check_ec(empty: Sequence[int], unused: Sequence[int] = ()) -> None:
     rank, world_size, _ = case.world()
     torch.manual_seed(0)
     reference = EmbeddingCollection(
@@ -138,7 +140,9 @@ def _check_ec(empty: Sequence[int]) -> None:
     )
     for step in range(case.STEPS):
         features = [(f, rows) for f, rows in FEATURES if f != "f_grid"]
-        global_kjt, local_kjt, sizes = case.global_and_local(step, rank, world_size, features, False, empty)
+        global_kjt, local_kjt, sizes = case.global_and_local(
+            step, rank, world_size, features, False, empty, unused
+        )
         expected = reference(global_kjt)
         out = sharded(local_kjt)
         assert list(out.keys()) == list(expected.keys())
@@ -222,7 +226,7 @@ def _check_vbe(empty: Sequence[int], pooled: bool) -> None:
 PROCESSED = ["f_tw", "f_cw1", "f_rw", "f_dp", "f_twrw", "f_twcw", "f_grid"]
 
 
-def _check_fp_ebc(empty: Sequence[int]) -> None:
+def _check_fp_ebc(empty: Sequence[int], unused: Sequence[int] = ()) -> None:
     """Position weights: forward, the position weights' gradient (summed over ranks), table weights."""
     rank, world_size, _ = case.world()
     reference = FeatureProcessedEmbeddingBagCollection(
@@ -236,7 +240,9 @@ def _check_fp_ebc(empty: Sequence[int]) -> None:
         copy.deepcopy(reference), plan, ShardingEnv.from_process_group(None)
     )
     for step in range(case.STEPS):
-        global_kjt, local_kjt, sizes = case.global_and_local(step, rank, world_size, FEATURES, True, empty)
+        global_kjt, local_kjt, sizes = case.global_and_local(
+            step, rank, world_size, FEATURES, True, empty, unused
+        )
         expected = reference(global_kjt)
         grad = torch.randn(expected.values().shape, generator=torch.Generator().manual_seed(step))
         (expected.values() * grad).sum().div(world_size).backward()
@@ -257,7 +263,7 @@ def _check_fp_ebc(empty: Sequence[int]) -> None:
     _assert_same_shards(sharded, reference.embedding_bag_collection)
 
 
-def _check_mc(empty: Sequence[int], pooled: bool) -> None:
+def _check_mc(empty: Sequence[int], pooled: bool, unused: Sequence[int] = ()) -> None:
     """MC-EBC / MC-EC (row-wise, table-wise, column-wise tables): remaps, evictions, outputs, state."""
     rank, world_size, _ = case.world()
     reference = mc.build(pooled, world_size, equivalent=True)
@@ -268,6 +274,8 @@ def _check_mc(empty: Sequence[int], pooled: bool) -> None:
         sizes = [case.batch_size(r, empty) for r in range(world_size)]
         global_kjt = case.to_kjt({f: [b for r in range(world_size) for b in per_rank[r][f]] for f in keys})
         local_kjt = case.to_kjt({f: per_rank[rank][f] for f in reversed(keys)})
+        if rank in unused:
+            local_kjt = case.with_unused_feature(local_kjt)
         assert local_kjt.stride() == sizes[rank]
         expected, expected_remap = reference(global_kjt)
         out, remapped = sharded(local_kjt)
@@ -295,7 +303,7 @@ def _check_mc(empty: Sequence[int], pooled: bool) -> None:
     mc.check_state(reference, sharded)
 
 
-def _check_quant(empty: Sequence[int], processed: bool) -> None:
+def _check_quant(empty: Sequence[int], processed: bool, unused: Sequence[int] = ()) -> None:
     """Quantized tables (int8 / int4 / int2 / fp16 / bf16 / fp32; table-, row-, column-wise), inference;
     ``processed``: position weights in front (the quantized FP-EBC)."""
     rank, world_size, _ = case.world()
@@ -319,7 +327,7 @@ def _check_quant(empty: Sequence[int], processed: bool) -> None:
         sharded = QuantEmbeddingBagCollectionSharder().shard(copy.deepcopy(reference), plan, env)
     for step in range(2):
         global_kjt, local_kjt, sizes = case.global_and_local(
-            step, rank, world_size, quant.FEATURES, True, empty
+            step, rank, world_size, quant.FEATURES, True, empty, unused
         )
         expected = reference(global_kjt)
         out = sharded(local_kjt)
@@ -394,3 +402,28 @@ def _worker() -> List[str]:
 def test_zero_samples_on_any_ranks_match_unsharded(world_size):
     results = run_world(_worker, world_size)
     assert results == [[str(e) for e in EMPTY[world_size]]] * world_size
+
+
+# (ranks with zero samples, ranks whose input has a feature no table looks up); docs/sharding.md
+UNUSED_CASES = [((), (1,)), ((0,), (0, 2))]
+
+
+def _unused_worker() -> List[str]:
+    """An input key that no table looks up, on some ranks only (ids outside every table, weights):
+    ignored, as torchrec and the unsharded modules do, with every rank's result exact."""
+    done = []
+    for empty, unused in UNUSED_CASES:
+        _check_ebc(empty, OptimType.SGD, weighted=False, unused=unused)
+        _check_ebc(empty, OptimType.ADAGRAD, weighted=True, unused=unused)
+        _check_ec(empty, unused)
+        _check_fp_ebc(empty, unused)
+        _check_mc(empty, pooled=True, unused=unused)
+        _check_mc(empty, pooled=False, unused=unused)
+        _check_quant(empty, processed=False, unused=unused)
+        _check_quant(empty, processed=True, unused=unused)
+        done.append(str(unused))
+    return done
+
+
+def test_unused_feature_on_some_ranks_is_ignored_exactly():
+    assert run_world(_unused_worker, 3) == [[str(u) for _, u in UNUSED_CASES]] * 3
