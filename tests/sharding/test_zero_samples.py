@@ -32,7 +32,7 @@ from shardkit.modules import (
     PositionWeightedModule,
 )
 from shardkit.quant import QuantEmbeddingBagCollection, QuantFeatureProcessedEmbeddingBagCollection
-from shardkit.sharding import EmbeddingBagSharder
+from shardkit.sharding import EmbeddingBagSharder, EmbeddingModuleShardingPlan
 from shardkit.sharding.embedding import EmbeddingCollectionSharder
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
 from shardkit.sharding.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
@@ -346,7 +346,7 @@ def _bag_inputs(bags: List[List[int]], form: str):
 
 def _check_embedding_bag(empty: Sequence[int]) -> None:
     """The sharded plain nn.EmbeddingBag, every sharding type, both input forms, sum and mean."""
-    rank, world_size, _ = case.world()
+    rank, world_size, local_size = case.world()
     env = ShardingEnv.from_process_group(None)
     for sharding_type in plain._generators(world_size, plain.FUSED):
         for mode, kernel in (("sum", plain.DENSE), ("mean", plain.FUSED)):
@@ -357,7 +357,9 @@ def _check_embedding_bag(empty: Sequence[int]) -> None:
                 fused_params={"optimizer": OptimType.SGD, "learning_rate": plain.LR} if fused else None
             )
             generator = plain._generators(world_size, kernel)[sharding_type]
-            sharded = sharder.shard(copy.deepcopy(reference), plain._plan(generator, world_size), env)
+            sharding = generator("weight", (plain.ROWS, plain.DIM), local_size, world_size, "cpu")
+            plan = EmbeddingModuleShardingPlan({"weight": sharding})
+            sharded = sharder.shard(copy.deepcopy(reference), plan, env)
             for step, form in enumerate(["1d", "2d"]):
                 per_rank = [[] if r in empty else plain._bags(step, r, form) for r in range(world_size)]
                 mine = case.my_rows(rank, [len(bags) for bags in per_rank])
@@ -398,9 +400,11 @@ def _worker() -> List[str]:
     return done
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_zero_samples_on_any_ranks_match_unsharded(world_size):
-    results = run_world(_worker, world_size)
+# world 2 as two nodes of one rank (grid: a column block per node; table-row-wise and -column-wise on
+# one node), world 3 as one node (grid, table-row-wise: row blocks over three ranks)
+@pytest.mark.parametrize("world_size, local_size", [(2, 1), (3, None)])
+def test_zero_samples_on_any_ranks_match_unsharded(world_size, local_size):
+    results = run_world(_worker, world_size, local_world_size=local_size)
     assert results == [[str(e) for e in EMPTY[world_size]]] * world_size
 
 
