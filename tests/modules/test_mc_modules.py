@@ -3,6 +3,7 @@ with repeats, new ids, ties and thresholds; and its checks, state dict and the c
 
 from __future__ import annotations
 
+import io
 import random
 
 import pytest
@@ -106,11 +107,58 @@ def test_ties_keep_the_incumbent_and_prefer_the_smaller_new_id():
 def test_eval_mode_only_remaps():
     module, _ = make_pair("lfu", 4, 1, 1, 100)
     module({"t": JaggedTensor(torch.tensor([3, 4]), lengths=torch.tensor([2]))})
-    state = {k: v.clone() for k, v in module.state_dict().items()}
+    state = {k: _tensor(v).clone() for k, v in module.state_dict().items()}
     module.eval()
     out = module({"t": JaggedTensor(torch.tensor([3, 50]), lengths=torch.tensor([2]))})
     assert out["t"].values().tolist()[1] == 3  # 50 is unknown: the miss slot
-    assert all(torch.equal(state[k], v) for k, v in module.state_dict().items())
+    assert all(torch.equal(state[k], _tensor(v)) for k, v in module.state_dict().items())
+
+
+def _tensor(value):
+    """A state-dict value as a tensor: a bucket's eviction window is a tuple of one tensor."""
+    return value[0] if isinstance(value, tuple) else value
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lru", "dlfu"])
+def test_a_resume_between_two_evictions_continues_exactly(policy):
+    # issue 23: the window of ids seen since the last eviction was not saved, so a state dict taken
+    # between two evictions resumed with an empty window and diverged at the next eviction
+    rng = random.Random(5)
+    module, ref = make_pair(policy, 12, 3, 4, 600)
+    run_and_compare(module, ref, rng, 600, steps=10)  # iteration 10: two steps into a window of 4
+    assert any(module._history[b] for b in range(3))
+    buffer = io.BytesIO()
+    torch.save(module.state_dict(), buffer)
+    buffer.seek(0)
+    fresh, _ = make_pair(policy, 12, 3, 4, 600)
+    fresh.load_state_dict(torch.load(buffer, weights_only=True))
+    evictions = 0
+    for step in range(10):
+        ids = torch.tensor(stream(rng, 600, 25, 20), dtype=torch.int64)
+        a = module({"t": JaggedTensor(ids, lengths=torch.tensor([len(ids)]))})["t"].values()
+        b = fresh({"t": JaggedTensor(ids, lengths=torch.tensor([len(ids)]))})["t"].values()
+        assert torch.equal(a, b), step
+        ev_a, ev_b = module.evict(), fresh.evict()
+        assert (None if ev_a is None else ev_a.tolist()) == (None if ev_b is None else ev_b.tolist()), step
+        evictions += 0 if ev_a is None else ev_a.numel()
+    assert evictions > 0
+    for name, value in module.state_dict().items():
+        assert torch.equal(_tensor(value), _tensor(fresh.state_dict()[name])), name
+
+
+def test_a_window_that_does_not_fit_the_module_is_refused():
+    module, _ = make_pair("lfu", 12, 3, 4, 600)
+    run_and_compare(module, ReferenceMCH(12, 3, "lfu", 4, 600, 1.0, None), random.Random(2), 600, steps=2)
+    state = module.state_dict()
+    fresh, _ = make_pair("lfu", 12, 3, 4, 600)
+    assert fresh.check_state_dict(state, "") == []
+    bad = dict(state)
+    window = state["_mch_window_1"][0].clone()
+    bad["_mch_window_1"] = (torch.cat([window, torch.tensor([[599], [1], [2]])], dim=1),)  # not bucket 1's
+    with pytest.raises(RuntimeError, match="window of bucket 1 does not hold distinct ascending ids"):
+        fresh.load_state_dict(bad)
+    bad["_mch_window_1"] = (torch.tensor([[210], [1], [9]]),)  # seen at iteration 9 of a state at 2
+    assert "iterations outside (0, 2]" in " ".join(fresh.check_state_dict(bad, ""))
 
 
 def test_state_dict_round_trip_continues_identically():

@@ -59,7 +59,14 @@ from shardkit.checkpoint.manifest import (
 )
 from shardkit.checkpoint.metadata_bounds import check_storage_files
 from shardkit.checkpoint.safe_metadata import METADATA_FILE, SafeFileSystemReader, read_metadata_file
-from shardkit.checkpoint.state import apply_state, checkpoint_state, fill_from_metadata, staging_copy
+from shardkit.checkpoint.state import (
+    apply_state,
+    check_state,
+    checkpoint_state,
+    fill_from_metadata,
+    set_aside_absent_records,
+    staging_copy,
+)
 from shardkit.distributed.agreement import gather_objects, group_rank, group_size
 from shardkit.distributed.timeouts import ENV_VAR, is_timeout, silent_ranks
 from shardkit.sharding.types import ShardingPlan
@@ -301,15 +308,17 @@ def _load(path: str, model: nn.Module, optimizers: Any) -> None:
         state, fill = checkpoint_state(model, optimizers)
         staged = staging_copy(state)
         fill_from_metadata(staged, fill, metadata, model)
-        return staged
+        return staged, set_aside_absent_records(staged, metadata)
 
-    staged = _agreed(_stage, f"preparing to load {path}")
+    staged, absent = _agreed(_stage, f"preparing to load {path}")
     try:
         with _quiet_dcp():
             dcp.load(staged, storage_reader=SafeFileSystemReader(path), planner=_ExactLoadPlanner())
     # dcp raises CheckpointException (a BaseException) on every rank when a rank failed
     except (Exception, CheckpointException) as err:
         raise CheckpointError(f"reading checkpoint {path} failed: {str(err)[:4000]}") from err
+    # every rank checks before any rank writes: a refusal on one rank leaves every rank's model as it was
+    _agreed(lambda: check_state(model, staged, absent), f"checking checkpoint {path} against the model")
     _agreed(lambda: apply_state(model, optimizers, staged), f"copying checkpoint {path} into the model")
 
 

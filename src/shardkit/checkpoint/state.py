@@ -22,7 +22,7 @@ were until every rank has read everything.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -163,6 +163,48 @@ def checkpoint_state(model: nn.Module, optimizers: Any) -> Tuple[Dict[str, Any],
     return state, fill
 
 
+def set_aside_absent_records(state: Dict[str, Any], metadata: Metadata) -> List[str]:
+    """Remove from ``state["model"]`` the non-tensor records (a managed-collision bucket's eviction
+    window) that the checkpoint does not hold, and return their keys: ``dcp.load`` would fail on them
+    before :func:`check_state` can say why (a map saved with fewer buckets has no window for the
+    others), and :func:`check_state` refuses the load while any is left."""
+    model = state["model"]
+    absent = [
+        key
+        for key, value in model.items()
+        if not isinstance(value, torch.Tensor) and f"model.{key}" not in metadata.state_dict_metadata
+    ]
+    for key in absent:
+        del model[key]
+    return absent
+
+
+def check_state(model: nn.Module, state: Dict[str, Any], absent: Sequence[str] = ()) -> None:
+    """``CheckpointError`` if a module of ``model`` would refuse its part of the filled
+    :func:`checkpoint_state`, or the checkpoint lacks records of the model (``absent``): modules that
+    define ``check_state_dict(state_dict, prefix) -> [problems]`` (the managed-collision maps) are
+    asked before anything is written, so that a refused load leaves the model as it was. Their key
+    prefixes are the ones ``model.state_dict()`` gives them."""
+    checkers = [m for m in model.modules() if callable(getattr(m, "check_state_dict", None))]
+    found: List[Tuple[nn.Module, str]] = []
+    handles = [
+        m.register_state_dict_pre_hook(lambda m, prefix, keep_vars: found.append((m, prefix)))
+        for m in checkers
+    ]
+    try:
+        model.state_dict()
+    finally:
+        for handle in handles:
+            handle.remove()
+    problems = [p for module, prefix in found for p in module.check_state_dict(state["model"], prefix)]
+    problems += [f"it has no record {key!r}" for key in absent[:8]]
+    problems += [f"and {len(absent) - 8} more records are missing"] if len(absent) > 8 else []
+    if problems:
+        raise CheckpointError(
+            "the checkpoint does not fit the model (nothing was loaded): " + "; ".join(problems)
+        )
+
+
 def apply_state(model: nn.Module, optimizers: Any, state: Dict[str, Any]) -> None:
     """Copy a filled :func:`checkpoint_state` into the model and the optimizers."""
     model.load_state_dict(state["model"])
@@ -240,4 +282,11 @@ def fill_from_metadata(state: Dict[str, Any], fill: List[Path], metadata: Metada
                 leaf[str(path[-1])] = None
 
 
-__all__ = ["apply_state", "checkpoint_state", "fill_from_metadata", "staging_copy"]
+__all__ = [
+    "apply_state",
+    "check_state",
+    "checkpoint_state",
+    "fill_from_metadata",
+    "set_aside_absent_records",
+    "staging_copy",
+]

@@ -23,12 +23,14 @@ fed the concatenation of all ranks' batches.
 State dict: the unsharded keys (``_managed_collision_modules.<table>.<buffer>``); the ``[zch_size]``
 buffers as DTensor / ShardedTensor values sharded like the table's rows (TABLE_WISE / COLUMN_WISE: one
 shard on the owner), ``_current_iter_tensor`` and ``_buckets_tensor`` as plain (replicated) tensors,
-so torch.distributed.checkpoint reshards them to any world size whose row blocks are whole buckets.
+so torch.distributed.checkpoint reshards them to any world size whose row blocks are whole buckets;
+and each bucket's eviction window (``_mch_window_<bucket>``, from the rank holding the bucket), so a
+resume between two evictions continues exactly.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional, Tuple, Type
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
@@ -40,7 +42,7 @@ from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.distributed.topology import get_local_size
 from shardkit.distributed.validation import validation_enabled
 from shardkit.modules.mc_collection import ManagedCollisionCollection, in_feature_order, replace_values
-from shardkit.modules.mc_modules import MCHManagedCollisionModule
+from shardkit.modules.mc_modules import WINDOW_KEY, MCHManagedCollisionModule
 from shardkit.sharding.embedding_sharding import ShardedTable, sharded_table
 from shardkit.sharding.kjt_list import KJTList
 from shardkit.sharding.sharded_state import load_state_value, to_state_value
@@ -393,6 +395,48 @@ class ShardedManagedCollisionCollection(ShardedModule):
     def sharded_parameter_names(self, prefix: str = "") -> Iterator[str]:
         return iter(())
 
+    def check_state_dict(self, state_dict: Dict[str, Any], prefix: str) -> List[str]:
+        """Problems loading ``state_dict`` (keys under ``prefix``) would raise on this rank, found
+        without writing anything (``shardkit.checkpoint.load`` asks before it copies): a map of other
+        buckets, a slice that does not fit this rank's rows, a slice that is not a valid map."""
+        problems = []
+        for name, layouts in self._layouts.items():
+            base = f"{prefix}_managed_collision_modules.{name}."
+            expected = int(self._global[name]._buckets_tensor)
+            buckets = state_dict.get(base + "_buckets_tensor")
+            if isinstance(buckets, torch.Tensor) and (buckets.numel() != 1 or int(buckets) != expected):
+                saved = int(buckets.reshape(-1)[0]) if buckets.numel() else "no"
+                problems.append(
+                    f"managed collision table {name!r}: the state has {saved} buckets, this module "
+                    f"{expected} (a map cannot be re-cut into other buckets)"
+                )
+                continue
+            if name not in self._managed_collision_modules:
+                continue
+            local = self._managed_collision_modules[name]
+            candidate = {}
+            try:
+                for buffer, layout in layouts.items():
+                    scratch = getattr(local, buffer).clone()
+                    if base + buffer in state_dict:
+                        load_state_value(state_dict[base + buffer], [scratch], layout)
+                    candidate[buffer] = scratch
+            except ValueError as err:
+                problems.append(str(err))
+                continue
+            problem = local.map_problem(
+                candidate["_mch_sorted_raw_ids"], candidate["_mch_remapped_ids_mapping"], expected
+            )
+            if problem is not None:
+                problems.append(problem)
+            iteration = state_dict.get(base + "_current_iter_tensor", self._iters[name])
+            for bucket in range(local.buckets()):
+                key = base + local.window_key(bucket)
+                if key in state_dict:
+                    problem = local.window_problem(bucket, state_dict[key], int(iteration.reshape(-1)[0]))
+                    problems += [] if problem is None else [problem]
+        return problems
+
     @property
     def unsharded_module_type(self) -> Type[ManagedCollisionCollection]:
         return ManagedCollisionCollection
@@ -423,6 +467,10 @@ def _maps_to_state_dict(
         state_dict[base + "_current_iter_tensor"] = module._iters[name]
         # a copy: loading (dcp.load in place, then load_state_dict) compares it with this module's
         state_dict[base + "_buckets_tensor"] = module._global[name]._buckets_tensor.clone()
+        # the eviction windows of the buckets this rank holds, one record per (global) bucket: any
+        # world size reads the buckets it holds
+        for bucket in range(0 if local is None else local.buckets()):
+            state_dict[base + local.window_key(bucket)] = local.window_state(bucket)
 
 
 def _maps_from_state_dict(
@@ -450,6 +498,12 @@ def _maps_from_state_dict(
         if iteration is not None:
             with torch.no_grad():
                 module._iters[name].copy_(iteration)
+        # windows of buckets held elsewhere (a whole map's state dict): not this rank's to load; the
+        # local module's own hook takes those of its buckets
+        held = set() if local is None else {local.window_key(b) for b in range(local.buckets())}
+        for key in [k for k in state_dict if k.startswith(base + WINDOW_KEY)]:
+            if key[len(base) :] not in held:
+                del state_dict[key]
         for buffer, layout in layouts.items():
             key = base + buffer
             if key not in state_dict:
