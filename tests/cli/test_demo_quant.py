@@ -15,6 +15,7 @@ SHORT = ["demo", "--steps", "4", "--tables", "5", "--max-rows", "300", "--batch-
 def test_quantized_serving_prints_memory_and_prediction_change(capsys):
     assert main(SHORT) == 0
     out = capsys.readouterr().out
+    assert "result: sharded == unsharded" in out  # the fp32 model it quantizes was exact first
     assert "quantized serving on 2 ranks" in out
     for name, at_most in (("int8", 0.4), ("int4", 0.3)):
         line = next(line for line in out.splitlines() if line.strip().startswith(f"{name}: tables"))

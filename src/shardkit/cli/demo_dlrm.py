@@ -36,6 +36,10 @@ from shardkit.models import MixedDimDLRM, dense_parameters
 DENSE_IN = 13  # as in Criteo
 DENSE_OUT = 16
 LR = 0.5  # one SGD rate for tables and dense layers: a replicated table trains like a sharded one
+# Smooth, so that the check compares like with like: sharded and unsharded float32 sums differ in their
+# last bits, and through a ReLU a pre-activation that close to zero switches one sample's gradient on in
+# one run and off in the other (a jump of 1e-4 in one step, not drift; MixedDimDLRM's docstring)
+ACTIVATION = torch.nn.SiLU
 # (rows, dim, mean ids per bag), cycled: big and small tables, narrow (interacting) and wide ones
 _TABLE_SHAPES = [
     (100_000, 16, 1.0),
@@ -79,7 +83,16 @@ def make_model(
     tables: Sequence[TableSpec], seed: int, device: Optional[torch.device] = None, mc=(), nproc: int = 1
 ) -> MixedDimDLRM:
     torch.manual_seed(seed)
-    return MixedDimDLRM(tables, DENSE_IN, DENSE_OUT, lr=LR, device=device, mc_tables=mc, mc_buckets=nproc)
+    return MixedDimDLRM(
+        tables,
+        DENSE_IN,
+        DENSE_OUT,
+        lr=LR,
+        device=device,
+        mc_tables=mc,
+        mc_buckets=nproc,
+        activation=ACTIVATION,
+    )
 
 
 def plan_sharding(model: MixedDimDLRM, tables: Sequence[TableSpec], args, mc=()) -> tuple:
@@ -206,7 +219,7 @@ def run_rank(
     for step in range(steps):
         losses.append(pipeline.progress(batches))
         if bar is not None:
-            bar.update(step + 1, f"loss {losses[-1].item():.4f}")
+            bar.update(step + 1, progress_note(losses[-1].item()))
     seconds = time.perf_counter() - begin
     # each rank's loss is the mean over its samples; equal batches make their mean the global loss
     mean_losses = torch.stack(losses).double()  # on the device: NCCL reduces device tensors
@@ -335,6 +348,23 @@ def differences(
     return out
 
 
+def progress_note(rank0_loss: float) -> str:
+    """The progress bar's note: rank 0 draws it and knows only its own samples' loss, so it says so
+    (the summary after training is the global batch mean, over every rank's samples)."""
+    return f"rank 0 loss {rank0_loss:.4f}"
+
+
+def mc_header(table: TableSpec, buckets: int, args) -> str:
+    """The header line of the managed-collision table, with the bucket count this run really uses."""
+    why = ""
+    if buckets != args.nproc:
+        why = f": a multiple of {args.nproc} and {restart_world_size(args)} ranks, for the restart"
+    return (
+        f"managed collision: feature {table.name!r} of raw 64-bit ids ({MC_CARDINALITY:,} distinct, Zipf) "
+        f"into {table.rows:,} slots (LFU, eviction every step, {buckets} buckets{why})"
+    )
+
+
 def run(args) -> int:
     """Run the demo as parsed by ``shardkit.cli.demo``; returns the exit code."""
     from shardkit.cli.demo import timeout_env
@@ -353,10 +383,7 @@ def run(args) -> int:
         f"batch {args.batch_size} per rank, {args.steps} steps"
     )
     for t in mc:
-        print(
-            f"managed collision: feature {t.name!r} of raw 64-bit ids ({MC_CARDINALITY:,} distinct, Zipf) "
-            f"into {t.rows:,} slots (LFU, eviction every step, {args.nproc} buckets)"
-        )
+        print(mc_header(t, buckets, args))
     plan, plan_text = plan_sharding(model, tables, args, mc)
     print(plan_text, flush=True)  # before the ranks' progress bar
     # On a fresh machine the native CPU kernels compile on first use (tens of seconds, with their own
