@@ -1,6 +1,6 @@
 """Managed-collision checkpoints (issue 23): a load that is refused leaves the model as it was, on every
 rank; a resume between two evictions continues exactly as the uninterrupted run (the eviction window
-travels with the checkpoint)."""
+travels with the checkpoint); a checkpoint without the windows is refused, naming them."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from shardkit import checkpoint
+from shardkit.modules import LFU_EvictionPolicy, MCHManagedCollisionModule
+from shardkit.modules.mc_modules import WINDOW_KEY
+from shardkit.sparse import JaggedTensor
 from shardkit.testing import run_world
 from tests.sharding import _sharded_case as case
 from tests.sharding.test_mc_sharded import TABLES, build, check_state, rank_bags, run_steps, shard
@@ -100,3 +103,27 @@ def _resume_between_evictions(directory: str) -> bool:
 def test_a_resume_between_two_evictions_is_exact_at_another_world_size(tmp_path):
     assert all(run_world(_save_between_evictions, 2, str(tmp_path / "ckpt")))
     assert all(run_world(_resume_between_evictions, 3, str(tmp_path / "ckpt")))
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, without_windows: bool = False) -> None:
+        super().__init__()
+        self.mc = MCHManagedCollisionModule(12, None, LFU_EvictionPolicy(), 4, 600, buckets=3)
+        self._without_windows = without_windows
+
+    def state_dict(self, *args, **kwargs):
+        state = super().state_dict(*args, **kwargs)
+        if self._without_windows:  # as saved before the windows were part of the state
+            state = {k: v for k, v in state.items() if WINDOW_KEY not in k}
+        return state
+
+
+def test_a_checkpoint_without_eviction_windows_is_refused_naming_them(tmp_path):
+    old = _Holder(without_windows=True)
+    old.mc({"t": JaggedTensor(torch.tensor([5, 250, 450]), lengths=torch.tensor([3]))})
+    checkpoint.save(tmp_path / "old", old)
+    fresh = _Holder()
+    before = {k: v.clone() for k, v in fresh.named_buffers()}
+    with pytest.raises(checkpoint.CheckpointError, match="it has no record 'mc._mch_window_0'"):
+        checkpoint.load(tmp_path / "old", fresh)
+    assert all(torch.equal(before[k], v) for k, v in fresh.named_buffers())

@@ -403,8 +403,8 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
             return f"{where} does not hold distinct ascending ids of the bucket's range [{low}, {high})"
         if bool((counts < 1).any()) or bool((last <= since).any()) or bool((last > current_iter).any()):
             return (
-                f"{where} has counts below 1 or iterations outside ({since}, {current_iter}], the window "
-                f"since the last eviction at iteration {current_iter}"
+                f"{where} has counts below 1 or iterations outside ({since}, {current_iter}] (the "
+                f"iterations since its last eviction, for a state at iteration {current_iter})"
             )
         return None
 
