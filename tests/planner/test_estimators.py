@@ -36,6 +36,8 @@ TABLE = EmbeddingBagConfig(num_embeddings=100, embedding_dim=10, name="t", featu
 
 
 def _options(topology, module=None, sharder=None, **constraints):
+    # every kernel by name: a module with a fused optimizer gets DENSE options only when asked for them
+    constraints.setdefault("compute_kernels", list((sharder or ebc_sharder()).compute_kernels("", "cpu")))
     enumerator = EmbeddingEnumerator(
         topology, batch_size=10, constraints={"t": ParameterConstraints(pooling_factors=[2.0], **constraints)}
     )

@@ -95,6 +95,13 @@ def _optimizer_of(module: nn.Module, sharder: ModuleSharder[nn.Module]) -> Optio
     return fused.config.optimizer
 
 
+def _named(c: ParameterConstraints, sharding_type: str, kernel: str) -> bool:
+    """Whether the constraints ask for ``sharding_type`` or ``kernel`` by name (an explicit choice)."""
+    return (c.sharding_types is not None and sharding_type in c.sharding_types) or (
+        c.compute_kernels is not None and kernel in c.compute_kernels
+    )
+
+
 class EmbeddingEnumerator:
     """Lists the tables and their candidate ``ShardingOption`` s.
 
@@ -106,7 +113,10 @@ class EmbeddingEnumerator:
             was built with one; else no state).
 
     A module built without a fused optimizer gets no FUSED* kernel options (its sharded version
-    could not apply one); its tables are planned with the other kernels the sharder offers.
+    could not apply one); its tables are planned with the other kernels the sharder offers. A module
+    with one (its own, an in-backward one or the sharder's ``fused_params``) gets no DENSE options
+    (so no DATA_PARALLEL ones) unless its constraints name that kernel or sharding type: a DENSE
+    table is trained by the model's dense optimizer, which would silently replace the one asked for.
     """
 
     def __init__(
@@ -184,6 +194,14 @@ class EmbeddingEnumerator:
                     continue
                 if kernel in _FUSED_KERNELS and not table.fused_optimizer:
                     continue
+                if (
+                    table.fused_optimizer
+                    and kernel == EmbeddingComputeKernel.DENSE.value
+                    and not _named(c, sharding_type, kernel)
+                ):
+                    # a DENSE (and so a data-parallel) table is trained by the model's dense
+                    # optimizer, not by the fused one its module asked for: never chosen silently
+                    continue
                 options.append(ShardingOption(table, sharding_type, kernel, *layout))
         if not options:
             raise PlannerError(
@@ -192,7 +210,8 @@ class EmbeddingEnumerator:
                 f"{c.sharding_types} and kernels {c.compute_kernels} (TABLE_ROW_WISE / TABLE_COLUMN_WISE / "
                 f"GRID_SHARD need more than one node; COLUMN_WISE needs at least 2 x min_partition="
                 f"{c.min_partition} columns, GRID_SHARD one min_partition per node; FUSED kernels need a "
-                "module built with a fused_optimizer)"
+                "module built with a fused_optimizer; one with a fused optimizer gets DENSE / DATA_PARALLEL "
+                "options only where the constraints name that kernel or sharding type)"
             )
         return options
 
