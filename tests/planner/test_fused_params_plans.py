@@ -86,7 +86,8 @@ def _train(optimizer_name: str):
     sharded = sharder.shard(module, plan.plan[""], env)
     reference = _collection(OptimType(optimizer_name))
     for step in range(STEPS):
-        grad = torch.randn(2 * world, sum(d for _, d in SHAPES), generator=torch.Generator().manual_seed(step))
+        gen = torch.Generator().manual_seed(step)
+        grad = torch.randn(2 * world, sum(d for _, d in SHAPES), generator=gen)
         reference(_global_batch(step, world)).values().mul(grad).sum().div(world).backward()
         sharded(_batch(step, rank)).values().mul(grad[2 * rank : 2 * rank + 2]).sum().backward()
     got = {f"t{i}": sharded.full_table(f"t{i}") for i in range(len(SHAPES))}

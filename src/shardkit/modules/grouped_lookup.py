@@ -21,6 +21,7 @@ from shardkit.distributed.validation import validation_enabled
 from shardkit.modules.embedding_configs import BaseEmbeddingConfig, PoolingType
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig, SparseRowOptimizer
 from shardkit.modules.lookup_kernels import lookup
+from shardkit.sparse.validation import check_id_dtype
 
 
 @dataclass(frozen=True)
@@ -174,8 +175,10 @@ class GroupedEmbeddingLookup(nn.Module):
             ``[S, features * width]`` (sample s's feature f in columns ``[f * width, (f + 1) * width)``,
             the layout of a KeyedTensor) straight from the kernel, without a transpose copy.
         Returns ``[sum(bags_per_feature), width]`` pooled rows (pooled) or ``[N, width]`` rows, in the
-        table dtype. Raises IndexError for an id outside its shard (unless validation is off).
+        table dtype. Raises IndexError for an id outside its shard (unless validation is off), TypeError
+        for ids of a non-integer dtype (naming the group's features).
         """
+        check_id_dtype(type(self).__name__, ids, self.feature_names)
         num_features = len(self.feature_names)
         if len(bags_per_feature) != num_features:
             raise ValueError(f"expected bag counts for {num_features} features, got {len(bags_per_feature)}")

@@ -47,6 +47,7 @@ from shardkit.sharding.types import (
     ShardingType,
 )
 from shardkit.sparse import KeyedJaggedTensor
+from shardkit.sparse.validation import check_id_dtype
 
 _DATA_PARALLEL = (DpPooledEmbeddingSharding, DpSequenceEmbeddingSharding)
 # kernels that apply the module's fused optimizer in backward (the UVM variants behave as FUSED on CPU)
@@ -227,10 +228,10 @@ def check_input(
     """Raise ``ValueError`` on every rank if any rank's input is bad (``source_feature`` maps the
     tables' feature names to the input's, see ``one_name_per_lookup``): a missing or repeated feature
     (features no table looks up are ignored), negative lengths or lengths that do not sum to the
-    values, a missing weight, an id outside its table, a variable batch per feature on some ranks
-    only, or one without inverse indices; ``extra_check(features)`` may raise more. An exception
-    of any type on any rank is reported on every rank, and so is a process-wide switch set
-    differently on some ranks (``shardkit.distributed.switches``).
+    values, a missing weight, ids of a non-integer dtype, an id outside its table, a variable batch
+    per feature on some ranks only, or one without inverse indices; ``extra_check(features)`` may
+    raise more. An exception of any type on any rank is reported on every rank, and so is a
+    process-wide switch set differently on some ranks (``shardkit.distributed.switches``).
 
     One all-gather of a few integers (and one host sync) per forward, made whether validation is on
     or off, so that ranks set differently still make the same collectives; the error messages are
@@ -253,6 +254,8 @@ def check_input(
             raise ValueError(f"{owner}: a variable batch per feature needs the input's inverse_indices")
         if weighted and features.weights_or_none() is None:
             raise ValueError(f"{owner}: a weighted module needs a KeyedJaggedTensor with weights")
+        # before any input dist: a float id would be truncated (or bucketized) on its way to a shard
+        check_id_dtype(owner, features.values(), [f for f in keys if f in rows])
         if validation_enabled():
             _check_lengths(features, owner)
             for key, ids in zip(keys, features.values().split(features.length_per_key())):

@@ -34,6 +34,18 @@ def check_tensor(owner: str, name: str, tensor: torch.Tensor, integer: bool = Fa
         raise TypeError(f"{owner}: {name} must have an integer dtype, got {tensor.dtype}")
 
 
+def check_id_dtype(owner: str, ids: torch.Tensor, features: Sequence[str]) -> None:
+    """``TypeError`` naming ``features`` and the dtype unless ``ids`` (the values an embedding lookup
+    reads as row ids) is an integer tensor. A KeyedJaggedTensor may carry float values, but a float id
+    names no row: torch's index cast would truncate 1.5 to row 1 and -0.5 to the valid row 0."""
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(
+            f"{owner}: the ids of feature(s) {list(features)} have dtype {ids.dtype}; ids must be an "
+            "integer tensor (torch.int64 or torch.int32), a float id is never rounded to a row (convert "
+            "them yourself if that is meant, e.g. values.round().long())"
+        )
+
+
 def as_index_tensor(owner: str, name: str, tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """``lengths`` / ``offsets`` checked to be integer; an empty one of another dtype becomes int32."""
     if tensor is None:
