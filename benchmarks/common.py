@@ -1,7 +1,9 @@
 """Shared output format of the benchmark scripts: a printed table and a JSON file.
 
 Every benchmark writes ``{"benchmark": name, "config": {...}, "rows": [{"name": ..., metric: ...}]}``
-to ``benchmarks/results/<name>.json`` (or ``--out DIR``) so that one tool can tabulate and plot them.
+to ``--out DIR/<name>.json`` (default: a new directory outside the source tree,
+``shardkit.cli.bench.default_out_dir``; the committed figures in ``benchmarks/results/`` are replaced
+only when that directory is named) so that one tool can tabulate and plot them.
 Report ratios measured in the same run (shardkit vs the naive approach, vs a physical limit such as a
 memcpy of the same bytes): absolute times on shared machines are noise.
 """
@@ -17,6 +19,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from shardkit.cli.bench import default_out_dir
+
+# the committed results (the figures the docs quote); written only when named as --out
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
@@ -72,7 +77,7 @@ def write_results(
 ) -> Path:
     """Print the table and write the JSON file; returns its path."""
     print_table(rows)
-    out_dir = Path(out_dir) if out_dir else RESULTS_DIR
+    out_dir = Path(out_dir) if out_dir else default_out_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
     payload = {"benchmark": name, "config": {**config, "machine": machine()}, "rows": list(rows)}

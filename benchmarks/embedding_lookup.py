@@ -218,7 +218,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         help="torch CPU threads; 1 by default because on a shared machine an OpenMP thread waiting for a "
         "busy core makes small ops orders of magnitude slower, which would swamp every ratio",
     )
-    parser.add_argument("--out", default=None, help="directory for the JSON (default benchmarks/results)")
+    parser.add_argument("--out", help="JSON directory (default: a new one outside the checkout)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     previous = validation_enabled()

@@ -387,7 +387,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--copy-mib", type=int, default=1024)
     parser.add_argument("--ce-tokens", type=int, default=16384, help="cross-entropy rows: tokens T")
     parser.add_argument("--ce-vocab", type=int, default=64000, help="cross-entropy rows: vocabulary shard")
-    parser.add_argument("--out", default=None, help="directory for the JSON (default benchmarks/results)")
+    parser.add_argument("--out", help="JSON directory (default: a new one outside the checkout)")
     parser.add_argument(
         "--smoke-on-cpu",
         action="store_true",

@@ -195,7 +195,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     # one thread by default: on a shared machine, waking a second intra-op thread for a sub-millisecond
     # copy can cost a scheduler time slice (milliseconds) and swamp what is being measured
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--out", default=None, help="directory for the JSON (default benchmarks/results)")
+    parser.add_argument("--out", help="JSON directory (default: a new one outside the checkout)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = run(args.keys, args.batch, args.mean_length, args.repeats, args.large_batch)

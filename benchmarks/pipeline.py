@@ -169,7 +169,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=None, help="directory for the JSON (default benchmarks/results)")
+    parser.add_argument("--out", help="JSON directory (default: a new one outside the checkout)")
     args = parser.parse_args(argv)
     cfg = {
         k: getattr(args, k)

@@ -126,7 +126,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cost model to plan for")
     parser.add_argument("--batch", type=int, default=512, help="per-rank batch size")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=None, help="directory for the JSON (default benchmarks/results)")
+    parser.add_argument("--out", help="JSON directory (default: a new one outside the checkout)")
     args = parser.parse_args(argv)
     rows = [run(t, r, args.device, args.repeats, args.batch) for t in args.tables for r in args.ranks]
     config = {"device": args.device, "batch": args.batch, "repeats": args.repeats, "local_world_size": 8}

@@ -84,7 +84,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--pooling", type=int, default=20, help="mean ids per bag")
     parser.add_argument("--types", nargs="+", default=SHARDING_TYPES, choices=SHARDING_TYPES)
     parser.add_argument("--label", default="", help="suffix of the JSON name (e.g. 'before')")
-    parser.add_argument("--out", default=None, help="directory for the JSON (default benchmarks/results)")
+    parser.add_argument("--out", help="JSON directory (default: a new one outside the checkout)")
     args = parser.parse_args(argv)
     rows = []
     for kind in args.types:

@@ -1,8 +1,8 @@
 """shardkit vs torchrec, side by side: the training step of a sharded EmbeddingBagCollection.
 
-Run from the repository root in an environment that has both libraries (``bash
-../shared/peers/setup.sh torchrec`` builds one: ``$PEERS/torchrec/bin/python -m benchmarks.vs_torchrec``).
-Without torchrec it says so and exits 0.
+Run from the repository root in an environment that has both libraries: shardkit and torchrec 1.8.0 with
+fbgemm-gpu 1.8.0 (the releases built for torch 2.13; :func:`missing_peer_message` gives the pip commands).
+Without them it says which package to install and exits 0.
 
 Both libraries get the same tables (``--tables`` x ``--rows`` x ``--dim`` fp32, SUM pooling), the same
 forced plan per sharding type, the same batches (``--batch`` samples per rank, bag lengths uniform in
@@ -24,6 +24,7 @@ import importlib.util
 import logging
 import os
 import re
+import sys
 import time
 import warnings
 from typing import Any, Dict, List, Optional
@@ -33,6 +34,35 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks.common import write_results
+
+# the peer this benchmark was measured against: torchrec and fbgemm-gpu releases built for torch 2.13
+TORCHREC_VERSION = "1.8.0"
+FBGEMM_VERSION = "1.8.0"
+# torchrec's own runtime dependencies, installed by hand where torchrec is installed with --no-deps
+TORCHREC_DEPS = "tensordict==0.15.3 torchmetrics==1.0.3 pyre-extensions==0.0.32"
+
+
+def missing_peers() -> List[str]:
+    """The import names of the peer packages this Python lacks (``torchrec``, ``fbgemm_gpu``)."""
+    return [name for name in ("torchrec", "fbgemm_gpu") if importlib.util.find_spec(name) is None]
+
+
+def missing_peer_message(missing: List[str]) -> str:
+    """What to install, in pip's terms, for the packages ``missing`` (import names)."""
+    python = sys.executable
+    torch_pin = f"torch=={torch.__version__.split('+')[0]}"
+    return (
+        f"vs_torchrec: nothing to compare: {' and '.join(missing)} not installed in this Python ({python}). "
+        f"The comparison runs torchrec {TORCHREC_VERSION} with fbgemm-gpu {FBGEMM_VERSION} next to "
+        "shardkit in one environment; install them into it (the torch pin keeps pip from replacing torch):\n"
+        f"  with CUDA: {python} -m pip install {torch_pin} torchrec=={TORCHREC_VERSION} "
+        f"fbgemm-gpu=={FBGEMM_VERSION}\n"
+        f"  CPU only:  {python} -m pip install {torch_pin} fbgemm-gpu-cpu=={FBGEMM_VERSION} {TORCHREC_DEPS} "
+        f"&& {python} -m pip install --no-deps torchrec=={TORCHREC_VERSION}\n"
+        "  (torchrec's metadata requires the CUDA package fbgemm-gpu; on a CPU machine it is installed "
+        "without its dependencies, next to fbgemm-gpu-cpu). Then rerun: python -m benchmarks.vs_torchrec"
+    )
+
 
 SHARDING_TYPES = ["table_wise", "row_wise", "column_wise", "data_parallel"]
 # grid_shard runs with one rank per node (a column block per rank, its rows on that rank): torchrec cuts
@@ -282,14 +312,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternate the libraries this many times")
     parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adagrad"])
     parser.add_argument("--types", nargs="+", default=SHARDING_TYPES, choices=SHARDING_TYPES + OPTIONAL_TYPES)
-    parser.add_argument("--out", default=None, help="directory for the JSON (default benchmarks/results)")
+    parser.add_argument("--out", help="JSON directory (default: a new one outside the checkout)")
     parsed = parser.parse_args(argv)
-    if importlib.util.find_spec("torchrec") is None or importlib.util.find_spec("fbgemm_gpu") is None:
-        print(
-            "vs_torchrec: torchrec (and fbgemm_gpu) are not installed here; nothing to compare. "
-            "Build an environment with both: bash ../shared/peers/setup.sh torchrec"
-        )
-        write_results("vs_torchrec", {"skipped": "torchrec not installed"}, [], parsed.out)
+    missing = missing_peers()
+    if missing:
+        print(missing_peer_message(missing))
+        write_results("vs_torchrec", {"skipped": f"not installed: {', '.join(missing)}"}, [], parsed.out)
         return
     from benchmarks.vs_torchrec import step_worker as worker  # workers unpickle it by module name
     from shardkit.testing import run_world

@@ -108,3 +108,43 @@ def test_the_gpu_losses_benchmark_runs_its_cpu_smoke_shapes(tmp_path):
     }
     # fp32 on the CPU: shardkit's loss is torch's to rounding
     assert all(r["loss_diff"] < 1e-4 for r in rows if r["dtype"] == "fp32")
+
+
+def test_without_out_results_go_to_a_new_directory_outside_the_checkout(
+    fake_benchmarks, tmp_path, monkeypatch, capfd
+):
+    # issue 23: `bench all --quick` on a CPU machine replaced the committed benchmarks/results/gpu.json
+    monkeypatch.delenv("SHARDKIT_BENCH_OUT", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert main(["bench", "alpha", "--quick", "--dir", str(fake_benchmarks)]) == 0
+    assert main(["bench", "alpha", "--quick", "--dir", str(fake_benchmarks)]) == 0
+    assert not (fake_benchmarks / "results").exists()
+    runs = sorted((tmp_path / "cache" / "shardkit" / "bench").iterdir())
+    assert len(runs) == 2 and all((run / "alpha.json").is_file() for run in runs)  # one new dir per run
+    assert f"results go to {runs[0]}" in capfd.readouterr().out
+
+
+def test_the_default_output_is_never_the_committed_results(monkeypatch):
+    monkeypatch.delenv("SHARDKIT_BENCH_OUT", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    checkout = bench.default_dir().parent.resolve()
+    out = bench.default_out_dir().resolve()
+    assert checkout not in out.parents and out != checkout
+    from benchmarks import common
+
+    assert common.RESULTS_DIR.resolve() not in out.parents
+    monkeypatch.setenv("SHARDKIT_BENCH_OUT", "/some/chosen/dir")
+    assert bench.default_out_dir() == bench.Path("/some/chosen/dir")
+
+
+def test_a_missing_torchrec_is_explained_with_the_packages_to_install(tmp_path, capsys):
+    from benchmarks import vs_torchrec
+
+    message = vs_torchrec.missing_peer_message(["torchrec", "fbgemm_gpu"])
+    for package in ("torchrec==1.8.0", "fbgemm-gpu==1.8.0", "fbgemm-gpu-cpu==1.8.0", "pip install"):
+        assert package in message
+    assert "shared/peers" not in message and "setup.sh" not in message
+    if vs_torchrec.missing_peers():  # this environment has no torchrec: main says so and measures nothing
+        vs_torchrec.main(["--out", str(tmp_path)])
+        assert "torchrec==1.8.0" in capsys.readouterr().out
+        assert json.loads((tmp_path / "vs_torchrec.json").read_text())["rows"] == []

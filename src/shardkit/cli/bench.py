@@ -2,7 +2,8 @@
 
 A benchmark is ``benchmarks/<name>.py`` of a shardkit checkout (``--dir`` to point elsewhere) with a
 ``main(argv)`` accepting ``--out DIR``, writing ``<DIR>/<name>.json`` in the shape of
-``benchmarks/common.py``. Each runs in its own Python process (``python -m benchmarks.<name>``), so one
+``benchmarks/common.py``; without ``--out``, DIR is a new directory outside the source tree
+(:func:`default_out_dir`). Each runs in its own Python process (``python -m benchmarks.<name>``), so one
 benchmark's thread settings or worker processes cannot skew the next. With matplotlib installed (the
 ``plot`` extra) each JSON also gets a bar chart next to it, one panel per measured (float) metric.
 """
@@ -13,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -70,6 +72,26 @@ def default_dir() -> Path:
     if (here / "common.py").is_file():
         return here
     return Path(__file__).resolve().parents[3] / "benchmarks"
+
+
+def default_out_dir() -> Path:
+    """Where results go without ``--out``: a new directory outside the source tree, so that a run never
+    replaces the figures committed in ``benchmarks/results/`` (a CPU run of the GPU benchmark used
+    to overwrite them with an empty result).
+
+    ``$SHARDKIT_BENCH_OUT`` if set, else ``$XDG_CACHE_HOME/shardkit/bench/<UTC date-time>``
+    (``~/.cache`` without ``XDG_CACHE_HOME``), with ``-2``, ``-3`` ... appended if that exists.
+    """
+    chosen = os.environ.get("SHARDKIT_BENCH_OUT")
+    if chosen:
+        return Path(chosen)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    base = cache / "shardkit" / "bench" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
 
 
 def available(bench_dir: Path) -> List[str]:
@@ -166,7 +188,7 @@ def run(args) -> int:
             file=sys.stderr,
         )
         return 2
-    out_dir = Path(args.out) if args.out else bench_dir / "results"
+    out_dir = Path(args.out) if args.out else default_out_dir()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
@@ -182,6 +204,7 @@ def run(args) -> int:
     except ImportError:
         plotting = False
         print("matplotlib is not installed: writing JSON only (pip install 'shardkit[plot]' for charts)")
+    print(f"results go to {out_dir}", flush=True)
     failed = []
     for name in wanted:
         path = run_one(name, bench_dir, out_dir, args.quick)
@@ -203,7 +226,12 @@ def add_parser(commands) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="tiny sizes: checks that they run, figures are meaningless"
     )
-    parser.add_argument("--out", default=None, help="directory for JSON and PNG (default benchmarks/results)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="directory for JSON and PNG (default: $SHARDKIT_BENCH_OUT, else a new directory under "
+        "~/.cache/shardkit/bench/; never the committed benchmarks/results/ unless named here)",
+    )
     parser.add_argument(
         "--dir", default=None, help="directory of the benchmark scripts (default ./benchmarks)"
     )
