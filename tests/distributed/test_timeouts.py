@@ -57,3 +57,82 @@ def test_timeout_settings(monkeypatch):
             parse_timeout(bad, "--timeout")
     assert is_timeout(RuntimeError("[gloo] Timed out waiting 2000ms for recv operation to complete"))
     assert not is_timeout(RuntimeError("size mismatch"))
+
+
+def _stall_in_backward(sharding: str) -> None:
+    """A table sharded over the node groups; every rank runs the forward, rank 3 then goes silent
+    instead of running the backward, whose collectives run on the node groups."""
+    from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig
+    from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
+    from shardkit.sharding.sharding_plan import (
+        construct_module_sharding_plan,
+        grid_shard,
+        table_column_wise,
+        table_row_wise,
+    )
+    from shardkit.sharding.types import ShardingEnv
+    from shardkit.sparse import KeyedJaggedTensor
+
+    generator = {
+        "table_row_wise": table_row_wise(host_index=1),
+        "table_column_wise": table_column_wise(host_index=1),
+        "grid_shard": grid_shard(host_indexes=[0, 1]),
+    }[sharding]
+    ebc = EmbeddingBagCollection(
+        [EmbeddingBagConfig(8, 8, name="t", feature_names=["f"])], fused_optimizer=FusedOptimizerConfig("SGD")
+    )
+    plan = construct_module_sharding_plan(ebc, {"t": generator})
+    sharded = EmbeddingBagCollectionSharder().shard(ebc, plan, ShardingEnv.from_process_group(None))
+    kjt = KeyedJaggedTensor(["f"], torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1]))
+    loss = sharded(kjt).values().sum()
+    if dist.get_rank() == 3:
+        time.sleep(40)  # silent: killed by the harness once the others have failed
+        return
+    start = time.monotonic()
+    try:
+        with naming_silent_ranks(grace_s=3):
+            loss.backward()
+    except CollectiveTimeoutError as err:
+        raise CollectiveTimeoutError(f"after {time.monotonic() - start:.1f} s: {err}") from None
+
+
+# table-column-wise and grid tables use the same node groups (each case costs a world-4 launch and a
+# killed worker; test_groups_shardkit_makes_take_the_default_groups_timeout checks the groups directly)
+@pytest.mark.parametrize("sharding", ["table_row_wise"])
+def test_a_stall_in_the_backward_of_node_group_tables_ends_within_the_timeout(sharding):
+    # issue 23: the node groups were made without a timeout and kept torch's 30 minutes
+    with pytest.raises(WorldError) as info:
+        run_world(
+            _stall_in_backward,
+            4,
+            sharding,
+            timeout=60,
+            local_world_size=2,
+            env={"SHARDKIT_TIMEOUT": str(COLLECTIVE_TIMEOUT_S)},
+        )
+    report = str(info.value)
+    # the ranks waiting in the backward's node-group collectives fail naming rank 3 (a rank whose
+    # backward needed nothing of rank 3 times out in the harness's closing barrier instead)
+    survivors = re.findall(
+        r"CollectiveTimeoutError: after ([\d.]+) s: rank (\d): .*rank\(s\) \[([\d, ]*)\] did not answer",
+        report,
+    )
+    assert survivors and all("3" in silent.split(", ") for _, _, silent in survivors), report
+    assert all(float(elapsed) < COLLECTIVE_TIMEOUT_S + 3 + 10 for elapsed, _, _ in survivors), survivors
+    sections = dict(re.findall(r"--- rank (\d) ---\n(.*?)(?=\n--- rank \d ---|\Z)", report, re.S))
+    for rank in "012":  # none waited until the harness killed it
+        assert rank not in sections or "worker killed" not in sections[rank], report
+        assert rank not in sections or "imed out" in sections[rank], report
+
+
+def test_groups_shardkit_makes_take_the_default_groups_timeout():
+    timeouts = run_world(_grid_timeouts, 2, env={"SHARDKIT_TIMEOUT": "7"})
+    assert timeouts == [[7.0, 7.0, 7.0]] * 2
+
+
+def _grid_timeouts():
+    from shardkit.distributed.grid import ParallelGrid
+    from shardkit.distributed.timeouts import process_group_timeout
+
+    grid = ParallelGrid.create(1)
+    return [process_group_timeout(g).total_seconds() for g in (None, grid.mp_group, grid.dp_group)]

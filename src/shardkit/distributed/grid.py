@@ -13,6 +13,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from shardkit.distributed.agreement import assert_same_on_all_ranks
+from shardkit.distributed.timeouts import new_group
 
 
 def grid_layout(world_size: int, mp_size: int) -> list[list[int]]:
@@ -50,6 +51,7 @@ class ParallelGrid:
     @classmethod
     def create(cls, mp_size: int, backend: Optional[str] = None) -> ParallelGrid:
         """Create the row and column groups on the default process group (collective: every rank calls).
+        They take the default group's timeout (``shardkit.distributed.timeouts.new_group``).
 
         Raises ``ValueError`` on every rank if ``mp_size`` does not divide the world size or if ranks
         pass different sizes.
@@ -63,12 +65,12 @@ class ParallelGrid:
         mp_group = dp_group = None
         mp_ranks = dp_ranks = []
         for row in layout:
-            group = dist.new_group(row, backend=backend)
+            group = new_group(row, backend=backend)
             if rank in row:
                 mp_group, mp_ranks = group, row
         for col_index in range(mp_size):
             col = [row[col_index] for row in layout]
-            group = dist.new_group(col, backend=backend)
+            group = new_group(col, backend=backend)
             if rank in col:
                 dp_group, dp_ranks = group, col
         return cls(

@@ -7,7 +7,9 @@ in recent releases). Set it where the group is made::
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
 
 or, for shardkit's harness (``shardkit.testing.run_world``), ``shardkit demo`` and the CLI, with the
-environment variable ``SHARDKIT_TIMEOUT`` (seconds) or their ``--timeout`` option.
+environment variable ``SHARDKIT_TIMEOUT`` (seconds) or their ``--timeout`` option. Every group
+shardkit creates itself (:func:`new_group`: the node groups, the graph-parallel grid) takes the
+default group's timeout, so that one setting bounds every collective.
 
 When a collective times out, torch's error does not say which rank is missing. Run the code under
 :func:`naming_silent_ranks`: a timeout then becomes a :class:`CollectiveTimeoutError` that lists the
@@ -107,6 +109,39 @@ def naming_silent_ranks(grace_s: float = 5.0) -> Iterator[None]:
         ) from err
 
 
+def process_group_timeout(group: Optional[dist.ProcessGroup] = None) -> Optional[timedelta]:
+    """The timeout ``group`` (default: the default group) was created with, or None when torch does
+    not expose it (no group, or a backend without options).
+
+    Read from the group's backend options (gloo and NCCL both keep ``_timeout`` there)."""
+    if not dist.is_initialized():
+        return None
+    group = group if group is not None else dist.group.WORLD
+    try:
+        devices = list(group._device_types)
+    except (AttributeError, RuntimeError):
+        return None
+    for device in devices:
+        try:
+            timeout = group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
+
+
+def new_group(ranks, backend: Optional[str] = None) -> dist.ProcessGroup:
+    """``torch.distributed.new_group(ranks, backend=backend)`` with the default group's timeout.
+
+    torch gives a group made without ``timeout=`` its own 30-minute default, not the timeout the
+    caller chose in ``init_process_group``: a rank stalling in a collective of such a group (the
+    node groups of table-row-wise, table-column-wise and grid tables) would keep the others waiting
+    for half an hour. Every group shardkit makes goes through here. A collective: every rank of the
+    default group calls it, in the same order."""
+    return dist.new_group(ranks, backend=backend, timeout=process_group_timeout())
+
+
 def group_timeout(default_s: Optional[float] = None) -> timedelta:
     """The timeout to create a process group with: ``SHARDKIT_TIMEOUT``, else ``default_s`` seconds,
     else torch's default."""
@@ -120,7 +155,9 @@ __all__ = [
     "group_timeout",
     "is_timeout",
     "naming_silent_ranks",
+    "new_group",
     "parse_timeout",
+    "process_group_timeout",
     "silent_ranks",
     "timeout_from_env",
 ]
