@@ -30,3 +30,18 @@ def test_auc():
     assert auc(torch.tensor([0.1, 0.2, 0.3, 0.4]), labels) == 1.0
     assert auc(torch.tensor([0.4, 0.3, 0.2, 0.1]), labels) == 0.0
     assert auc(torch.tensor([0.1, 0.3, 0.2, 0.4]), labels) == 0.75
+
+
+def test_timeout_reaches_the_serving_ranks_too(monkeypatch, capsys):
+    # issue 23: --timeout bounded the training ranks but not the quantized serving ones
+    import shardkit.testing
+
+    real, envs = shardkit.testing.run_world, []
+
+    def recording(*args, **kwargs):
+        envs.append(kwargs.get("env"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(shardkit.testing, "run_world", recording)
+    assert main([*SHORT, "--timeout", "77"]) == 0
+    assert len(envs) == 2 and all(env == {"SHARDKIT_TIMEOUT": "77.0"} for env in envs), envs

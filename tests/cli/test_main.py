@@ -161,3 +161,23 @@ def test_launch_bad_input_is_one_line_and_exit_code_2(capsys, argv, expected):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("shardkit launch: error: ") and expected in err
+
+
+def test_launch_gives_scripts_a_finite_default_timeout(monkeypatch):
+    # issue 23: without SHARDKIT_TIMEOUT a launched script's groups kept torch's 30 minutes
+    from datetime import timedelta
+
+    import torch.distributed.distributed_c10d as c10d
+
+    from shardkit.cli import script_runner
+    from shardkit.distributed.timeouts import DEFAULT_TIMEOUT_S
+
+    monkeypatch.setattr(c10d, "default_pg_timeout", c10d.default_pg_timeout)  # restored afterwards
+    monkeypatch.setattr(c10d, "default_pg_nccl_timeout", c10d.default_pg_nccl_timeout)
+    monkeypatch.delenv("SHARDKIT_TIMEOUT", raising=False)
+    script_runner._default_timeout_from_env()
+    assert c10d.default_pg_timeout == c10d.default_pg_nccl_timeout == timedelta(seconds=DEFAULT_TIMEOUT_S)
+    assert DEFAULT_TIMEOUT_S == 600
+    monkeypatch.setenv("SHARDKIT_TIMEOUT", "5")
+    script_runner._default_timeout_from_env()
+    assert c10d.default_pg_timeout == c10d.default_pg_nccl_timeout == timedelta(seconds=5)

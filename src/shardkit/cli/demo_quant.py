@@ -107,7 +107,19 @@ def run(model, tables: Sequence, args, tolerance: float) -> bool:
         flush=True,
     )
     plans = _plans(model, tables, args)
-    ranks = run_world(serve_rank, args.nproc, model, plans, tables, args.batch_size, first_step, args.seed)
+    from shardkit.cli.demo import timeout_env
+
+    ranks = run_world(
+        serve_rank,
+        args.nproc,
+        model,
+        plans,
+        tables,
+        args.batch_size,
+        first_step,
+        args.seed,
+        env=timeout_env(args),  # --timeout bounds the serving ranks' collectives too
+    )
     ok = True
     for data_type in DATA_TYPES:
         name = data_type.value

@@ -3,9 +3,9 @@
 A thin wrapper over ``torch.distributed.run`` (torchrun) in standalone mode, so the script sees the
 usual RANK / LOCAL_RANK / WORLD_SIZE variables. Each rank runs the script through
 :mod:`shardkit.cli.script_runner`, so that a rank whose script is done cannot end in torch's
-"terminate called without an active exception" abort. ``--timeout SECONDS`` (or ``SHARDKIT_TIMEOUT``)
-becomes the default timeout of the script's ``init_process_group``. For several machines use torchrun
-directly.
+"terminate called without an active exception" abort. ``--timeout SECONDS`` (or ``SHARDKIT_TIMEOUT``;
+600 s when neither is given) becomes the default timeout of the script's ``init_process_group``. For
+several machines use torchrun directly.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def add_parser(commands) -> None:
     parser.add_argument("-n", "--nproc", type=int, default=2, help="number of local processes (default 2)")
     parser.add_argument(
         "--timeout",
-        help="seconds a collective may wait (SHARDKIT_TIMEOUT: the default timeout of the script's "
-        "init_process_group); a rank that times out names the ranks that went silent",
+        help="seconds a collective may wait (SHARDKIT_TIMEOUT, default 600: the default timeout of the "
+        "script's init_process_group); a rank that times out names the ranks that went silent",
     )
     parser.add_argument("script", nargs="?", help="python script to run on every rank")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")

@@ -8,7 +8,7 @@ exception" abort (docs/running.md):
 - before the script: ``torch._dynamo`` and ``torch.distributed.checkpoint`` are imported. Imported
   after ``init_process_group`` (``torch.optim`` imports ``torch._dynamo`` on an optimizer's first
   step), each keeps the default group alive after ``destroy_process_group``;
-- ``SHARDKIT_TIMEOUT`` (seconds), when set, is the default timeout of the script's
+- ``SHARDKIT_TIMEOUT`` (seconds; 600 when unset) is the default timeout of the script's
   ``init_process_group`` (a script that passes ``timeout=`` keeps its own), and a collective that
   times out is reported naming the ranks that went silent
   (``shardkit.distributed.timeouts.naming_silent_ranks``);
@@ -38,15 +38,18 @@ def _exit_code(err: SystemExit) -> int:
 
 
 def _default_timeout_from_env() -> None:
-    """``SHARDKIT_TIMEOUT`` as the timeout ``init_process_group`` uses when given none (torch reads
-    these module defaults at each call)."""
+    """``SHARDKIT_TIMEOUT``, else ``DEFAULT_TIMEOUT_S`` (600 s), as the timeout ``init_process_group``
+    and ``new_group`` use when given none (torch reads these module defaults at each call); torch's
+    own defaults are 30 minutes (gloo) and 10 (NCCL)."""
+    from datetime import timedelta
+
     import torch.distributed.distributed_c10d as c10d
 
-    from shardkit.distributed.timeouts import timeout_from_env
+    from shardkit.distributed.timeouts import DEFAULT_TIMEOUT_S, timeout_from_env
 
-    timeout = timeout_from_env(c10d.default_pg_timeout)
+    timeout = timeout_from_env(timedelta(seconds=DEFAULT_TIMEOUT_S))
     c10d.default_pg_timeout = timeout
-    c10d.default_pg_nccl_timeout = timeout_from_env(c10d.default_pg_nccl_timeout)
+    c10d.default_pg_nccl_timeout = timeout
 
 
 def main() -> None:

@@ -28,6 +28,9 @@ from typing import Iterator, List, Optional
 import torch.distributed as dist
 
 ENV_VAR = "SHARDKIT_TIMEOUT"
+# the timeout of the process groups shardkit's own entry points create when neither SHARDKIT_TIMEOUT
+# nor the script says otherwise (shardkit launch; NCCL's own default in recent torch, a third of gloo's)
+DEFAULT_TIMEOUT_S = 600.0
 _ROLL_CALL = "shardkit/roll_call/"
 # words of torch's timeout errors: gloo ("Timed out waiting ..."), NCCL's watchdog ("... timeout"),
 # the store ("Wait timeout")
@@ -150,6 +153,7 @@ def group_timeout(default_s: Optional[float] = None) -> timedelta:
 
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "ENV_VAR",
     "CollectiveTimeoutError",
     "group_timeout",
