@@ -1,7 +1,8 @@
 """ShardedEmbeddingBagCollection equals the unsharded EmbeddingBagCollection on the global batch.
 
 One ``run_world`` per world size checks every sharding type at once (one table per type), weighted and
-unweighted, SGD (with a data-parallel table) and Adagrad: forward values, the gradients of the
+unweighted, SGD, Adagrad and Adam (the data-parallel table with the fused optimizer
+too; with the DENSE kernel under SGD): forward values, the gradients of the
 input's per-id weights (weighted), and every shard's weights after fused optimizer steps. Bad plans
 and inputs must fail on every rank.
 """
@@ -16,7 +17,7 @@ import torch
 from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig, OptimType
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
-from shardkit.sharding.sharding_plan import construct_module_sharding_plan, table_wise
+from shardkit.sharding.sharding_plan import construct_module_sharding_plan, data_parallel, table_wise
 from shardkit.sharding.sharding_spec import EnumerableShardingSpec, ShardMetadata
 from shardkit.sharding.types import EmbeddingComputeKernel, ParameterSharding, ShardingType
 from shardkit.sparse import KeyedJaggedTensor
@@ -38,21 +39,26 @@ def _module(optimizer: OptimType, weighted: bool, with_dp: bool) -> EmbeddingBag
     )
 
 
-def _check_exact(optimizer: OptimType, weighted: bool) -> None:
+def _check_exact(optimizer: OptimType, weighted: bool, dense_dp: bool = False) -> None:
+    """Every sharding type, the data-parallel table with the module's fused optimizer (issue 23: it
+    used to be left to the dense optimizer), or ``dense_dp`` with the DENSE kernel asked for by name
+    (its update then is the plain SGD of average_dense_gradients_, so SGD only)."""
     rank, world_size, local_size = case.world()
-    # the dense replica's update is plain SGD (see average_dense_gradients_)
-    with_dp = optimizer is OptimType.SGD
+    with_dp = True
     reference = _module(optimizer, weighted, with_dp)
-    plan = construct_module_sharding_plan(
-        reference, case.plan_generators(world_size, local_size, with_dp), local_size, world_size
-    )
+    generators = case.plan_generators(world_size, local_size, with_dp)
+    if dense_dp:
+        generators["t_dp"] = data_parallel(compute_kernel=EmbeddingComputeKernel.DENSE.value)
+    plan = construct_module_sharding_plan(reference, generators, local_size, world_size)
+    assert plan["t_dp"].compute_kernel == ("dense" if dense_dp else "fused")
     sharded = EmbeddingBagCollectionSharder().shard(
         copy.deepcopy(reference), plan, ShardingEnv.from_process_group(None)
     )
     assert isinstance(sharded, ShardedEmbeddingBagCollection)
     sharded_names = set(sharded.sharded_parameter_names())
     replicated = {name for name, _ in sharded.named_parameters()} - sharded_names
-    assert len(replicated) == (1 if with_dp else 0)  # the data-parallel table's buffer
+    # the dense data-parallel table's buffer is the data-parallel wrapper's; a fused one syncs itself
+    assert len(replicated) == (1 if dense_dp else 0)
     features = [(f, rows) for t, rows, _, feats, _ in case.TABLES if with_dp or t != "t_dp" for f in feats]
     case.train_and_compare(reference, sharded, features, weighted, TOL)
     for (name, r0, r1, c0, c1), weight in sharded.local_shards().items():
@@ -94,6 +100,7 @@ def _exactness_worker() -> bool:
         for weighted in (False, True):
             _check_exact(optimizer, weighted)
     _check_exact(OptimType.ADAM, False)  # lazy Adam's step count: every shard steps once per step
+    _check_exact(OptimType.SGD, True, dense_dp=True)
     _check_variable_batch()
     return True
 

@@ -1,11 +1,12 @@
 """Data-parallel sharding: every rank holds every table whole and looks up its own samples.
 
 - input dist: none (the features are permuted into the lookup's group order, locally);
-- lookup: ``ShardedGroupedLookup`` of whole tables with the DENSE kernel: the tables get ordinary
-  gradients, which the data-parallel wrapper of the model (DDP, or an all-reduce of the gradients)
-  averages over ranks before a dense optimizer steps, exactly like the model's other replicated
-  parameters. A fused optimizer would update each replica from its own samples only and let them
-  drift apart, so only the DENSE kernel is accepted;
+- lookup: ``ShardedGroupedLookup`` of whole tables. DENSE kernel: the tables get ordinary gradients,
+  which the data-parallel wrapper of the model (DDP, or an all-reduce of the gradients) averages over
+  ranks before a dense optimizer steps, exactly like the model's other replicated parameters. FUSED
+  kernel (a collection with a fused optimizer): ``ReplicatedShardedLookup``, whose backward all-reduces
+  the gradient rows and then applies the fused optimizer on every replica alike (a plain fused
+  lookup would update each replica from its own samples and let them drift apart);
 - output dist: none (the result is already this rank's samples). The gradient of input weights
   that require grad is divided by the world size here instead, as the other shardings' output dists
   divide it (while ``get_gradient_division()``).
@@ -30,19 +31,23 @@ from shardkit.sharding.embedding_sharding import (
     split_sequence_rows,
     with_weights,
 )
+from shardkit.sharding.replicated_fused_lookup import ReplicatedShardedLookup
 from shardkit.sharding.types import EmbeddingComputeKernel
 from shardkit.sharding.variable_batch import expand_blocks
 from shardkit.sparse import KeyedJaggedTensor
+
+_KERNELS = (EmbeddingComputeKernel.DENSE.value, EmbeddingComputeKernel.FUSED.value)
 
 
 class _DataParallel(EmbeddingSharding):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         for table in self.tables:
-            if table.compute_kernel != EmbeddingComputeKernel.DENSE.value:
+            if table.compute_kernel not in _KERNELS:
                 raise ValueError(
                     f"table {table.name!r}: a data_parallel table uses the dense kernel (its gradients are "
-                    f"averaged with the other replicated parameters), got {table.compute_kernel!r}"
+                    f"averaged with the other replicated parameters) or the fused one (its fused optimizer "
+                    f"applied to the all-reduced gradient), got {table.compute_kernel!r}"
                 )
         self._whole = [
             (t, TableShard(self.rank, 0, t.config.num_embeddings, 0, t.config.embedding_dim))
@@ -71,13 +76,20 @@ class _DataParallel(EmbeddingSharding):
         return NoWait(NoWait(local))
 
 
+    def _lookup(self, *args, **kwargs) -> ShardedGroupedLookup:
+        """The DENSE kernel's lookup, or the FUSED one's whose update is all-reduced first."""
+        if self.fused_optimizer is None:
+            return ShardedGroupedLookup(*args, None, **kwargs)
+        lookup = ReplicatedShardedLookup(*args, self.fused_optimizer, **kwargs)
+        lookup.set_group(self.pg, self.world_size)
+        return lookup
+
+
 class DpPooledEmbeddingSharding(_DataParallel):
     """Data-parallel pooled embeddings: ``[B_me, sum of dims]`` in :meth:`output_layout`."""
 
     def create_lookup(self) -> ShardedGroupedLookup:
-        return ShardedGroupedLookup(
-            self._whole, True, self.weighted, self.device, None, dtype=self.output_dtype
-        )
+        return self._lookup(self._whole, True, self.weighted, self.device, dtype=self.output_dtype)
 
     def output_dist(self, ctx: ShardingContext, local_out: torch.Tensor) -> Awaitable[torch.Tensor]:
         if ctx.variable_batch:
@@ -99,8 +111,8 @@ class DpSequenceEmbeddingSharding(_DataParallel):
         self._width = max((t.config.embedding_dim for t in self.tables), default=0)
 
     def create_lookup(self) -> ShardedGroupedLookup:
-        return ShardedGroupedLookup(
-            self._whole, False, False, self.device, None, self._width, self.output_dtype
+        return self._lookup(
+            self._whole, False, False, self.device, sequence_width=self._width, dtype=self.output_dtype
         )
 
     def output_dist(

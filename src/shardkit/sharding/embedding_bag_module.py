@@ -46,7 +46,6 @@ from shardkit.sharding.sharded_embedding_module import EmbeddingShardingContext
 from shardkit.sharding.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
-    ShardingType,
 )
 from shardkit.sparse import KeyedJaggedTensor, KeyedTensor
 
@@ -322,7 +321,7 @@ def _weight_to_state_dict(module: ShardedEmbeddingBag, state_dict, prefix: str, 
 
 class EmbeddingBagSharder(FusedParamsSharder[nn.EmbeddingBag]):
     """Shards an nn.EmbeddingBag: every sharding type; DENSE kernels, and FUSED ones when built with
-    ``fused_params`` (data-parallel: DENSE only, as for the collections).
+    ``fused_params`` (data-parallel too, as for the collections).
 
     Args:
         fused_params: the fused optimizer of FUSED-kernel plans (:func:`fused_optimizer_config`).
@@ -350,8 +349,13 @@ class EmbeddingBagSharder(FusedParamsSharder[nn.EmbeddingBag]):
     def sharding_types(self, compute_device_type: str) -> List[str]:
         return list(POOLED_SHARDINGS)
 
+    def fused_optimizer_for(self, module: nn.EmbeddingBag) -> Optional[FusedOptimizerConfig]:
+        """The fused optimizer of FUSED-kernel plans (the planner's question; None without
+        ``fused_params``)."""
+        return fused_optimizer_config(self._fused_params)
+
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        if sharding_type == ShardingType.DATA_PARALLEL.value or not self._fused_params:
+        if not self._fused_params:
             return [EmbeddingComputeKernel.DENSE.value]
         return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value]
 

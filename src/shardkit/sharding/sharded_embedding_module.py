@@ -459,10 +459,11 @@ class ShardedEmbeddingModule(ShardedModule):
         return out
 
     def sharded_parameter_names(self, prefix: str = "") -> Iterator[str]:
-        """Names of the parameters holding shards: every lookup's but the data-parallel ones, which are
-        replicas for the model's data-parallel wrapper to keep in sync."""
+        """Names of the parameters the model's data-parallel wrapper must leave alone: every lookup's
+        but the DENSE data-parallel ones, which are replicas for that wrapper to keep in sync (FUSED
+        data-parallel replicas sync themselves in backward and get no gradient)."""
         for i, (sharding, lookup) in enumerate(zip(self._shardings, self.lookups)):
-            if isinstance(sharding, _DATA_PARALLEL):
+            if isinstance(sharding, _DATA_PARALLEL) and sharding.fused_optimizer is None:
                 continue
             for name, _ in lookup.named_parameters(f"{prefix}{'.' if prefix else ''}lookups.{i}"):
                 yield name
@@ -540,8 +541,9 @@ def _tables_from_state_dict(
 
 
 class BaseEmbeddingSharder(FusedParamsSharder[M]):
-    """What the embedding collections' sharders share: every sharding type; FUSED or DENSE kernels,
-    DENSE only for data-parallel tables (their gradients are averaged by the data-parallel wrapper).
+    """What the embedding collections' sharders share: every sharding type; FUSED or DENSE kernels
+    (a FUSED data-parallel table all-reduces its gradient rows before its fused optimizer steps, see
+    ``shardkit.sharding.replicated_fused_lookup``; a DENSE one is averaged by the data-parallel wrapper).
 
     Args (torchrec's order):
         fused_params: the fused optimizer of a collection built without one and without an
@@ -559,8 +561,6 @@ class BaseEmbeddingSharder(FusedParamsSharder[M]):
         return [t.value for t in ShardingType if t is not ShardingType.GRID_SHARD]
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        if sharding_type == ShardingType.DATA_PARALLEL.value:
-            return [EmbeddingComputeKernel.DENSE.value]
         return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value]
 
 

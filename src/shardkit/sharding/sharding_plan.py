@@ -209,7 +209,8 @@ def build_parameter_sharding(
 
 
 def data_parallel(compute_kernel: Optional[str] = None) -> ParameterShardingGenerator:
-    """Every rank holds the whole table (gradients all-reduced like any dense parameter)."""
+    """Every rank holds the whole table (gradients all-reduced: by the data-parallel wrapper for the
+    DENSE kernel, in the lookup's backward before the fused optimizer steps for the FUSED one)."""
 
     def generate(name, shape, local_size, world_size, device_type):
         return build_parameter_sharding(
@@ -452,7 +453,8 @@ def construct_module_sharding_plan(
     ``sharder``'s place is read as ``local_size`` (shardkit's older positional order, then
     ``world_size``, ``device_type``). A generator given no ``compute_kernel`` gets torchrec's default:
     ``fused`` when ``module``'s tables are trained in backward (an optimizer applied in backward, or
-    the module's own fused optimizer), else ``dense``; a data-parallel table is always ``dense``.
+    the module's own fused optimizer), else ``dense`` (also for a data-parallel table: its fused
+    optimizer then steps on the all-reduced gradient, see ``shardkit.sharding.replicated_fused_lookup``).
     Raises ``KeyError`` for a name that is not a table of ``module`` and ``ValueError`` (naming the
     table) for a sharding that does not fit the table or the world.
     """
@@ -482,14 +484,11 @@ def construct_module_sharding_plan(
         if name not in shapes:
             raise KeyError(f"{name!r} is not a table of {type(module).__name__}; tables: {list(shapes)}")
         sharding = generate(name, shapes[name], local_size, world_size, device_type)
-        if not getattr(generate, "chose_compute_kernel", True) and sharding.sharding_type != _DP:
+        if not getattr(generate, "chose_compute_kernel", True):
             sharding.compute_kernel = default_kernel
         sharding.check(name, shapes[name], world_size)
         plan[name] = sharding
     return plan
-
-
-_DP = ShardingType.DATA_PARALLEL.value
 
 
 def _trained_in_backward(module: nn.Module) -> bool:
