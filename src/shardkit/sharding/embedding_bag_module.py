@@ -349,11 +349,6 @@ class EmbeddingBagSharder(FusedParamsSharder[nn.EmbeddingBag]):
     def sharding_types(self, compute_device_type: str) -> List[str]:
         return list(POOLED_SHARDINGS)
 
-    def fused_optimizer_for(self, module: nn.EmbeddingBag) -> Optional[FusedOptimizerConfig]:
-        """The fused optimizer of FUSED-kernel plans (the planner's question; None without
-        ``fused_params``)."""
-        return fused_optimizer_config(self._fused_params)
-
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         if not self._fused_params:
             return [EmbeddingComputeKernel.DENSE.value]
