@@ -40,9 +40,9 @@ DENSE, FUSED = "dense", "fused"
 
 
 def _generators(world_size: int, kernel: str):
-    """One generator per sharding type (data-parallel is always DENSE)."""
+    """One generator per sharding type (a FUSED data-parallel table steps on the all-reduced gradient)."""
     return {
-        "data_parallel": data_parallel(),
+        "data_parallel": data_parallel(compute_kernel=kernel),
         "table_wise": table_wise(rank=world_size - 1, compute_kernel=kernel),
         "column_wise": column_wise(ranks=[0, world_size - 1, world_size - 1], compute_kernel=kernel),
         "row_wise": row_wise(compute_kernel=kernel),
@@ -106,7 +106,7 @@ def _check_type(sharding_type: str, mode: str, kernel: str, forms: List[str]) ->
     torch.manual_seed(0)
     reference = nn.EmbeddingBag(ROWS, DIM, mode=mode)
     generator = _generators(world_size, kernel)[sharding_type]
-    fused = kernel == FUSED and sharding_type != "data_parallel"
+    fused = kernel == FUSED
     sharder = EmbeddingBagSharder(
         fused_params={"optimizer": OptimType.SGD, "learning_rate": LR} if fused else None
     )
@@ -221,6 +221,7 @@ def test_exports_and_sharder_surface():
     assert len(plain.sharding_types("cpu")) == 7
     assert plain.compute_kernels("row_wise", "cpu") == [DENSE]
     assert fused.compute_kernels("row_wise", "cpu") == [FUSED, DENSE]
-    assert fused.compute_kernels("data_parallel", "cpu") == [DENSE]
+    assert fused.compute_kernels("data_parallel", "cpu") == [FUSED, DENSE]
+    assert plain.compute_kernels("data_parallel", "cpu") == [DENSE]
     with pytest.raises(ValueError, match="momentum"):
         EmbeddingBagSharder(fused_params={"optimizer": "SGD", "momentum": 0.9})
