@@ -42,3 +42,43 @@ def test_dense_kernel_holds_the_whole_table():
     lookup = sharding.create_lookup()
     assert list(lookup.local_shards()) == [("d", 0, 4, 0, 2)]
     assert lookup.lookups[0].optimizer is None
+
+
+def _replica_worker():
+    """Each rank builds its collection with other weights: the FUSED data-parallel replicas start as
+    rank 0's (no data-parallel wrapper broadcasts them), sharded directly and through DMP on meta."""
+    import torch
+    import torch.distributed as dist
+
+    from shardkit.model_parallel import DistributedModelParallel
+    from shardkit.modules import EmbeddingBagCollection
+    from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
+    from shardkit.sharding.sharding_plan import construct_module_sharding_plan
+
+    rank = dist.get_rank()
+
+    def ebc(device=None):
+        torch.manual_seed(rank)
+        config = EmbeddingBagConfig(6, 4, name="d", feature_names=["f"])
+        return EmbeddingBagCollection(
+            [config], device=device, fused_optimizer=FusedOptimizerConfig(OptimType.ADAGRAD, lr=0.1)
+        )
+
+    module = ebc()
+    plan = construct_module_sharding_plan(module, {"d": data_parallel()})
+    direct = EmbeddingBagCollectionSharder().shard(module, plan, ShardingEnv.from_process_group(None))
+    weights = [direct.local_shards()[("d", 0, 6, 0, 4)].clone()]
+    dmp = DistributedModelParallel(
+        torch.nn.Sequential(ebc(torch.device("meta"))),
+        device=torch.device("cpu"),
+        sharders=[EmbeddingBagCollectionSharder()],
+    )
+    weights.append(dmp.module[0].local_shards()[("d", 0, 6, 0, 4)].clone())
+    return weights
+
+
+def test_fused_replicas_start_equal():
+    from shardkit.testing import run_world
+
+    (direct0, dmp0), (direct1, dmp1) = run_world(_replica_worker, 2)
+    assert direct0.equal(direct1) and dmp0.equal(dmp1)

@@ -79,6 +79,20 @@ class ReplicatedFusedLookup(GroupedEmbeddingLookup):
     process_group: Optional[dist.ProcessGroup] = None
     world_size: int = 1
 
+    def reset_parameters(self) -> None:
+        """Initialize (``GroupedEmbeddingLookup``), then take rank 0's weights: the replicas must start
+        equal, and no data-parallel wrapper broadcasts a FUSED replica (a collective once the group
+        is set, as at ``DistributedModelParallel``'s initialization of meta tensors)."""
+        super().reset_parameters()
+        self.sync_replicas()
+
+    @torch.no_grad()
+    def sync_replicas(self) -> None:
+        """Broadcast the buffer from the group's first rank (no-op before the group is set, and for
+        a local environment without torch.distributed)."""
+        if self.world_size > 1 and self.weight.device.type != "meta" and dist.is_initialized():
+            dist.broadcast(self.weight.data, group_src=0, group=self.process_group)
+
     def _run_kernel(self, ids, offsets, bag_shift, weights, bag_scale, batch_major) -> torch.Tensor:
         if self.optimizer is None or not (torch.is_grad_enabled() and self.weight.requires_grad):
             return super()._run_kernel(ids, offsets, bag_shift, weights, bag_scale, batch_major)
@@ -93,8 +107,17 @@ class ReplicatedShardedLookup(ShardedGroupedLookup):
     group_lookup_class = ReplicatedFusedLookup
 
     def set_group(self, process_group: Optional[dist.ProcessGroup], world_size: int) -> None:
+        """Set the replicas' group and make them equal to its first rank's (a collective)."""
         for lookup in self.lookups:
             lookup.process_group, lookup.world_size = process_group, world_size
+            lookup.sync_replicas()
+
+    def load_tables(self, table_weight) -> None:
+        """Copy the tables from ``table_weight`` (``ShardedGroupedLookup``), then take rank 0's copy:
+        each rank's unsharded module may hold other values (a collective)."""
+        super().load_tables(table_weight)
+        for lookup in self.lookups:
+            lookup.sync_replicas()
 
 
 __all__ = ["ReplicatedFusedLookup", "ReplicatedShardedLookup"]
