@@ -82,3 +82,44 @@ def test_fused_replicas_start_equal():
 
     (direct0, dmp0), (direct1, dmp1) = run_world(_replica_worker, 2)
     assert direct0.equal(direct1) and dmp0.equal(dmp1)
+
+
+def _empty_bags_worker():
+    """Rank 1's bags are all empty (no ids): it still takes part in the all-reduce, and both replicas
+    take the unsharded module's step on the global batch."""
+    import torch
+    import torch.distributed as dist
+
+    from shardkit.modules import EmbeddingBagCollection
+    from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
+    from shardkit.sharding.sharding_plan import construct_module_sharding_plan
+    from shardkit.sparse import KeyedJaggedTensor
+
+    rank = dist.get_rank()
+
+    def ebc():
+        torch.manual_seed(0)
+        config = EmbeddingBagConfig(6, 4, name="d", feature_names=["f"])
+        return EmbeddingBagCollection([config], fused_optimizer=FusedOptimizerConfig(OptimType.ADAM, lr=0.1))
+
+    reference, module = ebc(), ebc()
+    plan = construct_module_sharding_plan(module, {"d": data_parallel()})
+    sharded = EmbeddingBagCollectionSharder().shard(module, plan, ShardingEnv.from_process_group(None))
+    mine = [torch.tensor([1, 4, 4]), torch.tensor([], dtype=torch.int64)][rank]
+    lengths = [torch.tensor([2, 1]), torch.tensor([0, 0])][rank]
+    grad = torch.arange(16, dtype=torch.float32).view(4, 4)
+    for _ in range(2):
+        whole = KeyedJaggedTensor(["f"], torch.tensor([1, 4, 4]), lengths=torch.tensor([2, 1, 0, 0]))
+        (reference(whole).values() * grad).sum().div(2).backward()
+        out = sharded(KeyedJaggedTensor(["f"], mine, lengths=lengths)).values()
+        (out * grad[2 * rank : 2 * rank + 2]).sum().backward()
+    return sharded.local_shards()[("d", 0, 6, 0, 4)].clone(), reference.table_weight("d").detach().clone()
+
+
+def test_a_rank_with_empty_bags_steps_the_fused_replica_too():
+    import torch
+
+    from shardkit.testing import run_world
+
+    for got, want in run_world(_empty_bags_worker, 2):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
