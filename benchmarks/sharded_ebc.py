@@ -65,7 +65,9 @@ def _batch(tables: int, rows: int, batch: int, pooling: int, seed: int) -> Keyed
 
 def _generator(kind: str, index: int, world: int):
     if kind == "data_parallel":
-        return data_parallel()
+        # the DENSE kernel, as measured in docs/performance.md (a fused collection's default is FUSED
+        # since issue 23: the fused optimizer on the all-reduced gradient)
+        return data_parallel(compute_kernel="dense")
     if kind == "table_wise":
         return table_wise(rank=index % world)
     if kind == "row_wise":

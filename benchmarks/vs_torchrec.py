@@ -249,7 +249,9 @@ def _generators(kind: str, lib: str, tables: int, kernel: Optional[str] = None) 
         "table_wise": lambda i: plans.table_wise(rank=i % world, **extra),
         "row_wise": lambda i: plans.row_wise(**extra),
         "column_wise": lambda i: plans.column_wise(ranks=list(range(world)), **extra),
-        "data_parallel": lambda i: plans.data_parallel(),
+        # DENSE in both libraries (torchrec's only data-parallel kernel; shardkit's default for a fused
+        # collection is FUSED since issue 23), each trained by the same torch.optim optimizer
+        "data_parallel": lambda i: plans.data_parallel(compute_kernel="dense"),
         "grid_shard": lambda i: plans.grid_shard(host_indexes=list(range(world // _local_size()))),
     }[kind]
     return {f"t{i}": make(i) for i in range(tables)}
