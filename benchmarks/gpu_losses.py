@@ -216,6 +216,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         args.linear_max_tokens = {"bf16": 33, "fp32": 33}
     elif not torch.cuda.is_available():
         print("benchmarks.gpu_losses: no CUDA device here; nothing measured (use --smoke-on-cpu to test it)")
+        # an empty result in --out, as benchmarks/gpu.py writes: `shardkit bench all` then succeeds on CPU
+        config = {k: v for k, v in vars(args).items() if k != "out"}
+        write_results("gpu_losses", {**config, "skipped": "no CUDA device"}, [], args.out)
         return
     rows = run(args)
     if args.profile and not args.smoke_on_cpu:

@@ -148,3 +148,13 @@ def test_a_missing_torchrec_is_explained_with_the_packages_to_install(tmp_path, 
         vs_torchrec.main(["--out", str(tmp_path)])
         assert "torchrec==1.8.0" in capsys.readouterr().out
         assert json.loads((tmp_path / "vs_torchrec.json").read_text())["rows"] == []
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU-only path")
+def test_the_gpu_losses_benchmark_without_cuda_writes_an_empty_result(tmp_path):
+    # `shardkit bench all --quick` on a CPU machine reported gpu_losses FAILED (it wrote no JSON)
+    from benchmarks import gpu_losses
+
+    gpu_losses.main(["--out", str(tmp_path), "--tokens", "8", "--vocab", "16", "--dtypes", "fp32"])
+    result = json.loads((tmp_path / "gpu_losses.json").read_text())
+    assert result["rows"] == [] and result["config"]["skipped"] == "no CUDA device"
