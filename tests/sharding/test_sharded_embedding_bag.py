@@ -40,9 +40,10 @@ DENSE, FUSED = "dense", "fused"
 
 
 def _generators(world_size: int, kernel: str):
-    """One generator per sharding type (a FUSED data-parallel table steps on the all-reduced gradient)."""
+    """One generator per sharding type (data-parallel: the DENSE kernel, which a generator called directly
+    gives it; _check_type asks for ``kernel`` by name)."""
     return {
-        "data_parallel": data_parallel(compute_kernel=kernel),
+        "data_parallel": data_parallel(),
         "table_wise": table_wise(rank=world_size - 1, compute_kernel=kernel),
         "column_wise": column_wise(ranks=[0, world_size - 1, world_size - 1], compute_kernel=kernel),
         "row_wise": row_wise(compute_kernel=kernel),
@@ -106,6 +107,8 @@ def _check_type(sharding_type: str, mode: str, kernel: str, forms: List[str]) ->
     torch.manual_seed(0)
     reference = nn.EmbeddingBag(ROWS, DIM, mode=mode)
     generator = _generators(world_size, kernel)[sharding_type]
+    if sharding_type == "data_parallel":  # FUSED too: its fused optimizer steps on the all-reduced gradient
+        generator = data_parallel(compute_kernel=kernel)
     fused = kernel == FUSED
     sharder = EmbeddingBagSharder(
         fused_params={"optimizer": OptimType.SGD, "learning_rate": LR} if fused else None
