@@ -318,7 +318,11 @@ def _load(path: str, model: nn.Module, optimizers: Any) -> None:
     except (Exception, CheckpointException) as err:
         raise CheckpointError(f"reading checkpoint {path} failed: {str(err)[:4000]}") from err
     # every rank checks before any rank writes: a refusal on one rank leaves every rank's model as it was
-    _agreed(lambda: check_state(model, staged, absent), f"checking checkpoint {path} against the model")
+    # (the model's and every optimizer's checks: apply_state writes nothing that can still be refused)
+    _agreed(
+        lambda: check_state(model, staged, absent, optimizers),
+        f"checking checkpoint {path} against the model",
+    )
     _agreed(lambda: apply_state(model, optimizers, staged), f"copying checkpoint {path} into the model")
 
 

@@ -109,22 +109,79 @@ def optimizer_state(
     return optimizer.state_dict()
 
 
-def load_optimizer_state(optimizer: Any, state: Any, names: Dict[int, str], key: str) -> None:
-    """Load what :func:`optimizer_state` gave (filled by a checkpoint) back into ``optimizer``."""
+def _shape_problems(
+    optimizer: Any, params: List[Any], position: Dict[str, int], state: Any, key: str
+) -> List[str]:
+    """The saved per-parameter tensors whose shapes cannot be this optimizer's: another shape than
+    the state it holds under that name, or (no state yet) the parameter's element count in another
+    shape (``torch.optim`` would load either silently and fail, or broadcast, at the next step)."""
+    problems = []
+    for name, saved in state["state"].items():
+        param = params[position[name]]
+        current = optimizer.state.get(param, {})
+        for entry, value in (saved or {}).items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            have = current.get(entry)
+            if isinstance(have, torch.Tensor):
+                expected = tuple(have.shape)
+            elif value.numel() == param.numel() > 1:  # (a one-element one may be a step count)
+                expected = tuple(param.shape)
+            else:
+                continue
+            if tuple(value.shape) != expected:
+                problems.append(
+                    f"optimizer {key!r}: state {entry!r} of {name!r} has shape {tuple(value.shape)}, "
+                    f"expected {expected}"
+                )
+    return problems
+
+
+def check_optimizer_state(optimizer: Any, state: Any, names: Dict[int, str], key: str) -> List[str]:
+    """What would make :func:`load_optimizer_state` refuse ``state`` (filled by a checkpoint), found
+    without writing anything: a load runs this for every optimizer on every rank first."""
     if _positional(optimizer):
-        params = _torch_order(optimizer, names, key)
+        try:
+            params = _torch_order(optimizer, names, key)
+        except CheckpointError as err:
+            return [str(err)]
         position = {names[id(p)]: i for i, p in enumerate(params)}
+        problems = []
         unknown = sorted(set(state["state"]) - set(position))
         if unknown:
-            raise CheckpointError(
+            problems.append(
                 f"optimizer {key!r}: the checkpoint has state of parameters this optimizer does not hold "
                 f"{unknown[:5]}"
             )
-        current = optimizer.state_dict()["param_groups"]
-        if len(current) != len(state["param_groups"]):
-            raise CheckpointError(
-                f"optimizer {key!r}: {len(state['param_groups'])} param groups saved, {len(current)} here"
+        if len(optimizer.param_groups) != len(state["param_groups"]):
+            problems.append(
+                f"optimizer {key!r}: {len(state['param_groups'])} param groups saved, "
+                f"{len(optimizer.param_groups)} here"
             )
+        if not unknown:
+            problems += _shape_problems(optimizer, params, position, state, key)
+        return problems
+    if hasattr(optimizer, "optimizers"):
+        return [
+            p
+            for k, opt in optimizer.optimizers
+            for p in (
+                check_optimizer_state(opt, state[k], names, f"{key}.{k}")
+                if k in state
+                else [f"optimizer {key!r}: the checkpoint has no state of {k!r}"]
+            )
+        ]
+    check = getattr(optimizer, "check_state_dict", None)
+    return [f"optimizer {key!r}: {p}" for p in check(state)] if callable(check) else []
+
+
+def load_optimizer_state(optimizer: Any, state: Any, names: Dict[int, str], key: str) -> None:
+    """Load what :func:`optimizer_state` gave (filled by a checkpoint) back into ``optimizer``; call
+    :func:`check_optimizer_state` first (this writes as it goes)."""
+    if _positional(optimizer):
+        params = _torch_order(optimizer, names, key)
+        position = {names[id(p)]: i for i, p in enumerate(params)}
+        current = optimizer.state_dict()["param_groups"]
         optimizer.load_state_dict(
             {
                 "state": {position[n]: v for n, v in state["state"].items()},
@@ -179,12 +236,16 @@ def set_aside_absent_records(state: Dict[str, Any], metadata: Metadata) -> List[
     return absent
 
 
-def check_state(model: nn.Module, state: Dict[str, Any], absent: Sequence[str] = ()) -> None:
+def check_state(
+    model: nn.Module, state: Dict[str, Any], absent: Sequence[str] = (), optimizers: Any = None
+) -> None:
     """``CheckpointError`` if a module of ``model`` would refuse its part of the filled
     :func:`checkpoint_state`, or the checkpoint lacks records of the model (``absent``): modules that
     define ``check_state_dict(state_dict, prefix) -> [problems]`` (the managed-collision maps) are
     asked before anything is written, so that a refused load leaves the model as it was. Their key
-    prefixes are the ones ``model.state_dict()`` gives them."""
+    prefixes are the ones ``model.state_dict()`` gives them. Every optimizer's part is checked too
+    (:func:`check_optimizer_state`): nothing that :func:`apply_state` writes can be refused after
+    the first write."""
     checkers = [m for m in model.modules() if callable(getattr(m, "check_state_dict", None))]
     found: List[Tuple[nn.Module, str]] = []
     handles = [
@@ -199,6 +260,15 @@ def check_state(model: nn.Module, state: Dict[str, Any], absent: Sequence[str] =
     problems = [p for module, prefix in found for p in module.check_state_dict(state["model"], prefix)]
     problems += [f"it has no record {key!r}" for key in absent[:8]]
     problems += [f"and {len(absent) - 8} more records are missing"] if len(absent) > 8 else []
+    if optimizers is not None:
+        names = _param_names(model)
+        keyed = optimizers_by_key(optimizers)
+        if keyed is None:
+            problems += check_optimizer_state(optimizers, state["optim"], names, "optim")
+        else:
+            problems += [
+                p for k, opt in keyed.items() for p in check_optimizer_state(opt, state["optim"][k], names, k)
+            ]
     if problems:
         raise CheckpointError(
             "the checkpoint does not fit the model (nothing was loaded): " + "; ".join(problems)
@@ -206,7 +276,8 @@ def check_state(model: nn.Module, state: Dict[str, Any], absent: Sequence[str] =
 
 
 def apply_state(model: nn.Module, optimizers: Any, state: Dict[str, Any]) -> None:
-    """Copy a filled :func:`checkpoint_state` into the model and the optimizers."""
+    """Copy a filled :func:`checkpoint_state` into the model and the optimizers; :func:`check_state`
+    (with the optimizers) must have passed on every rank."""
     model.load_state_dict(state["model"])
     if optimizers is None:
         return
@@ -280,10 +351,33 @@ def fill_from_metadata(state: Dict[str, Any], fill: List[Path], metadata: Metada
                 leaf[str(path[-1])] = torch.empty(entry.size, dtype=entry.properties.dtype)
             else:
                 leaf[str(path[-1])] = None
+        _saved_group_count(node, prefix[:-1] + ("param_groups",), mapping)
+
+
+def _saved_group_count(node: Dict[str, Any], groups: Path, mapping: Dict[str, Any]) -> None:
+    """Give the staged ``param_groups`` list (the loading optimizer's own) as many entries as the
+    checkpoint saved, so that :func:`check_optimizer_state` sees a different count and refuses it:
+    otherwise ``dcp.load`` would silently leave extra saved groups unread."""
+    indices = set()
+    for path in mapping.values():
+        path = tuple(path)
+        if path[: len(groups)] == groups and len(path) > len(groups):
+            try:
+                indices.add(int(path[len(groups)]))
+            except (TypeError, ValueError):
+                continue
+    staged = node.get(groups[-1])
+    if not isinstance(staged, list) or not staged:
+        return
+    count = max(indices) + 1 if indices else 0
+    del staged[count:]
+    while len(staged) < count:
+        staged.append(dict(staged[-1]))
 
 
 __all__ = [
     "apply_state",
+    "check_optimizer_state",
     "check_state",
     "checkpoint_state",
     "fill_from_metadata",

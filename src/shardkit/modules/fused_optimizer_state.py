@@ -62,27 +62,49 @@ class FusedOptimizer(OptimizerFacade):
                 state[shard.table_name] = {"step": opt.step_count, **opt.state_slices(start, end)}
         return {"state": state, "lr": self.lr}
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Copy a :meth:`state_dict` back; every table must be present with matching shapes."""
+    def check_state_dict(self, state_dict: Dict[str, Any]) -> List[str]:
+        """What would make :meth:`load_state_dict` refuse ``state_dict``, found without writing."""
         tables = state_dict["state"]
+        problems = []
         for lookup in self._lookups:
             opt = lookup.optimizer
             steps = set()
             for i, shard in enumerate(lookup.shards):
                 if shard.table_name not in tables:
-                    raise KeyError(f"fused optimizer state has no table '{shard.table_name}'")
+                    problems.append(f"fused optimizer state has no table '{shard.table_name}'")
+                    continue
                 saved = tables[shard.table_name]
                 steps.add(int(saved["step"]))
                 start, end = lookup.row_offsets[i], lookup.row_offsets[i + 1]
                 for name, target in opt.state_slices(start, end).items():
                     if name not in saved or tuple(saved[name].shape) != tuple(target.shape):
-                        raise ValueError(
+                        problems.append(
                             f"fused optimizer state of table '{shard.table_name}': expected '{name}' of "
                             f"shape {tuple(target.shape)}"
                         )
+            if len(steps) > 1:
+                problems.append(f"tables sharing one buffer must share one step count, got {sorted(steps)}")
+        if float(state_dict.get("lr", self.lr)) < 0:
+            problems.append(f"learning rate must be >= 0, got {state_dict['lr']}")
+        return problems
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Copy a :meth:`state_dict` back; every table must be present with matching shapes
+        (``ValueError`` naming what is not, raised before anything is written)."""
+        problems = self.check_state_dict(state_dict)
+        if problems:
+            raise ValueError("; ".join(problems))
+        tables = state_dict["state"]
+        for lookup in self._lookups:
+            opt = lookup.optimizer
+            steps = set()
+            for i, shard in enumerate(lookup.shards):
+                saved = tables[shard.table_name]
+                steps.add(int(saved["step"]))
+                start, end = lookup.row_offsets[i], lookup.row_offsets[i + 1]
+                for name, target in opt.state_slices(start, end).items():
                     with torch.no_grad():
                         target.copy_(saved[name])
-            if len(steps) != 1:
-                raise ValueError(f"tables sharing one buffer must share one step count, got {sorted(steps)}")
-            opt.step_count = steps.pop()
+            if steps:
+                opt.step_count = steps.pop()
         self.set_learning_rate(float(state_dict.get("lr", self.lr)))

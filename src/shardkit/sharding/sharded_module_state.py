@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from shardkit.modules.fused_optimizer_state import FusedOptimizer
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig, _state_shapes
@@ -204,6 +205,33 @@ class ShardedFusedOptimizer(OptimizerFacade):
             state[table] = entry
         return {"state": state, "lr": self.lr}
 
+    def check_state_dict(self, state_dict: Dict[str, Any]) -> List[str]:
+        """What would make :meth:`load_state_dict` refuse ``state_dict`` (a missing table or state, a
+        global shape that differs, step counts that differ, a negative lr), found without writing."""
+        tables = state_dict["state"]
+        problems = [f"fused optimizer state has no table(s) {[t for t in self._tables if t not in tables]}"]
+        if all(t in tables for t in self._tables):
+            problems = []
+        steps = {int(tables[t]["step"]) for t in self._tables if t in tables and "step" in tables[t]}
+        if len(steps) > 1:
+            problems.append(f"fused optimizer state: the tables' step counts differ: {sorted(steps)}")
+        for table in (t for t in self._tables if t in tables):
+            for name in self._kinds:
+                if name not in tables[table]:
+                    problems.append(f"fused optimizer state of table {table!r} has no {name!r}")
+                    continue
+                value = tables[table][name]
+                shape = tuple(value.metadata().size if isinstance(value, ShardedTensor) else value.shape)
+                expected = tuple(self._local(table, name)[1].global_shape)
+                if shape != expected:
+                    problems.append(
+                        f"fused optimizer state {name!r} of table {table!r} has shape {list(shape)}, "
+                        f"the table's is {list(expected)}"
+                    )
+        if float(state_dict.get("lr", self.lr)) < 0:
+            problems.append(f"learning rate must be >= 0, got {state_dict['lr']}")
+        return problems
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Copy a :meth:`state_dict` (same or full-tensor values) into the optimizer state.
 
@@ -213,13 +241,12 @@ class ShardedFusedOptimizer(OptimizerFacade):
         missing = [t for t in self._tables if t not in tables]
         if missing:
             raise KeyError(f"fused optimizer state has no table(s) {missing}")
+        problems = self.check_state_dict(state_dict)
+        if problems:
+            raise ValueError("; ".join(problems))
         steps = {int(tables[t]["step"]) for t in self._tables if "step" in tables[t]}
-        if len(steps) > 1:
-            raise ValueError(f"fused optimizer state: the tables' step counts differ: {sorted(steps)}")
         for table in self._tables:
             for name in self._kinds:
-                if name not in tables[table]:
-                    raise KeyError(f"fused optimizer state of table {table!r} has no {name!r}")
                 pieces, layout = self._local(table, name)
                 load_state_value(tables[table][name], pieces, layout)
         if steps:
