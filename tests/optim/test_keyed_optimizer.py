@@ -53,6 +53,35 @@ def test_load_writes_tensors_in_place_and_groups_by_name():
         dst.load_state_dict({"state": {"w": src.state_dict()["state"]["w"]}})
 
 
+def test_refused_load_writes_nothing():
+    """A state dict refused for its last parameter or its groups leaves every state tensor and
+    hyper-parameter as it was (checkpoint.load relies on it: issue 23 item 8)."""
+    src, dst = _Sgd(_params()), _Sgd(_params())
+    for opt in (src, dst):
+        opt.init_state()
+        opt.save_param_groups(True)
+    src.state[src.params["w"]]["momentum_buffer"].fill_(3.0)
+    src.param_groups[0]["lr"] = 0.25
+
+    def unchanged():
+        return dst.state[dst.params["w"]]["momentum_buffer"].tolist() == [0.0, 0.0] and dst.param_groups[0][
+            "lr"
+        ] == 0.5
+
+    wrong_shape = src.state_dict()
+    wrong_shape["state"]["b"] = {"momentum_buffer": torch.ones(4)}
+    with pytest.raises(ValueError, match=r"b.momentum_buffer has shape \(4,\), \(3,\) here"):
+        dst.load_state_dict(wrong_shape)
+    assert unchanged()
+    assert dst.check_state_dict(wrong_shape) and OptimizerWrapper(dst).check_state_dict(wrong_shape)
+    other_groups = src.state_dict()
+    other_groups["param_groups"] = [{**other_groups["param_groups"][0], "params": ["w"]}]
+    with pytest.raises(ValueError, match=r"param group 0 holds \['w', 'b'\]"):
+        dst.load_state_dict(other_groups)
+    assert unchanged()
+    assert dst.check_state_dict(src.state_dict()) == []
+
+
 def test_state_keys_must_be_parameters_and_groups_are_fixed():
     p = torch.nn.Parameter(torch.ones(1))
     with pytest.raises(ValueError, match="All state keys must be params."):

@@ -13,7 +13,7 @@ It is a ``torch.optim.Optimizer``, so LR schedulers accept it.
 
 from __future__ import annotations
 
-from typing import Any, Collection, Dict, List, Mapping, Optional, Set
+from typing import Any, Collection, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
@@ -71,38 +71,68 @@ class KeyedOptimizer(torch.optim.Optimizer):
             ]
         return out
 
+    def _problems(self, state_dict: Mapping[str, Any]) -> List[Tuple[type, str]]:
+        """``(exception type, message)`` for everything :meth:`load_state_dict` would refuse."""
+        keys = self._keys_by_id()
+        loaded = state_dict["state"]
+        problems: List[Tuple[type, str]] = []
+        for param, param_state in self.state.items():
+            key = keys[id(param)]
+            if key not in loaded:
+                problems.append((KeyError, f"{_OWNER}.load_state_dict: no state for parameter {key!r}"))
+                continue
+            missing = sorted(set(param_state) - set(loaded[key]))
+            if missing:
+                message = f"{_OWNER}.load_state_dict: parameter {key!r} has no {missing} in the state dict"
+                problems.append((KeyError, message))
+                continue
+            for name, current in param_state.items():
+                problem = _value_problem(current, loaded[key][name], f"{key}.{name}")
+                if problem:
+                    problems.append((ValueError, problem))
+        groups = state_dict.get("param_groups")
+        if self.defaults["_save_param_groups"] and groups is not None:
+            if len(groups) != len(self.param_groups):
+                problems.append(
+                    (
+                        ValueError,
+                        f"{_OWNER}.load_state_dict: {len(groups)} param groups given, "
+                        f"{len(self.param_groups)} here",
+                    )
+                )
+            for i, (group, new) in enumerate(zip(self.param_groups, groups)):
+                ours = [keys[id(p)] for p in group["params"]]
+                if sorted(ours) != sorted(new["params"]):
+                    problems.append(
+                        (
+                            ValueError,
+                            f"{_OWNER}.load_state_dict: param group {i} holds {ours}, the state dict's "
+                            f"holds {list(new['params'])}",
+                        )
+                    )
+        return problems
+
+    def check_state_dict(self, state_dict: Mapping[str, Any]) -> List[str]:
+        """What would make :meth:`load_state_dict` refuse ``state_dict``, found without writing."""
+        return [message for _, message in self._problems(state_dict)]
+
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Write ``state_dict`` into the current state (tensors in place) and, if groups are saved,
-        the groups' hyper-parameters. Every parameter with state here must have the same entries there."""
+        the groups' hyper-parameters. Every parameter with state here must have the same entries there
+        (``KeyError``), of the same shapes (``ValueError``); checked before anything is written."""
+        problems = self._problems(state_dict)
+        if problems:
+            kind, message = problems[0]
+            raise kind(message)
         keys = self._keys_by_id()
         loaded = state_dict["state"]
         for param, param_state in self.state.items():
             key = keys[id(param)]
-            if key not in loaded:
-                raise KeyError(f"{_OWNER}.load_state_dict: no state for parameter {key!r}")
-            missing = sorted(set(param_state) - set(loaded[key]))
-            if missing:
-                raise KeyError(
-                    f"{_OWNER}.load_state_dict: parameter {key!r} has no {missing} in the state dict"
-                )
             for name, current in list(param_state.items()):
                 param_state[name] = _loaded_value(current, loaded[key][name], f"{key}.{name}")
         if self.defaults["_save_param_groups"] and "param_groups" in state_dict:
-            self._load_param_groups(state_dict["param_groups"], keys)
-
-    def _load_param_groups(self, groups: List[Mapping[str, Any]], keys: Dict[int, str]) -> None:
-        if len(groups) != len(self.param_groups):
-            raise ValueError(
-                f"{_OWNER}.load_state_dict: {len(groups)} param groups given, {len(self.param_groups)} here"
-            )
-        for i, (group, new) in enumerate(zip(self.param_groups, groups)):
-            ours = [keys[id(p)] for p in group["params"]]
-            if sorted(ours) != sorted(new["params"]):
-                raise ValueError(
-                    f"{_OWNER}.load_state_dict: param group {i} holds {ours}, the state dict's holds "
-                    f"{list(new['params'])}"
-                )
-            group.update({k: v for k, v in new.items() if k != "params"})
+            for group, new in zip(self.param_groups, state_dict["param_groups"]):
+                group.update({k: v for k, v in new.items() if k != "params"})
 
     def init_state(self, sparse_grad_parameter_names: Optional[Set[str]] = None) -> None:
         """Create the state by one step on zero gradients (sparse ones for the named parameters),
@@ -119,6 +149,28 @@ class KeyedOptimizer(torch.optim.Optimizer):
         if "params" not in self.__dict__:  # torch's __init__ adding its placeholder group
             return super().add_param_group(param_group)
         raise NotImplementedError(f"{_OWNER}: the parameters are fixed at construction (pass them in params)")
+
+
+def _value_problem(current: Any, new: Any, where: str) -> Optional[str]:
+    """Why ``new`` cannot be written into ``current`` (:func:`_loaded_value`), or None."""
+    if isinstance(current, ShardedTensor):
+        if not isinstance(new, ShardedTensor):
+            return f"{_OWNER}.load_state_dict: {where} is sharded here, not in the state dict"
+        ours, theirs = current.local_shards(), new.local_shards()
+        if len(ours) != len(theirs):
+            return f"{_OWNER}.load_state_dict: {where} has {len(theirs)} local shards, {len(ours)} here"
+        for dst, src in zip(ours, theirs):
+            if dst.tensor.shape != src.tensor.shape:
+                return (
+                    f"{_OWNER}.load_state_dict: {where} has a local shard of shape "
+                    f"{tuple(src.tensor.shape)}, {tuple(dst.tensor.shape)} here"
+                )
+        return None
+    if isinstance(current, torch.Tensor) and not isinstance(new, torch.Tensor):
+        return f"{_OWNER}.load_state_dict: {where} is a tensor here, {type(new).__name__} in the state dict"
+    if isinstance(current, torch.Tensor) and new.shape != current.shape and new.numel() != 1:
+        return f"{_OWNER}.load_state_dict: {where} has shape {tuple(new.shape)}, {tuple(current.shape)} here"
+    return None
 
 
 def _loaded_value(current: Any, new: Any, where: str) -> Any:
@@ -157,6 +209,9 @@ class OptimizerWrapper(KeyedOptimizer):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self._optimizer.load_state_dict(state_dict)
+
+    def check_state_dict(self, state_dict: Mapping[str, Any]) -> List[str]:
+        return self._optimizer.check_state_dict(state_dict)
 
     def save_param_groups(self, save: bool) -> None:
         self._optimizer.save_param_groups(save)
