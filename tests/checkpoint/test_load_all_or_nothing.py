@@ -16,8 +16,24 @@ import torch
 import torch.distributed as dist
 
 from shardkit import checkpoint
+from shardkit.optim import KeyedOptimizer
 from shardkit.testing import run_world
 from tests.checkpoint.test_checkpoint import _expect_error, _flat, _full, _trained
+
+
+class _Keyed(KeyedOptimizer):
+    """A KeyedOptimizer driving torch's Adam over the dense layer, in one or two param groups."""
+
+    def __init__(self, dense: torch.nn.Linear, groups: int) -> None:
+        params = {"dense.weight": dense.weight, "dense.bias": dense.bias}
+        split = [{"params": [dense.weight]}, {"params": [dense.bias]}]
+        self.adam = torch.optim.Adam(split if groups == 2 else list(params.values()), lr=0.01)
+        super().__init__(params, self.adam.state, self.adam.param_groups)
+        self.save_param_groups(True)
+        self.init_state()
+
+    def step(self, closure=None):
+        return self.adam.step(closure)
 
 
 class _Edited:
@@ -50,6 +66,7 @@ def _snapshot(model, optimizers: dict) -> dict:
     for key, opt in optimizers.items():
         if not isinstance(opt, torch.optim.Optimizer):
             continue
+        opt = getattr(opt, "adam", opt)
         for i, state in enumerate(opt.state.values()):
             out.update({f"{key}.state{i}.{name}": _bits(v) for name, v in state.items()})
         for g, group in enumerate(opt.param_groups):
@@ -83,6 +100,7 @@ def _refused_loads_change_nothing(root: str) -> bool:
         "negative_lr": {"dense": adam, "fused": _Edited(fused, lambda sd: {**sd, "lr": -1.0})},
         "no_sum": {"dense": adam, "fused": _Edited(fused, _drop_sum)},
     }
+    saves["keyed_two_groups"] = {"dense": _Keyed(model.dense, 2), "fused": fused}
     for name, optimizers in saves.items():
         checkpoint.save(os.path.join(root, name), model, optimizers)
     # Adam's exp_avg of the weight with its elements in another shape
@@ -98,8 +116,9 @@ def _refused_loads_change_nothing(root: str) -> bool:
             "adam": target_adam,
             "weight_only": torch.optim.Adam([tw], lr=0.02),
             "two_groups": torch.optim.Adam([{"params": [tw]}, {"params": [tb]}], lr=0.03),
+            "keyed": _Keyed(target.dense, 1),
         }[dense]
-        if optimizer is not target_adam:  # give it state too (gradients of ones)
+        if isinstance(optimizer, torch.optim.Adam) and optimizer is not target_adam:  # state too
             tw.grad, tb.grad = torch.ones_like(tw), torch.ones_like(tb)
             optimizer.step()
         return target, {"dense": optimizer, "fused": target.ebc.fused_optimizer}
@@ -111,6 +130,7 @@ def _refused_loads_change_nothing(root: str) -> bool:
         ("flat_state", "adam", ["'exp_avg' of 'dense.weight'", "has shape (12,), expected (1, 12)"]),
         ("negative_lr", "adam", ["'fused'", "learning rate must be >= 0"]),
         ("no_sum", "adam", ["optim.fused.state.t0.sum"]),
+        ("keyed_two_groups", "keyed", ["'dense'", "2 param groups given, 1 here"]),
     ]
     failures = []
     for name, dense, patterns in cases:

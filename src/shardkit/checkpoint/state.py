@@ -351,7 +351,17 @@ def fill_from_metadata(state: Dict[str, Any], fill: List[Path], metadata: Metada
                 leaf[str(path[-1])] = torch.empty(entry.size, dtype=entry.properties.dtype)
             else:
                 leaf[str(path[-1])] = None
-        _saved_group_count(node, prefix[:-1] + ("param_groups",), mapping)
+    if isinstance(mapping, dict) and isinstance(state.get("optim"), Mapping):
+        _saved_group_counts(state["optim"], ("optim",), mapping)
+
+
+def _saved_group_counts(node: Mapping[str, Any], path: Path, mapping: Dict[str, Any]) -> None:
+    """:func:`_saved_group_count` for every optimizer's ``param_groups`` list under ``node``."""
+    for key, value in node.items():
+        if key == "param_groups" and isinstance(value, list):
+            _saved_group_count(node, path + (key,), mapping)
+        elif isinstance(value, Mapping):
+            _saved_group_counts(value, path + (key,), mapping)
 
 
 def _saved_group_count(node: Dict[str, Any], groups: Path, mapping: Dict[str, Any]) -> None:
