@@ -289,9 +289,11 @@ def load(path: str | os.PathLike, model: nn.Module, optimizers: Any = None) -> N
     ``CheckpointError`` on every rank, with the model and optimizers unchanged, when any file is
     missing, truncated or corrupted (naming it), ``.metadata`` refers to anything but checkpoint
     metadata classes or describes more than a checkpoint holds (``metadata_bounds``), a non-tensor
-    record is not a plain value (``safe_records``: no code runs), or the checkpoint does not hold what
-    the model needs. A rank that stalls makes the others fail at the process group's timeout with a
-    ``CheckpointError`` naming it. A symbolic link ``path`` is followed.
+    record is not a plain value (``safe_records``: no code runs), the checkpoint does not hold what
+    the model needs, or an optimizer cannot take its part (param groups, parameters, state shapes):
+    every such check runs, agreed by every rank, before the first write. A rank that stalls makes
+    the others fail at the process group's timeout with a ``CheckpointError`` naming it. A symbolic
+    link ``path`` is followed.
     """
     path = os.path.realpath(os.fspath(path))
     with _naming_silent_ranks("loading checkpoint", path):
