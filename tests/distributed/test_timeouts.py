@@ -17,6 +17,20 @@ from shardkit.distributed.timeouts import (
     parse_timeout,
     timeout_from_env,
 )
+
+# imported here, not in the workers' functions: the harness imports a test module while it unpickles
+# the task, before the rendezvous, so a rank slow to import cannot use up the 2 s collective timeout
+# of the sharding set-up below (issue 23, flaky tests)
+from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig
+from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
+from shardkit.sharding.sharding_plan import (
+    construct_module_sharding_plan,
+    grid_shard,
+    table_column_wise,
+    table_row_wise,
+)
+from shardkit.sharding.types import ShardingEnv
+from shardkit.sparse import KeyedJaggedTensor
 from shardkit.testing import run_world
 from shardkit.testing.harness import WorldError
 
@@ -62,17 +76,6 @@ def test_timeout_settings(monkeypatch):
 def _stall_in_backward(sharding: str) -> None:
     """A table sharded over the node groups; every rank runs the forward, rank 3 then goes silent
     instead of running the backward, whose collectives run on the node groups."""
-    from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig
-    from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
-    from shardkit.sharding.sharding_plan import (
-        construct_module_sharding_plan,
-        grid_shard,
-        table_column_wise,
-        table_row_wise,
-    )
-    from shardkit.sharding.types import ShardingEnv
-    from shardkit.sparse import KeyedJaggedTensor
-
     generator = {
         "table_row_wise": table_row_wise(host_index=1),
         "table_column_wise": table_column_wise(host_index=1),

@@ -172,3 +172,37 @@ def test_a_guarded_script_runs(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[0, 1]"
+
+
+def _arrive_late_on_rank_1(delay_s: float) -> float:
+    # runs while the task is unpickled, before the rank joins the rendezvous: like a worker that is
+    # still importing torch or the test module on a loaded machine
+    if os.environ.get("RANK") == "1":
+        time.sleep(delay_s)
+    return delay_s
+
+
+class _LateOnRank1:
+    """An argument whose unpickling delays rank 1's arrival at the process group's set-up."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def __reduce__(self):
+        return (_arrive_late_on_rank_1, (self.delay_s,))
+
+
+def _group_timeout_and_sum(_late) -> tuple:
+    from shardkit.distributed.timeouts import process_group_timeout
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return process_group_timeout().total_seconds(), t.item()
+
+
+def test_a_short_shardkit_timeout_bounds_the_collectives_not_a_late_ranks_arrival():
+    # issue 23 (flaky tests): SHARDKIT_TIMEOUT=2 also bounded the rendezvous, so a worker arriving
+    # 2 s late on a loaded machine failed the set-up of tests that stall a rank on purpose
+    late = _LateOnRank1(4.0)
+    results = run_world(_group_timeout_and_sum, 2, late, timeout=60, env={"SHARDKIT_TIMEOUT": "1"})
+    assert results == [(1.0, 2.0), (1.0, 2.0)]

@@ -70,7 +70,12 @@ def _run_task(task: dict) -> tuple:
                 store=dist.FileStore(task["store_path"], task["world_size"]),
                 rank=rank,
                 world_size=task["world_size"],
-                timeout=timedelta(seconds=_group_timeout_s(task)),
+                # The rendezvous and the opening barrier wait for the slowest rank to *arrive* (a worker
+                # just started imports torch, unpickling the task imports the test module): seconds
+                # apart on a loaded machine. They get the task's timeout; SHARDKIT_TIMEOUT, meant for
+                # the collectives of ``fn``, is applied once every rank is in (a 2 s SHARDKIT_TIMEOUT
+                # used to fail the set-up itself when one worker started late: issue 23, flaky tests).
+                timeout=timedelta(seconds=task["timeout"]),
             )
         except Exception:  # noqa: BLE001 - reported apart: the parent may retry the task
             return ("init-error", rank, traceback.format_exc())
@@ -78,6 +83,9 @@ def _run_task(task: dict) -> tuple:
         # collective-free fn and tore its group down at once would break the peer's connection.
         # Barriers on both sides keep every rank's group alive until all ranks are done with it.
         dist.barrier()
+        group_timeout_s = _group_timeout_s(task)
+        if group_timeout_s != task["timeout"]:
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=group_timeout_s))
         try:
             result = fn(*args, **kwargs)
         except Exception as err:
