@@ -18,7 +18,7 @@ optimizer:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum, unique
+from enum import Enum
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -27,14 +27,22 @@ from torch import nn
 from shardkit.kernels.row_optimizer import RowOptimizerArgs
 
 
-@unique
 class OptimType(Enum):
-    """The fused sparse optimizers (names as in the specification's ``OptimType``)."""
+    """The fused sparse optimizers (names as in the specification's ``OptimType``).
+
+    Iterating gives the four rules; the ``EXACT_*`` names are aliases (not ``enum.unique`` for them).
+    """
 
     SGD = "SGD"
     ADAGRAD = "ADAGRAD"
     ROWWISE_ADAGRAD = "ROWWISE_ADAGRAD"
     ADAM = "ADAM"
+    # fbgemm's EmbOptimType spellings: its EXACT_* rules sum the gradients of a row's duplicate ids
+    # before one update, which is what every shardkit kernel does, so each is an alias of the same
+    # member (OptimType.EXACT_ROWWISE_ADAGRAD is OptimType.ROWWISE_ADAGRAD)
+    EXACT_SGD = "SGD"
+    EXACT_ADAGRAD = "ADAGRAD"
+    EXACT_ROWWISE_ADAGRAD = "ROWWISE_ADAGRAD"
 
 
 _DEFAULT_EPS = {OptimType.ADAGRAD: 1e-10, OptimType.ROWWISE_ADAGRAD: 1e-10, OptimType.ADAM: 1e-8}
