@@ -4,6 +4,8 @@ Everything else in shardkit communicates through this package. Each concept live
 the most used names are re-exported here.
 """
 
+import importlib
+
 # imported for its effect: an exit handler that frees groups kept alive by reference cycles
 import shardkit.distributed.clean_exit  # noqa: F401
 from shardkit.distributed.agreement import assert_same_on_all_ranks, gather_shapes
@@ -154,3 +156,30 @@ __all__ = [
     "validation_enabled",
     "variable_batch_alltoall_pooled",
 ]
+
+# torchrec.distributed's names that live in the layers above (``from torchrec.distributed import
+# DistributedModelParallel``): read from the torchrec-path modules beside this one on first use, so that
+# importing this package never imports a higher layer (docs/names.md, "torchrec's module tree").
+_TORCHREC_NAMES = {
+    "DistributedModelParallel": "shardkit.distributed.model_parallel",
+    "EmbeddingBagCollectionSharder": "shardkit.distributed.embeddingbag",
+    "ComputeKernel": "shardkit.distributed.types",
+    "EmbeddingModuleShardingPlan": "shardkit.distributed.types",
+    "ModuleSharder": "shardkit.distributed.types",
+    "ModuleShardingPlan": "shardkit.distributed.types",
+    "ParameterSharding": "shardkit.distributed.types",
+    "ShardedModule": "shardkit.distributed.types",
+    "ShardingPlan": "shardkit.distributed.types",
+    "ShardingPlanner": "shardkit.distributed.types",
+    "ShardingType": "shardkit.distributed.types",
+    "TrainPipeline": "shardkit.distributed.train_pipeline",
+    "TrainPipelineBase": "shardkit.distributed.train_pipeline",
+    "TrainPipelineSparseDist": "shardkit.distributed.train_pipeline",
+    "get_unsharded_module_names": "shardkit.distributed.utils",
+}
+
+
+def __getattr__(name: str):
+    if name in _TORCHREC_NAMES:
+        return getattr(importlib.import_module(_TORCHREC_NAMES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,6 +15,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from shardkit.distributed.absent_names import absent
+
 
 @unique
 class PoolingType(Enum):
@@ -176,3 +178,7 @@ def embedding_names_by_table(tables: Sequence[BaseEmbeddingConfig]) -> List[List
         for feature in table.feature_names:
             count[feature] = count.get(feature, 0) + 1
     return [[f if count[f] == 1 else f"{f}@{t.name}" for f in t.feature_names] for t in tables]
+
+
+# torchrec's names here that shardkit lacks: importing one is an ImportError naming it
+__getattr__ = absent(__name__, ["EmbeddingTableConfig"])

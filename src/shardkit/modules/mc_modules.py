@@ -22,7 +22,15 @@ import torch
 from torch import nn
 
 from shardkit.distributed.validation import validation_enabled
-from shardkit.modules.mc_eviction import MCHEvictionPolicy
+from shardkit.modules.mc_eviction import (
+    DistanceLFU_EvictionPolicy,
+    LFU_EvictionPolicy,
+    LRU_EvictionPolicy,
+    MCHEvictionPolicy,
+    MCHEvictionPolicyMetadataInfo,
+    average_threshold_filter,
+    dynamic_threshold_filter,
+)
 from shardkit.sparse import JaggedTensor
 
 EMPTY_SLOT_ID = torch.iinfo(torch.int64).max
@@ -572,4 +580,26 @@ def _with_values(jt: JaggedTensor, values: torch.Tensor) -> JaggedTensor:
     return JaggedTensor(values, jt.weights_or_none(), lengths=jt.lengths(), validate=False)
 
 
-__all__ = ["EMPTY_SLOT_ID", "MCHManagedCollisionModule", "ManagedCollisionModule"]
+# torchrec's ``torchrec.modules.mc_modules`` holds the eviction policies (re-exported above from
+# mc_eviction.py) and the collection, whose file imports this one, so it is read on first use
+# (docs/names.md, "torchrec's module tree").
+def __getattr__(name: str):
+    if name == "ManagedCollisionCollection":
+        from shardkit.modules.mc_collection import ManagedCollisionCollection
+
+        return ManagedCollisionCollection
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "EMPTY_SLOT_ID",
+    "DistanceLFU_EvictionPolicy",
+    "LFU_EvictionPolicy",
+    "LRU_EvictionPolicy",
+    "MCHEvictionPolicy",
+    "MCHEvictionPolicyMetadataInfo",
+    "MCHManagedCollisionModule",
+    "ManagedCollisionModule",
+    "average_threshold_filter",
+    "dynamic_threshold_filter",
+]

@@ -13,6 +13,9 @@ from typing import Optional
 
 import torch
 
+from shardkit.planner.constraints import ParameterConstraints
+from shardkit.planner.errors import PlannerError
+from shardkit.planner.topology import Topology
 from shardkit.sharding.types import ShardingType
 
 # How the partitioner may move an option's shards:
@@ -149,4 +152,16 @@ class ShardingOption:
 _SUMMARIES = ("total_perf", "max_perf", "max_hbm", "max_ddr", "max_storage")
 
 
-__all__ = ["FIXED", "FREE", "HOST", "PLACEMENT_KIND", "ShardingOption", "TableInfo"]
+# ParameterConstraints, PlannerError and Topology are defined in their own files and re-exported here:
+# torchrec's ``torchrec.distributed.planner.types`` holds them (docs/names.md, "torchrec's module tree").
+__all__ = [
+    "FIXED",
+    "FREE",
+    "HOST",
+    "PLACEMENT_KIND",
+    "ParameterConstraints",
+    "PlannerError",
+    "ShardingOption",
+    "TableInfo",
+    "Topology",
+]

@@ -24,13 +24,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from shardkit.kernels.quant_rows import SCALE_BIAS_BYTES
+from shardkit.modules import DataType, EmbeddingBagConfig, EmbeddingConfig
+from shardkit.modules import EmbeddingBagCollection as FloatEmbeddingBagCollection
+from shardkit.modules import EmbeddingCollection as FloatEmbeddingCollection
 from shardkit.modules import (
-    DataType,
-    EmbeddingBagCollection,
-    EmbeddingBagConfig,
-    EmbeddingCollection,
-    EmbeddingConfig,
-    FeatureProcessedEmbeddingBagCollection,
+    FeatureProcessedEmbeddingBagCollection as FloatFeatureProcessedEmbeddingBagCollection,
 )
 from shardkit.modules.grouped_tables import GroupedTablesModule
 from shardkit.quant.data_types import qconfig_output_dtype, quantized_data_types
@@ -109,7 +107,7 @@ def _no_grad_forward(method):
     return forward
 
 
-class QuantEmbeddingBagCollection(_QuantTables, EmbeddingBagCollection):
+class QuantEmbeddingBagCollection(_QuantTables, FloatEmbeddingBagCollection):
     """Pooled lookups of quantized tables (torchrec.quant's ``EmbeddingBagCollection``).
 
     Args:
@@ -131,13 +129,13 @@ class QuantEmbeddingBagCollection(_QuantTables, EmbeddingBagCollection):
         output_dtype: torch.dtype = torch.float32,
         table_name_to_quantized_weights: Optional[QuantizedWeights] = None,
     ) -> None:
-        EmbeddingBagCollection.__init__(self, tables, is_weighted, device)
+        FloatEmbeddingBagCollection.__init__(self, tables, is_weighted, device)
         self._init_quant(output_dtype, table_name_to_quantized_weights)
 
     @classmethod
     def from_float(
         cls,
-        module: EmbeddingBagCollection,
+        module: FloatEmbeddingBagCollection,
         data_type: Optional[DataType] = None,
         output_dtype: Optional[torch.dtype] = None,
     ) -> QuantEmbeddingBagCollection:
@@ -150,13 +148,13 @@ class QuantEmbeddingBagCollection(_QuantTables, EmbeddingBagCollection):
 
     @_no_grad_forward
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        out = EmbeddingBagCollection.forward(self, features)
+        out = FloatEmbeddingBagCollection.forward(self, features)
         if out.values().dtype == self._output_dtype:
             return out
         return KeyedTensor(out.keys(), out.length_per_key(), out.values().to(self._output_dtype))
 
 
-class QuantEmbeddingCollection(_QuantTables, EmbeddingCollection):
+class QuantEmbeddingCollection(_QuantTables, FloatEmbeddingCollection):
     """Sequence lookups of quantized tables (torchrec.quant's ``EmbeddingCollection``).
 
     Args: as :class:`QuantEmbeddingBagCollection` (``EmbeddingConfig`` s; ``need_indices`` as the float
@@ -171,13 +169,13 @@ class QuantEmbeddingCollection(_QuantTables, EmbeddingCollection):
         output_dtype: torch.dtype = torch.float32,
         table_name_to_quantized_weights: Optional[QuantizedWeights] = None,
     ) -> None:
-        EmbeddingCollection.__init__(self, tables, device, need_indices)
+        FloatEmbeddingCollection.__init__(self, tables, device, need_indices)
         self._init_quant(output_dtype, table_name_to_quantized_weights)
 
     @classmethod
     def from_float(
         cls,
-        module: EmbeddingCollection,
+        module: FloatEmbeddingCollection,
         data_type: Optional[DataType] = None,
         output_dtype: Optional[torch.dtype] = None,
     ) -> QuantEmbeddingCollection:
@@ -186,7 +184,7 @@ class QuantEmbeddingCollection(_QuantTables, EmbeddingCollection):
 
     @_no_grad_forward
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
-        out = EmbeddingCollection.forward(self, features)
+        out = FloatEmbeddingCollection.forward(self, features)
         if all(jt.values().dtype == self._output_dtype for jt in out.values()):
             return out
         return {
@@ -197,7 +195,7 @@ class QuantEmbeddingCollection(_QuantTables, EmbeddingCollection):
         }
 
 
-class QuantFeatureProcessedEmbeddingBagCollection(FeatureProcessedEmbeddingBagCollection):
+class QuantFeatureProcessedEmbeddingBagCollection(FloatFeatureProcessedEmbeddingBagCollection):
     """Feature processors in front of a weighted :class:`QuantEmbeddingBagCollection`
     (torchrec.quant's ``FeatureProcessedEmbeddingBagCollection``); inference only."""
 
@@ -209,7 +207,7 @@ class QuantFeatureProcessedEmbeddingBagCollection(FeatureProcessedEmbeddingBagCo
     @classmethod
     def from_float(
         cls,
-        module: FeatureProcessedEmbeddingBagCollection,
+        module: FloatFeatureProcessedEmbeddingBagCollection,
         data_type: Optional[DataType] = None,
         output_dtype: Optional[torch.dtype] = None,
     ) -> QuantFeatureProcessedEmbeddingBagCollection:
@@ -227,10 +225,19 @@ class QuantFeatureProcessedEmbeddingBagCollection(FeatureProcessedEmbeddingBagCo
 
     @_no_grad_forward
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        return FeatureProcessedEmbeddingBagCollection.forward(self, features)
+        return FloatFeatureProcessedEmbeddingBagCollection.forward(self, features)
 
+
+# torchrec.quant.embedding_modules' spelling: torchrec programs import the quantized classes under the
+# float classes' names from this module (the float ones stay in shardkit.modules).
+EmbeddingBagCollection = QuantEmbeddingBagCollection
+EmbeddingCollection = QuantEmbeddingCollection
+FeatureProcessedEmbeddingBagCollection = QuantFeatureProcessedEmbeddingBagCollection
 
 __all__ = [
+    "EmbeddingBagCollection",
+    "EmbeddingCollection",
+    "FeatureProcessedEmbeddingBagCollection",
     "QuantEmbeddingBagCollection",
     "QuantEmbeddingCollection",
     "QuantFeatureProcessedEmbeddingBagCollection",

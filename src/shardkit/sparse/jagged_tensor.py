@@ -7,6 +7,7 @@ Either of lengths / offsets is enough; the other is derived on first use and cac
 
 from __future__ import annotations
 
+import importlib
 from typing import List, Optional
 
 import torch
@@ -218,3 +219,23 @@ def _from_dense_lengths(
 
 # a leaf of fx graphs: the checks and the data-dependent result size run when the graph runs
 torch.fx.wrap("_from_dense_lengths")
+
+
+# torchrec's ``torchrec.sparse.jagged_tensor`` also holds these; they live in their own files here, which
+# import this one, so they are read on first use (docs/names.md, "torchrec's module tree").
+_TORCHREC_NAMES = {
+    "KeyedJaggedTensor": "shardkit.sparse.keyed_jagged_tensor",
+    "KeyedTensor": "shardkit.sparse.keyed_tensor",
+    "ComputeJTDictToKJT": "shardkit.sparse.conversion_modules",
+    "ComputeKJTToJTDict": "shardkit.sparse.conversion_modules",
+    "jt_is_equal": "shardkit.sparse.comparison",
+    "kjt_is_equal": "shardkit.sparse.comparison",
+    "permute_multi_embedding": "shardkit.sparse.keyed_tensor",
+    "regroup_kts": "shardkit.sparse.keyed_tensor",
+}
+
+
+def __getattr__(name: str):
+    if name in _TORCHREC_NAMES:
+        return getattr(importlib.import_module(_TORCHREC_NAMES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

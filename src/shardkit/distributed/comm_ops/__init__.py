@@ -12,6 +12,7 @@ cross-rank size check), ``request`` (the Awaitable and the autograd Functions), 
 ``reduce_scatter`` (the ops). See docs/comm_ops.md.
 """
 
+from shardkit.distributed.absent_names import absent
 from shardkit.distributed.comm_ops.alltoall import (
     alltoall_pooled,
     alltoall_sequence,
@@ -59,3 +60,28 @@ __all__ = [
     "set_gradient_division",
     "variable_batch_alltoall_pooled",
 ]
+
+# torchrec's names here that shardkit lacks (its comm ops are autograd functions of another shape, see
+# docs/distributed.md): importing one is an ImportError naming it
+__getattr__ = absent(
+    __name__,
+    [
+        "All2AllDenseInfo",
+        "All2All_Pooled_Req",
+        "All2All_Pooled_Wait",
+        "All2All_Seq_Req",
+        "All2All_Seq_Req_Wait",
+        "All2Allv_Req",
+        "All2Allv_Wait",
+        "AllGatherBase_Req",
+        "AllGatherBase_Wait",
+        "ReduceScatterBase_Req",
+        "ReduceScatterBase_Wait",
+        "ReduceScatterV_Req",
+        "ReduceScatterV_Wait",
+        "ReduceScatter_Req",
+        "ReduceScatter_Wait",
+        "Variable_Batch_All2All_Pooled_Req",
+        "Variable_Batch_All2All_Pooled_Wait",
+    ],
+)

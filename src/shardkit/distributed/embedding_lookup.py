@@ -1,0 +1,25 @@
+"""torchrec's ``torchrec.distributed.embedding_lookup`` in shardkit.
+
+Re-exports only (docs/names.md, "torchrec's module tree"): each name is defined once elsewhere in
+shardkit (the import says where), and nothing inside shardkit imports from this module."""
+
+from shardkit.distributed.absent_names import absent
+
+__all__ = []
+
+# torchrec's names here that shardkit lacks: importing one is an ImportError naming it
+__getattr__ = absent(
+    __name__,
+    [
+        "CommOpGradientScaling",
+        "GroupedEmbeddingsLookup",
+        "GroupedPooledEmbeddingsLookup",
+        "InferGroupedEmbeddingsLookup",
+        "InferGroupedLookupMixin",
+        "InferGroupedPooledEmbeddingsLookup",
+        "MetaInferGroupedEmbeddingsLookup",
+        "MetaInferGroupedPooledEmbeddingsLookup",
+        "embeddings_cat_empty_rank_handle",
+        "fx_wrap_tensor_view2d",
+    ],
+)

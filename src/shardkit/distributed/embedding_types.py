@@ -1,0 +1,39 @@
+"""torchrec's ``torchrec.distributed.embedding_types`` in shardkit.
+
+Re-exports only (docs/names.md, "torchrec's module tree"): each name is defined once elsewhere in
+shardkit (the import says where), and nothing inside shardkit imports from this module."""
+
+from shardkit.distributed.absent_names import absent
+from shardkit.modules.feature_processor import BaseGroupedFeatureProcessor
+from shardkit.modules.fused_optimizers import OptimType
+from shardkit.sharding.kjt_list import KJTList
+from shardkit.sharding.quant_embeddingbag import BaseQuantEmbeddingSharder
+from shardkit.sharding.sharded_embedding_module import BaseEmbeddingSharder, ShardedEmbeddingModule
+from shardkit.sharding.types import EmbeddingComputeKernel
+
+__all__ = [
+    "BaseEmbeddingSharder",
+    "BaseGroupedFeatureProcessor",
+    "BaseQuantEmbeddingSharder",
+    "EmbeddingComputeKernel",
+    "KJTList",
+    "OptimType",
+    "ShardedEmbeddingModule",
+]
+
+# torchrec's names here that shardkit lacks: importing one is an ImportError naming it
+__getattr__ = absent(
+    __name__,
+    [
+        "BaseEmbeddingLookup",
+        "EmbeddingAttributes",
+        "FeatureShardingMixIn",
+        "GroupedEmbeddingConfig",
+        "ListOfKJTList",
+        "ModuleShardingMixIn",
+        "ShardedConfig",
+        "ShardedEmbeddingTable",
+        "ShardedMetaConfig",
+        "compute_kernel_to_embedding_location",
+    ],
+)

@@ -1,0 +1,8 @@
+"""torchrec's ``torchrec.distributed.planner.storage_reservations`` in shardkit.
+
+Re-exports only (docs/names.md, "torchrec's module tree"): each name is defined once elsewhere in
+shardkit (the import says where), and nothing inside shardkit imports from this module."""
+
+from shardkit.planner.storage_reservation import HeuristicalStorageReservation
+
+__all__ = ["HeuristicalStorageReservation"]

@@ -1,0 +1,6 @@
+"""torchrec's ``torchrec.distributed.sharding`` in shardkit.
+
+Re-exports only (docs/names.md, "torchrec's module tree"): each name is defined once elsewhere in
+shardkit (the import says where), and nothing inside shardkit imports from this module."""
+
+__all__ = []
