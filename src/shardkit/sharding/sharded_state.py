@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardkit.sharding.sharding_spec import ShardMetadata
+from shardkit.sharding.state_dtensor import with_local_shards
 from shardkit.sharding.state_layout import ShardLayout
 
 StateValue = Union[DTensor, ShardedTensor]
@@ -113,9 +114,10 @@ def to_state_value(
         dtype: the tensor's dtype, used only on a rank without local shards (default: torch's
             default dtype); it does not affect what dcp saves.
 
-    Returns a ``DTensor`` (replicated, or ``Shard(dim)`` when :func:`dtensor_shard_dim` finds one)
-    or a ``ShardedTensor``. Raises ``ValueError`` naming the table for wrong local shards or a layout
-    that names ranks outside the world. No communication.
+    Returns a ``DTensor`` (replicated, or ``Shard(dim)`` when :func:`dtensor_shard_dim` finds one; a
+    ``StateDTensor``, which also has ShardedTensor's ``local_shards()``) or a ``ShardedTensor``.
+    Raises ``ValueError`` naming the table for wrong local shards or a layout that names ranks outside
+    the world. No communication.
     """
     rank, world_size = _world()
     if layout.holding_ranks and layout.holding_ranks[-1] >= world_size:
@@ -132,14 +134,15 @@ def to_state_value(
     views = _global_views(local_shards, layout)
     if layout.replicated:
         mesh = DeviceMesh.from_group(dist.group.WORLD, views[0].device.type)
-        return DTensor.from_local(views[0], mesh, [Replicate()], run_check=False)
+        return with_local_shards(DTensor.from_local(views[0], mesh, [Replicate()], run_check=False))
     dim = dtensor_shard_dim(layout, world_size)
     if dim is not None:
         mesh = DeviceMesh.from_group(dist.group.WORLD, views[0].device.type)
         shape = torch.Size(layout.global_shape)
-        return DTensor.from_local(
+        value = DTensor.from_local(
             views[0], mesh, [Shard(dim)], run_check=False, shape=shape, stride=_contiguous_stride(shape)
         )
+        return with_local_shards(value)
     return _sharded_tensor(views, layout, rank, dtype)
 
 
