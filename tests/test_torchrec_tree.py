@@ -101,6 +101,7 @@ TREE = {
     "torchrec.distributed.sharding.cw_sharding": "CwPooledEmbeddingSharding",
     "torchrec.distributed.sharding.dp_sequence_sharding": "DpSequenceEmbeddingSharding",
     "torchrec.distributed.sharding.dp_sharding": "DpPooledEmbeddingSharding",
+    "torchrec.distributed.sharding.grid_sharding": "GridPooledEmbeddingSharding",
     "torchrec.distributed.sharding.rw_sequence_sharding": "RwSequenceEmbeddingSharding",
     "torchrec.distributed.sharding.rw_sharding": "RwPooledEmbeddingSharding",
     "torchrec.distributed.sharding.tw_sequence_sharding": "TwSequenceEmbeddingSharding",
@@ -223,7 +224,20 @@ ABSENT = {
         "Enumerator Partitioner Perf Proposer Shard ShardEstimator Storage StorageReservation"
     ),
     "torchrec.distributed.shard": "shard shard_modules",
+    "torchrec.distributed.sharding.cw_sharding": "BaseCwEmbeddingSharding",
+    "torchrec.distributed.sharding.dp_sharding": (
+        "BaseDpEmbeddingSharding DpPooledEmbeddingDist DpSparseFeaturesDist"
+    ),
+    "torchrec.distributed.sharding.rw_sharding": (
+        "BaseRwEmbeddingSharding RwPooledEmbeddingDist RwSparseFeaturesDist"
+    ),
     "torchrec.distributed.sharding.sequence_sharding": "SequenceShardingContext",
+    "torchrec.distributed.sharding.tw_sharding": (
+        "BaseTwEmbeddingSharding TwPooledEmbeddingDist TwSparseFeaturesDist"
+    ),
+    "torchrec.distributed.sharding.twrw_sharding": (
+        "BaseTwRwEmbeddingSharding TwRwPooledEmbeddingDist TwRwSparseFeaturesDist"
+    ),
     "torchrec.distributed.train_pipeline": (
         "FusedKJTListSplitsAwaitable KJTAllToAllForward KJTSplitsAllToAllMeta SplitsAllToAllAwaitable"
     ),

@@ -14,8 +14,11 @@ NAMES_DOC = "docs/names.md"
 
 def absent(module: str, names: Iterable[str]) -> Callable[[str], NoReturn]:
     """A module ``__getattr__``: ImportError naming ``module.name`` for the listed names, the usual
-    AttributeError for any other (so ``hasattr`` and the import system's probes such as ``__path__``
-    keep working)."""
+    AttributeError for any other (so the import system's probes such as ``__path__`` keep working).
+
+    ``from module import name`` passes an ImportError from ``__getattr__`` through unchanged, where an
+    AttributeError would become the bare ``cannot import name``. The cost: ``hasattr(module, name)``
+    and ``getattr(module, name, default)`` raise it too, for the listed names only."""
     missing = frozenset(names)
     torchrec_path = "torchrec" + module[len("shardkit") :]
 
