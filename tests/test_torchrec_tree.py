@@ -1,8 +1,9 @@
 """torchrec's module tree in shardkit (docs/names.md, "torchrec's module tree").
 
-Every module path of torchrec that its examples, tutorials, tests and the specification import from has
-a shardkit module whose path differs only in the top-level name (``torchrec.distributed.embeddingbag`` ->
-``shardkit.distributed.embeddingbag``), holding the names torchrec holds there. The lists below are
+Every module path of torchrec that shardkit covers and that torchrec's examples, tutorials, tests or the
+specification import from has a shardkit module whose path differs only in the top-level name
+(``torchrec.distributed.embeddingbag`` -> ``shardkit.distributed.embeddingbag``), holding the names
+torchrec holds there. The lists below are
 written out here (the specification's qualified names plus the examples' imports), not read from
 shardkit: a path or name that stops resolving fails the test.
 """
