@@ -12,6 +12,7 @@ from shardkit.losses.cross_entropy import VocabParallelCrossEntropy, vocab_paral
 from shardkit.losses.fused_linear import vocab_parallel_linear_cross_entropy, vocab_parallel_linear_logprobs
 from shardkit.losses.log_softmax import _compute_distributed_log_softmax, distributed_log_softmax
 from shardkit.losses.logprobs import ChunkedDistributedLogprob, DistributedLogprob, vocab_parallel_logprobs
+from shardkit.losses.megatron import megatron_cross_entropy
 from shardkit.losses.next_token import (
     TrainingSamplingParams,
     from_parallel_logits_to_logprobs,
@@ -52,6 +53,7 @@ __all__ = [
     "apply_top_k_top_p",
     "distributed_vocab_topk",
     "gather_logits_at_global_indices",
+    "megatron_cross_entropy",
     "distributed_log_softmax",
     "from_parallel_logits_to_logprobs",
     "from_parallel_logits_to_logprobs_packed_sequences",

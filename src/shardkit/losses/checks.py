@@ -296,7 +296,15 @@ def option_problems(
     if not temperature > 0.0:
         problems.append(f"temperature must be > 0, got {temperature}")
     if reduction not in REDUCTIONS:
-        problems.append(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        # the message starts as NeMo Automodel's tests expect
+        problems.append(f"Invalid reduction: {reduction!r} (must be one of {REDUCTIONS})")
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size >= 1):
         problems.append(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     return problems
+
+
+def either_group(op: str, group, tp_group):
+    """The group passed as shardkit's ``group`` or as NeMo RL's / Megatron's ``tp_group`` (not both)."""
+    if group is not None and tp_group is not None:
+        raise TypeError(f"{op}: pass the tensor-parallel group as group= or tp_group=, not both")
+    return group if group is not None else tp_group

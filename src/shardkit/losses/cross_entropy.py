@@ -434,10 +434,11 @@ def _label_smoothing_and_group(
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor,
-    target: torch.Tensor,
+    logits: Optional[torch.Tensor] = None,
+    target: Optional[torch.Tensor] = None,
     label_smoothing: float = 0.0,
     *,
+    vocab_parallel_logits: Optional[torch.Tensor] = None,
     group: Optional[dist.ProcessGroup] = None,
     tp_group: Optional[dist.ProcessGroup] = None,
     vocab_start_index: Optional[int] = None,
@@ -458,7 +459,9 @@ def vocab_parallel_cross_entropy(
     here (with the group as ``tp_group=`` / ``group=``, a keyword); the smoothing is exact (PyTorch's,
     over the whole vocabulary), where Megatron's is computed per rank at tp > 1. For code written
     against earlier shardkit releases, a ProcessGroup in the third position is taken as the group: a
-    number there is always the label smoothing.
+    number there is always the label smoothing. Megatron's keyword ``vocab_parallel_logits=`` is
+    accepted for ``logits``. This function keeps shardkit's defaults (``ignore_index=-100``, exact
+    smoothing); ``megatron_cross_entropy`` behaves as Megatron's function does (docs/names.md).
 
     Args:
         logits: ``[..., V/tp]`` (e.g. ``[B, S, V/tp]`` or ``[S, B, V/tp]``), fp32 / bf16 / fp16 / fp64;
@@ -484,6 +487,12 @@ def vocab_parallel_cross_entropy(
         fp32 loss, replicated on every rank of ``group``.
     """
     op = "vocab_parallel_cross_entropy"
+    if vocab_parallel_logits is not None:  # Megatron's keyword for the logits
+        if logits is not None:
+            raise TypeError(f"{op}: pass the logits as logits= or vocab_parallel_logits=, not both")
+        logits = vocab_parallel_logits
+    if logits is None or target is None:
+        raise TypeError(f"{op}: missing {'the logits' if logits is None else 'target'}")
     label_smoothing, group = _label_smoothing_and_group(label_smoothing, group, tp_group)
     if not isinstance(inplace_backward, bool):
         raise TypeError(f"{op}: inplace_backward must be a bool, got {inplace_backward!r}")

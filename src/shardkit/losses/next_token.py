@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from shardkit.losses.checks import either_group
 from shardkit.losses.context_parallel import (
     context_parallel_positions,
     cp_rank_and_size,
@@ -187,7 +188,7 @@ def from_parallel_logits_to_logprobs(
     target: torch.Tensor,
     vocab_start_index: int,
     vocab_end_index: int,
-    group: dist.ProcessGroup,
+    group: Optional[dist.ProcessGroup] = None,
     inference_only: bool = False,
     cp_group: Optional[dist.ProcessGroup] = None,
     *,
@@ -197,6 +198,7 @@ def from_parallel_logits_to_logprobs(
     vocab_size: Optional[int] = None,
     softcap: Optional[float] = None,
     temperature: float = 1.0,
+    tp_group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
     """Next-token log-probs: position ``i`` of ``[B, S, V/tp]`` logits scored against ``target[:, i + 1]``.
 
@@ -217,7 +219,10 @@ def from_parallel_logits_to_logprobs(
     ``top_p``: log-probs under the sampler's filtered, renormalized distribution (``-inf`` for a target
     it could not draw); the filter sees the logits after ``softcap`` and ``temperature``. Costs one
     filtered copy of the logits shard.
+
+    ``tp_group`` (NeMo RL's name of the 5th parameter) is accepted as a keyword for ``group``.
     """
+    group = either_group("from_parallel_logits_to_logprobs", group, tp_group)
     logprobs, _ = _next_token_logprobs(
         "from_parallel_logits_to_logprobs",
         vocab_parallel_logits,

@@ -128,7 +128,7 @@ class ParallelCrossEntropy:
         **options,
     ) -> None:
         if reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+            raise ValueError(f"Invalid reduction: {reduction!r} (must be one of {REDUCTIONS})")
         unknown = set(options) - {
             "label_smoothing",
             "z_loss",

@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from shardkit.distributed.agreement import all_gather_flat, group_size
 from shardkit.losses import statistics as st
-from shardkit.losses.checks import option_problems, validate_call
-from shardkit.losses.dtensor import resolve_vocab_shard
+from shardkit.losses.checks import either_group, option_problems, validate_call
+from shardkit.losses.dtensor import is_dtensor, resolve_vocab_shard
 from shardkit.losses.first_order import first_order_only
 
 # entropy statistics columns: local max, sum exp(z - max), sum exp(z - max) * z
@@ -212,9 +212,22 @@ def vocab_parallel_argmax(
     vocab_start_index: Optional[int] = None,
     vocab_end_index: Optional[int] = None,
     vocab_size: Optional[int] = None,
+    tp_group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
-    """Global id ``[...]`` int64 of the largest logit per token (ties: the lowest id, as torch.argmax)."""
+    """Global id ``[...]`` int64 of the largest logit per token (ties: the lowest id, as torch.argmax).
+
+    The group is ``group`` or NeMo RL's keyword ``tp_group``. Called with neither a group nor
+    ``vocab_start_index`` / ``vocab_end_index`` on a plain tensor, it is NeMo RL's local argmax
+    (``logits.argmax(-1)``, no communication: the logits are taken as the whole vocabulary); shardkit's
+    sharded call names the group or this rank's slice (or passes a DTensor).
+    """
     op = "vocab_parallel_argmax"
+    group = either_group(op, group, tp_group)
+    local_call = group is None and vocab_start_index is None and vocab_end_index is None
+    if local_call and not is_dtensor(logits):
+        # NeMo RL's rule: no group, no sharding; padded columns still never win
+        width = logits.size(-1) if vocab_size is None else min(vocab_size, logits.size(-1))
+        return logits.detach()[..., :width].argmax(-1)
     logits, group, shard = _prepare(op, logits, group, vocab_start_index, vocab_end_index, vocab_size)
     logits2d = logits.detach().reshape(-1, logits.size(-1))
     gathered = _all_gather_rows(_local_top(logits2d, shard, 1), group)
