@@ -13,6 +13,23 @@ from shardkit.losses.fused_linear import vocab_parallel_linear_cross_entropy, vo
 from shardkit.losses.log_softmax import _compute_distributed_log_softmax, distributed_log_softmax
 from shardkit.losses.logprobs import ChunkedDistributedLogprob, DistributedLogprob, vocab_parallel_logprobs
 from shardkit.losses.megatron import megatron_cross_entropy
+from shardkit.losses.nemo_rl_cp import (
+    AllGatherCPTensor,
+    _get_tokens_on_this_cp_rank,
+    allgather_cp_sharded_tensor,
+    cp_load_balanced_to_contiguous,
+    cp_shift_next,
+    group_all_reduce_sum,
+    group_all_reduce_sum_with_grad,
+)
+from shardkit.losses.nemo_rl_vocab import (
+    ChunkedDistributedLogprobWithSampling,
+    DistributedCrossEntropy,
+    DistributedLogprobWithSampling,
+    vocab_parallel_full_log_softmax,
+    vocab_parallel_gather_columns,
+    vocab_parallel_log_softmax,
+)
 from shardkit.losses.next_token import (
     TrainingSamplingParams,
     from_parallel_logits_to_logprobs,
@@ -37,6 +54,19 @@ from shardkit.losses.sampling import (
 from shardkit.losses.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 __all__ = [
+    "AllGatherCPTensor",
+    "ChunkedDistributedLogprobWithSampling",
+    "DistributedCrossEntropy",
+    "DistributedLogprobWithSampling",
+    "_get_tokens_on_this_cp_rank",
+    "allgather_cp_sharded_tensor",
+    "cp_load_balanced_to_contiguous",
+    "cp_shift_next",
+    "group_all_reduce_sum",
+    "group_all_reduce_sum_with_grad",
+    "vocab_parallel_full_log_softmax",
+    "vocab_parallel_gather_columns",
+    "vocab_parallel_log_softmax",
     "HAVE_TE_PARALLEL_CE",
     "MISSING_TE_PARALLEL_CE_MSG",
     "ChunkedDistributedLogprob",
