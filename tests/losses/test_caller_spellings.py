@@ -37,6 +37,11 @@ def _check():
         torch.testing.assert_close(out.double(), ref.detach())
         (out.double() * G).sum().backward()
         torch.testing.assert_close(x.grad, ref_x.grad[..., start:end])
+    # NeMo RL's positional order: ..., tp_group, inference_only, cp_group, chunk_size, sampling_params
+    positional = from_parallel_logits_to_logprobs(
+        X[..., start:end], target, start, end, group, False, None, 3, None
+    )
+    torch.testing.assert_close(positional.double(), ref.detach())
     with pytest.raises(TypeError, match="not both"):
         from_parallel_logits_to_logprobs(X[..., start:end], target, start, end, group, tp_group=group)
     # NeMo RL: vocab_parallel_argmax(logits, tp_group=...) is the global argmax over the shards

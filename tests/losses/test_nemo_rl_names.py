@@ -168,6 +168,7 @@ def _check():
     group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     _check_vocab(group, rank, world)
     _check_cp(group, rank, world)
+    _check_logprobs(group, rank, world)
     return True
 
 
@@ -188,3 +189,106 @@ def test_nemo_rl_names_without_a_group_are_local():
     assert torch.equal(_get_tokens_on_this_cp_rank(X, 0, 1), X)
     with pytest.raises(ValueError, match="multiple of 4"):
         _get_tokens_on_this_cp_rank(randint(9, (1, 6), 3), 0, 2)
+
+
+def _check_logprobs(group, rank, world):
+    from shardkit.losses import (
+        ChunkedDistributedGatherLogprob,
+        TrainingSamplingParams,
+        all_to_all_sq2vp,
+        all_to_all_vp2sq,
+        get_distillation_topk_logprobs_from_logits,
+        get_next_token_logprobs_from_logits,
+    )
+
+    start, end = vocab_slice(VOCAB, world, rank, even=True)
+    X = randn((2, SEQ, VOCAB), 101)
+    ids = randint(VOCAB, (2, SEQ), 102)
+    # ChunkedDistributedGatherLogprob: log-probs at global ids
+    gi = randint(VOCAB, (2, SEQ, 3), 103)
+    Gk = randn((2, SEQ, 3), 104)
+    x = X[..., start:end].clone().requires_grad_()
+    out = ChunkedDistributedGatherLogprob.apply(x, gi, start, end, 4, group)
+    ref_x = X.clone().requires_grad_()
+    ref = torch.log_softmax(ref_x, -1).gather(-1, gi)
+    _close(out, ref.detach())
+    (out.double() * Gk).sum().backward()
+    (ref * Gk).sum().backward()
+    _close(x.grad, ref_x.grad[..., start:end])
+    # next-token log-probs, vocab-parallel, with and without the sampler's filter
+    G = randn((2, SEQ - 1), 105)
+    for params in (None, TrainingSamplingParams(top_k=4, top_p=1.0)):
+        x = X[..., start:end].clone().requires_grad_()
+        out = get_next_token_logprobs_from_logits(
+            ids, x, vocab_parallel_rank=rank, vocab_parallel_group=group, sampling_params=params
+        )
+        ref_x = X.clone().requires_grad_()
+        z = ref_x[:, :-1] if params is None else _reference_filter(ref_x[:, :-1], 4, 1.0)[0]
+        ref = torch.log_softmax(z, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        torch.testing.assert_close(out.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+        local = get_next_token_logprobs_from_logits(ids, X, sampling_params=params)  # one rank, whole vocab
+        torch.testing.assert_close(local.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+        finite = torch.isfinite(ref.detach())
+        (out.double().where(finite, 0.0) * G).sum().backward()
+        (ref.where(finite, 0.0) * G).sum().backward()
+        _close(x.grad, ref_x.grad[..., start:end])
+    # context parallelism: each rank a single-rank tensor-parallel group, the CP group all ranks
+    singles = [dist.new_group([r]) for r in range(world)]
+    own = torch.tensor(_balanced_positions(SEQ, world, rank))
+    weights = [randn((2, SEQ - 1), 110 + r) for r in range(world)]
+    x = X[:, own].clone().requires_grad_()
+    out = get_next_token_logprobs_from_logits(
+        ids, x, vocab_parallel_rank=0, vocab_parallel_group=singles[rank], context_parallel_group=group
+    )
+    ref_x = X.clone().requires_grad_()
+    ref = torch.log_softmax(ref_x[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    _close(out, ref.detach())
+    (out.double() * weights[rank]).sum().backward()
+    (ref * sum(weights)).sum().backward()  # NeMo RL's rule: each CP rank's loss its own, summed
+    _close(x.grad, ref_x.grad[:, own])
+    # distillation top-k log-probs
+    T = randn((2, SEQ, 3), 120)
+    idx = randn((2, SEQ, VOCAB), 121).topk(3, -1).indices
+    Gs, Gh = randn((2, SEQ - 1, 3), 122), randn((2, SEQ - 1), 123)
+    teacher_ref = torch.log_softmax(T, -1)[:, :-1]
+    layouts = [  # (student local logits, keyword arguments, this rank's (positions, columns))
+        ("tp", dict(vocab_parallel_rank=rank, vocab_parallel_group=group)),
+        ("cp", dict(vocab_parallel_rank=0, vocab_parallel_group=singles[rank], context_parallel_group=group)),
+        ("cp-only", dict(context_parallel_group=group)),
+    ]
+    for zero_outside in (True, False):
+        for name, kwargs in layouts:
+            if name == "cp-only" and zero_outside:
+                continue  # NeMo RL does no CP layout work on this path
+            if name == "tp":
+                x = X[..., start:end].clone().requires_grad_()
+            else:
+                x = X[:, own].clone().requires_grad_()
+            s, t, h = get_distillation_topk_logprobs_from_logits(
+                x, T, idx, zero_outside, zero_outside, **kwargs
+            )
+            ref_x = X.clone().requires_grad_()
+            if zero_outside:
+                logp = torch.log_softmax(ref_x, -1)
+                ref_s, ref_h = logp.gather(-1, idx)[:, :-1], (logp.exp() * logp).sum(-1)[:, :-1]
+            else:
+                ref_s, ref_h = torch.log_softmax(ref_x.gather(-1, idx), -1)[:, :-1], None
+            _close(s, ref_s.detach())
+            _close(t, teacher_ref)
+            loss = (s.double() * Gs).sum()
+            ref_loss = (ref_s * Gs).sum()
+            if zero_outside:
+                _close(h, ref_h.detach())
+                loss, ref_loss = loss + (h.double() * Gh).sum(), ref_loss + (ref_h * Gh).sum()
+            else:
+                assert h is None
+            loss.backward()
+            (ref_loss * (world if name != "tp" else 1)).backward()  # CP: every rank's loss, summed
+            expected = ref_x.grad[..., start:end] if name == "tp" else ref_x.grad[:, own]
+            _close(x.grad, expected)
+    # layout exchanges
+    X2 = randn((6, VOCAB), 130)
+    rows = 6 // world
+    sq = all_to_all_vp2sq(X2[:, start:end].contiguous(), group)
+    assert torch.equal(sq, X2[rank * rows : (rank + 1) * rows])
+    assert torch.equal(all_to_all_sq2vp(sq, group), X2[:, start:end])

@@ -22,6 +22,13 @@ from shardkit.losses.nemo_rl_cp import (
     group_all_reduce_sum,
     group_all_reduce_sum_with_grad,
 )
+from shardkit.losses.nemo_rl_logprobs import (
+    ChunkedDistributedGatherLogprob,
+    all_to_all_sq2vp,
+    all_to_all_vp2sq,
+    get_distillation_topk_logprobs_from_logits,
+    get_next_token_logprobs_from_logits,
+)
 from shardkit.losses.nemo_rl_vocab import (
     ChunkedDistributedLogprobWithSampling,
     DistributedCrossEntropy,
@@ -54,6 +61,11 @@ from shardkit.losses.sampling import (
 from shardkit.losses.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 __all__ = [
+    "ChunkedDistributedGatherLogprob",
+    "all_to_all_sq2vp",
+    "all_to_all_vp2sq",
+    "get_distillation_topk_logprobs_from_logits",
+    "get_next_token_logprobs_from_logits",
     "AllGatherCPTensor",
     "ChunkedDistributedLogprobWithSampling",
     "DistributedCrossEntropy",

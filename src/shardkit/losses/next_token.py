@@ -191,9 +191,9 @@ def from_parallel_logits_to_logprobs(
     group: Optional[dist.ProcessGroup] = None,
     inference_only: bool = False,
     cp_group: Optional[dist.ProcessGroup] = None,
-    *,
     chunk_size: Optional[int] = None,
     sampling_params: Any = None,
+    *,
     cp_gradient: str = "own",
     vocab_size: Optional[int] = None,
     softcap: Optional[float] = None,
@@ -220,7 +220,8 @@ def from_parallel_logits_to_logprobs(
     it could not draw); the filter sees the logits after ``softcap`` and ``temperature``. Costs one
     filtered copy of the logits shard.
 
-    ``tp_group`` (NeMo RL's name of the 5th parameter) is accepted as a keyword for ``group``.
+    ``tp_group`` (NeMo RL's name of the 5th parameter) is accepted as a keyword for ``group``;
+    ``chunk_size`` and ``sampling_params`` may be passed positionally, 8th and 9th, as in NeMo RL.
     """
     group = either_group("from_parallel_logits_to_logprobs", group, tp_group)
     logprobs, _ = _next_token_logprobs(
