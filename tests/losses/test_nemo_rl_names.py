@@ -286,6 +286,24 @@ def _check_logprobs(group, rank, world):
             (ref_loss * (world if name != "tp" else 1)).backward()  # CP: every rank's loss, summed
             expected = ref_x.grad[..., start:end] if name == "tp" else ref_x.grad[:, own]
             _close(x.grad, expected)
+    # DTensor logits sharded on the vocabulary (the mesh dimension named "tp", as NeMo RL's)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    dx = distribute_tensor(X.clone(), mesh, [Shard(2)]).requires_grad_()
+    out = get_next_token_logprobs_from_logits(ids, dx)
+    ref_x = X.clone().requires_grad_()
+    ref = torch.log_softmax(ref_x[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    _close(out, ref.detach())
+    (out.double() * G).sum().backward()
+    (ref * G).sum().backward()
+    _close(dx.grad.full_tensor(), ref_x.grad)
+    dx = distribute_tensor(X.clone(), mesh, [Shard(2)])
+    s, t, h = get_distillation_topk_logprobs_from_logits(dx, T, idx, True, True)
+    logp = torch.log_softmax(X, -1)
+    _close(s, logp.gather(-1, idx)[:, :-1])
+    _close(h, (logp.exp() * logp).sum(-1)[:, :-1])
     # layout exchanges
     X2 = randn((6, VOCAB), 130)
     rows = 6 // world
