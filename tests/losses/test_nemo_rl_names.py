@@ -187,6 +187,19 @@ def test_nemo_rl_names_without_a_group_are_local():
         DistributedCrossEntropy.apply(X, T, None), -(torch.softmax(T, -1) * torch.log_softmax(X, -1)).sum(-1)
     )
     assert torch.equal(_get_tokens_on_this_cp_rank(X, 0, 1), X)
+    # inference_only: a result with no graph behind it
+    from shardkit.losses import ChunkedDistributedGatherLogprob
+
+    x = X.clone().requires_grad_()
+    t = randint(6, (2, 4), 4)
+    assert DistributedCrossEntropy.apply(x, T, None, True).grad_fn is None
+    assert DistributedLogprobWithSampling.apply(x, t, None, 2, 1.0, True).grad_fn is None
+    assert ChunkedDistributedLogprobWithSampling.apply(x, t, None, 2, 1.0, 2, True).grad_fn is None
+    idx = randint(6, (2, 4, 2), 5)
+    assert ChunkedDistributedGatherLogprob.apply(x, idx, 0, 6, 2, None, True).grad_fn is None
+    _close(
+        ChunkedDistributedGatherLogprob.apply(x, idx, 0, 6, 2, None), torch.log_softmax(X, -1).gather(-1, idx)
+    )
     with pytest.raises(ValueError, match="multiple of 4"):
         _get_tokens_on_this_cp_rank(randint(9, (1, 6), 3), 0, 2)
 
