@@ -71,6 +71,23 @@ def _check():
                 (out.double() * G).sum().backward()
                 (ref * G).sum().backward()
                 torch.testing.assert_close(x.grad, ref_x.grad[:, start:end], rtol=1e-6, atol=1e-6)
+    # bf16 logits: fp32 result, both rules, against the fp64 reference on the bf16 values
+    Xb = X.to(torch.bfloat16)
+    for smoothing_rule in ("exact", "megatron"):
+        out = megatron_cross_entropy(
+            Xb[:, start:end],
+            target,
+            0.1,
+            smoothing=smoothing_rule,
+            vocab_start_index=start,
+            vocab_end_index=end,
+        )
+        assert out.dtype == torch.float32
+        if smoothing_rule == "megatron":
+            ref = _megatron_reference(Xb.double(), target, 0.1, start, end)
+        else:
+            ref = _exact_reference(Xb.double(), target, 0.1)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     # Megatron does not ignore -100: the token is scored as logsumexp(z)
     out = megatron_cross_entropy(X[:, start:end], target, vocab_start_index=start, vocab_end_index=end)
     torch.testing.assert_close(out[2].double(), torch.logsumexp(X[2], -1), rtol=1e-6, atol=1e-6)
