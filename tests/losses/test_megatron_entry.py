@@ -122,3 +122,20 @@ def test_megatron_smoothing_at_tp1_spreads_a_over_k_minus_1():
     torch_rule = F.cross_entropy(x, t, label_smoothing=a, reduction="none")
     assert not torch.allclose(out, torch_rule)
     torch.testing.assert_close(megatron_cross_entropy(x, t, a), torch_rule)
+
+
+def _check_issue_figures():
+    """The issues' example: logits 0, 1, 2, 3, target 3, a = 0.1 (torch: 0.5902)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x = torch.arange(4.0)[None, rank * 4 // world : (rank + 1) * 4 // world]
+    t = torch.tensor([3])
+    exact = megatron_cross_entropy(x, t, 0.1)
+    megatron = megatron_cross_entropy(x, t, 0.1, smoothing="megatron")
+    return round(float(exact), 4), round(float(megatron), 4)
+
+
+def test_megatron_entry_reproduces_the_issue_figures():
+    # tp = 1: Megatron 0.6402 against torch's 0.5902 (issue 28)
+    assert run_world(_check_issue_figures, 1) == [(0.5902, 0.6402)]
+    # tp = 2: Megatron's ranks disagree, 0.9402 / 0.5402 (issue 16); the exact rule does not
+    assert run_world(_check_issue_figures, 2) == [(0.5902, 0.9402), (0.5902, 0.5402)]
