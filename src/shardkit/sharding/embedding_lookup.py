@@ -16,9 +16,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from shardkit.modules.embedding_configs import DataType
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig
 from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup
+from shardkit.modules.offloaded_lookup import OffloadedEmbeddingLookup
 from shardkit.sharding.embedding_sharding import ColumnBlock, ShardedTable, TableShard
 from shardkit.sparse import KeyedJaggedTensor
 
@@ -26,10 +26,13 @@ PlacedShard = Tuple[ShardedTable, TableShard]
 
 
 def group_shards(shards: List[PlacedShard]) -> List[List[PlacedShard]]:
-    """Shards grouped by (width, data type), groups and members in order of first appearance."""
-    groups: Dict[Tuple[int, DataType], List[PlacedShard]] = {}
+    """Shards grouped by (width, data type), groups and members in order of first appearance; an
+    offloaded shard is a group of its own (one backing file and cache per shard, with its own params)."""
+    groups: Dict[Tuple, List[PlacedShard]] = {}
     for table, shard in shards:
         key = (shard.col_end - shard.col_start, table.config.data_type)
+        if table.offload is not None:
+            key = (*key, table.name, shard.row_start, shard.col_start)
         groups.setdefault(key, []).append((table, shard))
     return list(groups.values())
 
@@ -87,11 +90,18 @@ class ShardedGroupedLookup(nn.Module):
         self.dtype = dtype
         self.placed: List[List[PlacedShard]] = group_shards(shards)
         self.lookups = nn.ModuleList(
-            self.group_lookup_class([t.spec(s) for t, s in group], pooled, device, fused_optimizer)
-            for group in self.placed
+            self._group_lookup(group, device, fused_optimizer) for group in self.placed
         )
         self.keys: List[ColumnBlock] = received_keys(shards)
         self._group_sizes = [len(lookup.feature_names) for lookup in self.lookups]
+
+    def _group_lookup(self, group: List[PlacedShard], device, fused_optimizer) -> nn.Module:
+        specs = [t.spec(s) for t, s in group]
+        table, shard = group[0]
+        if table.offload is None:
+            return self.group_lookup_class(specs, self.pooled, device, fused_optimizer)
+        identity = {"kernel": table.compute_kernel, "rank": shard.rank}
+        return OffloadedEmbeddingLookup(specs, self.pooled, device, fused_optimizer, table.offload, identity)
 
     @torch.no_grad()
     def load_tables(self, table_weight) -> None:

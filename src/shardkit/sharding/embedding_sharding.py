@@ -30,10 +30,12 @@ import torch.distributed as dist
 from shardkit.distributed.awaitable import Awaitable
 from shardkit.distributed.codecs import QuantizedCommCodecs
 from shardkit.distributed.sharding_env import ShardingEnv
+from shardkit.kernels.offload import OffloadSpec
 from shardkit.modules.embedding_configs import BaseEmbeddingConfig
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig
 from shardkit.modules.grouped_lookup import ShardSpec
 from shardkit.sharding.dist_data import KJTAllToAll, KJTAllToAllTensorsAwaitable, SequenceEmbeddingsAllToAll
+from shardkit.sharding.offload_plan import offload_spec
 from shardkit.sharding.types import CommOp, ParameterSharding, ShardingType
 from shardkit.sparse import KeyedJaggedTensor
 
@@ -61,6 +63,8 @@ class ShardedTable:
     sharding_type: str
     compute_kernel: str
     shards: List[TableShard]
+    # the backing tier of an offloading kernel (fused_uvm / fused_uvm_caching), else None
+    offload: Optional[OffloadSpec] = None
 
     @property
     def name(self) -> str:
@@ -84,6 +88,7 @@ def sharded_table(config: BaseEmbeddingConfig, sharding: ParameterSharding, worl
     shape = (config.num_embeddings, config.embedding_dim)
     sharding.check(config.name, shape, world_size)
     kind = ShardingType(sharding.sharding_type)
+    offload = offload_spec(config.name, sharding, config.data_type)
     if kind is ShardingType.DATA_PARALLEL:
         return ShardedTable(config, kind.value, sharding.compute_kernel, [])
     shards = [
@@ -112,7 +117,7 @@ def sharded_table(config: BaseEmbeddingConfig, sharding: ParameterSharding, worl
         raise ValueError(f"table {config.name!r}: {kind.value} shards must span all {rows} rows")
     if kind is ShardingType.GRID_SHARD:
         _check_grid(config.name, shards)
-    return ShardedTable(config, kind.value, sharding.compute_kernel, shards)
+    return ShardedTable(config, kind.value, sharding.compute_kernel, shards, offload)
 
 
 def _check_grid(name: str, shards: List[TableShard]) -> None:

@@ -38,6 +38,7 @@ from shardkit.sharding.embedding_sharding import (
 )
 from shardkit.sharding.fused_optimizer_config import FusedParamsSharder, resolve_fused_optimizer
 from shardkit.sharding.kjt_list import KJTList
+from shardkit.sharding.offload_plan import check_offload_space
 from shardkit.sharding.sharded_module_state import ShardedFusedOptimizer, TableStates
 from shardkit.sharding.types import (
     EmbeddingComputeKernel,
@@ -139,6 +140,21 @@ def place_tables(
         if missing:
             raise KeyError(f"the plan has no sharding for table(s) {missing}")
         placed = [sharded_table(t, plan[t.name], env.world_size) for t in tables]
+        check_offload_space(
+            {
+                f"{t.name}[{s.row_start}:{s.row_end}, {s.col_start}:{s.col_end}]": (
+                    t.offload,
+                    s.row_end - s.row_start,
+                    s.col_end - s.col_start,
+                    t.config.dtype,
+                )
+                for t in placed
+                if t.offload is not None
+                for s in t.shards
+                if s.rank == env.rank and not s.empty
+            },
+            fused_optimizer,
+        )
     except Exception as err:  # noqa: BLE001 - every failure must reach the agreement below
         error = f"{type(err).__name__}: {err}"
     if env.world_size == 1:

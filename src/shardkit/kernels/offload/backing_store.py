@@ -1,0 +1,273 @@
+"""The slow tier of an offloaded table shard: a file of named fields, mapped into memory as tensors.
+
+An offloaded shard keeps its rows (and its fused optimizer's state) here instead of in RAM; the lookup
+either reads these tensors directly (``fused_uvm``) or through a :class:`~shardkit.kernels.offload.
+row_cache.RowCache` of hot rows (``fused_uvm_caching``).
+
+File layout (``*.skoff``): a 4096-byte header, then one region per field, each aligned to 4096 bytes::
+
+    b"SKOFF001" | uint32 JSON length | JSON {"identity": ..., "fields": [[name, dtype, shape, offset]],
+    "size": total bytes} | zero padding
+
+The file is mapped ``MAP_SHARED``: writing a field's tensor writes the file, and the kernel's page cache
+holds what was touched recently. :meth:`BackingStore.drop_resident` (``madvise(MADV_DONTNEED)``) unmaps
+those pages from this process, so its resident set stays bounded by what one step touches; dirty pages
+stay in the page cache and reach the file, nothing is lost. Files are created exclusively (never an
+existing file silently reused) and removed when the store is closed or the process exits: a backing file
+is scratch space, the durable form of a table is its checkpoint.
+
+On CUDA the slow tier is pinned host memory instead (:meth:`BackingStore.in_host_memory`), with the same
+interface.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import mmap
+import os
+import shutil
+import struct
+import tempfile
+import threading
+import uuid
+import weakref
+from typing import Dict, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+MAGIC = b"SKOFF001"
+HEADER_BYTES = 4096
+_ALIGN = 4096
+# where backing files go when the caller names no directory (else a per-process temporary directory)
+OFFLOAD_DIR_ENV = "SHARDKIT_OFFLOAD_DIR"
+
+FieldSpec = Tuple[Tuple[int, ...], torch.dtype]
+
+_temp_dir_lock = threading.Lock()
+_temp_dir: Optional[str] = None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def default_offload_dir() -> str:
+    """``$SHARDKIT_OFFLOAD_DIR`` if set, else a temporary directory of this process, removed at exit."""
+    configured = os.environ.get(OFFLOAD_DIR_ENV)
+    if configured:
+        return configured
+    global _temp_dir
+    with _temp_dir_lock:
+        if _temp_dir is None or not os.path.isdir(_temp_dir):
+            _temp_dir = tempfile.mkdtemp(prefix="shardkit-offload-")
+            atexit.register(shutil.rmtree, _temp_dir, True)
+        return _temp_dir
+
+
+def layout(fields: Mapping[str, FieldSpec]) -> Tuple[Dict[str, int], int]:
+    """Byte offset of each field's region and the file's total size."""
+    offsets, end = {}, HEADER_BYTES
+    for name, (shape, dtype) in fields.items():
+        offsets[name] = end
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        end = _round_up(end + nbytes, _ALIGN)
+    return offsets, end
+
+
+def bytes_needed(fields: Mapping[str, FieldSpec]) -> int:
+    """Size in bytes of a backing file holding ``fields`` (header and alignment included)."""
+    return layout(fields)[1]
+
+
+def check_directory(directory: str, needed: int) -> None:
+    """OSError naming ``directory`` unless it exists, is writable and has ``needed`` bytes free."""
+    if not os.path.isdir(directory):
+        raise OSError(f"offload directory {directory!r} does not exist (needed for {needed} bytes of tables)")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise OSError(
+            f"offload directory {directory!r} is not writable (needed for {needed} bytes of tables)"
+        )
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise OSError(
+            f"offload directory {directory!r} has {free} bytes free, the offloaded tables need {needed}; "
+            f"free space or choose another directory (fused_params['offload_dir'] or ${OFFLOAD_DIR_ENV})"
+        )
+
+
+def _encode_header(identity: Mapping[str, object], fields: Mapping[str, FieldSpec], size: int) -> bytes:
+    offsets, _ = layout(fields)
+    body = json.dumps(
+        {
+            "identity": dict(identity),
+            "fields": [[n, _dtype_name(d), list(s), offsets[n]] for n, (s, d) in fields.items()],
+            "size": size,
+        },
+        sort_keys=True,
+    ).encode()
+    header = MAGIC + struct.pack("<I", len(body)) + body
+    if len(header) > HEADER_BYTES:
+        raise ValueError(f"backing-file header of {len(header)} bytes exceeds {HEADER_BYTES}")
+    return header.ljust(HEADER_BYTES, b"\0")
+
+
+def read_header(path: str) -> dict:
+    """The JSON header of backing file ``path``; ValueError naming the path if it is not one or is damaged."""
+    with open(path, "rb") as f:
+        raw = f.read(HEADER_BYTES)
+        size = os.fstat(f.fileno()).st_size
+    if len(raw) < 12 or raw[:8] != MAGIC:
+        raise ValueError(f"{path!r} is not a shardkit backing file (bad magic)")
+    (length,) = struct.unpack("<I", raw[8:12])
+    try:
+        header = json.loads(raw[12 : 12 + length].decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"backing file {path!r} has a damaged header: {e}") from None
+    if header.get("size") != size:
+        raise ValueError(
+            f"backing file {path!r} is {size} bytes, its header says {header.get('size')}: damaged"
+        )
+    return header
+
+
+class BackingStore:
+    """Named fields ``[rows, *width]`` in a slow tier: a mapped file (CPU) or pinned host memory (CUDA).
+
+    Use :meth:`create` (a new file) or :meth:`open` (an existing one, checked against what it must hold)
+    or :meth:`in_host_memory`. ``tensors[name]`` is the field as a tensor; writes go to the tier.
+    """
+
+    def __init__(self, tensors: Dict[str, torch.Tensor], path: Optional[str], mapping: Optional[mmap.mmap]):
+        self.tensors = tensors
+        self.path = path
+        self._mapping = mapping
+        if path is not None:
+            # the mapping stays valid after the unlink: the tensors never dangle, the file goes at exit
+            self._finalizer = weakref.finalize(self, _remove_quietly, path)
+
+    @classmethod
+    def create(
+        cls,
+        fields: Mapping[str, FieldSpec],
+        identity: Mapping[str, object],
+        directory: Optional[str] = None,
+        name: str = "table",
+    ) -> BackingStore:
+        """A new zero-filled file in ``directory`` (default :func:`default_offload_dir`).
+
+        fields: field name -> (shape, dtype); identity: what the file holds (table, shard, run), kept in
+        the header and checked by :meth:`open`. Raises OSError naming the directory and the bytes needed
+        if it is missing, not writable or too small.
+        """
+        directory = directory or default_offload_dir()
+        size = bytes_needed(fields)
+        check_directory(directory, size)
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:80]
+        path = os.path.join(directory, f"{safe}-{os.getpid()}-{uuid.uuid4().hex[:12]}.skoff")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, _encode_header(identity, fields, size))
+            try:
+                os.posix_fallocate(
+                    fd, 0, size
+                )  # reserve the blocks now: a full disk fails here, not mid-step
+            except OSError as e:
+                raise OSError(f"cannot reserve {size} bytes for {path!r}: {e.strerror}") from None
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            _remove_quietly(path)
+            raise
+        os.close(fd)
+        return cls(_map_fields(mapping, fields), path, mapping)
+
+    @classmethod
+    def open(cls, path: str, fields: Mapping[str, FieldSpec], identity: Mapping[str, object]) -> BackingStore:
+        """Map an existing backing file; ValueError naming the path if it holds anything but ``fields``
+        of ``identity`` (another table, shape, dtype or run) or is damaged."""
+        header = read_header(path)
+        expected = json.loads(_encode_header(identity, fields, header["size"]).rstrip(b"\0")[12:].decode())
+        for key in ("identity", "fields", "size"):
+            if header.get(key) != expected[key]:
+                raise ValueError(
+                    f"backing file {path!r} holds {key} {header.get(key)!r}, expected {expected[key]!r}"
+                )
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mapping = mmap.mmap(fd, header["size"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        store = cls(_map_fields(mapping, fields), None, mapping)
+        store.path = path  # opened, not created: the caller owns the file
+        return store
+
+    @classmethod
+    def in_host_memory(cls, fields: Mapping[str, FieldSpec]) -> BackingStore:
+        """Zeroed pinned host tensors (the slow tier of a CUDA device's cache)."""
+        tensors = {
+            n: torch.zeros(s, dtype=d, pin_memory=torch.cuda.is_available()) for n, (s, d) in fields.items()
+        }
+        return cls(tensors, None, None)
+
+    @property
+    def num_rows(self) -> int:
+        return next(iter(self.tensors.values())).size(0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def drop_resident(self) -> None:
+        """Unmap the pages this process touched (they stay in the page cache, dirty ones reach the file)."""
+        if self._mapping is not None:
+            self._mapping.madvise(mmap.MADV_DONTNEED)
+
+    def flush(self) -> None:
+        """Write dirty pages to the file now (``msync``)."""
+        if self._mapping is not None:
+            self._mapping.flush()
+
+    def close(self) -> None:
+        """Remove the file this store created (its tensors stay readable until they are dropped)."""
+        if self.path is not None and getattr(self, "_finalizer", None) is not None:
+            self._finalizer()
+
+
+def _map_fields(mapping: mmap.mmap, fields: Mapping[str, FieldSpec]) -> Dict[str, torch.Tensor]:
+    offsets, _ = layout(fields)
+    tensors = {}
+    for name, (shape, dtype) in fields.items():
+        count = int(torch.Size(shape).numel())
+        if count == 0:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            continue
+        flat = torch.frombuffer(mapping, dtype=dtype, count=count, offset=offsets[name])
+        tensors[name] = flat.view(shape)
+    return tensors
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def field_specs(weight_shape: Sequence[int], weight_dtype: torch.dtype, state: Mapping[str, Sequence[int]]):
+    """The fields of an offloaded shard: ``weight`` then each fp32 optimizer state tensor."""
+    fields: Dict[str, FieldSpec] = {"weight": (tuple(weight_shape), weight_dtype)}
+    for name, shape in state.items():
+        fields[f"state.{name}"] = (tuple(shape), torch.float32)
+    return fields

@@ -1,0 +1,268 @@
+"""A grouped lookup whose table lives in a slower, larger tier: ``fused_uvm`` and ``fused_uvm_caching``.
+
+The shards' rows and their fused optimizer's state are fields of a :class:`BackingStore` (a mapped file
+on CPU), never an in-memory buffer:
+
+- ``uvm``: the kernel reads and updates the mapped file directly; after each step the pages this process
+  touched are unmapped again (``madvise``), so its resident memory is what one step touches.
+- ``caching``: a :class:`RowCache` of ``load_factor x rows`` rows (weights and optimizer state) in RAM.
+  A forward maps its buffer rows to cache slots (loading misses, evicting the least recently / least
+  frequently used unpinned rows with write-back), runs the unchanged kernel on the cache with slot ids,
+  and keeps those slots pinned until its backward has applied the fused optimizer to them.
+
+The kernels see the same rows and gradients as for an in-memory buffer, only at other positions, and a
+row's update does not depend on its position: training is bitwise that of ``fused``.
+
+``weight`` (and each optimizer state buffer) is the backing field itself, so everything that reads or
+writes a table through :meth:`shard_rows` / ``optimizer.state_slices`` (state dicts, checkpoints, loads,
+re-initialization) works unchanged: those calls first write the cache back and empty it
+(:meth:`sync_storage`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import List, Optional, Sequence
+
+import torch
+
+from shardkit.kernels import embedding_forward, embedding_fused_backward, embedding_torch
+from shardkit.kernels.offload import OffloadSpec
+from shardkit.kernels.offload.backing_store import BackingStore, field_specs
+from shardkit.kernels.offload.row_cache import RowCache
+from shardkit.modules.fused_optimizers import FusedOptimizerConfig, SparseRowOptimizer, _state_shapes
+from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup, ShardSpec
+from shardkit.modules.lookup_kernels import lookup as run_lookup
+
+# initialize (and load) an offloaded buffer this many bytes at a time, dropping the pages after each
+INIT_CHUNK_BYTES = 64 << 20
+
+
+class _OffloadedRowOptimizer(SparseRowOptimizer):
+    """SparseRowOptimizer whose state tensors are backing fields; reading them syncs the cache first."""
+
+    def __init__(self, config: FusedOptimizerConfig, owner: OffloadedEmbeddingLookup, state: dict) -> None:
+        super().__init__(config, 0, 0, device="meta")
+        for name, tensor in state.items():
+            self.register_buffer(name, tensor, persistent=False)
+        self._owner = weakref.ref(owner)
+
+    def state_slices(self, row_start: int, row_end: int):
+        owner = self._owner()
+        if owner is not None:
+            owner.sync_storage()
+        return super().state_slices(row_start, row_end)
+
+
+class _Ticket:
+    """A forward's pinned cache slots; released clean if its graph dies without a backward."""
+
+    def __init__(self, cache: RowCache, ticket: int) -> None:
+        self.cache, self.ticket = cache, ticket
+        self._open = [True]  # shared with the finalizer
+        weakref.finalize(self, _release_if_open, cache, ticket, self._open)
+
+    def release(self, dirty: bool) -> None:
+        if self._open[0]:
+            self._open[0] = False
+            self.cache.release(self.ticket, dirty)
+
+
+def _release_if_open(cache: RowCache, ticket: int, open_cell: List[bool]) -> None:
+    if open_cell[0]:
+        open_cell[0] = False
+        try:
+            cache.release(ticket, False)
+        except Exception:  # noqa: BLE001 - at interpreter exit the cache may be gone; nothing to write
+            pass
+
+
+class _CachedFusedLookup(torch.autograd.Function):
+    """The fused lookup on the cache's tensors; they are looked up at backward time, because a prefetch
+    between forward and backward may have grown (reallocated) them, keeping every slot valid."""
+
+    @staticmethod
+    def forward(ctx, weight, slot_ids, offsets, weights, bag_scale, pooled, batch_major, owner, ticket):
+        ctx.owner, ctx.ticket = owner, ticket
+        ctx.pooled, ctx.batch_major = pooled, batch_major
+        ctx.save_for_backward(slot_ids, offsets, weights, bag_scale)
+        table = owner.cache.tensors["weight"]
+        return embedding_forward(table, slot_ids, offsets, None, weights, bag_scale, pooled, batch_major)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        slot_ids, offsets, weights, bag_scale = ctx.saved_tensors
+        owner: OffloadedEmbeddingLookup = ctx.owner
+        cache = owner.cache
+        args = owner.optimizer.step_args()
+        args = dataclasses.replace(args, state=tuple(cache.tensors[f"state.{n}"] for n in owner.state_names))
+        want_psw_grad = weights is not None and ctx.needs_input_grad[3]
+        psw_grad = embedding_fused_backward(
+            cache.tensors["weight"],
+            slot_ids,
+            offsets,
+            None,
+            weights,
+            bag_scale,
+            grad_out,
+            ctx.pooled,
+            args,
+            want_psw_grad,
+            ctx.batch_major,
+        )
+        ctx.ticket.release(dirty=True)
+        psw_grad = None if psw_grad is None else psw_grad.to(weights.dtype)
+        return None, None, None, psw_grad, None, None, None, None, None
+
+
+class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
+    """A :class:`GroupedEmbeddingLookup` stored in a backing file, optionally behind a row cache.
+
+    Args:
+        shards, pooled: as for :class:`GroupedEmbeddingLookup`.
+        device: ``cpu`` (the backing tier is a file; another device is refused).
+        fused_optimizer: required: an offloaded table is trained by the fused optimizer in backward.
+        offload: the tier and cache (:class:`OffloadSpec`).
+        identity: what the backing file's header records (the sharded module passes table and rank).
+
+    ``cache`` is the :class:`RowCache` (None for ``uvm``), ``store`` the :class:`BackingStore`.
+    """
+
+    def __init__(
+        self,
+        shards: Sequence[ShardSpec],
+        pooled: bool,
+        device: Optional[torch.device] = None,
+        fused_optimizer: Optional[FusedOptimizerConfig] = None,
+        offload: Optional[OffloadSpec] = None,
+        identity: Optional[dict] = None,
+    ) -> None:
+        names = [s.table_name for s in shards]
+        if fused_optimizer is None:
+            raise ValueError(
+                f"offloaded table(s) {names} need a fused optimizer (fused_params / the module's "
+                f"fused_optimizer): the fused_uvm kernels update rows in backward, they give no gradient"
+            )
+        device = torch.device(device or "cpu")
+        if device.type not in ("cpu", "meta"):
+            raise ValueError(
+                f"offloaded table(s) {names}: no offload tier on {device} in this build (CPU has a "
+                f"file-backed tier); use the fused kernel on {device.type}"
+            )
+        super().__init__(shards, pooled, torch.device("meta"), fused_optimizer)
+        self.offload = offload or OffloadSpec()
+        rows, dim = self.row_offsets[-1], self.embedding_dim
+        state_shapes = _state_shapes(fused_optimizer.optimizer, rows, dim)
+        self.state_names = list(state_shapes)
+        fields = field_specs((rows, dim), self.weight.dtype, state_shapes)
+        header = {"tables": [[s.table_name, s.row_start, s.row_end, s.col_start, s.col_end] for s in shards]}
+        header.update(identity or {})
+        self.store = BackingStore.create(fields, header, self.offload.directory, "-".join(names))
+        weight = torch.nn.Parameter(self.store.tensors["weight"])
+        weight._in_backward_optimizers = [fused_optimizer]
+        self.weight = weight
+        state = {n: self.store.tensors[f"state.{n}"] for n in self.state_names}
+        self.optimizer = _OffloadedRowOptimizer(fused_optimizer, self, state)
+        self.cache: Optional[RowCache] = None
+        if self.offload.kind == "caching":
+            backing = {"weight": self.store.tensors["weight"]}
+            backing.update({f"state.{n}": t for n, t in state.items()})
+            self.cache = RowCache(backing, self.offload.cache_rows(rows), self.offload.algorithm)
+        self._prefetched: List[_Ticket] = []
+        if device.type != "meta":
+            self.reset_parameters()
+
+    # ---- direct access to the tables ----------------------------------------------------------
+
+    def sync_storage(self) -> None:
+        """Make ``weight`` and the optimizer state authoritative: write the cache back and empty it (only
+        flush while a forward's rows await their backward)."""
+        if self.cache is None:
+            return
+        for ticket in self._prefetched:
+            ticket.release(dirty=False)
+        self._prefetched.clear()
+        try:
+            self.cache.invalidate()
+        except RuntimeError:  # a forward awaits its backward: its rows stay cached, values are current
+            self.cache.flush()
+
+    def shard_rows(self, index: int, tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self.sync_storage()
+        return super().shard_rows(index, tensor)
+
+    def reset_parameters(self) -> None:
+        """Initialize each shard from its config in chunks of ``INIT_CHUNK_BYTES`` (a shard that fits one
+        chunk is initialized whole, as the in-memory lookup does), then zero the optimizer state."""
+        self.sync_storage()
+        weight = self.weight.data
+        row_bytes = max(1, weight.size(1) * weight.element_size())
+        chunk_rows = max(1, INIT_CHUNK_BYTES // row_bytes)
+        for i, shard in enumerate(self.shards):
+            rows = super().shard_rows(i, weight)
+            for start in range(0, rows.size(0), chunk_rows):
+                shard.config.init_weight_(rows[start : start + chunk_rows])
+                self.store.drop_resident()
+        self.optimizer.reset_state()
+        self.store.drop_resident()
+
+    # ---- the lookup ---------------------------------------------------------------------------
+
+    def _buffer_rows(self, ids: torch.Tensor, offsets: torch.Tensor, bag_shift: Optional[torch.Tensor]):
+        rows = ids.to(torch.int64)
+        if bag_shift is not None:
+            rows = rows + torch.repeat_interleave(bag_shift, offsets.diff(), output_size=rows.numel())
+        return rows
+
+    def prefetch(self, ids: torch.Tensor, offsets: torch.Tensor, bags_per_feature: Sequence[int]) -> None:
+        """Load the rows a coming forward will read (``ids`` / ``offsets`` as :meth:`forward` takes them)
+        into the cache now and pin them until that forward has taken them over. No-op for ``uvm``."""
+        if self.cache is None or ids.numel() == 0:
+            return
+        bag_shift = self._bag_shift(ids.device, bags_per_feature) if any(self._shifts) else None
+        rows = torch.unique(self._buffer_rows(ids, offsets.to(torch.int64), bag_shift))
+        ticket, _ = self.cache.acquire(rows)
+        self._prefetched.append(_Ticket(self.cache, ticket))
+
+    def _run_kernel(self, ids, offsets, bag_shift, weights, bag_scale, batch_major):
+        self.store.drop_resident()  # the pages the previous step touched
+        if self.cache is None:
+            return run_lookup(
+                self.weight,
+                ids,
+                offsets,
+                bag_shift,
+                weights,
+                bag_scale,
+                self.pooled,
+                self.optimizer,
+                batch_major,
+            )
+        unique, inverse = torch.unique(self._buffer_rows(ids, offsets, bag_shift), return_inverse=True)
+        handle, slots = self.cache.acquire(unique)
+        ticket = _Ticket(self.cache, handle)
+        for old in self._prefetched:  # this forward pinned its own rows: the prefetch pins can go
+            old.release(dirty=False)
+        self._prefetched.clear()
+        slot_ids = slots[inverse] if inverse.numel() else inverse
+        train = torch.is_grad_enabled() and self.weight.requires_grad
+        if train:
+            return _CachedFusedLookup.apply(
+                self.weight, slot_ids, offsets, weights, bag_scale, self.pooled, batch_major, self, ticket
+            )
+        table = self.cache.tensors["weight"]
+        if torch.is_grad_enabled() and weights is not None and weights.requires_grad:
+            # frozen table, trained per-sample weights: the differentiable path over the cached rows
+            out = embedding_torch.embedding_forward(
+                table, slot_ids, offsets, None, weights, bag_scale, self.pooled, batch_major
+            )
+        else:
+            out = embedding_forward(
+                table, slot_ids, offsets, None, weights, bag_scale, self.pooled, batch_major
+            )
+        ticket.release(dirty=False)
+        return out
+
+
+__all__ = ["INIT_CHUNK_BYTES", "OffloadedEmbeddingLookup"]
