@@ -1,0 +1,417 @@
+"""The fast tier of an offloaded table: a cache of rows in front of a slow backing store (L0).
+
+A table shard's fields (its weights, its fused optimizer state, ...) live in a *backing store*: a dict of
+tensors that share their first dimension ``R`` (mmap'd file views on CPU, pinned host memory under a CUDA
+cache, plain tensors in tests). :class:`RowCache` keeps up to ``capacity`` of those rows in *fast-tier*
+buffers (:attr:`RowCache.tensors`, one ``[C, *width]`` tensor per field on :attr:`RowCache.device`), and
+maps each requested row to its *slot* there. The embedding kernels then run on the cache's tensors with
+the ids remapped to slots, so their results are bitwise those of the same kernels on an in-memory table:
+the cache only moves rows, it never computes with them.
+
+Protocol (one batch)::
+
+    ticket, slots = cache.acquire(rows)     # rows: distinct int64 [U]; slots: int64 [U] on cache.device
+    weight = cache.tensors["weight"]        # read the buffers AFTER acquire (it may have grown them)
+    ... lookups on weight[slots], in-place updates of the slots' rows ...
+    cache.release(ticket, dirty=True)       # dirty: the slots' rows were updated in place
+
+- Hits keep their slot; misses take free slots, else evict unpinned slots chosen by the replacement
+  algorithm (``"lru"``: least recently acquired; ``"lfu"``: fewest acquisitions since loaded, ties broken
+  by LRU). A dirty victim is written back to the backing store before its slot is reused.
+- Rows of an unreleased ticket are *pinned*: never evicted (so a prefetch of batch i+1 cannot disturb
+  batch i in flight). If the unpinned slots cannot hold a request, every buffer *grows* (reallocated,
+  old content copied, existing slots stay valid) so that the whole request fits; once no ticket is
+  pinned the cache shrinks back to ``capacity`` (evicting by the same algorithm, writing dirty rows
+  back). ``capacity = 0`` is valid: the cache then holds only the pinned working set and writes every
+  dirty row back at release.
+- :meth:`RowCache.flush` writes back all dirty rows (they stay cached, now clean);
+  :meth:`RowCache.invalidate` flushes, then forgets all rows (after someone wrote the backing directly).
+
+Because growth and shrinking reallocate the buffers, a caller must read :attr:`RowCache.tensors` again
+after every :meth:`~RowCache.acquire` and :meth:`~RowCache.release` (:attr:`RowCache.buffers_version`
+counts reallocations); a reference kept across them may point at a dropped buffer.
+
+Bookkeeping lives on the host: ``slot_of_row`` int32 ``[R]`` (4 bytes per row of the table; -1 = not
+cached) and per-slot ``row_of_slot`` int64, recency stamp int64, frequency int64, pin count int32 and
+dirty flag, all ``[C]``. Every operation is vectorized (sort, topk, index_select / index_copy_); misses
+are read and victims written back in ascending row order (sequential access on an mmap'd file).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+
+from shardkit.kernels.embedding import RowOutOfRange
+
+ALGORITHMS = ("lru", "lfu")
+
+
+@dataclasses.dataclass
+class CacheCounters:
+    """What a :class:`RowCache` did since it was built or last :meth:`reset`.
+
+    ``lookups``: rows requested by :meth:`RowCache.acquire` (each acquire counts each of its distinct rows
+    once); ``hits`` / ``misses``: of those, the rows already cached / loaded from the backing store;
+    ``evictions``: rows dropped from the cache to make room or when shrinking back to capacity (not by
+    :meth:`RowCache.invalidate`); ``rows_read`` / ``bytes_read``: rows copied from the backing store;
+    ``rows_written`` / ``bytes_written``: dirty rows written back to it (eviction, shrink, flush). A row's
+    bytes are the sum over the backing fields of ``element_size * prod(width)``.
+    """
+
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    rows_read: int = 0
+    rows_written: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """``hits / lookups``; 0.0 before the first lookup."""
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    def reset(self) -> None:
+        """Set every count back to 0."""
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, 0)
+
+    def as_dict(self) -> Dict[str, float]:
+        """Every count by name, plus ``hit_rate``."""
+        counts: Dict[str, float] = dict(dataclasses.asdict(self))
+        counts["hit_rate"] = self.hit_rate
+        return counts
+
+
+def _algorithm_name(algorithm: object) -> str:
+    # accepts "lru" / "LFU" and enum members such as torchrec's CacheAlgorithm.LRU (by their name)
+    name = getattr(algorithm, "name", algorithm)
+    if not isinstance(name, str) or name.lower() not in ALGORITHMS:
+        raise ValueError(f"RowCache: unknown cache algorithm {algorithm!r}; expected one of {ALGORITHMS}")
+    return name.lower()
+
+
+class RowCache:
+    """A cache of ``capacity`` rows of ``backing`` in buffers on ``device`` (see the module docstring).
+
+    Args:
+        backing: field name -> tensor ``[R, *width]`` (any dtype, all on one device, same ``R``); the slow
+            tier. Written in place (``index_copy_``) when dirty rows are written back.
+        capacity: rows the cache holds when no ticket is pinned (``>= 0``; more than ``R`` is clamped to
+            ``R``, which already holds the whole table).
+        algorithm: ``"lru"`` or ``"lfu"`` (or an enum member with that name).
+        device: where the fast-tier buffers live (default CPU). The backing may be on another device
+            (host memory behind a CUDA cache): rows are copied with ``.to``.
+
+    Attributes:
+        tensors: field name -> fast-tier buffer ``[size, *width]``, the backing field's dtype, contiguous,
+            on ``device``; ``size >= capacity`` while tickets are pinned.
+        slot_of_row: int32 ``[R]`` on the host, the slot of each cached row, -1 for the others.
+        row_of_slot: int64 ``[size]`` on the host, the row in each slot, -1 for a free slot.
+        counters: the :class:`CacheCounters`.
+        row_bytes: bytes of one row over all fields.
+    """
+
+    def __init__(
+        self,
+        backing: Dict[str, torch.Tensor],
+        capacity: int,
+        algorithm: object = "lru",
+        device: Optional[Union[torch.device, str]] = None,
+    ) -> None:
+        if not isinstance(backing, dict) or not backing:
+            raise ValueError("RowCache: backing must be a non-empty dict of field name -> tensor [R, *width]")
+        num_rows = None
+        for name, store in backing.items():
+            if not isinstance(store, torch.Tensor) or store.dim() < 1:
+                raise ValueError(
+                    f"RowCache: backing field {name!r} must be a tensor [R, *width], "
+                    f"got {type(store).__name__}"
+                    + (f" of shape {tuple(store.shape)}" if isinstance(store, torch.Tensor) else "")
+                )
+            if num_rows is None:
+                num_rows, first = store.shape[0], name
+            elif store.shape[0] != num_rows:
+                raise ValueError(
+                    f"RowCache: backing fields disagree on the number of rows: {first!r} has {num_rows}, "
+                    f"{name!r} has {store.shape[0]}"
+                )
+        devices = {store.device for store in backing.values()}
+        if len(devices) > 1:
+            raise ValueError(f"RowCache: backing fields are on several devices {sorted(map(str, devices))}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"RowCache: capacity must be an int >= 0 (rows), got {capacity!r}")
+        self.algorithm = _algorithm_name(algorithm)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.backing = backing
+        self.num_rows = int(num_rows)
+        self.capacity = min(capacity, self.num_rows)
+        self.row_bytes = sum(s.element_size() * math.prod(s.shape[1:]) for s in backing.values())
+        self.counters = CacheCounters()
+        self.buffers_version = 0
+        self.tensors: Dict[str, torch.Tensor] = {
+            name: torch.zeros((self.capacity, *s.shape[1:]), dtype=s.dtype, device=self.device)
+            for name, s in backing.items()
+        }
+        self.slot_of_row = torch.full((self.num_rows,), -1, dtype=torch.int32)
+        self.row_of_slot = torch.full((self.capacity,), -1, dtype=torch.int64)
+        self._dirty = torch.zeros(self.capacity, dtype=torch.bool)
+        self._pins = torch.zeros(self.capacity, dtype=torch.int32)
+        self._stamp = torch.zeros(self.capacity, dtype=torch.int64)  # recency: larger = acquired later
+        self._freq = torch.zeros(self.capacity, dtype=torch.int64)  # acquisitions since loaded
+        self._clock = 0
+        self._tickets: Dict[int, torch.Tensor] = {}  # ticket -> its slots, int64 [U] on the host
+        self._next_ticket = 0
+
+    # ------------------------------------------------------------------ public interface
+
+    @property
+    def size(self) -> int:
+        """Slots allocated now: ``capacity``, or more while pinned tickets need them."""
+        return self.row_of_slot.numel()
+
+    @property
+    def pinned_tickets(self) -> Tuple[int, ...]:
+        """The tickets acquired and not yet released."""
+        return tuple(self._tickets)
+
+    def acquire(self, rows: torch.Tensor) -> Tuple[int, torch.Tensor]:
+        """Make ``rows`` resident and pin them until :meth:`release` of the returned ticket.
+
+        Args:
+            rows: distinct row numbers in ``[0, R)``, an integer tensor ``[U]`` on any device; ``U = 0``
+                is fine.
+        Returns:
+            ``(ticket, slots)``: an int for :meth:`release`, and int64 ``[U]`` on :attr:`device`,
+            ``slots[i]`` the slot of ``rows[i]`` in every tensor of :attr:`tensors`.
+        Raises:
+            RowOutOfRange (an IndexError) for a row outside ``[0, R)``; ValueError for a repeated row;
+            TypeError / ValueError for a tensor that is not a 1-D integer tensor.
+        """
+        rows = self._checked_rows(rows)
+        slots = self.slot_of_row[rows].long()
+        hit = slots >= 0
+        hit_slots = slots[hit]
+        self._pins[hit_slots] += 1  # first, so that the victims chosen below are never these hits
+        try:
+            miss_rows = rows[~hit].sort().values  # ascending: sequential reads of the backing store
+            if miss_rows.numel():
+                miss_slots = self._free_slots(miss_rows.numel())
+                self._load(miss_rows, miss_slots)
+                self._pins[miss_slots] += 1
+                slots = self.slot_of_row[rows].long()
+        except BaseException:
+            self._pins[hit_slots] -= 1
+            raise
+        count = rows.numel()
+        self._stamp[slots] = self._clock + torch.arange(count, dtype=torch.int64)
+        self._clock += count
+        self._freq[slots] += 1
+        misses = int(miss_rows.numel())
+        self.counters.lookups += count
+        self.counters.hits += count - misses
+        self.counters.misses += misses
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        self._tickets[ticket] = slots
+        return ticket, slots.to(self.device)
+
+    def release(self, ticket: int, dirty: bool) -> None:
+        """Unpin the slots of ``ticket``; ``dirty``: the caller updated their rows in place.
+
+        When no ticket is left pinned and the cache grew beyond ``capacity``, it shrinks back (evicting
+        by the algorithm, writing dirty rows back; :attr:`tensors` are reallocated).
+        Raises ValueError for a ticket never issued or already released.
+        """
+        slots = self._tickets.pop(ticket, None)
+        if slots is None:
+            if isinstance(ticket, int) and 0 <= ticket < self._next_ticket:
+                raise ValueError(f"RowCache.release: ticket {ticket} was already released")
+            raise ValueError(
+                f"RowCache.release: unknown ticket {ticket!r} "
+                f"(tickets issued so far: 0..{self._next_ticket - 1})"
+            )
+        if dirty:
+            self._dirty[slots] = True
+        self._pins[slots] -= 1
+        if not self._tickets and self.size > self.capacity:
+            self._shrink()
+
+    def flush(self) -> None:
+        """Write every dirty row back to the backing store; the rows stay cached, now clean.
+
+        Rows of a pinned ticket count as dirty only once released with ``dirty=True``.
+        """
+        slots = self._dirty.nonzero().flatten()
+        self._write_back(self.row_of_slot[slots], slots)
+        self._dirty[slots] = False
+
+    def invalidate(self) -> None:
+        """:meth:`flush`, then drop every cached row (after someone wrote the backing store directly).
+
+        Raises RuntimeError while a ticket is pinned (its slots are in use).
+        """
+        if self._tickets:
+            raise RuntimeError(
+                f"RowCache.invalidate: tickets {sorted(self._tickets)} are still pinned; release them first"
+            )
+        self.flush()
+        resident = self.row_of_slot >= 0
+        self.slot_of_row[self.row_of_slot[resident]] = -1
+        self.row_of_slot.fill_(-1)
+        self._stamp.zero_()
+        self._freq.zero_()
+
+    def resident_rows(self) -> torch.Tensor:
+        """The rows cached now, ascending, int64 ``[n]`` on the host (``n <= size``)."""
+        return self.row_of_slot[self.row_of_slot >= 0].sort().values
+
+    # ------------------------------------------------------------------ internals
+
+    def _checked_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` as int64 on the host, after the checks of :meth:`acquire`."""
+        if not isinstance(rows, torch.Tensor):
+            raise TypeError(
+                f"RowCache.acquire: rows must be an integer tensor [U], got {type(rows).__name__}"
+            )
+        if rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool:
+            raise TypeError(f"RowCache.acquire: rows must be an integer tensor, got dtype {rows.dtype}")
+        if rows.dim() != 1:
+            raise ValueError(f"RowCache.acquire: rows must be 1-D [U], got shape {tuple(rows.shape)}")
+        rows = rows.to(device="cpu", dtype=torch.int64)
+        if rows.numel():
+            outside = (rows < 0) | (rows >= self.num_rows)
+            if bool(outside.any()):
+                position = int(outside.nonzero()[0, 0])
+                raise RowOutOfRange(position, int(rows[position]), self.num_rows)
+            ordered = rows.sort().values
+            repeated = ordered[1:] == ordered[:-1]
+            if bool(repeated.any()):
+                row = int(ordered[1:][repeated][0])
+                raise ValueError(f"RowCache.acquire: rows must be distinct; row {row} appears more than once")
+        return rows
+
+    def _free_slots(self, count: int) -> torch.Tensor:
+        """``count`` free slots (int64, host), evicting unpinned rows or growing the buffers as needed."""
+        free = (self.row_of_slot < 0).nonzero().flatten()
+        if free.numel() >= count:
+            return free[:count]
+        needed = count - free.numel()
+        evictable = ((self.row_of_slot >= 0) & (self._pins == 0)).nonzero().flatten()
+        if evictable.numel() < needed:
+            # the pinned working set exceeds the capacity: grow so the whole request fits
+            self._grow(self.size + needed - evictable.numel())
+            victims = evictable
+        else:
+            victims = self._victims(evictable, needed)
+        self._evict(victims)
+        return (self.row_of_slot < 0).nonzero().flatten()[:count]
+
+    def _victims(self, candidates: torch.Tensor, count: int) -> torch.Tensor:
+        """The ``count`` slots among ``candidates`` (int64 [n]) to evict first under the algorithm."""
+        if count >= candidates.numel():
+            return candidates
+        if count == 0:
+            return candidates[:0]
+        stamps = self._stamp[candidates]
+        if self.algorithm == "lru":
+            # stamps are distinct (each acquired row gets its own), so the choice is unique
+            return candidates[torch.topk(stamps, count, largest=False).indices]
+        # lfu: every slot with fewer acquisitions than the count-th smallest, then the least recent
+        # of those tied at that count (two selections: no composite key that could overflow)
+        freq = self._freq[candidates]
+        threshold = torch.kthvalue(freq, count).values
+        below = candidates[freq < threshold]
+        tied = (freq == threshold).nonzero().flatten()
+        rest = count - below.numel()
+        oldest = tied[torch.topk(stamps[tied], rest, largest=False).indices]
+        return torch.cat([below, candidates[oldest]])
+
+    def _evict(self, victims: torch.Tensor) -> None:
+        """Drop the rows in slots ``victims`` (int64 [n]), writing the dirty ones back first."""
+        if not victims.numel():
+            return
+        rows = self.row_of_slot[victims]
+        dirty = self._dirty[victims]
+        self._write_back(rows[dirty], victims[dirty])
+        self.slot_of_row[rows] = -1
+        self.row_of_slot[victims] = -1
+        self._dirty[victims] = False
+        self._stamp[victims] = 0
+        self._freq[victims] = 0
+        self.counters.evictions += victims.numel()
+
+    def _write_back(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Copy slots ``slots`` to backing rows ``rows`` (int64 [n] each, host), in ascending row order."""
+        count = rows.numel()
+        if not count:
+            return
+        rows, order = rows.sort()
+        cache_slots = slots[order].to(self.device)
+        for name, store in self.backing.items():
+            values = self.tensors[name].index_select(0, cache_slots).to(store.device)
+            store.index_copy_(0, rows.to(store.device), values)
+        self.counters.rows_written += count
+        self.counters.bytes_written += count * self.row_bytes
+
+    def _load(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Copy backing rows ``rows`` (ascending int64 [n], host) into free slots ``slots`` (int64 [n])."""
+        cache_slots = slots.to(self.device)
+        for name, store in self.backing.items():
+            values = store.index_select(0, rows.to(store.device)).to(self.device)
+            self.tensors[name].index_copy_(0, cache_slots, values)
+        self.slot_of_row[rows] = slots.to(torch.int32)
+        self.row_of_slot[slots] = rows
+        self._dirty[slots] = False
+        self._stamp[slots] = 0
+        self._freq[slots] = 0
+        count = rows.numel()
+        self.counters.rows_read += count
+        self.counters.bytes_read += count * self.row_bytes
+
+    def _grow(self, size: int) -> None:
+        """Reallocate every buffer with ``size`` slots; the existing slots keep their rows and state."""
+        if size >= 2**31:
+            raise RuntimeError(f"RowCache: {size} slots do not fit the int32 slot map")
+        old = self.size
+        extra = size - old
+        for name, buffer in self.tensors.items():
+            grown = torch.zeros((size, *buffer.shape[1:]), dtype=buffer.dtype, device=self.device)
+            grown[:old] = buffer
+            self.tensors[name] = grown
+        self.row_of_slot = torch.cat([self.row_of_slot, torch.full((extra,), -1, dtype=torch.int64)])
+        self._dirty = torch.cat([self._dirty, torch.zeros(extra, dtype=torch.bool)])
+        self._pins = torch.cat([self._pins, torch.zeros(extra, dtype=torch.int32)])
+        self._stamp = torch.cat([self._stamp, torch.zeros(extra, dtype=torch.int64)])
+        self._freq = torch.cat([self._freq, torch.zeros(extra, dtype=torch.int64)])
+        self.buffers_version += 1
+
+    def _shrink(self) -> None:
+        """Back to ``capacity`` slots (no ticket pinned): evict the excess by the algorithm, then compact."""
+        resident = (self.row_of_slot >= 0).nonzero().flatten()
+        self._evict(self._victims(resident, max(resident.numel() - self.capacity, 0)))
+        kept = (self.row_of_slot >= 0).nonzero().flatten()  # ascending slots, at most capacity of them
+        count = kept.numel()
+        cache_kept = kept.to(self.device)
+        for name, buffer in self.tensors.items():
+            shrunk = torch.zeros((self.capacity, *buffer.shape[1:]), dtype=buffer.dtype, device=self.device)
+            shrunk[:count] = buffer.index_select(0, cache_kept)
+            self.tensors[name] = shrunk
+
+        def compact(values: torch.Tensor, fill: int) -> torch.Tensor:
+            out = torch.full((self.capacity,), fill, dtype=values.dtype)
+            out[:count] = values[kept]
+            return out
+
+        self.row_of_slot = compact(self.row_of_slot, -1)
+        self._dirty = compact(self._dirty, 0)
+        self._stamp = compact(self._stamp, 0)
+        self._freq = compact(self._freq, 0)
+        self._pins = torch.zeros(self.capacity, dtype=torch.int32)
+        self.slot_of_row[self.row_of_slot[:count]] = torch.arange(count, dtype=torch.int32)
+        self.buffers_version += 1
