@@ -38,18 +38,14 @@ def _algorithm_name(algorithm: Any) -> str:
 def offload_spec(table: str, sharding: ParameterSharding, data_type: Any = None) -> Optional[OffloadSpec]:
     """The storage ``sharding`` asks for table ``table``: None for an in-memory kernel.
 
-    Raises ValueError naming the table for an offloading kernel on a data-parallel table (replicas are
-    kept in memory) or a cache precision other than the table's (the cache holds the table's rows as they
-    are, which is what keeps training exact).
+    Raises ValueError naming the table for a cache precision other than the table's (the cache holds
+    the table's rows as they are, which is what keeps training exact).
     """
     kind = OFFLOAD_KINDS.get(sharding.compute_kernel)
     if kind is None:
         return None
     if sharding.sharding_type == ShardingType.DATA_PARALLEL.value:
-        raise ValueError(
-            f"table {table!r}: a data_parallel table is replicated in memory; the {sharding.compute_kernel} "
-            f"kernel needs table_wise, row_wise, column_wise, table_row_wise or table_column_wise"
-        )
+        return None  # the data-parallel sharding refuses every kernel but dense / fused, naming the table
     params = sharding.cache_params
     precision = getattr(params, "precision", None)
     if precision is not None and getattr(precision, "value", precision) != getattr(
