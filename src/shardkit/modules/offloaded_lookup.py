@@ -30,7 +30,7 @@ import torch
 from shardkit.kernels import embedding_forward, embedding_fused_backward, embedding_torch
 from shardkit.kernels.offload import OffloadSpec
 from shardkit.kernels.offload.backing_store import BackingStore, field_specs
-from shardkit.kernels.offload.row_cache import RowCache
+from shardkit.kernels.offload.row_cache import CacheCounters, RowCache
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig, SparseRowOptimizer, _state_shapes
 from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup, ShardSpec
 from shardkit.modules.lookup_kernels import lookup as run_lookup
@@ -116,6 +116,20 @@ class _CachedFusedLookup(torch.autograd.Function):
         return None, None, None, psw_grad, None, None, None, None, None
 
 
+def sum_cache_stats(per_table: Sequence[dict]) -> dict:
+    """``{table: counters}`` dicts (of several lookups or ranks) summed per table, hit rate recomputed."""
+    out: dict = {}
+    for stats in per_table:
+        for table, counters in stats.items():
+            total = out.setdefault(table, {})
+            for key, value in counters.items():
+                if key != "hit_rate":
+                    total[key] = total.get(key, 0) + value
+    for total in out.values():
+        total["hit_rate"] = total["hits"] / total["lookups"] if total.get("lookups") else 0.0
+    return out
+
+
 class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
     """A :class:`GroupedEmbeddingLookup` stored in a backing file, optionally behind a row cache.
 
@@ -170,6 +184,13 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
             backing.update({f"state.{n}": t for n, t in state.items()})
             self.cache = RowCache(backing, self.offload.cache_rows(rows), self.offload.algorithm)
         self._prefetched: List[_Ticket] = []
+        # uvm: what the kernel read from / wrote to the backing file (the caching tier counts its own)
+        self._uvm_counters = CacheCounters()
+        self._row_bytes = sum(
+            t[0].numel() * t.element_size() for t in self.store.tensors.values() if t.numel()
+        )
+        self.calls = 0
+        self.ids_looked_up = 0
         if device.type != "meta":
             self.reset_parameters()
 
@@ -207,6 +228,21 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
         self.optimizer.reset_state()
         self.store.drop_resident()
 
+    def cache_stats(self) -> dict:
+        """``{table (or "t1+t2" for a group of several): counters}``: lookups (distinct rows per call,
+        summed), hits, misses, evictions, rows and bytes read from / written to the backing file, hit
+        rate, calls and ids looked up. ``uvm`` has no cache: every row is a miss read from the file (and
+        written back by a training step)."""
+        counters = self._uvm_counters if self.cache is None else self.cache.counters
+        stats = counters.as_dict()
+        stats.update(calls=self.calls, ids=self.ids_looked_up)
+        return {"+".join(s.table_name for s in self.shards): stats}
+
+    def reset_cache_stats(self) -> None:
+        """Zero the counters of :meth:`cache_stats`."""
+        (self._uvm_counters if self.cache is None else self.cache.counters).reset()
+        self.calls = self.ids_looked_up = 0
+
     # ---- the lookup ---------------------------------------------------------------------------
 
     def _buffer_rows(self, ids: torch.Tensor, offsets: torch.Tensor, bag_shift: Optional[torch.Tensor]):
@@ -225,9 +261,23 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
         ticket, _ = self.cache.acquire(rows)
         self._prefetched.append(_Ticket(self.cache, ticket))
 
+    def _count_uvm(self, ids, offsets, bag_shift) -> None:
+        rows = int(torch.unique(self._buffer_rows(ids, offsets, bag_shift)).numel())
+        c = self._uvm_counters
+        c.lookups += rows
+        c.misses += rows
+        c.rows_read += rows
+        c.bytes_read += rows * self._row_bytes
+        if torch.is_grad_enabled() and self.weight.requires_grad:  # the fused backward writes them back
+            c.rows_written += rows
+            c.bytes_written += rows * self._row_bytes
+
     def _run_kernel(self, ids, offsets, bag_shift, weights, bag_scale, batch_major):
         self.store.drop_resident()  # the pages the previous step touched
+        self.calls += 1
+        self.ids_looked_up += ids.numel()
         if self.cache is None:
+            self._count_uvm(ids, offsets, bag_shift)
             return run_lookup(
                 self.weight,
                 ids,
@@ -265,4 +315,4 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
         return out
 
 
-__all__ = ["INIT_CHUNK_BYTES", "OffloadedEmbeddingLookup"]
+__all__ = ["INIT_CHUNK_BYTES", "OffloadedEmbeddingLookup", "sum_cache_stats"]

@@ -231,9 +231,13 @@ class TrainPipelineSparseDist(_Trainer, TrainPipeline[In, Out]):
                 ctx.input_dist_tensors_requests[name] = request.wait()
             ctx.input_dist_splits_requests.clear()
         elif item.stage is _Stage.TENSORS:
+            modules = {forward.name: forward.module for forward in self._forwards}
             for name, request in ctx.input_dist_tensors_requests.items():
-                ctx.module_input_post_prefetch[name] = request.wait()
+                received = ctx.module_input_post_prefetch[name] = request.wait()
                 ctx.module_contexts_post_prefetch[name] = ctx.module_contexts.pop(name)
+                prefetch = getattr(modules[name], "prefetch", None)
+                if prefetch is not None:  # offloaded tables load this batch's rows now, a step early
+                    prefetch(received, None, ctx.module_contexts_post_prefetch[name])
             ctx.input_dist_tensors_requests.clear()
         item.stage = _Stage(item.stage + 1)
 
@@ -274,8 +278,10 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     """Three batches in flight: during step i, batch i+1's input dist completes (its input is received
     and kept in its context) and batch i+2's starts, so no forward waits for communication.
 
-    shardkit's kernels keep every table in memory (no cache to fill), so the specification's cache
-    prefetch step is the completion of the input dist. Arguments as ``TrainPipelineSparseDist``.
+    When batch i+1's input has arrived (during step i, after its forward), each sharded module's
+    ``prefetch`` loads the rows it will read into the caches of its ``fused_uvm_caching`` tables whose
+    cache params set ``prefetch_pipeline`` (pinned until that forward: batch i's rows stay pinned too, so
+    nothing in flight is evicted). Arguments as ``TrainPipelineSparseDist``.
     """
 
     _forward_stage = _Stage.READY

@@ -18,7 +18,7 @@ from torch import nn
 
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig
 from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup
-from shardkit.modules.offloaded_lookup import OffloadedEmbeddingLookup
+from shardkit.modules.offloaded_lookup import OffloadedEmbeddingLookup, sum_cache_stats
 from shardkit.sharding.embedding_sharding import ColumnBlock, ShardedTable, TableShard
 from shardkit.sparse import KeyedJaggedTensor
 
@@ -93,6 +93,7 @@ class ShardedGroupedLookup(nn.Module):
             self._group_lookup(group, device, fused_optimizer) for group in self.placed
         )
         self.keys: List[ColumnBlock] = received_keys(shards)
+        self._offloaded = any(isinstance(lookup, OffloadedEmbeddingLookup) for lookup in self.lookups)
         self._group_sizes = [len(lookup.feature_names) for lookup in self.lookups]
 
     def _group_lookup(self, group: List[PlacedShard], device, fused_optimizer) -> nn.Module:
@@ -120,6 +121,21 @@ class ShardedGroupedLookup(nn.Module):
             for lookup, group in zip(self.lookups, self.placed)
             for i, (t, s) in enumerate(group)
         }
+
+    def prefetch(self, kjt: KeyedJaggedTensor) -> None:
+        """Prefetch each offloaded group's rows of ``kjt`` (the input :meth:`forward` will take)."""
+        if not self.lookups or not self._offloaded:
+            return
+        parts = kjt.split(self._group_sizes) if len(self.lookups) > 1 else [kjt]
+        for lookup, part in zip(self.lookups, parts):
+            if isinstance(lookup, OffloadedEmbeddingLookup) and lookup.offload.prefetch:
+                lookup.prefetch(part.values(), part.offsets(), part.stride_per_key())
+
+    def cache_stats(self) -> Dict[str, Dict[str, float]]:
+        """Each offloaded table's cache counters (see ``OffloadedEmbeddingLookup.cache_stats``)."""
+        return sum_cache_stats(
+            [lookup.cache_stats() for lookup in self.lookups if isinstance(lookup, OffloadedEmbeddingLookup)]
+        )
 
     def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         flat = self.pooled and kjt.variable_stride_per_key()

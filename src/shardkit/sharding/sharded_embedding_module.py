@@ -29,7 +29,9 @@ from shardkit.distributed.switches import result_switches, switch_disagreements
 from shardkit.distributed.validation import validation_enabled
 from shardkit.modules.embedding_configs import BaseEmbeddingConfig, embedding_names_by_table
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig
+from shardkit.modules.offloaded_lookup import sum_cache_stats
 from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding, DpSequenceEmbeddingSharding
+from shardkit.sharding.embedding_lookup import ShardedGroupedLookup
 from shardkit.sharding.embedding_sharding import (
     EmbeddingSharding,
     ShardedTable,
@@ -486,6 +488,21 @@ class ShardedEmbeddingModule(ShardedModule):
 
     def create_context(self) -> EmbeddingShardingContext:
         return EmbeddingShardingContext(len(self._shardings))
+
+    def prefetch(self, dist_input: KJTList, forward_stream: Optional[Any] = None, ctx: Any = None) -> None:
+        """Load the rows the coming forward of ``dist_input`` (this module's received input) reads into
+        the caches of its ``fused_uvm_caching`` tables whose cache params ask for ``prefetch_pipeline``
+        (``PrefetchTrainPipelineSparseDist`` calls it during the previous step); other tables: no-op."""
+        for lookup, kjt in zip(self.lookups, dist_input):
+            if isinstance(lookup, ShardedGroupedLookup):
+                lookup.prefetch(kjt)
+
+    def cache_stats(self) -> Dict[str, Dict[str, float]]:
+        """Per offloaded table (this rank's shards summed): lookups, hits, misses, evictions, rows and bytes
+        read from / written to the backing store, hit rate (``fused_uvm``: every row is read from it)."""
+        return sum_cache_stats(
+            [lk.cache_stats() for lk in self.lookups if isinstance(lk, ShardedGroupedLookup)]
+        )
 
     def input_dist(
         self, ctx: EmbeddingShardingContext, features: KeyedJaggedTensor

@@ -1,0 +1,147 @@
+"""Offloaded tables under the train pipelines: the prefetch pipeline loads batch i+1's rows during step i.
+
+DistributedModelParallel at world 2 with table-wise, row-wise and column-wise tables, once in memory
+(``fused``) and once offloaded (``fused_uvm_caching``, a cache of a few rows, so every step evicts). Both
+run the same batches (random sizes, zero included) through the same pipeline type in lockstep: every
+step's output and, at the end, every shard's weights and optimizer state are *equal*. With
+``prefetch_pipeline`` set and PrefetchTrainPipelineSparseDist, no forward loads a row itself (all its
+misses were loaded by the prefetch a step earlier, under eviction pressure, with the batch in flight
+pinned); without it, the forwards load their misses.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from shardkit.model_parallel import CombinedOptimizer, DistributedModelParallel
+from shardkit.modules import OptimType
+from shardkit.modules.offloaded_lookup import OffloadedEmbeddingLookup
+from shardkit.pipeline import PrefetchTrainPipelineSparseDist, TrainPipelineSparseDist
+from shardkit.sharding.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_wise,
+)
+from shardkit.sharding.types import ShardingPlan
+from shardkit.testing import run_world
+from tests.pipeline import test_zero_sample_pipeline as base
+
+STEPS = 24
+
+
+def _dmp(reference, kernel: str, prefetch: bool, world_size: int):
+    generators = {
+        "tw0": table_wise(rank=0),
+        "tw2": table_wise(rank=world_size - 1),
+        "rw": row_wise(),
+        "cw": column_wise(ranks=[0, world_size - 1]),
+    }
+    tables = set(generators)
+    generators["dp"] = data_parallel()
+    plan = construct_module_sharding_plan(reference, generators, world_size, world_size)
+    cache = SimpleNamespace(load_factor=0.1, algorithm="lru", prefetch_pipeline=prefetch)
+    for name in tables:
+        if kernel != "fused":
+            plan[name] = dataclasses.replace(plan[name], compute_kernel=kernel, cache_params=cache)
+    return DistributedModelParallel(base._Model(copy.deepcopy(reference)), plan=ShardingPlan({"ebc": plan}))
+
+
+def _pipeline(dmp, pipeline_type):
+    dense = torch.optim.SGD(dict(dmp.bare_named_parameters()).values(), lr=base.LR)
+    return pipeline_type(dmp, CombinedOptimizer([("fused", dmp.fused_optimizer), ("dense", dense)]), "cpu")
+
+
+def _count_forward_misses(dmp) -> list:
+    """Wrap each offloaded lookup's kernel call to add the misses it loads itself to the returned cell."""
+    cell = [0]
+    for module in dmp.modules():
+        if isinstance(module, OffloadedEmbeddingLookup):
+            run = module._run_kernel
+
+            def counted(*args, _run=run, _cache=module.cache):
+                before = _cache.counters.misses
+                out = _run(*args)
+                cell[0] += _cache.counters.misses - before
+                return out
+
+            module._run_kernel = counted
+    return cell
+
+
+def _worker(prefetch: bool) -> int:
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    reference = base._ebc()
+    pipeline_type = PrefetchTrainPipelineSparseDist if prefetch else TrainPipelineSparseDist
+    in_memory = _dmp(reference, "fused", prefetch, world_size)
+    offloaded = _dmp(reference, "fused_uvm_caching", prefetch, world_size)
+    forward_misses = _count_forward_misses(offloaded)
+    pipelines = [_pipeline(in_memory, pipeline_type), _pipeline(offloaded, pipeline_type)]
+    data = [base._Data(rank, world_size, STEPS), base._Data(rank, world_size, STEPS)]
+    for step in range(STEPS):
+        want, got = (p.progress(d) for p, d in zip(pipelines, data))
+        assert torch.equal(got, want), f"step {step}"
+    for p, d in zip(pipelines, data):
+        with pytest.raises(StopIteration):
+            p.progress(d)
+    want, got = in_memory.module.ebc, offloaded.module.ebc
+    for key, weight in want.local_shards().items():
+        assert torch.equal(got.local_shards()[key], weight), key
+    stats = got.cache_stats()
+    assert stats and all(s["misses"] > 0 and s["evictions"] > 0 for s in stats.values()), stats
+    return forward_misses[0]
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_offloaded_pipeline_equals_in_memory(prefetch):
+    forward_misses = run_world(_worker, 2, prefetch, timeout=300)
+    if prefetch:
+        assert forward_misses == [0, 0]
+    else:
+        assert all(n > 0 for n in forward_misses)
+
+
+def test_optimizer_state_equal_after_prefetch_pipeline():
+    assert all(run_world(_state_worker, 2, timeout=300))
+
+
+def _state_worker() -> bool:
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    # row-wise Adagrad: the optimizer state must travel with its rows through evictions
+    reference = _with_optimizer(base._ebc(), OptimType.ROWWISE_ADAGRAD)
+    dmps = [_dmp(reference, k, True, world_size) for k in ("fused", "fused_uvm_caching")]
+    pipelines = [_pipeline(d, PrefetchTrainPipelineSparseDist) for d in dmps]
+    data = [base._Data(rank, world_size, 12), base._Data(rank, world_size, 12)]
+    for _ in range(12):
+        want, got = (p.progress(d) for p, d in zip(pipelines, data))
+        assert torch.equal(got, want)
+    want, got = (d.module.ebc.fused_optimizer.state_dict()["state"] for d in dmps)
+    for table, state in want.items():
+        for name, value in state.items():
+            other = got[table][name]
+            if isinstance(value, torch.Tensor):
+                a = value.to_local() if hasattr(value, "to_local") else value
+                b = other.to_local() if hasattr(other, "to_local") else other
+                if hasattr(a, "local_shards"):
+                    a, b = [s.tensor for s in a.local_shards()], [s.tensor for s in b.local_shards()]
+                    assert all(map(torch.equal, a, b)), (table, name)
+                else:
+                    assert torch.equal(a, b), (table, name)
+            else:
+                assert value == other, (table, name)
+    return True
+
+
+def _with_optimizer(reference, optimizer: OptimType):
+    from shardkit.modules import EmbeddingBagCollection, FusedOptimizerConfig
+
+    torch.manual_seed(0)
+    return EmbeddingBagCollection(
+        reference.embedding_bag_configs(), fused_optimizer=FusedOptimizerConfig(optimizer, lr=base.LR)
+    )
