@@ -40,6 +40,7 @@ OTHER_CASES = [
     "dispatch-selects-triton",
     "deterministic-hot-rows",
     "measured-tiles",
+    "offloaded-cache-equals-in-memory",
 ]
 # vocab-parallel cross-entropy (shardkit.kernels.triton_ce): the statistics and gradient of each shard,
 # combined across shards as the ranks would, against F.cross_entropy on the whole vocabulary
@@ -444,7 +445,45 @@ def _ce_loss_case(case: str, device: str) -> List[List[Any]]:
     return checks
 
 
+def _offloaded_case(device: str) -> List[List[Any]]:
+    """A fused_uvm_caching lookup (a cache of 4 of 40 rows: every step evicts, the cache grows for the
+    batch) run by the Triton kernels on the cache equals the in-memory lookup run by them, bitwise."""
+    from shardkit.kernels import kernel_backend
+    from shardkit.kernels.offload import OffloadSpec
+    from shardkit.modules import EmbeddingBagConfig, FusedOptimizerConfig, OptimType
+    from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup, ShardSpec
+    from shardkit.modules.offloaded_lookup import OffloadedEmbeddingLookup
+
+    checks = []
+    tables = [EmbeddingBagConfig(20, 12, name=f"t{i}", feature_names=[f"f{i}"]) for i in range(2)]
+    for kind in ("SGD", "ROWWISE_ADAGRAD", "ADAM"):
+        config = FusedOptimizerConfig(OptimType(kind), lr=0.1)
+        shards = [ShardSpec(t) for t in tables]
+        memory = GroupedEmbeddingLookup(shards, True, device, config)
+        offloaded = OffloadedEmbeddingLookup(shards, True, device, config, OffloadSpec("caching", 0.1))
+        with torch.no_grad():
+            offloaded.weight.copy_(memory.weight.cpu())
+        with kernel_backend("triton"):
+            for step in range(4):
+                ids, offsets, _, psw, _ = make_batch(
+                    device, torch.int64, "weighted", False, seed=step, bags=8
+                )
+                ids = ids % 20
+                outs = [lk(ids, offsets, [4, 4], psw) for lk in (memory, offloaded)]
+                checks.append([f"{kind} step {step} forward equal", torch.equal(*outs), ""])
+                for out in outs:
+                    out.mul(torch.arange(12.0, device=device)).sum().backward()
+        offloaded.sync_storage()  # write the cache back: weight is the backing tier
+        checks.append([f"{kind} weights equal", torch.equal(offloaded.weight.cpu(), memory.weight.cpu()), ""])
+        state = offloaded.optimizer.state_slices(0, 40)
+        for name, value in memory.optimizer.state_slices(0, 40).items():
+            checks.append([f"{kind} state {name} equal", torch.equal(state[name].cpu(), value.cpu()), ""])
+    return checks
+
+
 def run_case(case: str, device: str) -> List[List[Any]]:
+    if case == "offloaded-cache-equals-in-memory":
+        return _offloaded_case(device)
     if case.startswith("ce-loss-"):
         return _ce_loss_case(case, device)
     if case.startswith("ce-fused-linear-"):

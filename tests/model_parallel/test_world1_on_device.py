@@ -10,6 +10,8 @@ CPU reference.
 from __future__ import annotations
 
 import copy
+import dataclasses
+from types import SimpleNamespace
 from typing import List
 
 import pytest
@@ -88,9 +90,11 @@ def _features(tables) -> List[tuple]:
     return [(f, rows) for _, rows, _, feats, _ in tables for f in feats]
 
 
-def _every_sharding_type(device_type: str, pooled: bool, optimizer_name: str) -> bool:
+def _every_sharding_type(device_type: str, pooled: bool, optimizer_name: str, kernel: str = "fused") -> bool:
     """Forward, backward and fused optimizer steps of a sharded EBC / EC on ``device_type`` against
-    the unsharded module on the CPU, one table per sharding type; weights compared at the end."""
+    the unsharded module on the CPU, one table per sharding type; weights compared at the end.
+    ``kernel``: the compute kernel of every table (the offloading ones with a cache of 10% of the rows;
+    their tables live in host memory, so their weights are on the CPU)."""
     device = _device(device_type)
     optimizer = FusedOptimizerConfig(OptimType[optimizer_name], lr=0.1)
     tables = POOLED if pooled else SEQUENCE
@@ -110,6 +114,11 @@ def _every_sharding_type(device_type: str, pooled: bool, optimizer_name: str) ->
         sharder = EmbeddingCollectionSharder()
     generators = {n: generator for n, _, _, _, generator in tables}
     plan = construct_module_sharding_plan(reference, generators, 1, 1, device_type=device_type)
+    if kernel != "fused":
+        cache = SimpleNamespace(load_factor=0.1, algorithm="lfu", prefetch_pipeline=False)
+        plan = {
+            n: dataclasses.replace(ps, compute_kernel=kernel, cache_params=cache) for n, ps in plan.items()
+        }
     sharded = sharder.shard(
         copy.deepcopy(reference), plan, ShardingEnv.from_process_group(None), device=device
     )
@@ -131,7 +140,7 @@ def _every_sharding_type(device_type: str, pooled: bool, optimizer_name: str) ->
         sum((v * g).sum() for v, g in zip(expected_values, grads)).backward()
         sum((v * g.to(device)).sum() for v, g in zip(values, grads)).backward()
     for (name, r0, r1, c0, c1), weight in sharded.local_shards().items():
-        assert weight.device.type == device_type, name
+        assert weight.device.type == (device_type if kernel == "fused" else "cpu"), name
         want = reference.table_weight(name)[r0:r1, c0:c1].detach()
         torch.testing.assert_close(weight.detach().cpu(), want, **TOL, msg=name)
     return True
@@ -143,6 +152,16 @@ def _every_sharding_type(device_type: str, pooled: bool, optimizer_name: str) ->
 def test_every_sharding_type(run_world, device_type, pooled, optimizer_name):
     result = run_world(
         _every_sharding_type, 1, device_type, pooled, optimizer_name, backend=_backend(device_type)
+    )
+    assert result == [True]
+
+
+@pytest.mark.parametrize("device_type", DEVICES)
+@pytest.mark.parametrize("pooled", [True, False], ids=["ebc", "ec"])
+@pytest.mark.parametrize("kernel", ["fused_uvm_caching", "fused_uvm"])
+def test_offloaded_tables(run_world, device_type, pooled, kernel):
+    result = run_world(
+        _every_sharding_type, 1, device_type, pooled, "ADAGRAD", kernel, backend=_backend(device_type)
     )
     assert result == [True]
 

@@ -135,6 +135,10 @@ class GroupedEmbeddingLookup(nn.Module):
         if self.optimizer is not None:
             self.optimizer.reset_state()
 
+    def sync_storage(self) -> None:
+        """Make ``weight`` and the optimizer state current before reading or writing them directly (an
+        offloaded lookup writes its cache back); nothing to do for an in-memory buffer."""
+
     def shard_rows(self, index: int, tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
         """View of shard ``index``'s rows of ``tensor`` (default the weight; also its grad, state)."""
         tensor = self.weight if tensor is None else tensor

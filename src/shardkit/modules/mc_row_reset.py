@@ -50,6 +50,7 @@ def reinit_values(
 def reset_rows_(lookup: GroupedEmbeddingLookup, table: str, slots: torch.Tensor, iteration: int) -> None:
     """Re-initialize the rows of ``slots`` (global row ids of ``table``) that ``lookup`` holds, and zero
     their fused optimizer state (Adagrad sums to ``initial_accumulator_value``). Others are skipped."""
+    lookup.sync_storage()  # an offloaded table's cache holds newer rows than its weight tensor
     slots = slots.to(lookup.weight.device)
     for index, shard in enumerate(lookup.shards):
         if shard.table_name != table:

@@ -135,7 +135,8 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
 
     Args:
         shards, pooled: as for :class:`GroupedEmbeddingLookup`.
-        device: ``cpu`` (the backing tier is a file; another device is refused).
+        device: ``cpu`` (the backing tier is a file) or ``cuda`` (the backing tier is pinned host memory and
+            the cache is in device memory: ``uvm`` then caches only the rows of the batches in flight).
         fused_optimizer: required: an offloaded table is trained by the fused optimizer in backward.
         offload: the tier and cache (:class:`OffloadSpec`).
         identity: what the backing file's header records (the sharded module passes table and rank).
@@ -159,10 +160,10 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
                 f"fused_optimizer): the fused_uvm kernels update rows in backward, they give no gradient"
             )
         device = torch.device(device or "cpu")
-        if device.type not in ("cpu", "meta"):
+        if device.type not in ("cpu", "cuda", "meta"):
             raise ValueError(
-                f"offloaded table(s) {names}: no offload tier on {device} in this build (CPU has a "
-                f"file-backed tier); use the fused kernel on {device.type}"
+                f"offloaded table(s) {names}: no offload tier for {device} (CPU: a backing file, CUDA: host "
+                f"memory); use the fused kernel on {device.type}"
             )
         super().__init__(shards, pooled, torch.device("meta"), fused_optimizer)
         self.offload = offload or OffloadSpec()
@@ -172,17 +173,24 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
         fields = field_specs((rows, dim), self.weight.dtype, state_shapes)
         header = {"tables": [[s.table_name, s.row_start, s.row_end, s.col_start, s.col_end] for s in shards]}
         header.update(identity or {})
-        self.store = BackingStore.create(fields, header, self.offload.directory, "-".join(names))
+        if device.type == "cuda":
+            # the slow tier is pinned host memory, the cache lives on the device; "uvm" is a cache that
+            # keeps only the rows of the batches in flight (the kernels read device memory only)
+            self.store = BackingStore.in_host_memory(fields)
+        else:
+            self.store = BackingStore.create(fields, header, self.offload.directory, "-".join(names))
+        self.compute_device = torch.device("cpu") if device.type == "meta" else device
         weight = torch.nn.Parameter(self.store.tensors["weight"])
         weight._in_backward_optimizers = [fused_optimizer]
         self.weight = weight
         state = {n: self.store.tensors[f"state.{n}"] for n in self.state_names}
         self.optimizer = _OffloadedRowOptimizer(fused_optimizer, self, state)
         self.cache: Optional[RowCache] = None
-        if self.offload.kind == "caching":
+        if self.offload.kind == "caching" or self.compute_device.type == "cuda":
             backing = {"weight": self.store.tensors["weight"]}
             backing.update({f"state.{n}": t for n, t in state.items()})
-            self.cache = RowCache(backing, self.offload.cache_rows(rows), self.offload.algorithm)
+            capacity = self.offload.cache_rows(rows)
+            self.cache = RowCache(backing, capacity, self.offload.algorithm, self.compute_device)
         self._prefetched: List[_Ticket] = []
         # uvm: what the kernel read from / wrote to the backing file (the caching tier counts its own)
         self._uvm_counters = CacheCounters()

@@ -61,7 +61,8 @@ class ShardedGroupedLookup(nn.Module):
             dtype are converted.
 
     Subclasses may set ``group_lookup_class`` (``shardkit.sharding.quant_sharding`` stores quantized
-    groups), called as ``GroupedEmbeddingLookup`` is.
+    groups), called as ``GroupedEmbeddingLookup`` is, and ``offloaded_lookup_class`` (the lookup of a
+    shard whose table has an offloading kernel: one group per such shard, with its ``OffloadSpec``).
 
     forward(kjt) with the features of :attr:`keys` in order, stride R (sum of the ranks' batches):
 
@@ -74,6 +75,7 @@ class ShardedGroupedLookup(nn.Module):
     """
 
     group_lookup_class = GroupedEmbeddingLookup
+    offloaded_lookup_class = OffloadedEmbeddingLookup
 
     def __init__(
         self,
@@ -93,7 +95,7 @@ class ShardedGroupedLookup(nn.Module):
             self._group_lookup(group, device, fused_optimizer) for group in self.placed
         )
         self.keys: List[ColumnBlock] = received_keys(shards)
-        self._offloaded = any(isinstance(lookup, OffloadedEmbeddingLookup) for lookup in self.lookups)
+        self._offloaded = any(hasattr(lookup, "offload") for lookup in self.lookups)
         self._group_sizes = [len(lookup.feature_names) for lookup in self.lookups]
 
     def _group_lookup(self, group: List[PlacedShard], device, fused_optimizer) -> nn.Module:
@@ -102,7 +104,9 @@ class ShardedGroupedLookup(nn.Module):
         if table.offload is None:
             return self.group_lookup_class(specs, self.pooled, device, fused_optimizer)
         identity = {"kernel": table.compute_kernel, "rank": shard.rank}
-        return OffloadedEmbeddingLookup(specs, self.pooled, device, fused_optimizer, table.offload, identity)
+        return self.offloaded_lookup_class(
+            specs, self.pooled, device, fused_optimizer, table.offload, identity
+        )
 
     @torch.no_grad()
     def load_tables(self, table_weight) -> None:
@@ -128,13 +132,13 @@ class ShardedGroupedLookup(nn.Module):
             return
         parts = kjt.split(self._group_sizes) if len(self.lookups) > 1 else [kjt]
         for lookup, part in zip(self.lookups, parts):
-            if isinstance(lookup, OffloadedEmbeddingLookup) and lookup.offload.prefetch:
+            if isinstance(lookup, OffloadedEmbeddingLookup) and lookup.offload.prefetch:  # training tables
                 lookup.prefetch(part.values(), part.offsets(), part.stride_per_key())
 
     def cache_stats(self) -> Dict[str, Dict[str, float]]:
         """Each offloaded table's cache counters (see ``OffloadedEmbeddingLookup.cache_stats``)."""
         return sum_cache_stats(
-            [lookup.cache_stats() for lookup in self.lookups if isinstance(lookup, OffloadedEmbeddingLookup)]
+            [lookup.cache_stats() for lookup in self.lookups if hasattr(lookup, "cache_stats")]
         )
 
     def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:

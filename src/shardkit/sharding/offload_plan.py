@@ -24,6 +24,8 @@ from shardkit.sharding.types import EmbeddingComputeKernel, ParameterSharding, S
 OFFLOAD_KINDS = {
     EmbeddingComputeKernel.FUSED_UVM.value: "uvm",
     EmbeddingComputeKernel.FUSED_UVM_CACHING.value: "caching",
+    EmbeddingComputeKernel.QUANT_UVM.value: "uvm",
+    EmbeddingComputeKernel.QUANT_UVM_CACHING.value: "caching",
 }
 DEFAULT_LOAD_FACTOR = 0.2  # torchrec's default cache_load_factor
 

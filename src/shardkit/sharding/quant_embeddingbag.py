@@ -4,7 +4,8 @@
 checks, input dist, output dist and KeyedTensor assembly) over the inference shardings of
 :mod:`shardkit.sharding.quant_sharding`: each rank holds its shards as quantized rows and dequantizes
 only the rows it reads. Sharding types: table-wise, row-wise, column-wise; compute kernel: ``quant``
-(``quant_uvm`` / ``quant_uvm_caching`` run as ``quant`` on CPU). Anything else in a plan is a
+(``quant_uvm`` / ``quant_uvm_caching``: the rows in a backing file, read directly or through a row
+cache, ``shardkit.quant.offloaded_quant_lookup``). Anything else in a plan is a
 ``ValueError`` on every rank, at construction.
 
 Inference only: no gradients, no optimizer, ``forward`` runs without autograd.

@@ -17,6 +17,7 @@ import torch
 
 from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.kernels.quant_rows import slice_columns
+from shardkit.quant.offloaded_quant_lookup import OffloadedQuantEmbeddingLookup
 from shardkit.quant.quant_lookup import QuantGroupedEmbeddingLookup
 from shardkit.sharding.column_wise import CwPooledEmbeddingSharding
 from shardkit.sharding.embedding_lookup import ShardedGroupedLookup
@@ -30,6 +31,7 @@ class QuantShardedGroupedLookup(ShardedGroupedLookup):
     """This rank's quantized shards, one :class:`QuantGroupedEmbeddingLookup` per (width, data type)."""
 
     group_lookup_class = QuantGroupedEmbeddingLookup
+    offloaded_lookup_class = OffloadedQuantEmbeddingLookup
 
     @torch.no_grad()
     def load_tables(self, table_weight) -> None:

@@ -1,0 +1,123 @@
+"""Quantized inference tables in a slower, larger tier: ``quant_uvm`` and ``quant_uvm_caching``.
+
+The quantized rows (``[rows, row bytes]`` uint8: codes, then each row's scale and bias) are the field
+``weight`` of a :class:`BackingStore` (a mapped file on CPU, pinned host memory under a CUDA cache):
+
+- ``uvm``: the quantized kernel reads the mapped rows directly (pages touched by one batch are unmapped
+  again before the next);
+- ``caching``: a read-only :class:`RowCache` of ``load_factor x rows`` rows; a batch's rows are loaded
+  (least recently / least frequently used ones evicted, nothing to write back: inference never writes)
+  and the unchanged kernel runs on the cache with slot ids, so the answers equal the in-memory ``quant``
+  kernel's bitwise.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from shardkit.kernels.offload import OffloadSpec
+from shardkit.kernels.offload.backing_store import BackingStore
+from shardkit.kernels.offload.row_cache import CacheCounters, RowCache
+from shardkit.kernels.quant_embedding import quant_embedding_forward
+from shardkit.kernels.quant_rows import row_bytes
+from shardkit.modules.fused_optimizers import FusedOptimizerConfig
+from shardkit.modules.grouped_lookup import ShardSpec
+from shardkit.quant.quant_lookup import QuantGroupedEmbeddingLookup
+
+
+class OffloadedQuantEmbeddingLookup(QuantGroupedEmbeddingLookup):
+    """A :class:`QuantGroupedEmbeddingLookup` whose byte rows live in a backing store.
+
+    Args: as :class:`QuantGroupedEmbeddingLookup`, plus ``offload`` (the tier and cache) and ``identity``
+    (recorded in the backing file's header). ``cache`` is None for ``uvm`` on CPU.
+    """
+
+    def __init__(
+        self,
+        shards: Sequence[ShardSpec],
+        pooled: bool,
+        device: Optional[torch.device] = None,
+        fused_optimizer: Optional[FusedOptimizerConfig] = None,
+        offload: Optional[OffloadSpec] = None,
+        identity: Optional[dict] = None,
+    ) -> None:
+        device = torch.device(device or "cpu")
+        names = [s.table_name for s in shards]
+        if device.type not in ("cpu", "cuda", "meta"):
+            raise ValueError(f"offloaded quantized table(s) {names}: no offload tier for {device}")
+        super().__init__(shards, pooled, torch.device("meta"), fused_optimizer)
+        self.offload = offload or OffloadSpec()
+        rows = self.row_offsets[-1]
+        fields = {"weight": ((rows, row_bytes(self.embedding_dim, self.storage)), torch.uint8)}
+        header = {"tables": [[s.table_name, s.row_start, s.row_end, s.col_start, s.col_end] for s in shards]}
+        header.update(identity or {})
+        if device.type == "cuda":
+            self.store = BackingStore.in_host_memory(fields)
+        else:
+            self.store = BackingStore.create(fields, header, self.offload.directory, "-".join(names))
+        del self.weight
+        self.register_buffer("weight", self.store.tensors["weight"])
+        self.compute_device = torch.device("cpu") if device.type == "meta" else device
+        self.cache: Optional[RowCache] = None
+        if self.offload.kind == "caching" or self.compute_device.type == "cuda":
+            capacity = self.offload.cache_rows(rows)
+            self.cache = RowCache(
+                {"weight": self.weight}, capacity, self.offload.algorithm, self.compute_device
+            )
+        self._uvm_counters = CacheCounters()
+        if device.type != "meta":
+            self.reset_parameters()
+
+    def sync_storage(self) -> None:
+        """Drop the cache (its rows are never dirty) so that direct writes to ``weight`` are seen."""
+        if self.cache is not None:
+            self.cache.invalidate()
+
+    def shard_rows(self, index: int, tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self.sync_storage()
+        return super().shard_rows(index, tensor)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        self.store.drop_resident()
+
+    def cache_stats(self) -> dict:
+        """As ``OffloadedEmbeddingLookup.cache_stats`` (nothing is ever written back)."""
+        counters = self._uvm_counters if self.cache is None else self.cache.counters
+        return {"+".join(s.table_name for s in self.shards): counters.as_dict()}
+
+    def _run_kernel(self, ids, offsets, bag_shift, weights, bag_scale, batch_major) -> torch.Tensor:
+        self.store.drop_resident()
+        rows = ids.to(torch.int64)
+        if bag_shift is not None:
+            rows = rows + torch.repeat_interleave(bag_shift, offsets.diff(), output_size=rows.numel())
+        unique, inverse = torch.unique(rows, return_inverse=True)
+        if self.cache is None:
+            c = self._uvm_counters
+            c.lookups += unique.numel()
+            c.misses += unique.numel()
+            c.rows_read += unique.numel()
+            c.bytes_read += unique.numel() * self.weight.size(1)
+            return super()._run_kernel(ids, offsets, bag_shift, weights, bag_scale, batch_major)
+        ticket, slots = self.cache.acquire(unique)
+        try:
+            slot_ids = slots[inverse] if inverse.numel() else inverse
+            return quant_embedding_forward(
+                self.cache.tensors["weight"],
+                self.storage,
+                self.embedding_dim,
+                slot_ids,
+                offsets,
+                None,
+                weights,
+                bag_scale,
+                self.pooled,
+                batch_major,
+            )
+        finally:
+            self.cache.release(ticket, dirty=False)
+
+
+__all__ = ["OffloadedQuantEmbeddingLookup"]
