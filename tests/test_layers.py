@@ -27,6 +27,7 @@ RANK = {
     "models": 1.5,  # models of modules, fed by datasets
     "quant": 2,
     "sharding": 2.5,  # shards the quantized modules too (torchrec.distributed.quant_embeddingbag)
+    "fbgemm_gpu": 2.7,  # fbgemm's Python names of the run-as-torchrec mode (OptimType, cache_params)
     "planner": 3,
     "model_parallel": 4,
     "checkpoint": 4,

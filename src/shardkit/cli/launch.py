@@ -3,7 +3,9 @@
 A thin wrapper over ``torch.distributed.run`` (torchrun) in standalone mode, so the script sees the
 usual RANK / LOCAL_RANK / WORLD_SIZE variables. Each rank runs the script through
 :mod:`shardkit.cli.script_runner`, so that a rank whose script is done cannot end in torch's
-"terminate called without an active exception" abort. ``--timeout SECONDS`` (or ``SHARDKIT_TIMEOUT``;
+"terminate called without an active exception" abort. ``--as-torchrec`` runs every rank in the
+run-as-torchrec mode (``import torchrec`` resolves to shardkit; shardkit.cli.torchrec_mode).
+``--timeout SECONDS`` (or ``SHARDKIT_TIMEOUT``;
 600 s when neither is given) becomes the default timeout of the script's ``init_process_group``. For
 several machines use torchrun directly.
 """
@@ -15,7 +17,7 @@ import os
 import sys
 
 PROG = "shardkit launch"
-USAGE = "shardkit launch [-n N] script.py [script args]"
+USAGE = "shardkit launch [-n N] [--as-torchrec] [--timeout S] script.py [script args]"
 
 
 def torchrun_args(nproc: int, script: str, script_args: list[str]) -> list[str]:
@@ -43,13 +45,10 @@ def run(args) -> int:
         _one_line_error(f"-n must be >= 1, got {args.nproc}")
     if not os.path.isfile(args.script):
         _one_line_error(f"no such script: {args.script}")
-    if args.timeout is not None:
-        from shardkit.distributed.timeouts import ENV_VAR, parse_timeout
+    from shardkit.cli.run import script_environment
 
-        try:
-            os.environ[ENV_VAR] = str(parse_timeout(args.timeout, "--timeout"))
-        except ValueError as err:
-            _one_line_error(str(err))
+    # torchrun's workers inherit this process' environment
+    os.environ.update(script_environment(args.as_torchrec, args.timeout, PROG, _one_line_error))
     from torch.distributed.run import main as torchrun_main
 
     # torchrun sets 1 thread per rank anyway, with a 4-line warning when the variable is unset
@@ -59,9 +58,12 @@ def run(args) -> int:
 
 
 def add_parser(commands) -> None:
+    from shardkit.cli.run import add_as_torchrec_option
+
     parser = commands.add_parser("launch", help="run a script on N local processes (torchrun)", usage=USAGE)
     parser.error = _one_line_error
     parser.add_argument("-n", "--nproc", type=int, default=2, help="number of local processes (default 2)")
+    add_as_torchrec_option(parser)
     parser.add_argument(
         "--timeout",
         help="seconds a collective may wait (SHARDKIT_TIMEOUT, default 600: the default timeout of the "

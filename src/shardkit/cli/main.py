@@ -7,7 +7,7 @@ import sys
 from typing import Optional, Sequence
 
 import shardkit
-from shardkit.cli import bench, demo, env_report, launch, plan
+from shardkit.cli import bench, demo, env_report, launch, plan, port, run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,7 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"shardkit {shardkit.__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (demo, env_report, launch, plan, bench):
+    for module in (demo, env_report, run, launch, port, plan, bench):
         module.add_parser(commands)
     return parser
 

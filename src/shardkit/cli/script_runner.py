@@ -59,6 +59,9 @@ def main() -> None:
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
+    from shardkit.cli.torchrec_mode import install_if_asked
+
+    install_if_asked()  # a rank of `shardkit launch --as-torchrec` (its sitecustomize did it already)
     import torch._dynamo  # noqa: F401 - before the script's init_process_group, see the docstring
     import torch.distributed.checkpoint  # noqa: F401
 

@@ -62,6 +62,23 @@ def padded_dense(
     return out[:spare].view(batch, length, *trailing)
 
 
+def values_of_padded(dense: torch.Tensor, offsets: torch.Tensor, num_values: int) -> torch.Tensor:
+    """The jagged values ``[num_values, *D]`` of padded rows ``dense [B, L, *D]`` cut by ``offsets
+    [B + 1]`` (the inverse of :func:`padded_dense`); a value at a position ``>= L`` of its row is zero.
+    No host sync (``num_values`` is ``offsets[-1]``, given by the caller); differentiable in ``dense``.
+    """
+    batch, length = dense.shape[0], dense.shape[1]
+    trailing = dense.shape[2:]
+    if batch * length == 0:
+        return dense.new_zeros((num_values, *trailing))
+    rows = row_ids(offsets[1:] - offsets[:-1], num_values)
+    cols = torch.arange(num_values, device=dense.device) - offsets[rows].long()
+    inside = cols < length
+    slots = torch.where(inside, rows * length + cols, 0)
+    picked = dense.reshape(batch * length, *trailing).index_select(0, slots)
+    return torch.where(inside.view(-1, *([1] * len(trailing))), picked, torch.zeros_like(picked))
+
+
 def take_segments(tensor: torch.Tensor, sizes: Sequence[int], order: Sequence[int]) -> torch.Tensor:
     """Cut ``tensor`` into consecutive segments of ``sizes`` and concatenate segments ``order``.
 
