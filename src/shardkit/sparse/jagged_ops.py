@@ -69,14 +69,12 @@ def values_of_padded(dense: torch.Tensor, offsets: torch.Tensor, num_values: int
     """
     batch, length = dense.shape[0], dense.shape[1]
     trailing = dense.shape[2:]
-    if batch * length == 0:
-        return dense.new_zeros((num_values, *trailing))
+    # one zero row after the dense rows: the source of every position past L (no mask, no sync)
+    rows_and_zero = torch.cat([dense.reshape(batch * length, *trailing), dense.new_zeros(1, *trailing)])
     rows = row_ids(offsets[1:] - offsets[:-1], num_values)
     cols = torch.arange(num_values, device=dense.device) - offsets[rows].long()
-    inside = cols < length
-    slots = torch.where(inside, rows * length + cols, 0)
-    picked = dense.reshape(batch * length, *trailing).index_select(0, slots)
-    return torch.where(inside.view(-1, *([1] * len(trailing))), picked, torch.zeros_like(picked))
+    slots = torch.where(cols < length, rows * length + cols, batch * length)
+    return rows_and_zero.index_select(0, slots)
 
 
 def take_segments(tensor: torch.Tensor, sizes: Sequence[int], order: Sequence[int]) -> torch.Tensor:
