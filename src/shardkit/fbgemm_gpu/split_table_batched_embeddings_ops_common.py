@@ -23,8 +23,9 @@ class PoolingMode(enum.IntEnum):
 
 
 class BoundsCheckMode(enum.IntEnum):
-    """fbgemm's reaction to an id outside its table. shardkit's lookups always check ids (an id out of
-    range is an error naming the feature), so a program's choice here changes nothing."""
+    """fbgemm's reaction to an id outside its table. shardkit's lookups check ids themselves (an
+    out-of-range id is an ``IndexError`` naming the feature and table; ``SHARDKIT_VALIDATE=0`` skips it),
+    so a program's choice here changes nothing."""
 
     FATAL = 0
     WARNING = 1
