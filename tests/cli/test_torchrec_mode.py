@@ -173,3 +173,23 @@ def test_run_returns_the_scripts_exit_code_and_rejects_bad_input(tmp_path, capsy
         main(["run", str(tmp_path / "missing.py")])
     assert stop.value.code == 2
     assert capsys.readouterr().err == f"shardkit run: error: no such script: {tmp_path / 'missing.py'}\n"
+
+
+def test_dev_passes_as_torchrec_through(tmp_path):
+    """``./dev run --as-torchrec`` is ``shardkit run --as-torchrec`` (./dev hands other commands over)."""
+    from tests.docs.markdown_blocks import DEV
+
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import torchrec, torch\nprint(torchrec.__name__, torch.ops.fbgemm.jagged_2d_to_dense)\n"
+    )
+    done = subprocess.run(
+        [str(DEV), "run", "--as-torchrec", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_clean_env(),
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("shardkit fbgemm.jagged_2d_to_dense")
+    assert NOTICE in done.stderr
