@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from shardkit.distributed.sharding_env import ShardingEnv
+from shardkit.kernels import kernel_backend
+from shardkit.kernels.native_build import native_ops
 from shardkit.modules import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
@@ -156,9 +158,15 @@ def _check(pooled: bool, optimizer: OptimType, kernel: str, load_factor: float, 
         assert os.path.exists(g.store.path)
 
 
-def _worker(cases) -> bool:
-    for args in cases:
-        _check(*args)
+def _worker(cases, backend: str) -> bool:
+    if backend == "native":  # the default on CPU: make sure it is the one that ran
+        assert native_ops() is not None, "the native kernels did not build here"
+        for args in cases:
+            _check(*args)
+        return True
+    with kernel_backend("torch"):
+        for args in cases:
+            _check(*args)
     return True
 
 
@@ -174,4 +182,8 @@ CASES = [
 
 @pytest.mark.parametrize("world_size, local_size", [(1, None), (2, None), (3, None), (4, 2)])
 def test_offloaded_equals_in_memory_fused(world_size, local_size):
-    assert all(run_world(_worker, world_size, CASES, local_world_size=local_size))
+    assert all(run_world(_worker, world_size, CASES, "native", local_world_size=local_size))
+
+
+def test_offloaded_equals_in_memory_fused_pure_torch_kernels():
+    assert all(run_world(_worker, 2, CASES, "torch"))
