@@ -93,6 +93,7 @@ TREE = {
     "torchrec.distributed.planner.shard_estimators": "EmbeddingPerfEstimator EmbeddingStorageEstimator",
     "torchrec.distributed.planner.storage_reservations": "HeuristicalStorageReservation",
     "torchrec.distributed.planner.types": "ParameterConstraints PlannerError ShardingOption Topology",
+    "torchrec.distributed.quant_embedding": "QuantEmbeddingCollectionSharder ShardedQuantEmbeddingCollection",
     "torchrec.distributed.quant_embeddingbag": (
         "QuantEmbeddingBagCollectionSharder QuantFeatureProcessedEmbeddingBagCollectionSharder "
         "ShardedQuantEmbeddingBagCollection ShardedQuantFeatureProcessedEmbeddingBagCollection "

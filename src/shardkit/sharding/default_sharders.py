@@ -12,6 +12,7 @@ from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
 from shardkit.sharding.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 from shardkit.sharding.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
 from shardkit.sharding.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
+from shardkit.sharding.quant_embedding import QuantEmbeddingCollectionSharder
 from shardkit.sharding.quant_embeddingbag import (
     QuantEmbeddingBagCollectionSharder,
     QuantFeatureProcessedEmbeddingBagCollectionSharder,
@@ -32,6 +33,7 @@ def get_default_sharders() -> List[ModuleSharder[nn.Module]]:
         ManagedCollisionEmbeddingCollectionSharder(),
         QuantEmbeddingBagCollectionSharder(),
         QuantFeatureProcessedEmbeddingBagCollectionSharder(),
+        QuantEmbeddingCollectionSharder(),
     ]
 
 

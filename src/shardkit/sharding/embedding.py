@@ -77,6 +77,7 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule):
     """
 
     table_key = "embeddings"
+    sharding_classes = SEQUENCE_SHARDINGS  # the quantized collection brings its own
 
     def __init__(
         self,
@@ -93,7 +94,7 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule):
             table_name_to_parameter_sharding,
             env,
             False,
-            SEQUENCE_SHARDINGS,
+            self.sharding_classes,
             fused_optimizer or resolve_fused_optimizer(module, None),
             None if on_meta else module.table_weight,
             device,

@@ -1,4 +1,4 @@
-"""Inference shardings of quantized tables: table-wise, row-wise and column-wise.
+"""Inference shardings of quantized tables: table-wise, row-wise and column-wise, pooled and sequence.
 
 Each is the float sharding of its type (same input dist, same output dist, same column layout) whose
 lookup holds this rank's shards as quantized rows (:class:`QuantShardedGroupedLookup`) and outputs
@@ -19,11 +19,11 @@ from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.kernels.quant_rows import slice_columns
 from shardkit.quant.offloaded_quant_lookup import OffloadedQuantEmbeddingLookup
 from shardkit.quant.quant_lookup import QuantGroupedEmbeddingLookup
-from shardkit.sharding.column_wise import CwPooledEmbeddingSharding
+from shardkit.sharding.column_wise import CwPooledEmbeddingSharding, CwSequenceEmbeddingSharding
 from shardkit.sharding.embedding_lookup import ShardedGroupedLookup
 from shardkit.sharding.embedding_sharding import EmbeddingSharding, ShardedTable
-from shardkit.sharding.row_wise import RwPooledEmbeddingSharding
-from shardkit.sharding.table_wise import TwPooledEmbeddingSharding
+from shardkit.sharding.row_wise import RwPooledEmbeddingSharding, RwSequenceEmbeddingSharding
+from shardkit.sharding.table_wise import TwPooledEmbeddingSharding, TwSequenceEmbeddingSharding
 from shardkit.sharding.types import ShardingType
 
 
@@ -76,6 +76,43 @@ class InferRwPooledEmbeddingSharding(RwPooledEmbeddingSharding):
         )
 
 
+class InferTwSequenceEmbeddingSharding(TwSequenceEmbeddingSharding):
+    """Table-wise sequence lookups of quantized tables (torchrec's ``InferTwSequenceEmbeddingSharding``):
+    each id's dequantized row, padded to the sharding's widest shard."""
+
+    @property
+    def output_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def create_lookup(self) -> QuantShardedGroupedLookup:
+        return QuantShardedGroupedLookup(
+            self._local_shards, False, False, self.device, None, self._width, self.output_dtype
+        )
+
+
+class InferCwSequenceEmbeddingSharding(InferTwSequenceEmbeddingSharding, CwSequenceEmbeddingSharding):
+    """Column-wise sequence lookups of quantized tables (the table-wise dists over column blocks)."""
+
+
+class InferRwSequenceEmbeddingSharding(RwSequenceEmbeddingSharding):
+    """Row-wise sequence lookups of quantized tables (each id sent to the rank holding its row)."""
+
+    @property
+    def output_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def create_lookup(self) -> QuantShardedGroupedLookup:
+        return QuantShardedGroupedLookup(
+            self._local_shards, False, False, self.device, None, self._width, self.output_dtype
+        )
+
+
+INFER_SEQUENCE_SHARDINGS: Dict[str, Type[EmbeddingSharding]] = {
+    ShardingType.TABLE_WISE.value: InferTwSequenceEmbeddingSharding,
+    ShardingType.ROW_WISE.value: InferRwSequenceEmbeddingSharding,
+    ShardingType.COLUMN_WISE.value: InferCwSequenceEmbeddingSharding,
+}
+
 INFER_POOLED_SHARDINGS: Dict[str, Type[EmbeddingSharding]] = {
     ShardingType.TABLE_WISE.value: InferTwEmbeddingSharding,
     ShardingType.ROW_WISE.value: InferRwPooledEmbeddingSharding,
@@ -106,7 +143,11 @@ def create_infer_embedding_bag_sharding(
 
 __all__ = [
     "INFER_POOLED_SHARDINGS",
+    "INFER_SEQUENCE_SHARDINGS",
     "InferCwPooledEmbeddingSharding",
+    "InferCwSequenceEmbeddingSharding",
+    "InferRwSequenceEmbeddingSharding",
+    "InferTwSequenceEmbeddingSharding",
     "InferRwPooledEmbeddingSharding",
     "InferTwEmbeddingSharding",
     "QuantShardedGroupedLookup",
