@@ -4,6 +4,10 @@ Re-exports only (docs/names.md, "torchrec's module tree"): each name is defined 
 shardkit (the import says where), and nothing inside shardkit imports from this module."""
 
 from shardkit.sharding.quant_embedding import QuantEmbeddingCollectionSharder, ShardedQuantEmbeddingCollection
+from shardkit.sharding.quant_mc_embedding import (
+    QuantManagedCollisionEmbeddingCollectionSharder,
+    ShardedQuantManagedCollisionEmbeddingCollection,
+)
 from shardkit.sharding.quant_sharding import (
     InferCwSequenceEmbeddingSharding,
     InferRwSequenceEmbeddingSharding,
@@ -15,5 +19,7 @@ __all__ = [
     "InferRwSequenceEmbeddingSharding",
     "InferTwSequenceEmbeddingSharding",
     "QuantEmbeddingCollectionSharder",
+    "QuantManagedCollisionEmbeddingCollectionSharder",
     "ShardedQuantEmbeddingCollection",
+    "ShardedQuantManagedCollisionEmbeddingCollection",
 ]

@@ -12,12 +12,18 @@ from shardkit.quant.embedding_modules import (
     QuantEmbeddingCollection,
     QuantFeatureProcessedEmbeddingBagCollection,
 )
+from shardkit.quant.mc_modules import (
+    QuantManagedCollisionEmbeddingBagCollection,
+    QuantManagedCollisionEmbeddingCollection,
+)
 from shardkit.quant.quant_lookup import QuantGroupedEmbeddingLookup, quantize_into
 
 __all__ = [
     "QuantEmbeddingBagCollection",
     "QuantEmbeddingCollection",
     "QuantFeatureProcessedEmbeddingBagCollection",
+    "QuantManagedCollisionEmbeddingBagCollection",
+    "QuantManagedCollisionEmbeddingCollection",
     "QuantGroupedEmbeddingLookup",
     "dtype_to_data_type",
     "quantize_into",

@@ -17,6 +17,10 @@ from shardkit.sharding.quant_embeddingbag import (
     QuantEmbeddingBagCollectionSharder,
     QuantFeatureProcessedEmbeddingBagCollectionSharder,
 )
+from shardkit.sharding.quant_mc_embedding import (
+    QuantManagedCollisionEmbeddingBagCollectionSharder,
+    QuantManagedCollisionEmbeddingCollectionSharder,
+)
 from shardkit.sharding.types import ModuleSharder
 
 
@@ -34,6 +38,8 @@ def get_default_sharders() -> List[ModuleSharder[nn.Module]]:
         QuantEmbeddingBagCollectionSharder(),
         QuantFeatureProcessedEmbeddingBagCollectionSharder(),
         QuantEmbeddingCollectionSharder(),
+        QuantManagedCollisionEmbeddingBagCollectionSharder(),
+        QuantManagedCollisionEmbeddingCollectionSharder(),
     ]
 
 
