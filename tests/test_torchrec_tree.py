@@ -128,7 +128,8 @@ TREE = {
         "Tracer TrainPipelineContext"
     ),
     "torchrec.distributed.types": (
-        "Awaitable CommOp ComputeKernel EmbeddingModuleShardingPlan EnumerableShardingSpec "
+        "Awaitable CacheAlgorithm CacheParams CacheStatistics CommOp ComputeKernel "
+        "EmbeddingModuleShardingPlan EnumerableShardingSpec "
         "GetItemLazyAwaitable LazyAwaitable LazyGetItemMixin LazyNoWait ModuleSharder ModuleShardingPlan "
         "NoOpQuantizedCommCodec NoWait NullShardedModuleContext NullShardingContext ParameterSharding "
         "ParameterStorage QuantizedCommCodec QuantizedCommCodecs ShardMetadata ShardedModule ShardingEnv "
@@ -243,7 +244,7 @@ ABSENT = {
     "torchrec.distributed.train_pipeline": (
         "FusedKJTListSplitsAwaitable KJTAllToAllForward KJTSplitsAllToAllMeta SplitsAllToAllAwaitable"
     ),
-    "torchrec.distributed.types": "CacheParams CacheStatistics GenericMeta ShardingEnv2D scope",
+    "torchrec.distributed.types": "GenericMeta ShardingEnv2D scope",
     "torchrec.distributed.utils": "convert_to_fbgemm_types init_parameters",
     "torchrec.modules.embedding_configs": "EmbeddingTableConfig",
     "torchrec.streamable": "Multistreamable Pipelineable",

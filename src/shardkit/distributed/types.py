@@ -14,6 +14,7 @@ from shardkit.distributed.awaitable import (
 )
 from shardkit.distributed.codecs import NoOpQuantizedCommCodec, QuantizedCommCodec, QuantizedCommCodecs
 from shardkit.distributed.sharding_env import ShardingEnv
+from shardkit.sharding.cache_params import CacheAlgorithm, CacheParams, CacheStatistics
 from shardkit.sharding.sharding_spec import EnumerableShardingSpec, ShardMetadata
 from shardkit.sharding.types import (
     CommOp,
@@ -34,6 +35,9 @@ from shardkit.sharding.types import (
 
 __all__ = [
     "Awaitable",
+    "CacheAlgorithm",
+    "CacheParams",
+    "CacheStatistics",
     "CommOp",
     "ComputeKernel",
     "EmbeddingModuleShardingPlan",
@@ -62,4 +66,4 @@ __all__ = [
 ]
 
 # torchrec's names here that shardkit lacks: importing one is an ImportError naming it
-__getattr__ = absent(__name__, ["CacheParams", "CacheStatistics", "GenericMeta", "ShardingEnv2D", "scope"])
+__getattr__ = absent(__name__, ["GenericMeta", "ShardingEnv2D", "scope"])

@@ -15,6 +15,13 @@
 See docs/sharding.md and docs/sharded_state.md.
 """
 
+from shardkit.sharding.cache_params import (
+    CacheAlgorithm,
+    CacheParams,
+    CacheStatistics,
+    SampledCacheStatistics,
+    cache_params_from_fused_params,
+)
 from shardkit.sharding.column_wise import CwPooledEmbeddingSharding, CwSequenceEmbeddingSharding
 from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding, DpSequenceEmbeddingSharding
 from shardkit.sharding.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
@@ -125,6 +132,11 @@ __all__ = [
     "ShardedManagedCollisionEmbeddingCollection",
     "create_mc_sharding",
     # plan and module types
+    "CacheAlgorithm",
+    "CacheParams",
+    "CacheStatistics",
+    "SampledCacheStatistics",
+    "cache_params_from_fused_params",
     "CommOp",
     "ComputeKernel",
     "EmbeddingComputeKernel",

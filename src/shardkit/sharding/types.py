@@ -30,6 +30,7 @@ from shardkit.distributed.awaitable import (
 )
 from shardkit.distributed.codecs import NoOpQuantizedCommCodec, QuantizedCommCodec, QuantizedCommCodecs
 from shardkit.distributed.sharding_env import ShardingEnv
+from shardkit.sharding.cache_params import CacheAlgorithm, CacheParams, CacheStatistics
 from shardkit.sharding.sharding_spec import EnumerableShardingSpec, ShardMetadata
 
 CompIn = TypeVar("CompIn")
@@ -116,10 +117,14 @@ class ParameterSharding:
             ROW_WISE / TABLE_ROW_WISE / GRID_SHARD: the rank of each shard, in shard order;
             DATA_PARALLEL: unused.
         sharding_spec: the shards' offsets, sizes and placements (None for DATA_PARALLEL).
-        cache_params, enforce_hbm, stochastic_rounding, bounds_check_mode: kernel options, carried
-            for the kernels that use them.
+        cache_params: the ``CacheParams`` of the offloading kernels (``fused_uvm_caching``, ...);
+            they win over the sharder's ``fused_params`` cache keys
+            (``shardkit.sharding.cache_params.cache_params_from_fused_params``).
+        enforce_hbm, stochastic_rounding, bounds_check_mode: kernel options, carried for the kernels
+            that use them.
 
-    Raises ``ValueError`` at construction for an unknown sharding type or compute kernel; use
+    Raises ``ValueError`` at construction for an unknown sharding type or compute kernel
+    (``TypeError`` for a ``cache_params`` that is not a ``CacheParams``); use
     :meth:`check` for the checks that need the table's shape and the world size.
     """
 
@@ -127,7 +132,7 @@ class ParameterSharding:
     compute_kernel: str
     ranks: Optional[List[int]] = None
     sharding_spec: Optional[EnumerableShardingSpec] = None
-    cache_params: Optional[Any] = None
+    cache_params: Optional[CacheParams] = None
     enforce_hbm: Optional[bool] = None
     stochastic_rounding: Optional[bool] = None
     bounds_check_mode: Optional[Any] = None
@@ -147,6 +152,9 @@ class ParameterSharding:
             )
         if self.ranks is not None:
             self.ranks = [int(r) for r in self.ranks]
+        if self.cache_params is not None and not isinstance(self.cache_params, CacheParams):
+            given = type(self.cache_params).__name__
+            raise TypeError(f"ParameterSharding: cache_params must be a CacheParams, got {given}")
 
     def check(self, name: str, shape: Sequence[int], world_size: int) -> None:
         """Raise ``ValueError`` naming ``name`` if this sharding cannot place a ``shape`` table on the world.
@@ -378,6 +386,9 @@ class ShardingPlanner(abc.ABC):
 
 __all__ = [
     "Awaitable",
+    "CacheAlgorithm",
+    "CacheParams",
+    "CacheStatistics",
     "CommOp",
     "ComputeKernel",
     "EmbeddingComputeKernel",
