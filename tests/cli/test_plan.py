@@ -183,3 +183,48 @@ def test_bench_out_naming_a_file_is_a_one_line_error(tmp_path, capsys):
     existing.write_text("{}")
     assert main(["bench", "demo_bench", "--dir", str(scripts), "--out", str(existing)]) == 2
     assert "--out" in error_line(capsys) and existing.read_text() == "{}"
+
+
+def test_offloaded_tables_show_their_cache_and_expected_hit_rate(tmp_path, capsys):
+    config = dict(
+        CONFIG,
+        optimizer="rowwise_adagrad",
+        disk_per_rank="100GiB",
+        tables=[{"name": "big", "rows": 10_000_000, "dim": 64, "pooling_factor": 4}, CONFIG["tables"][1]],
+        constraints={
+            "big": {"compute_kernels": ["fused_uvm_caching"], "cache_params": {"load_factor": 0.05}},
+            "small": {"sharding_types": ["data_parallel"]},
+        },
+    )
+    assert main(["plan", write(tmp_path, config)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = lines.index("offloaded tables (cache in the fast tier, table in the slow tier):")
+    columns = "table kernel load factor cache rows cache expected hit rate slow tier"
+    assert lines[header + 1].split() == columns.split()
+    # 5% of 10^7 rows of 64 fp32 values + a 4-byte row-wise Adagrad state each; the table on disk
+    big = lines[header + 2].split()
+    assert big[:4] == ["big", "fused_uvm_caching", "0.05", "500000"]
+    assert " ".join(big[4:]) == "124.0 MiB 0.900 (cost model) 2.4 GiB disk"
+    assert len(lines) == header + 3  # the in-memory table has no line there
+    # the 1 GiB of RAM per rank holds the cache, not the 2.4 GiB table
+    assert main(["plan", write(tmp_path, config), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    row = report["tables"][0]
+    assert row["cache"]["cache_rows"] == 500_000
+    assert row["disk_bytes"] == pytest.approx(10**7 * (64 * 4 + 4))
+    assert row["ddr_bytes"] < 2**30 and report["tables"][1]["cache"] is None
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"constraints": {"big": {"cache_params": {"load_factor": 2}}}}, "load factor must be in (0, 1]"),
+        ({"constraints": {"big": {"cache_params": {"size": 2}}}}, "cache_params: unknown key 'size'"),
+        ({"device": "cuda", "disk_per_rank": "1TiB"}, "disk_per_rank is the cpu offload tier"),
+        ({"constraints": {"big": {"compute_kernels": ["fused_uvm_caching"]}}}, "has no sharding option"),
+    ],
+)
+def test_malformed_cache_config_is_an_error(tmp_path, capsys, change, message):
+    code = main(["plan", write(tmp_path, {**CONFIG, **change})])
+    err = capsys.readouterr().err
+    assert code in (1, 2) and message in err and "Traceback" not in err

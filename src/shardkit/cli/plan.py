@@ -6,6 +6,7 @@ The config (JSON, or YAML when PyYAML is installed) describes the tables and the
     memory_per_rank: 16GiB        # HBM on cuda, DDR on cpu: bytes, or a number with B/KiB/MiB/GiB/TiB/KB/...
     local_world_size: 2           # optional: ranks per node (default: one node)
     device: cuda                  # optional: cuda (default) or cpu
+    disk_per_rank: 1TiB           # optional (cpu): the offload directory's disk per rank (default: unlimited)
     batch_size: 1024              # optional: samples per rank (default 512)
     optimizer: rowwise_adagrad    # optional: fused optimizer (sgd, adagrad, rowwise_adagrad, adam)
     tables:
@@ -13,9 +14,15 @@ The config (JSON, or YAML when PyYAML is installed) describes the tables and the
       - {name: country, rows: 200, dim: 16, features: [home_country, ip_country]}
     constraints:                  # optional: per table, fields of ParameterConstraints
       country: {sharding_types: [data_parallel]}
+      item: {compute_kernels: [fused_uvm_caching], cache_params: {load_factor: 0.1, algorithm: lru}}
 
 The tables are built as an EmbeddingBagCollection on the meta device (no memory) and planned by
-``EmbeddingShardingPlanner`` with the EmbeddingBagCollection sharder. A malformed config is a one-line
+``EmbeddingShardingPlanner`` with the EmbeddingBagCollection sharder (offering the offloading kernels
+``fused_uvm`` / ``fused_uvm_caching`` besides ``fused`` / ``dense``: on cpu the planner uses them only for
+the tables whose constraints name them). ``cache_params`` takes the fields of ``CacheParams``
+(``load_factor``, ``algorithm``, ``precision``, ``prefetch_pipeline``, ``reserved_memory``,
+``offload_dir``); the printed plan lists each offloaded table's cache rows and bytes and its expected
+hit rate. A malformed config is a one-line
 error and exit code 2; a config whose tables fit nowhere prints the planner's explanation, exit code 1.
 """
 
@@ -38,6 +45,7 @@ TOP_KEYS = {
     "optimizer",
     "tables",
     "constraints",
+    "disk_per_rank",
 }
 TABLE_KEYS = {"name", "rows", "dim", "pooling_factor", "features"}
 CONSTRAINT_KEYS = {
@@ -47,7 +55,9 @@ CONSTRAINT_KEYS = {
     "pooling_factors",
     "batch_sizes",
     "ranks",
+    "cache_params",
 }
+CACHE_KEYS = {"load_factor", "algorithm", "precision", "prefetch_pipeline", "reserved_memory", "offload_dir"}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
 _NUMBER = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
@@ -192,6 +202,10 @@ def _topology(config: Dict[str, Any]):
         raise ConfigError(f"device must be cuda or cpu, got {_short(device)}")
     memory = parse_bytes(config["memory_per_rank"], "memory_per_rank")
     caps = {"hbm_cap": memory} if device == "cuda" else {"ddr_cap": memory}
+    if config.get("disk_per_rank") is not None:
+        if device != "cpu":
+            raise ConfigError("disk_per_rank is the cpu offload tier; on cuda the slow tier is host memory")
+        caps["disk_cap"] = parse_bytes(config["disk_per_rank"], "disk_per_rank")
     return Topology(world_size=world, compute_device=device, local_world_size=local, **caps)
 
 
@@ -264,11 +278,47 @@ def _constraints(config: Dict[str, Any], names: set, pooling: Dict[str, dict], w
             _positive_int(c["min_partition"], f"{where} min_partition")
         if any(not 0 <= r < world for r in c.get("ranks", [])):
             raise ConfigError(f"{where}: ranks {c['ranks']} outside 0..{world - 1}")
+        if "cache_params" in c:
+            c["cache_params"] = _cache_params(c["cache_params"], where)
         try:
             result[name] = ParameterConstraints(**c)
         except ValueError as err:
             raise ConfigError(str(err)) from None
     return result
+
+
+def _cache_params(value: Any, where: str):
+    """A ``CacheParams`` from a constraint's ``cache_params`` mapping."""
+    from shardkit.sharding.cache_params import CacheParams
+
+    _expect(value, (dict,), f"{where} cache_params", "a mapping")
+    _unknown(value, CACHE_KEYS, f"{where} cache_params")
+    try:
+        return CacheParams(**value)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{where}: {err}") from None
+
+
+def _planning_sharder():
+    """The EmbeddingBagCollection sharder, offering the offloading kernels ``fused_uvm`` /
+    ``fused_uvm_caching`` wherever it offers ``fused`` (data parallel excepted) if it does not list them
+    itself: ``ParameterSharding`` accepts them, and the command only plans."""
+    from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
+    from shardkit.sharding.types import EmbeddingComputeKernel, ShardingType
+
+    offloading = [EmbeddingComputeKernel.FUSED_UVM.value, EmbeddingComputeKernel.FUSED_UVM_CACHING.value]
+
+    class PlanningSharder(EmbeddingBagCollectionSharder):
+        def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+            kernels = list(super().compute_kernels(sharding_type, compute_device_type))
+            if (
+                EmbeddingComputeKernel.FUSED.value in kernels
+                and sharding_type != ShardingType.DATA_PARALLEL.value
+            ):
+                kernels += [k for k in offloading if k not in kernels]
+            return kernels
+
+    return PlanningSharder()
 
 
 def build(config: Dict[str, Any]):
@@ -277,7 +327,6 @@ def build(config: Dict[str, Any]):
 
     from shardkit.modules import EmbeddingBagCollection, FusedOptimizerConfig, OptimType
     from shardkit.planner import EmbeddingShardingPlanner
-    from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
 
     _unknown(config, TOP_KEYS, "config")
     for key in ("tables", "world_size", "memory_per_rank"):
@@ -301,7 +350,7 @@ def build(config: Dict[str, Any]):
     except (ValueError, KeyError) as err:
         raise ConfigError(f"tables: {err}") from None
     planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=constraints)
-    return planner, module, [EmbeddingBagCollectionSharder()]
+    return planner, module, [_planning_sharder()]
 
 
 def run(args) -> int:

@@ -26,7 +26,10 @@ class CostModel:
         cross_node_bw: per-rank bandwidth of a collective whose ranks span nodes.
         bwd_compute_factor: backward lookup time (gradient scatter + fused optimizer) / forward.
         lookup_overhead_s: fixed cost of one lookup call on a shard (kernel launch, bookkeeping).
-        cache_hit_rate: share of a FUSED_UVM_CACHING lookup served by the device-memory cache.
+        cache_hit_rate: share of a caching kernel's lookups served by its cache when the table's
+            ``CacheParams`` carry no ``CacheStatistics`` (with statistics: ``1 - expected_miss_rate``).
+        disk_lookup_bw: bytes of rows per second an offloading kernel reads from its CPU backing
+            file (the slow tier on CPU: random rows from the offload directory's disk or page cache).
     """
 
     hbm_lookup_bw: float
@@ -37,9 +40,11 @@ class CostModel:
     bwd_compute_factor: float = 2.0
     lookup_overhead_s: float = 10e-6
     cache_hit_rate: float = 0.9
+    disk_lookup_bw: float = 1 * GB
 
     def __post_init__(self) -> None:
-        for name in ("hbm_lookup_bw", "ddr_lookup_bw", "uvm_lookup_bw", "intra_node_bw", "cross_node_bw"):
+        bandwidths = ("hbm_lookup_bw", "ddr_lookup_bw", "uvm_lookup_bw", "intra_node_bw", "cross_node_bw")
+        for name in (*bandwidths, "disk_lookup_bw"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"CostModel.{name} must be positive, got {getattr(self, name)}")
         for name in ("bwd_compute_factor", "lookup_overhead_s"):

@@ -6,6 +6,11 @@ are not searched further (the sharder shards it whole). Its tables come from the
 bytes: packed values plus each row's scale and bias). A table's options are the product of the
 sharding types and compute kernels that both the sharder and the table's ``ParameterConstraints``
 allow, each with its shard layout; the estimators fill in storage and time.
+
+The offloading kernels (``fused_uvm``, ``fused_uvm_caching``, ``quant_uvm``, ``quant_uvm_caching``) are
+slower than an in-memory table: on CPU they are options only where the table's constraints name them;
+on CUDA whenever the sharder offers them (as torchrec). A caching kernel gets one option per load
+factor to try (:func:`cache_load_factors`).
 """
 
 from __future__ import annotations
@@ -19,11 +24,17 @@ from torch import nn
 from shardkit.distributed.tensor_split import split_offsets, split_sizes
 from shardkit.kernels.quant_rows import data_bytes, row_bytes
 from shardkit.modules import OptimType, PoolingType
+from shardkit.planner.cache_sizing import candidate_load_factors
 from shardkit.planner.constraints import ParameterConstraints
 from shardkit.planner.errors import PlannerError
 from shardkit.planner.topology import Topology
-from shardkit.planner.types import ShardingOption, TableInfo
+from shardkit.planner.types import CACHING_KERNELS, OFFLOAD_KERNELS, ShardingOption, TableInfo
 from shardkit.quant import QuantEmbeddingBagCollection, QuantEmbeddingCollection
+from shardkit.sharding.cache_params import (
+    DEFAULT_CACHE_LOAD_FACTOR,
+    CacheParams,
+    cache_params_from_fused_params,
+)
 from shardkit.sharding.sharding_plan import table_configs
 from shardkit.sharding.types import EmbeddingComputeKernel, ModuleSharder, ShardingType
 
@@ -93,6 +104,29 @@ def _optimizer_of(module: nn.Module, sharder: ModuleSharder[nn.Module]) -> Optio
     except (AttributeError, ValueError):  # no such property / built without a fused optimizer
         return None
     return fused.config.optimizer
+
+
+def cache_load_factors(table: TableInfo) -> List[float]:
+    """The load factors a caching kernel's options try for ``table``: its ``CacheParams.load_factor``
+    when set; else, with ``CacheParams.stats``, the smallest load factor reaching each miss rate of
+    ``cache_sizing.MISS_RATE_LADDER``; else ``DEFAULT_CACHE_LOAD_FACTOR`` (0.2)."""
+    params = table.cache_params
+    if params is not None and params.load_factor is not None:
+        return [params.load_factor]
+    if params is not None and params.stats is not None:
+        return candidate_load_factors(params.stats, table.rows)
+    return [DEFAULT_CACHE_LOAD_FACTOR]
+
+
+def _offload_options(table: TableInfo, kernel: str) -> List[Optional[CacheParams]]:
+    """The ``cache_params`` of each option of ``kernel``: None for an in-memory kernel, the table's for
+    ``fused_uvm`` / ``quant_uvm``, one per load factor for a caching kernel."""
+    if kernel not in OFFLOAD_KERNELS:
+        return [None]
+    params = table.cache_params or CacheParams()
+    if kernel not in CACHING_KERNELS:
+        return [table.cache_params]
+    return [dataclasses.replace(params, load_factor=lf) for lf in cache_load_factors(table)]
 
 
 def _named(c: ParameterConstraints, sharding_type: str, kernel: str) -> bool:
@@ -173,6 +207,12 @@ class EmbeddingEnumerator:
                 )
                 if quantized:
                     table = dataclasses.replace(table, **_quantized_sizes(sub, config))
+                try:
+                    table.cache_params = cache_params_from_fused_params(
+                        getattr(sharder, "fused_params", None), c.cache_params
+                    )
+                except (TypeError, ValueError) as err:
+                    raise type(err)(f"table {config.name!r}: {err}") from None
                 found.append((table, sharder))
         return found
 
@@ -192,6 +232,8 @@ class EmbeddingEnumerator:
             for kernel in sharder.compute_kernels(sharding_type, device):
                 if c.compute_kernels is not None and kernel not in c.compute_kernels:
                     continue
+                if device == "cpu" and kernel in OFFLOAD_KERNELS and c.compute_kernels is None:
+                    continue  # slower than in memory: on CPU only where the constraints ask for it
                 if kernel in _FUSED_KERNELS and not table.fused_optimizer:
                     continue
                 if (
@@ -202,8 +244,12 @@ class EmbeddingEnumerator:
                     # a DENSE (and so a data-parallel) table is trained by the model's dense
                     # optimizer, not by the fused one its module asked for: never chosen silently
                     continue
-                options.append(ShardingOption(table, sharding_type, kernel, *layout))
+                for cache_params in _offload_options(table, kernel):
+                    options.append(
+                        ShardingOption(table, sharding_type, kernel, *layout, cache_params=cache_params)
+                    )
         if not options:
+            offered = sharder.compute_kernels(ShardingType.TABLE_WISE.value, device)
             raise PlannerError(
                 f"table {table.fqn!r} has no sharding option: the sharder allows "
                 f"{sharder.sharding_types(device)} on {device}, the constraints allow sharding types "
@@ -211,7 +257,9 @@ class EmbeddingEnumerator:
                 f"GRID_SHARD need more than one node; COLUMN_WISE needs at least 2 x min_partition="
                 f"{c.min_partition} columns, GRID_SHARD one min_partition per node; FUSED kernels need a "
                 "module built with a fused_optimizer; one with a fused optimizer gets DENSE / DATA_PARALLEL "
-                "options only where the constraints name that kernel or sharding type)"
+                "options only where the constraints name that kernel or sharding type; the offloading "
+                "kernels fused_uvm* / quant_uvm* need a sharder that offers them (this one offers "
+                f"{offered} for table_wise) and on cpu constraints that name them)"
             )
         return options
 
@@ -267,4 +315,4 @@ def _rows(
     return sizes, offs, torch.tensor(list(ranks), dtype=torch.int64)
 
 
-__all__ = ["EmbeddingEnumerator", "shardable_modules"]
+__all__ = ["EmbeddingEnumerator", "cache_load_factors", "shardable_modules"]

@@ -17,7 +17,8 @@ def format_bytes(n: float) -> str:
 
 @dataclasses.dataclass
 class UnplacedShard:
-    """A shard no rank had room for: what it needed and the most any allowed rank had left."""
+    """A shard no rank had room for: what it needed and the most any allowed rank had left (``disk``:
+    the CPU offload tier of the offloading kernels, ``Topology.disk_cap``)."""
 
     table: str
     sharding_type: str
@@ -27,13 +28,21 @@ class UnplacedShard:
     ddr_needed: float
     hbm_free: float
     ddr_free: float
+    disk_needed: float = 0.0
+    disk_free: float = float("inf")
 
     def __str__(self) -> str:
+        # the CPU offload tier is named only where the shard needs some of it
+        disk_needed = f" + disk {format_bytes(self.disk_needed)}" if self.disk_needed > 0 else ""
+        disk_free = ""
+        if self.disk_needed > 0:
+            free = format_bytes(self.disk_free) if self.disk_free != float("inf") else "unlimited"
+            disk_free = f" + disk {free}"
         return (
             f"table {self.table!r} ({self.sharding_type}, {self.compute_kernel}) shard {self.shard_index} "
-            f"needs HBM {format_bytes(self.hbm_needed)} + DDR {format_bytes(self.ddr_needed)}; "
+            f"needs HBM {format_bytes(self.hbm_needed)} + DDR {format_bytes(self.ddr_needed)}{disk_needed}; "
             f"the emptiest rank had HBM {format_bytes(self.hbm_free)} + "
-            f"DDR {format_bytes(self.ddr_free)} free"
+            f"DDR {format_bytes(self.ddr_free)}{disk_free} free"
         )
 
 

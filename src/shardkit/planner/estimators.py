@@ -17,16 +17,18 @@ from typing import Callable, List, Sequence, Tuple
 
 import torch
 
+from shardkit.modules.embedding_configs import data_type_to_dtype
 from shardkit.planner.topology import Topology
-from shardkit.planner.types import ShardingOption, TableInfo
+from shardkit.planner.types import CACHING_KERNELS, OFFLOAD_KERNELS, ShardingOption, TableInfo
+from shardkit.sharding.cache_params import DEFAULT_CACHE_LOAD_FACTOR
 from shardkit.sharding.types import EmbeddingComputeKernel, ShardingType
 
-# FUSED_UVM_CACHING keeps this share of the table's rows in a device-memory cache (the rest in DDR)
-CACHE_LOAD_FACTOR = 0.2
+# a caching kernel's default share of the table's rows in its fast-tier cache (the table in the slow tier)
+CACHE_LOAD_FACTOR = DEFAULT_CACHE_LOAD_FACTOR
 
 _K = EmbeddingComputeKernel
-_UVM = {_K.FUSED_UVM.value, _K.QUANT_UVM.value}
-_CACHING = {_K.FUSED_UVM_CACHING.value, _K.QUANT_UVM_CACHING.value}
+_CACHING = CACHING_KERNELS
+_UVM = OFFLOAD_KERNELS - CACHING_KERNELS
 # a grid's column blocks are row-split too: each block sees every id, each of its shards its rows' share
 _ROW_SPLIT = {ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value, ShardingType.GRID_SHARD.value}
 _DP = ShardingType.DATA_PARALLEL.value
@@ -64,6 +66,23 @@ def _output_values(o: ShardingOption, world: int) -> Linear:
     return (ids[1], 0.0, ids[3], 0.0)  # ids x c: the r term becomes r x c, the constant becomes c
 
 
+def load_factor(o: ShardingOption) -> float:
+    """The load factor of a caching option's cache (its ``cache_params``, else the default)."""
+    params = o.cache_params
+    return CACHE_LOAD_FACTOR if params is None or params.load_factor is None else params.load_factor
+
+
+def cached_row_bytes(o: ShardingOption) -> Linear:
+    """Bytes of one cached row, as a form in (r x c, r, c, 1) per row: its values (in the cache's
+    ``precision`` when given) + the row's extra bytes + the optimizer state kept with it."""
+    t = o.table
+    e = float(t.element_size)
+    precision = None if o.cache_params is None else o.cache_params.precision
+    if precision is not None and t.output_bytes_per_value is None:  # a trainable table
+        e = float(data_type_to_dtype(precision).itemsize)
+    return (e + t.state_bytes_per_value, float(t.row_bytes + t.state_bytes_per_row), 0.0, 0.0)
+
+
 def _evaluate(
     options: Sequence[ShardingOption], coefficients: Callable[[ShardingOption], List[Linear]]
 ) -> List[torch.Tensor]:
@@ -79,11 +98,13 @@ def _evaluate(
 
 
 class EmbeddingStorageEstimator:
-    """Bytes of HBM and DDR per shard: weights + optimizer state (+ a dense gradient for the DENSE
-    kernel) + the input and output buffers of one step.
+    """Bytes of HBM, DDR and CPU offload disk per shard: weights + optimizer state (+ a dense gradient
+    for the DENSE kernel) + the input and output buffers of one step.
 
-    Where the weights live: the device's memory (HBM on CUDA, DDR on CPU) for FUSED / DENSE / QUANT,
-    DDR for the UVM kernels, DDR plus a ``CACHE_LOAD_FACTOR`` cache in HBM for the caching kernels.
+    Where the weights and state live: the compute device's memory (HBM on CUDA, DDR on CPU) for FUSED /
+    DENSE / QUANT. The offloading kernels keep them in the slow tier (DDR on CUDA, the offload disk on
+    CPU); ``fused_uvm`` / ``quant_uvm`` keep nothing else in the fast tier, the caching kernels a cache of
+    ``load_factor x r`` rows (values + the optimizer state of the cached rows) in it.
     Buffers (ids in, output values and their gradients) always live in the compute device's memory.
     """
 
@@ -107,16 +128,19 @@ class EmbeddingStorageEstimator:
                 _scale(_ids(o, world), t.bytes_per_id), _scale(_output_values(o, world), output_bytes)
             )
             zero: Linear = (0.0, 0.0, 0.0, 0.0)
-            if not on_gpu:
-                return [zero, _add(table, buffers)]
-            if o.compute_kernel in _UVM:
-                return [buffers, table]
+            fast = buffers
             if o.compute_kernel in _CACHING:
-                return [_add(buffers, _scale(weights, CACHE_LOAD_FACTOR)), table]
-            return [_add(buffers, table), zero]
+                fast = _add(buffers, _scale(cached_row_bytes(o), load_factor(o)))
+            if not on_gpu:
+                if o.compute_kernel in OFFLOAD_KERNELS:
+                    return [zero, fast, table]
+                return [zero, _add(table, buffers), zero]
+            if o.compute_kernel in OFFLOAD_KERNELS:
+                return [fast, table, zero]
+            return [_add(buffers, table), zero, zero]
 
         for o, values in zip(options, _evaluate(options, coefficients)):
-            o.hbm, o.ddr = values[:, 0], values[:, 1]
+            o.hbm, o.ddr, o.disk = values[:, 0], values[:, 1], values[:, 2]
 
 
 class EmbeddingPerfEstimator:
@@ -135,6 +159,13 @@ class EmbeddingPerfEstimator:
               (2 (W-1)/W x weights).
     A sequence (unpooled) table's output values are ``c`` per id instead of ``c`` per bag, and its
     row splits send them back by all-to-all (nothing to reduce).
+
+    lookup_bw: the fast tier's (``hbm_lookup_bw`` on CUDA, ``ddr_lookup_bw`` on CPU) for in-memory
+    kernels; the slow tier's (``uvm_lookup_bw`` on CUDA, ``disk_lookup_bw`` on CPU) for ``fused_uvm`` /
+    ``quant_uvm``; for a caching kernel the harmonic mix ``1 / (h / fast + (1 - h) / slow)`` with ``h``
+    its expected hit rate: ``1 - stats.expected_miss_rate(load_factor)`` when its ``CacheParams`` carry
+    ``CacheStatistics``, else ``CostModel.cache_hit_rate`` (recorded in ``ShardingOption.hit_rate`` and
+    ``hit_rate_source``).
     """
 
     def estimate(self, options: Sequence[ShardingOption], topology: Topology) -> None:
@@ -143,19 +174,27 @@ class EmbeddingPerfEstimator:
         cm = topology.cost_model
         world, local = topology.world_size, topology.local_world_size
         coll, intra, cross = topology.collective_bw, topology.intra_node_bw, topology.cross_node_bw
-        local_bw = cm.ddr_lookup_bw if topology.compute_device == "cpu" else cm.hbm_lookup_bw
-        caching_bw = 1.0 / (cm.cache_hit_rate / local_bw + (1.0 - cm.cache_hit_rate) / cm.uvm_lookup_bw)
+        on_cpu = topology.compute_device == "cpu"
+        local_bw = cm.ddr_lookup_bw if on_cpu else cm.hbm_lookup_bw
+        slow_bw = cm.disk_lookup_bw if on_cpu else cm.uvm_lookup_bw
 
-        def lookup_bw(kernel: str) -> float:
-            if topology.compute_device == "cuda" and kernel in _UVM:
-                return cm.uvm_lookup_bw
-            if topology.compute_device == "cuda" and kernel in _CACHING:
-                return caching_bw
-            return local_bw
+        def lookup_bw(o: ShardingOption) -> float:
+            if o.compute_kernel not in OFFLOAD_KERNELS:
+                o.hit_rate = o.hit_rate_source = None
+                return local_bw
+            if o.compute_kernel in _UVM:
+                o.hit_rate, o.hit_rate_source = 0.0, "no cache"
+                return slow_bw
+            stats = None if o.cache_params is None else o.cache_params.stats
+            if stats is not None:
+                o.hit_rate, o.hit_rate_source = 1.0 - stats.expected_miss_rate(load_factor(o)), "statistics"
+            else:
+                o.hit_rate, o.hit_rate_source = cm.cache_hit_rate, "cost model"
+            return 1.0 / (o.hit_rate / local_bw + (1.0 - o.hit_rate) / slow_bw)
 
         def coefficients(o: ShardingOption) -> List[Linear]:
             t = o.table
-            e, bw = float(t.element_size), lookup_bw(o.compute_kernel)
+            e, bw = float(t.element_size), lookup_bw(o)
             ids = _ids(o, world)
             ids_x_c: Linear = (ids[1], 0.0, ids[3], 0.0)
             compute = _add(
@@ -181,4 +220,10 @@ class EmbeddingPerfEstimator:
             o.compute, o.comm = values[:, 0], values[:, 1]
 
 
-__all__ = ["CACHE_LOAD_FACTOR", "EmbeddingPerfEstimator", "EmbeddingStorageEstimator"]
+__all__ = [
+    "CACHE_LOAD_FACTOR",
+    "EmbeddingPerfEstimator",
+    "EmbeddingStorageEstimator",
+    "cached_row_bytes",
+    "load_factor",
+]

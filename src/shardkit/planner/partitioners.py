@@ -32,6 +32,7 @@ class Partition:
         hbm_used, ddr_used: bytes each rank's shards take.
         unplaced: shards that did not fit (empty when the partition is feasible).
         hbm_needed, ddr_needed: bytes all shards of the proposal need, placed or not.
+        disk_used, disk_needed: the same for the CPU offload tier (``Topology.disk_cap``).
     """
 
     options: List[ShardingOption]
@@ -41,6 +42,8 @@ class Partition:
     unplaced: List[UnplacedShard]
     hbm_needed: float
     ddr_needed: float
+    disk_used: List[float] = dataclasses.field(default_factory=list)
+    disk_needed: float = 0.0
 
     @property
     def feasible(self) -> bool:
@@ -62,7 +65,12 @@ class _Shards:
         self.perf = o.perf.tolist()
         self.hbm = o.hbm.tolist()
         self.ddr = o.ddr.tolist()
+        self.disk = [0.0] * len(self.ddr) if o.disk is None else o.disk.tolist()
         self.ranks = o.ranks.tolist()
+
+    def fits(self, k: int, hbm: float, ddr: float, disk: float) -> bool:
+        """Whether shard ``k`` fits a rank with this much free memory and disk."""
+        return hbm >= self.hbm[k] and ddr >= self.ddr[k] and disk >= self.disk[k]
 
 
 class GreedyPerfPartitioner:
@@ -78,6 +86,8 @@ class GreedyPerfPartitioner:
         world = topology.world_size
         load = [0.0] * world
         hbm, ddr = list(hbm_free), list(ddr_free)
+        disk = [topology.disk_free] * world  # infinite when the topology does not limit it
+        disk_used = [0.0] * world
         shards = [_Shards(o) for o in proposal]
         total_perf = sum(sum(s.perf) for s in shards) or 1.0
         total_mem = sum(sum(s.hbm) + sum(s.ddr) for s in shards) or 1.0
@@ -92,17 +102,19 @@ class GreedyPerfPartitioner:
         for i in order:
             o, s = proposal[i], shards[i]
             if o.kind == FIXED:
-                ranks = self._check_fixed(o, s, hbm, ddr, unplaced)
+                ranks = self._check_fixed(o, s, hbm, ddr, disk, unplaced)
             elif o.kind == FREE:
-                ranks = self._place_free(o, s, load, hbm, ddr, unplaced)
+                ranks = self._place_free(o, s, load, hbm, ddr, disk, unplaced)
             else:
-                ranks = self._place_on_host(o, s, topology, load, hbm, ddr, unplaced)
+                ranks = self._place_on_host(o, s, topology, load, hbm, ddr, disk, unplaced)
             if ranks is None:
                 continue
             for k, r in enumerate(ranks):
                 load[r] += s.perf[k]
                 hbm[r] -= s.hbm[k]
                 ddr[r] -= s.ddr[k]
+                disk[r] -= s.disk[k]
+                disk_used[r] += s.disk[k]
             placed[i] = o.placed(ranks)
         return Partition(
             options=[o for o in placed if o is not None],
@@ -112,44 +124,49 @@ class GreedyPerfPartitioner:
             unplaced=unplaced,
             hbm_needed=sum(sum(s.hbm) for s in shards),
             ddr_needed=sum(sum(s.ddr) for s in shards),
+            disk_used=disk_used,
+            disk_needed=sum(sum(s.disk) for s in shards),
         )
 
     @staticmethod
-    def _check_fixed(o, s: _Shards, hbm, ddr, unplaced) -> Optional[List[int]]:
+    def _check_fixed(o, s: _Shards, hbm, ddr, disk, unplaced) -> Optional[List[int]]:
         ok = True
         for k, r in enumerate(s.ranks):
-            if hbm[r] < s.hbm[k] or ddr[r] < s.ddr[k]:
-                unplaced.append(_unplaced(o, s, k, hbm[r], ddr[r]))
+            if not s.fits(k, hbm[r], ddr[r], disk[r]):
+                unplaced.append(_unplaced(o, s, k, hbm[r], ddr[r], disk[r]))
                 ok = False
         return s.ranks if ok else None
 
     @staticmethod
-    def _place_free(o, s: _Shards, load, hbm, ddr, unplaced) -> Optional[List[int]]:
+    def _place_free(o, s: _Shards, load, hbm, ddr, disk, unplaced) -> Optional[List[int]]:
         allowed = o.table.allowed_ranks if o.table.allowed_ranks is not None else range(len(load))
         # tentative figures: a shard that does not fit must not leave its siblings' reservations behind
-        load, hbm, ddr = list(load), list(hbm), list(ddr)
+        load, hbm, ddr, disk = list(load), list(hbm), list(ddr), list(disk)
         ranks: List[int] = []
         for k in range(len(s.perf)):
             best, best_time = -1, math.inf
             for r in allowed:
-                if hbm[r] >= s.hbm[k] and ddr[r] >= s.ddr[k] and load[r] + s.perf[k] < best_time:
+                if s.fits(k, hbm[r], ddr[r], disk[r]) and load[r] + s.perf[k] < best_time:
                     best, best_time = r, load[r] + s.perf[k]
             if best < 0:
                 roomiest = max(allowed, key=lambda r: hbm[r] + ddr[r])
-                unplaced.append(_unplaced(o, s, k, hbm[roomiest], ddr[roomiest]))
+                unplaced.append(_unplaced(o, s, k, hbm[roomiest], ddr[roomiest], disk[roomiest]))
                 return None
             ranks.append(best)
             load[best] += s.perf[k]
             hbm[best] -= s.hbm[k]
             ddr[best] -= s.ddr[k]
+            disk[best] -= s.disk[k]
         return ranks
 
     @staticmethod
-    def _place_on_host(o, s: _Shards, topology: Topology, load, hbm, ddr, unplaced) -> Optional[List[int]]:
+    def _place_on_host(
+        o, s: _Shards, topology: Topology, load, hbm, ddr, disk, unplaced
+    ) -> Optional[List[int]]:
         best_ranks, best_score = None, math.inf
         for host in range(topology.num_nodes):
             ranks = [r + host * topology.local_world_size for r in s.ranks]
-            if any(hbm[r] < s.hbm[k] or ddr[r] < s.ddr[k] for k, r in enumerate(ranks)):
+            if not all(s.fits(k, hbm[r], ddr[r], disk[r]) for k, r in enumerate(ranks)):
                 continue
             score = max(load[r] + s.perf[k] for k, r in enumerate(ranks))
             if score < best_score:
@@ -157,11 +174,13 @@ class GreedyPerfPartitioner:
         if best_ranks is None:
             roomiest = max(range(len(hbm)), key=lambda r: hbm[r] + ddr[r])
             biggest = max(range(len(s.perf)), key=lambda k: s.hbm[k] + s.ddr[k])
-            unplaced.append(_unplaced(o, s, biggest, hbm[roomiest], ddr[roomiest]))
+            unplaced.append(_unplaced(o, s, biggest, hbm[roomiest], ddr[roomiest], disk[roomiest]))
         return best_ranks
 
 
-def _unplaced(o: ShardingOption, s: _Shards, shard: int, hbm_free: float, ddr_free: float) -> UnplacedShard:
+def _unplaced(
+    o: ShardingOption, s: _Shards, shard: int, hbm_free: float, ddr_free: float, disk_free: float
+) -> UnplacedShard:
     return UnplacedShard(
         table=o.table.fqn,
         sharding_type=o.sharding_type,
@@ -171,6 +190,8 @@ def _unplaced(o: ShardingOption, s: _Shards, shard: int, hbm_free: float, ddr_fr
         ddr_needed=s.ddr[shard],
         hbm_free=hbm_free,
         ddr_free=ddr_free,
+        disk_needed=s.disk[shard],
+        disk_free=disk_free,
     )
 
 

@@ -177,19 +177,28 @@ class EmbeddingShardingPlanner(ShardingPlanner):
             split = o.sizes[:, 1] if o.sharding_type in _COLUMN_SPLIT else o.sizes[:, 0]
             if o.sharding_type == ShardingType.GRID_SHARD.value:  # one width per column block (node)
                 split = o.sizes[:: t.local_world_size, 1]
-            plans.setdefault(o.table.module_path, EmbeddingModuleShardingPlan())[o.table.name] = (
-                build_parameter_sharding(
-                    o.sharding_type,
-                    (o.table.rows, o.table.cols),
-                    o.ranks.tolist(),
-                    sizes=split.tolist(),
-                    compute_kernel=o.compute_kernel,
-                    device_type=t.compute_device,
-                    local_size=t.local_world_size,
-                    world_size=t.world_size,
-                )
+            sharding = build_parameter_sharding(
+                o.sharding_type,
+                (o.table.rows, o.table.cols),
+                o.ranks.tolist(),
+                sizes=split.tolist(),
+                compute_kernel=o.compute_kernel,
+                device_type=t.compute_device,
+                local_size=t.local_world_size,
+                world_size=t.world_size,
             )
+            # an offloading kernel's options carry the cache params it was estimated with (a caching
+            # one's with the load factor the planner chose); an in-memory table has no cache to configure
+            sharding.cache_params = o.cache_params
+            plans.setdefault(o.table.module_path, EmbeddingModuleShardingPlan())[o.table.name] = sharding
         return ShardingPlan(plans)
+
+    def _disk_summary(self, partition: Partition) -> str:
+        if partition.disk_needed <= 0:
+            return ""
+        cap = self.topology.disk_cap
+        available = "unlimited" if cap is None else format_bytes(cap * self.topology.world_size)
+        return f", offload disk {format_bytes(partition.disk_needed)} needed of {available}"
 
     def _infeasible(self, partition: Partition, hbm_free, ddr_free) -> PlannerError:
         """The error of the proposal that came closest: the tables that fit nowhere even then."""
@@ -207,7 +216,7 @@ class EmbeddingShardingPlanner(ShardingPlanner):
             f"proposal that came closest, these tables did not fit:\n  {lines}\n"
             f"in all: HBM {format_bytes(partition.hbm_needed)} needed of {format_bytes(sum(hbm_free))}, "
             f"DDR {format_bytes(partition.ddr_needed)} needed of {format_bytes(sum(ddr_free))} available for "
-            f"tables (after the storage reservation)",
+            f"tables (after the storage reservation){self._disk_summary(partition)}",
             partition.unplaced,
         )
 

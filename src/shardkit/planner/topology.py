@@ -25,6 +25,10 @@ class Topology:
             (tables in DDR).
         local_world_size: ranks per node (default: all ranks on one node); must divide world_size.
         hbm_cap, ddr_cap: bytes of device / host memory per rank available to the plan.
+        disk_cap: bytes per rank of the CPU offload tier (the disk under the offload directory),
+            where the offloading kernels (``fused_uvm``, ``fused_uvm_caching``, ``quant_uvm*``) keep a
+            CPU table and its optimizer state; None: not limited (the storage itself checks the free
+            space when it creates its files). Unused on CUDA, whose slow tier is DDR.
         cost_model: speeds of lookups and collectives (default :meth:`CostModel.default`).
         intra_node_bw, cross_node_bw: override the cost model's collective bandwidths (bytes/s).
 
@@ -37,6 +41,7 @@ class Topology:
     local_world_size: Optional[int] = None
     hbm_cap: Optional[int] = None
     ddr_cap: Optional[int] = None
+    disk_cap: Optional[int] = None
     cost_model: Optional[CostModel] = None
     intra_node_bw: Optional[float] = None
     cross_node_bw: Optional[float] = None
@@ -59,6 +64,8 @@ class Topology:
             self.ddr_cap = _DEFAULT_DDR[self.compute_device]
         if self.hbm_cap < 0 or self.ddr_cap < 0:
             raise ValueError(f"Topology: negative memory (hbm_cap={self.hbm_cap}, ddr_cap={self.ddr_cap})")
+        if self.disk_cap is not None and not self.disk_cap >= 0:
+            raise ValueError(f"Topology: disk_cap must be >= 0 bytes or None, got {self.disk_cap}")
         base = self.cost_model or CostModel.default(self.compute_device)
         overrides = {
             k: v
@@ -77,6 +84,11 @@ class Topology:
     def collective_bw(self) -> float:
         """Bandwidth of a collective over all ranks: cross-node as soon as the world spans nodes."""
         return self.intra_node_bw if self.num_nodes == 1 else self.cross_node_bw
+
+    @property
+    def disk_free(self) -> float:
+        """Bytes of the CPU offload tier per rank (``disk_cap``; infinite when not limited)."""
+        return float("inf") if self.disk_cap is None else float(self.disk_cap)
 
     def host_ranks(self, host: int) -> range:
         return range(host * self.local_world_size, (host + 1) * self.local_world_size)

@@ -16,12 +16,21 @@ import torch
 from shardkit.planner.constraints import ParameterConstraints
 from shardkit.planner.errors import PlannerError
 from shardkit.planner.topology import Topology
-from shardkit.sharding.types import ShardingType
+from shardkit.sharding.cache_params import CacheParams
+from shardkit.sharding.types import EmbeddingComputeKernel, ShardingType
 
 # How the partitioner may move an option's shards:
 FREE = "free"  # each shard to any rank (TABLE_WISE, COLUMN_WISE)
 FIXED = "fixed"  # each shard on a given rank (DATA_PARALLEL, ROW_WISE, GRID_SHARD): nothing to choose
 HOST = "host"  # shard i on local rank i of one node, the node to choose (TABLE_ROW_WISE / _COLUMN_WISE)
+
+_K = EmbeddingComputeKernel
+# kernels that keep the table in the slow tier (DDR on CUDA, the offload directory's disk on CPU) ...
+OFFLOAD_KERNELS = frozenset(
+    k.value for k in (_K.FUSED_UVM, _K.FUSED_UVM_CACHING, _K.QUANT_UVM, _K.QUANT_UVM_CACHING)
+)
+# ... and those of them that keep a cache of load_factor x rows rows in the fast tier
+CACHING_KERNELS = frozenset(k.value for k in (_K.FUSED_UVM_CACHING, _K.QUANT_UVM_CACHING))
 
 PLACEMENT_KIND = {
     ShardingType.TABLE_WISE.value: FREE,
@@ -55,6 +64,8 @@ class TableInfo:
         row_bytes: bytes per row of a shard beside its values (a quantized row's fp16 scale and bias).
         output_bytes_per_value: bytes per output value of one step (None: the output and its gradient
             in the table dtype, ``2 * element_size``; a quantized table: its fp32 output only).
+        cache_params: the table's ``CacheParams`` for the offloading kernels (its constraints' merged
+            with the sharder's ``fused_params`` cache keys), None when neither gives any.
     """
 
     module_path: str
@@ -72,6 +83,7 @@ class TableInfo:
     fused_optimizer: bool = True
     row_bytes: int = 0
     output_bytes_per_value: Optional[float] = None
+    cache_params: Optional[CacheParams] = None
 
     @property
     def fqn(self) -> str:
@@ -93,7 +105,15 @@ class ShardingOption:
         ranks: ``[k]`` int64; for FIXED options the shard's rank, for HOST options the local rank
             within the chosen node, for FREE options -1 until the partitioner places them.
         hbm, ddr: ``[k]`` float64 bytes of device / host memory per shard (set by the storage estimator).
+        disk: ``[k]`` float64 bytes per shard in the CPU offload tier (the offloading kernels on CPU;
+            zeros otherwise).
         compute, comm: ``[k]`` float64 seconds per training step per shard (set by the perf estimator).
+        cache_params: for an offloading kernel, the ``CacheParams`` the plan carries (a caching kernel's
+            with the ``load_factor`` this option sizes its cache with); None otherwise.
+        hit_rate: a caching kernel's expected share of lookups served by the cache (set by the perf
+            estimator; 0 for the other offloading kernels, None for in-memory ones);
+            hit_rate_source: ``"statistics"`` (``CacheStatistics.expected_miss_rate``) or
+            ``"cost model"`` (``CostModel.cache_hit_rate``).
     """
 
     table: TableInfo
@@ -106,6 +126,10 @@ class ShardingOption:
     ddr: Optional[torch.Tensor] = None
     compute: Optional[torch.Tensor] = None
     comm: Optional[torch.Tensor] = None
+    disk: Optional[torch.Tensor] = None
+    cache_params: Optional[CacheParams] = None
+    hit_rate: Optional[float] = None
+    hit_rate_source: Optional[str] = None
 
     @property
     def kind(self) -> str:
@@ -155,9 +179,11 @@ _SUMMARIES = ("total_perf", "max_perf", "max_hbm", "max_ddr", "max_storage")
 # ParameterConstraints, PlannerError and Topology are defined in their own files and re-exported here:
 # torchrec's ``torchrec.distributed.planner.types`` holds them (docs/names.md, "torchrec's module tree").
 __all__ = [
+    "CACHING_KERNELS",
     "FIXED",
     "FREE",
     "HOST",
+    "OFFLOAD_KERNELS",
     "PLACEMENT_KIND",
     "ParameterConstraints",
     "PlannerError",

@@ -284,6 +284,13 @@ class SampledCacheStatistics(CacheStatistics):
         c = min(max(int(cache_rows), 0), self.distinct_ids)
         return 1.0 - float(self._hits[c]) / self.num_ids
 
+    def min_cache_rows(self, max_miss_ratio: float) -> int:
+        """The smallest cache (rows) whose :meth:`miss_ratio` is at most ``max_miss_ratio``."""
+        misses = self.num_ids - self._hits  # non-increasing in the cache size
+        allowed = max_miss_ratio * self.num_ids + 1e-9 * self.num_ids
+        reached = torch.nonzero(misses <= allowed)
+        return int(reached[0, 0]) if reached.numel() else self.num_rows
+
     def expected_miss_rate(self, clf: float) -> float:
         """Miss ratio of a cache of load factor ``clf`` (``clf * num_rows`` rows, linear between integer
         sizes); 1.0 at 0, 0.0 at 1."""
