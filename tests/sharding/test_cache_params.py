@@ -216,6 +216,43 @@ def test_miss_ratio_curve_is_exact_lru_on_zipf_ids():
     assert stats.cacheability < uniform.cacheability
 
 
+def _lru_misses_from_empty(ids, capacity):
+    """An LRU cache of ``capacity`` rows, empty at the start, reading ``ids`` once: its misses."""
+    cache: OrderedDict = OrderedDict()
+    misses = 0
+    for x in ids:
+        if x in cache:
+            cache.move_to_end(x)
+            continue
+        misses += 1
+        if capacity > 0:
+            if len(cache) >= capacity:
+                cache.popitem(last=False)
+            cache[x] = True
+    return misses
+
+
+def test_cold_miss_curve_is_exact_lru_from_empty_and_brackets_the_warm_one():
+    num_rows = 200
+    steps = [_zipf_ids(num_rows, 150, 1.05, seed) for seed in range(10, 14)]
+    cold = SampledCacheStatistics(steps, num_rows, cold_misses=True)
+    warm = CacheStatistics.from_ids(steps, num_rows)
+    ids = torch.cat(steps).tolist()
+    for capacity in [0, 1, 3, 10, 30, 60, 100, 150, 199]:
+        expected = _lru_misses_from_empty(ids, capacity) / len(ids)
+        assert cold.miss_ratio(capacity) == pytest.approx(expected, abs=1e-12), capacity
+        assert warm.miss_ratio(capacity) <= cold.miss_ratio(capacity)
+    # never below the share of first accesses until the whole table, then 0 (torchrec's clf = 1)
+    assert cold.miss_ratio(num_rows - 1) == pytest.approx(cold.distinct_ids / len(ids))
+    assert cold.expected_miss_rate(1.0) == 0.0 and cold.expected_miss_rate(0.0) == 1.0
+    assert cold.min_cache_rows(cold.distinct_ids / len(ids) / 2) == num_rows
+    assert warm.cacheability <= cold.cacheability <= 1.0
+    # the area under the curve, by the same trapezoids evaluated one row at a time
+    curve = [cold.miss_ratio(c) for c in range(num_rows + 1)]
+    area = sum((a + b) / 2 for a, b in zip(curve, curve[1:])) / num_rows
+    assert cold.cacheability == pytest.approx(area)
+
+
 def test_cacheability_extremes():
     rows = 100
     one_hot = SampledCacheStatistics(torch.zeros(50, dtype=torch.int64), rows)

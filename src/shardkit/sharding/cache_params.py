@@ -171,9 +171,11 @@ class CacheStatistics(abc.ABC):
         very hard."""
 
     @staticmethod
-    def from_ids(ids: Union[torch.Tensor, Sequence[torch.Tensor]], num_rows: int) -> SampledCacheStatistics:
+    def from_ids(
+        ids: Union[torch.Tensor, Sequence[torch.Tensor]], num_rows: int, cold_misses: bool = False
+    ) -> SampledCacheStatistics:
         """:class:`SampledCacheStatistics` of a sample of ids (see there)."""
-        return SampledCacheStatistics(ids, num_rows)
+        return SampledCacheStatistics(ids, num_rows, cold_misses)
 
 
 def _prefix_counts_greater(keys: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
@@ -233,10 +235,16 @@ class SampledCacheStatistics(CacheStatistics):
         ids: the ids looked up in a few training steps, in order: a sequence of 1-D integer tensors (one
             per step, global batch) or one 1-D tensor (one step). Values in ``[0, num_rows)``.
         num_rows: the table's rows.
+        cold_misses: False (default): the miss-ratio curve of an LRU cache replaying the sample as a
+            cyclic stream (the sample twice, counting the second pass): a warm cache, so the first
+            accesses of a short sample do not count as misses, and the curve is exactly 1 at an empty
+            cache and 0 at a cache of all the sample's distinct ids; optimistic for caches near that
+            size (ids the sample never saw would miss). True: an LRU cache that starts empty and reads
+            the sample once: every first access is a miss at any cache smaller than the table (the
+            curve stays at least ``distinct ids / ids`` until it drops to 0 at the whole table);
+            pessimistic. For a stationary stream the truth lies between the two: computing both
+            brackets it, and a longer sample narrows the bracket.
 
-    The miss-ratio curve is that of an LRU cache replaying the sample as a cyclic stream (the sample
-    twice, counting the second pass): a warm cache, so cold misses of a short sample do not count, and
-    the curve is exactly 1 at an empty cache and 0 at a cache of all the sample's distinct ids.
     :meth:`miss_ratio(rows)` is exact at every integer cache size; :meth:`expected_miss_rate(clf)` is
     linear between the integer sizes around ``clf * num_rows``. LFU caches are estimated with the LRU
     curve (no exact curve exists for LFU). The sample should be at least a few times the largest cache
@@ -246,7 +254,9 @@ class SampledCacheStatistics(CacheStatistics):
     ``TypeError`` for non-integer ids.
     """
 
-    def __init__(self, ids: Union[torch.Tensor, Sequence[torch.Tensor]], num_rows: int) -> None:
+    def __init__(
+        self, ids: Union[torch.Tensor, Sequence[torch.Tensor]], num_rows: int, cold_misses: bool = False
+    ) -> None:
         if isinstance(num_rows, bool) or not isinstance(num_rows, numbers.Integral) or num_rows <= 0:
             raise ValueError(f"SampledCacheStatistics: num_rows must be a positive int, got {num_rows!r}")
         steps = [ids] if isinstance(ids, torch.Tensor) else list(ids)
@@ -266,13 +276,18 @@ class SampledCacheStatistics(CacheStatistics):
             )
         self.num_rows = int(num_rows)
         self.num_ids = stream.numel()
+        self.cold_misses = bool(cold_misses)
         self._lookups = sum(int(torch.unique(s).numel()) for s in flat if s.numel()) / len(flat)
-        distances = lru_stack_distances(torch.cat([stream, stream]))[self.num_ids :]
         self.distinct_ids = int(torch.unique(stream).numel())
-        # hits[c]: accesses of the cyclic stream that an LRU cache of c rows hits (c = 0..distinct)
+        if self.cold_misses:
+            distances = lru_stack_distances(stream)  # 0 for a first access: a miss at every size
+        else:
+            distances = lru_stack_distances(torch.cat([stream, stream]))[self.num_ids :]
+        # hits[c]: accesses that an LRU cache of c rows hits, c = 0 .. the largest distance; beyond it
+        # the curve is flat (up to the whole table, which misses nothing)
         counts = torch.bincount(distances, minlength=self.distinct_ids + 1)
+        counts[0] = 0
         self._hits = torch.cumsum(counts, 0).to(torch.float64)
-        self._hits[0] = 0.0
 
     @property
     def expected_lookups(self) -> float:
@@ -280,8 +295,11 @@ class SampledCacheStatistics(CacheStatistics):
         return self._lookups
 
     def miss_ratio(self, cache_rows: int) -> float:
-        """Exact miss ratio of an LRU cache of ``cache_rows`` rows on the sample (cyclic, warm)."""
-        c = min(max(int(cache_rows), 0), self.distinct_ids)
+        """Exact miss ratio of an LRU cache of ``cache_rows`` rows on the sample (cyclic and warm, or
+        read once from empty with ``cold_misses``); 0 for a cache of the whole table."""
+        if cache_rows >= self.num_rows:
+            return 0.0
+        c = min(max(int(cache_rows), 0), len(self._hits) - 1)
         return 1.0 - float(self._hits[c]) / self.num_ids
 
     def min_cache_rows(self, max_miss_ratio: float) -> int:
@@ -289,7 +307,7 @@ class SampledCacheStatistics(CacheStatistics):
         misses = self.num_ids - self._hits  # non-increasing in the cache size
         allowed = max_miss_ratio * self.num_ids + 1e-9 * self.num_ids
         reached = torch.nonzero(misses <= allowed)
-        return int(reached[0, 0]) if reached.numel() else self.num_rows
+        return min(int(reached[0, 0]), self.num_rows) if reached.numel() else self.num_rows
 
     def expected_miss_rate(self, clf: float) -> float:
         """Miss ratio of a cache of load factor ``clf`` (``clf * num_rows`` rows, linear between integer
@@ -308,16 +326,22 @@ class SampledCacheStatistics(CacheStatistics):
     def cacheability(self) -> float:
         """Area under the miss-ratio curve over load factors in [0, 1]: 0 when one row serves all lookups,
         about 0.5 for ids uniform over the table, 1 when no cache smaller than the table hits (a scan)."""
-        c = torch.arange(self.distinct_ids + 1, dtype=torch.float64)
+        # the curve is linear between integer sizes, flat past the largest stack distance, and 0 at the
+        # whole table
         miss = 1.0 - self._hits / self.num_ids
-        # the curve is linear between integer sizes and 0 beyond the distinct ids
-        area_rows = float(torch.trapezoid(miss, c))
-        return area_rows / self.num_rows
+        last = len(miss) - 1
+        if last >= self.num_rows:
+            miss = miss[: self.num_rows + 1].clone()
+            miss[self.num_rows] = 0.0
+            return float(torch.trapezoid(miss)) / self.num_rows
+        tail = float(miss[last]) * (self.num_rows - 1 - last + 0.5)
+        return (float(torch.trapezoid(miss)) + tail) / self.num_rows
 
     def __repr__(self) -> str:
         return (
             f"SampledCacheStatistics(num_rows={self.num_rows}, num_ids={self.num_ids}, "
-            f"distinct_ids={self.distinct_ids}, expected_lookups={self._lookups:g})"
+            f"distinct_ids={self.distinct_ids}, expected_lookups={self._lookups:g}, "
+            f"cold_misses={self.cold_misses})"
         )
 
 
