@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from types import SimpleNamespace
 from typing import List
 
 import pytest
@@ -31,6 +30,7 @@ from shardkit.modules import (
     OptimType,
     PoolingType,
 )
+from shardkit.sharding.cache_params import CacheParams
 from shardkit.sharding.embedding import EmbeddingCollectionSharder
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
 from shardkit.sharding.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
@@ -115,7 +115,7 @@ def _every_sharding_type(device_type: str, pooled: bool, optimizer_name: str, ke
     generators = {n: generator for n, _, _, _, generator in tables}
     plan = construct_module_sharding_plan(reference, generators, 1, 1, device_type=device_type)
     if kernel != "fused":
-        cache = SimpleNamespace(load_factor=0.1, algorithm="lfu", prefetch_pipeline=False)
+        cache = CacheParams(load_factor=0.1, algorithm="lfu", prefetch_pipeline=False)
         plan = {
             n: dataclasses.replace(ps, compute_kernel=kernel, cache_params=cache) for n, ps in plan.items()
         }

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from shardkit.model_parallel import CombinedOptimizer, DistributedModelParallel
 from shardkit.modules import OptimType
 from shardkit.modules.offloaded_lookup import OffloadedEmbeddingLookup
 from shardkit.pipeline import PrefetchTrainPipelineSparseDist, TrainPipelineSparseDist
+from shardkit.sharding.cache_params import CacheParams
 from shardkit.sharding.sharding_plan import (
     column_wise,
     construct_module_sharding_plan,
@@ -46,7 +46,7 @@ def _dmp(reference, kernel: str, prefetch: bool, world_size: int):
     tables = set(generators)
     generators["dp"] = data_parallel()
     plan = construct_module_sharding_plan(reference, generators, world_size, world_size)
-    cache = SimpleNamespace(load_factor=0.1, algorithm="lru", prefetch_pipeline=prefetch)
+    cache = CacheParams(load_factor=0.1, algorithm="lru", prefetch_pipeline=prefetch)
     for name in tables:
         if kernel != "fused":
             plan[name] = dataclasses.replace(plan[name], compute_kernel=kernel, cache_params=cache)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ import torch
 from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.quant import QuantEmbeddingBagCollection
 from shardkit.quant.offloaded_quant_lookup import OffloadedQuantEmbeddingLookup
+from shardkit.sharding.cache_params import CacheParams
 from shardkit.sharding.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
 from shardkit.testing import run_world
 from tests.sharding import _sharded_case as case
@@ -30,7 +30,7 @@ def _worker(kernel: str) -> bool:
     sharder = QuantEmbeddingBagCollectionSharder()
     reference = QuantEmbeddingBagCollection.from_float(quant._trained(True))
     plan = quant.plan_of(reference, world_size)
-    cache = SimpleNamespace(load_factor=0.01, algorithm="lru")
+    cache = CacheParams(load_factor=0.01, algorithm="lru")
     offloaded_plan = {
         n: dataclasses.replace(ps, compute_kernel=kernel, cache_params=cache) for n, ps in plan.items()
     }

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ from shardkit.modules import (
     OptimType,
 )
 from shardkit.modules.offloaded_lookup import OffloadedEmbeddingLookup
+from shardkit.sharding.cache_params import CacheParams
 from shardkit.sharding.embedding import EmbeddingCollectionSharder
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
 from shardkit.sharding.sharding_plan import construct_module_sharding_plan
@@ -39,7 +39,7 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 def _cache(kind: str, load_factor: float, algorithm: str):
-    return SimpleNamespace(load_factor=load_factor, algorithm=algorithm, prefetch_pipeline=False)
+    return CacheParams(load_factor=load_factor, algorithm=algorithm, prefetch_pipeline=False)
 
 
 def _offloaded_plan(plan, kernel: str, load_factor: float, algorithm: str):
