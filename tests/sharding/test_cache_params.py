@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import math
+import pathlib
 from collections import OrderedDict
 
 import pytest
@@ -94,6 +95,10 @@ def test_enum_spellings_are_converted():
     assert CacheParams(precision="FP16").precision is DataType.FP16
     assert CacheParams(precision=DataType.BF16).precision is DataType.BF16
     assert CacheParams(load_factor=1).load_factor == 1.0
+    assert CacheParams(offload_dir=b"/tmp/a").offload_dir == "/tmp/a"
+    assert CacheParams(offload_dir=pathlib.Path("/tmp/b")).offload_dir == "/tmp/b"
+    with pytest.raises(TypeError, match="offload_dir"):
+        CacheParams(offload_dir=3)
 
 
 def test_fused_params_keys_give_cache_params():

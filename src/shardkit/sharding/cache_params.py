@@ -28,6 +28,7 @@ import dataclasses
 import enum
 import math
 import numbers
+import os
 from typing import Any, Dict, Mapping, Optional, Sequence, Union
 
 import torch
@@ -133,7 +134,7 @@ class CacheParams:
         if self.offload_dir is not None:
             if not isinstance(self.offload_dir, (str, bytes)) and not hasattr(self.offload_dir, "__fspath__"):
                 raise TypeError(f"CacheParams.offload_dir must be a path, got {self.offload_dir!r}")
-            self.offload_dir = str(self.offload_dir)
+            self.offload_dir = os.fsdecode(os.fspath(self.offload_dir))
 
     def __hash__(self) -> int:
         # as torchrec: every field but the statistics (which may hold a large sample)
