@@ -6,7 +6,6 @@ bad plans fail on every rank."""
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace as CacheParams  # until shardkit.sharding.cache_params lands
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch
 from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.modules import DataType, EmbeddingCollection, EmbeddingConfig
 from shardkit.quant import QuantEmbeddingCollection
+from shardkit.sharding.cache_params import CacheParams
 from shardkit.sharding.quant_embedding import QuantEmbeddingCollectionSharder, ShardedQuantEmbeddingCollection
 from shardkit.sharding.sharding_plan import (
     column_wise,
