@@ -31,6 +31,7 @@ RANK = {
     "planner": 3,
     "model_parallel": 4,
     "checkpoint": 4,
+    "inference": 4.5,  # serving: quantizes, plans, shards (model_parallel) and packages a trained model
     "pipeline": 5,
     "testing": 8,  # the multi-rank harness, which the CLI demos run on
     "cli": 9,
