@@ -2,12 +2,28 @@
 
 - :mod:`~shardkit.inference.state_dict_transform`: ``state_dict_gather`` / ``state_dict_to_device``,
   a sharded state dict gathered onto one rank or moved to a device.
+- :mod:`~shardkit.inference.quantize`: ``quantize_embeddings`` / ``quantize_inference_model``, a
+  trained model's collections swapped for ``shardkit.quant``'s.
 """
 
+from shardkit.inference.quantize import (
+    DEFAULT_QUANTIZATION_DTYPE,
+    DEFAULT_QUANTIZATION_MAPPING,
+    quantize_embeddings,
+    quantize_inference_model,
+)
 from shardkit.inference.state_dict_transform import (
     state_dict_all_gather_keys,
     state_dict_gather,
     state_dict_to_device,
 )
 
-__all__ = ["state_dict_all_gather_keys", "state_dict_gather", "state_dict_to_device"]
+__all__ = [
+    "DEFAULT_QUANTIZATION_DTYPE",
+    "DEFAULT_QUANTIZATION_MAPPING",
+    "quantize_embeddings",
+    "quantize_inference_model",
+    "state_dict_all_gather_keys",
+    "state_dict_gather",
+    "state_dict_to_device",
+]

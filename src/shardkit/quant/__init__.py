@@ -6,7 +6,7 @@ rows it reads (``shardkit.kernels.quant_embedding``). The sharded modules and th
 ``shardkit.sharding.quant_embeddingbag``.
 """
 
-from shardkit.quant.data_types import dtype_to_data_type, quantized_data_types, storage_of
+from shardkit.quant.data_types import QuantConfig, dtype_to_data_type, quantized_data_types, storage_of
 from shardkit.quant.embedding_modules import (
     QuantEmbeddingBagCollection,
     QuantEmbeddingCollection,
@@ -19,6 +19,7 @@ from shardkit.quant.mc_modules import (
 from shardkit.quant.quant_lookup import QuantGroupedEmbeddingLookup, quantize_into
 
 __all__ = [
+    "QuantConfig",
     "QuantEmbeddingBagCollection",
     "QuantEmbeddingCollection",
     "QuantFeatureProcessedEmbeddingBagCollection",

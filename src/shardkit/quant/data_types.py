@@ -8,7 +8,7 @@ overriding it per table name), else from each table config's own ``data_type``.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Union
+from typing import Callable, Dict, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -35,6 +35,19 @@ _FROM_TORCH_DTYPE = {
     torch.quint4x2: DataType.INT4,
     torch.quint2x4: DataType.INT2,
 }
+
+
+class QuantConfig(NamedTuple):
+    """torchrec.quant's ``QuantConfig``: what a float module's ``qconfig`` tells ``from_float``.
+
+    ``weight()`` / ``activation()`` return objects with a ``dtype`` (e.g. torch's
+    ``PlaceholderObserver.with_args(dtype=torch.quint4x2)``): the tables' storage and the output dtype;
+    ``per_table_weight_dtype`` overrides the weight dtype per table name.
+    """
+
+    activation: Callable[[], object]
+    weight: Callable[[], object]
+    per_table_weight_dtype: Optional[Dict[str, torch.dtype]] = None
 
 
 def storage_of(data_type: Union[DataType, str]) -> str:
@@ -73,4 +86,11 @@ def qconfig_output_dtype(module: nn.Module) -> Optional[torch.dtype]:
     return None if qconfig is None else qconfig.activation().dtype
 
 
-__all__ = ["STORAGE_OF", "dtype_to_data_type", "qconfig_output_dtype", "quantized_data_types", "storage_of"]
+__all__ = [
+    "QuantConfig",
+    "STORAGE_OF",
+    "dtype_to_data_type",
+    "qconfig_output_dtype",
+    "quantized_data_types",
+    "storage_of",
+]

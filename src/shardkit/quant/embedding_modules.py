@@ -31,7 +31,7 @@ from shardkit.modules import (
     FeatureProcessedEmbeddingBagCollection as FloatFeatureProcessedEmbeddingBagCollection,
 )
 from shardkit.modules.grouped_tables import GroupedTablesModule
-from shardkit.quant.data_types import qconfig_output_dtype, quantized_data_types
+from shardkit.quant.data_types import QuantConfig, qconfig_output_dtype, quantized_data_types
 from shardkit.quant.quant_lookup import QuantGroupedEmbeddingLookup, quantize_into
 from shardkit.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
@@ -238,6 +238,7 @@ __all__ = [
     "EmbeddingBagCollection",
     "EmbeddingCollection",
     "FeatureProcessedEmbeddingBagCollection",
+    "QuantConfig",
     "QuantEmbeddingBagCollection",
     "QuantEmbeddingCollection",
     "QuantFeatureProcessedEmbeddingBagCollection",
