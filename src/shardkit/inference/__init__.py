@@ -4,6 +4,7 @@
   a sharded state dict gathered onto one rank or moved to a device.
 - :mod:`~shardkit.inference.quantize`: ``quantize_embeddings`` / ``quantize_inference_model``, a
   trained model's collections swapped for ``shardkit.quant``'s.
+- :mod:`~shardkit.inference.shard_quant`: ``shard_quant_model``, a quantized model sharded by the planner.
 """
 
 from shardkit.inference.quantize import (
@@ -12,6 +13,7 @@ from shardkit.inference.quantize import (
     quantize_embeddings,
     quantize_inference_model,
 )
+from shardkit.inference.shard_quant import default_quant_sharders, shard_quant_model
 from shardkit.inference.state_dict_transform import (
     state_dict_all_gather_keys,
     state_dict_gather,
@@ -22,7 +24,9 @@ __all__ = [
     "DEFAULT_QUANTIZATION_DTYPE",
     "DEFAULT_QUANTIZATION_MAPPING",
     "quantize_embeddings",
+    "default_quant_sharders",
     "quantize_inference_model",
+    "shard_quant_model",
     "state_dict_all_gather_keys",
     "state_dict_gather",
     "state_dict_to_device",
