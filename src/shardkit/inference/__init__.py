@@ -4,9 +4,12 @@
   a sharded state dict gathered onto one rank or moved to a device.
 - :mod:`~shardkit.inference.quantize`: ``quantize_embeddings`` / ``quantize_inference_model``, a
   trained model's collections swapped for ``shardkit.quant``'s.
+- :mod:`~shardkit.inference.package`: ``save_package`` / ``load_package``, weights + a JSON description
+  that load in a fresh process.
 - :mod:`~shardkit.inference.shard_quant`: ``shard_quant_model``, a quantized model sharded by the planner.
 """
 
+from shardkit.inference.package import PackageError, load_package, save_package
 from shardkit.inference.quantize import (
     DEFAULT_QUANTIZATION_DTYPE,
     DEFAULT_QUANTIZATION_MAPPING,
@@ -24,8 +27,11 @@ __all__ = [
     "DEFAULT_QUANTIZATION_DTYPE",
     "DEFAULT_QUANTIZATION_MAPPING",
     "quantize_embeddings",
+    "PackageError",
     "default_quant_sharders",
+    "load_package",
     "quantize_inference_model",
+    "save_package",
     "shard_quant_model",
     "state_dict_all_gather_keys",
     "state_dict_gather",
