@@ -2,6 +2,8 @@
 
 - :mod:`~shardkit.inference.state_dict_transform`: ``state_dict_gather`` / ``state_dict_to_device``,
   a sharded state dict gathered onto one rank or moved to a device.
+- :mod:`~shardkit.inference.predict_module`: ``PredictModule`` (torchrec's), requests batched into a KJT,
+  results split back, bad requests refused one by one; ``DLRMPredictModule``.
 - :mod:`~shardkit.inference.quantize`: ``quantize_embeddings`` / ``quantize_inference_model``, a
   trained model's collections swapped for ``shardkit.quant``'s.
 - :mod:`~shardkit.inference.package`: ``save_package`` / ``load_package``, weights + a JSON description
@@ -10,6 +12,14 @@
 """
 
 from shardkit.inference.package import PackageError, load_package, save_package
+from shardkit.inference.predict_module import (
+    Answer,
+    DLRMPredictModule,
+    PredictModule,
+    Request,
+    RequestBatcher,
+    split_results,
+)
 from shardkit.inference.quantize import (
     DEFAULT_QUANTIZATION_DTYPE,
     DEFAULT_QUANTIZATION_MAPPING,
@@ -24,15 +34,21 @@ from shardkit.inference.state_dict_transform import (
 )
 
 __all__ = [
+    "Answer",
     "DEFAULT_QUANTIZATION_DTYPE",
     "DEFAULT_QUANTIZATION_MAPPING",
-    "quantize_embeddings",
+    "DLRMPredictModule",
     "PackageError",
+    "PredictModule",
+    "Request",
+    "RequestBatcher",
     "default_quant_sharders",
     "load_package",
+    "quantize_embeddings",
     "quantize_inference_model",
     "save_package",
     "shard_quant_model",
+    "split_results",
     "state_dict_all_gather_keys",
     "state_dict_gather",
     "state_dict_to_device",
