@@ -141,6 +141,13 @@ TREE = {
         "get_unsharded_module_names merge_fused_params none_throws optimizer_type_to_emb_opt_type "
         "sharded_model_copy"
     ),
+    "torchrec.inference.modules": (
+        "DEFAULT_QUANTIZATION_DTYPE DEFAULT_QUANTIZATION_MAPPING PredictModule quantize_embeddings "
+        "quantize_inference_model shard_quant_model"
+    ),
+    "torchrec.inference.state_dict_transform": (
+        "state_dict_all_gather_keys state_dict_gather state_dict_to_device"
+    ),
     "torchrec.models.dlrm": "DLRM DLRMTrain DenseArch InteractionArch OverArch SparseArch",
     "torchrec.modules.activation": "SwishLayerNorm",
     "torchrec.modules.embedding_configs": (
@@ -176,7 +183,7 @@ TREE = {
     "torchrec.optim.rowwise_adagrad": "RowWiseAdagrad",
     "torchrec.optim.warmup": "WarmupOptimizer WarmupPolicy WarmupStage",
     "torchrec.quant.embedding_modules": (
-        "EmbeddingBagCollection EmbeddingCollection FeatureProcessedEmbeddingBagCollection"
+        "EmbeddingBagCollection EmbeddingCollection FeatureProcessedEmbeddingBagCollection QuantConfig"
     ),
     "torchrec.sparse": "JaggedTensor KeyedJaggedTensor KeyedTensor",
     "torchrec.sparse.jagged_tensor": (
