@@ -139,6 +139,14 @@ def test_truncated_or_tampered_description(tmp_path):
     (root / CONFIG_FILE).write_text(json.dumps(config))
     with pytest.raises(PackageError, match="the weights are not those of the described model"):
         load_package(root)
+    # absurd sizes are refused from the description's shapes, before anything is allocated
+    config["model"]["embedding_bag_collection"]["tables"][0]["num_embeddings"] = 10**12
+    (root / CONFIG_FILE).write_text(json.dumps(config))
+    message = (
+        r"weights are not those of the described model: .*t_user.weight: weights \(torch.uint8, \(20, 12\)\)"
+    )
+    with pytest.raises(PackageError, match=message):
+        load_package(root)
     with pytest.raises(PackageError, match="is not a shardkit package: it has no shardkit_package.json"):
         load_package(tmp_path)
 

@@ -56,6 +56,7 @@ BAD = [
     (Request({"user": [True]}, dense=[0.0] * 3), "ids must be integers, got True"),
     (Request({"user": [1]}), "the request has no dense features; the model takes 3"),
     (Request({"user": [1]}, dense=[0.0, 1.0]), r"dense features must have shape \[3\], got \[2\]"),
+    (Request({"user": [1]}, dense=["a", "b", "c"]), "dense features must be 3 floats"),
     ("not a request", "a request is a Request"),
 ]
 

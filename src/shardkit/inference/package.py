@@ -124,8 +124,9 @@ def _configs(tables: List[Dict[str, Any]], bags: bool) -> list:
     return out
 
 
-def build(description: Dict[str, Any]) -> nn.Module:
-    """An empty model of ``description`` (tables allocated, not initialized; dense layers initialized)."""
+def build(description: Dict[str, Any], materialize: bool = True) -> nn.Module:
+    """An empty model of ``description``: tables allocated on CPU but not initialized, dense layers
+    initialized; with ``materialize=False`` the tables stay on the meta device (no memory)."""
     kind = description["type"]
     meta = torch.device("meta")
     if kind in ("EmbeddingBagCollection", "QuantEmbeddingBagCollection"):
@@ -138,7 +139,7 @@ def build(description: Dict[str, Any]) -> nn.Module:
             module = QuantEmbeddingBagCollection(
                 configs, is_weighted=weighted, device=meta, output_dtype=dtype
             )
-        return module.to_empty(device="cpu")
+        return module.to_empty(device="cpu") if materialize else module
     if kind == "QuantEmbeddingCollection":
         configs = _configs(description["tables"], bags=False)
         module = QuantEmbeddingCollection(
@@ -147,10 +148,10 @@ def build(description: Dict[str, Any]) -> nn.Module:
             need_indices=bool(description["need_indices"]),
             output_dtype=_DTYPES[description["output_dtype"]],
         )
-        return module.to_empty(device="cpu")
+        return module.to_empty(device="cpu") if materialize else module
     if kind == "DLRM":
         return DLRM(
-            build(description["embedding_bag_collection"]),
+            build(description["embedding_bag_collection"], materialize),
             int(description["dense_in_features"]),
             [int(s) for s in description["dense_arch_layer_sizes"]],
             [int(s) for s in description["over_arch_layer_sizes"]],
@@ -231,7 +232,9 @@ def _read_weights(root: Path, listing: Dict[str, Any]) -> Dict[str, torch.Tensor
         )
     # weights_only: tensors and plain containers only, no object of the file is constructed by code
     state = torch.load(weights, map_location="cpu", weights_only=True)
-    tensors = listing.get("tensors", {})
+    tensors = listing.get("tensors")
+    if not isinstance(tensors, dict) or not all(isinstance(t, dict) for t in tensors.values()):
+        raise PackageError(f"{root}: the package's list of tensors is missing or malformed")
     if not isinstance(state, dict) or set(state) != set(tensors):
         raise PackageError(f"{weights} does not hold the tensors the package lists")
     for name, value in state.items():
@@ -254,6 +257,26 @@ def _differences(a: Any, b: Any, where: str = "model") -> List[str]:
     return [] if a == b else [f"{where}: package {a!r}, model {b!r}"]
 
 
+def _check_described_shapes(root: Path, description: Dict[str, Any], state: Dict[str, torch.Tensor]) -> None:
+    """The described model's state-dict tensors (built on meta: a description of absurd sizes allocates
+    nothing) must be the weights' names, dtypes and shapes."""
+    try:
+        with torch.device("meta"):
+            shapes = {
+                k: (v.dtype, tuple(v.shape))
+                for k, v in build(description, materialize=False).state_dict().items()
+            }
+    except PackageError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise PackageError(f"{root}: the model description is incomplete or invalid: {err!r}") from None
+    found = {k: (v.dtype, tuple(v.shape)) for k, v in state.items()}
+    if shapes != found:
+        differ = sorted(k for k in set(shapes) | set(found) if shapes.get(k) != found.get(k))
+        details = [f"{k}: weights {found.get(k)}, description {shapes.get(k)}" for k in differ[:4]]
+        raise PackageError(f"{root}: the weights are not those of the described model: " + "; ".join(details))
+
+
 def load_package(path: Union[str, os.PathLike], model: Optional[nn.Module] = None) -> nn.Module:
     """The model of the package at ``path``, built from its description with its weights, on CPU in
     eval mode; or, with ``model``, those weights loaded into ``model`` (which must be described the same:
@@ -266,10 +289,11 @@ def load_package(path: Union[str, os.PathLike], model: Optional[nn.Module] = Non
         if differences:
             raise PackageError(f"{root} holds another model: " + "; ".join(differences[:8]))
     state = _read_weights(root, config["weights"])
-    try:
-        target = build(description) if model is None else model
-    except (KeyError, TypeError, ValueError) as err:
-        raise PackageError(f"{root}: the model description is incomplete or invalid: {err!r}") from None
+    if model is None:
+        _check_described_shapes(root, description, state)
+        target = build(description)
+    else:
+        target = model
     try:
         target.load_state_dict(state, strict=True)
     except RuntimeError as err:

@@ -95,7 +95,10 @@ class RequestBatcher:
             return None
         if dense is None:
             raise ValueError(f"the request has no dense features; the model takes {self.dense_in_features}")
-        tensor = torch.as_tensor(dense)
+        try:
+            tensor = torch.as_tensor(dense)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f"dense features must be {self.dense_in_features} floats: {err}") from None
         if not tensor.is_floating_point():
             raise ValueError(f"dense features must be floats, got {tensor.dtype}")
         if tuple(tensor.shape) != (self.dense_in_features,):
@@ -125,7 +128,7 @@ class RequestBatcher:
             try:
                 checked.append(self.check(request))
                 good.append(i)
-            except ValueError as err:
+            except (TypeError, ValueError, RuntimeError) as err:  # torch's conversions raise all three
                 errors[i] = f"request {i}: {err}"
         lengths = torch.tensor([len(ids[f]) for f in self.keys for ids, _ in checked], dtype=torch.int64)
         values = [ids[f] for f in self.keys for ids, _ in checked]
