@@ -9,14 +9,19 @@ give rank 0 the reference model's state dict exactly, for ShardedTensor and DTen
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.inference import state_dict_gather, state_dict_to_device
+from shardkit.inference import state_dict_transform as transform
 from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from shardkit.sharding.embedding import EmbeddingCollectionSharder
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
@@ -125,3 +130,37 @@ def _disagreement_worker() -> str:
 
 def test_disagreeing_ranks_fail_on_every_rank():
     assert run_world(_disagreement_worker, 2) == ["ok", "ok"]
+
+
+def _plain_dtensor_worker() -> list:
+    """Plain DTensors (not shardkit's), uneven, split by rows and by columns, and replicated; rank 0
+    receives them one rank's piece at a time (each receive at most one piece, never a whole table)."""
+    rank, world_size, _ = case.world()
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    full = torch.arange(35.0).reshape(7, 5)
+    src = {
+        "rows": distribute_tensor(full, mesh, [Shard(0)]),
+        "cols": distribute_tensor(full, mesh, [Shard(1)]),
+        "replicated": distribute_tensor(full, mesh, [Replicate()]),
+    }
+    dst = {key: torch.zeros(7, 5, dtype=torch.float64) for key in src}
+    received = []
+    real_recv = dist.recv
+
+    def recording_recv(tensor, src=None, **kwargs):
+        received.append(tensor.numel())
+        return real_recv(tensor, src=src, **kwargs)
+
+    with mock.patch.object(transform.dist, "recv", recording_recv):
+        state_dict_gather(src, dst)
+    if rank == 0:
+        assert all(torch.equal(dst[key], full.double()) for key in dst)
+        biggest_piece = max(-(-7 // world_size) * 5, 7 * -(-5 // world_size))
+        assert received and max(received) <= biggest_piece < full.numel()
+    return received
+
+
+def test_plain_dtensors_gathered_piece_by_piece_at_three_ranks():
+    received = run_world(_plain_dtensor_worker, 3)
+    # rows: ranks 1, 2 send [3, 5] and [1, 5]; columns: [7, 2] and [7, 1]; replicated: nothing
+    assert received[0] == [15, 5, 14, 7] and received[1] == received[2] == []
