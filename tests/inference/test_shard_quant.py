@@ -14,8 +14,9 @@ import torch
 
 from shardkit.inference import quantize_inference_model, shard_quant_model
 from shardkit.models import DLRM
-from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig
+from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from shardkit.planner import ParameterConstraints
+from shardkit.quant import QuantEmbeddingCollection
 from shardkit.sharding.quant_embeddingbag import ShardedQuantEmbeddingBagCollection
 from shardkit.testing import run_world
 from tests.sharding import _sharded_case as case
@@ -86,3 +87,8 @@ def test_bad_arguments():
         shard_quant_model(_quantized(), world_size=2)
     with pytest.raises(ValueError, match="sharding_device 'meta' is not supported"):
         shard_quant_model(_quantized(), sharding_device="meta")
+    torch.manual_seed(0)
+    ec = EmbeddingCollection([EmbeddingConfig(10, 4, name="t_seq", feature_names=["seq"])])
+    model = torch.nn.ModuleDict({"dlrm": _quantized(), "seq": QuantEmbeddingCollection.from_float(ec)})
+    with pytest.raises(ValueError, match=r"no sharder for \['seq \(QuantEmbeddingCollection\)'\]"):
+        shard_quant_model(model)

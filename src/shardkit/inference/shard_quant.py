@@ -19,11 +19,31 @@ from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.distributed.topology import get_local_size
 from shardkit.model_parallel import DistributedModelParallel
 from shardkit.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from shardkit.quant import (
+    QuantEmbeddingBagCollection,
+    QuantEmbeddingCollection,
+    QuantFeatureProcessedEmbeddingBagCollection,
+)
 from shardkit.sharding.quant_embeddingbag import (
     QuantEmbeddingBagCollectionSharder,
     QuantFeatureProcessedEmbeddingBagCollectionSharder,
 )
 from shardkit.sharding.types import ModuleSharder, ShardingPlan
+
+_QUANT_MODULES = (
+    QuantEmbeddingBagCollection,
+    QuantEmbeddingCollection,
+    QuantFeatureProcessedEmbeddingBagCollection,
+)
+
+
+def _inside(path: str, model: nn.Module, handled: set) -> bool:
+    """Whether a module of a ``handled`` type encloses the module at ``path`` (it is sharded with it)."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        if type(model.get_submodule(".".join(parts[:i]))) in handled:
+            return True
+    return False
 
 
 def default_quant_sharders() -> List[ModuleSharder[nn.Module]]:
@@ -58,7 +78,8 @@ def shard_quant_model(
 
     Returns ``(model, plan)``: the sharded modules take this rank's requests and return this rank's
     answers; every rank must call forward the same number of times. ``ValueError`` for a world size that
-    is not the process group's or an unsupported ``sharding_device``.
+    is not the process group's, an unsupported ``sharding_device``, or a quantized module no sharder
+    handles (a ``QuantEmbeddingCollection``: it would silently stay whole on every rank).
     """
     actual = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if world_size != actual:
@@ -75,6 +96,18 @@ def shard_quant_model(
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     sharders = default_quant_sharders() if sharders is None else list(sharders)
+    handled = {s.module_type for s in sharders}
+    unshardable = [
+        f"{path or 'the model'} ({type(m).__name__})"
+        for path, m in model.named_modules()
+        if isinstance(m, _QUANT_MODULES) and type(m) not in handled and not _inside(path, model, handled)
+    ]
+    if unshardable:
+        raise ValueError(
+            f"shard_quant_model: no sharder for {unshardable}: they would stay whole on every rank. shardkit "
+            "shards QuantEmbeddingBagCollection and QuantFeatureProcessedEmbeddingBagCollection (no sharded "
+            "QuantEmbeddingCollection yet); keep such a module out of the model given here"
+        )
     if actual > 1 or (dist.is_available() and dist.is_initialized()):
         env = ShardingEnv.from_process_group(None)
     else:
