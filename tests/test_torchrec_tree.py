@@ -142,8 +142,8 @@ TREE = {
         "sharded_model_copy"
     ),
     "torchrec.inference.modules": (
-        "DEFAULT_QUANTIZATION_DTYPE DEFAULT_QUANTIZATION_MAPPING PredictModule quantize_embeddings "
-        "quantize_inference_model shard_quant_model"
+        "BatchingMetadata DEFAULT_QUANTIZATION_DTYPE DEFAULT_QUANTIZATION_MAPPING PredictFactory "
+        "PredictModule QualNameMetadata quantize_embeddings quantize_inference_model shard_quant_model"
     ),
     "torchrec.inference.state_dict_transform": (
         "state_dict_all_gather_keys state_dict_gather state_dict_to_device"

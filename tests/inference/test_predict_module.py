@@ -8,17 +8,22 @@ what lets the ranks of a sharded model keep calling forward together.
 from __future__ import annotations
 
 import copy
+import json
 import re
 
 import pytest
 import torch
 
 from shardkit.inference import (
+    BatchingMetadata,
     DLRMPredictModule,
+    PredictFactory,
     PredictModule,
     Request,
     RequestBatcher,
+    load_package,
     quantize_inference_model,
+    save_package,
     shard_quant_model,
     split_results,
 )
@@ -157,3 +162,33 @@ def _sharded_worker() -> list:
 
 def test_sharded_model_serves_with_a_rank_of_bad_requests():
     assert run_world(_sharded_worker, 2) == [[True, True, True], [False]]
+
+
+def test_predict_factory_makes_the_module_and_describes_batching(tmp_path):
+    save_package(_model(), tmp_path / "pkg")
+
+    class Factory(PredictFactory):
+        def create_predict_module(self):
+            return DLRMPredictModule(load_package(tmp_path / "pkg"), dense_in_features=3)
+
+        def batching_metadata(self):
+            return {
+                "float_features": BatchingMetadata("dense", "cpu", []),
+                "id_list_features": BatchingMetadata("sparse", "cpu", ["lengths"]),
+            }
+
+        def result_metadata(self):
+            return "dict_of_tensor"
+
+    factory = Factory()
+    module = factory.run_weights_dependent_transformations(
+        factory.run_weights_independent_tranformations(factory.create_predict_module())
+    )
+    assert [a.ok for a in module.answer(GOOD)] == [True] * 3
+    assert json.loads(factory.batching_metadata_json()) == {
+        "float_features": {"type": "dense", "device": "cpu", "pinned": []},
+        "id_list_features": {"type": "sparse", "device": "cpu", "pinned": ["lengths"]},
+    }
+    assert factory.qualname_metadata_json() == "{}"
+    with pytest.raises(TypeError, match="abstract"):
+        PredictFactory()

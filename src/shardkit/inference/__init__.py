@@ -14,8 +14,11 @@
 from shardkit.inference.package import PackageError, load_package, save_package
 from shardkit.inference.predict_module import (
     Answer,
+    BatchingMetadata,
     DLRMPredictModule,
+    PredictFactory,
     PredictModule,
+    QualNameMetadata,
     Request,
     RequestBatcher,
     split_results,
@@ -35,11 +38,14 @@ from shardkit.inference.state_dict_transform import (
 
 __all__ = [
     "Answer",
+    "BatchingMetadata",
     "DEFAULT_QUANTIZATION_DTYPE",
     "DEFAULT_QUANTIZATION_MAPPING",
     "DLRMPredictModule",
     "PackageError",
+    "PredictFactory",
     "PredictModule",
+    "QualNameMetadata",
     "Request",
     "RequestBatcher",
     "default_quant_sharders",

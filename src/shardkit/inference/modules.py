@@ -4,7 +4,12 @@ The inference path's names at torchrec's path (docs/serving.md); each is defined
 ``shardkit.inference``.
 """
 
-from shardkit.inference.predict_module import PredictModule
+from shardkit.inference.predict_module import (
+    BatchingMetadata,
+    PredictFactory,
+    PredictModule,
+    QualNameMetadata,
+)
 from shardkit.inference.quantize import (
     DEFAULT_QUANTIZATION_DTYPE,
     DEFAULT_QUANTIZATION_MAPPING,
@@ -14,9 +19,12 @@ from shardkit.inference.quantize import (
 from shardkit.inference.shard_quant import shard_quant_model
 
 __all__ = [
+    "BatchingMetadata",
     "DEFAULT_QUANTIZATION_DTYPE",
     "DEFAULT_QUANTIZATION_MAPPING",
+    "PredictFactory",
     "PredictModule",
+    "QualNameMetadata",
     "quantize_embeddings",
     "quantize_inference_model",
     "shard_quant_model",

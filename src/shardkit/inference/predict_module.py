@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import json
 import numbers
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -218,6 +219,67 @@ class PredictModule(nn.Module):
         return answers
 
 
+@dataclasses.dataclass
+class BatchingMetadata:
+    """torchrec's ``BatchingMetadata``: how a server batches one input of the batch dict.
+
+    ``type``: the input's kind (torchrec's servers know ``"dense"`` and ``"sparse"``), ``device``:
+    ``"cpu"`` or ``"cuda"``, ``pinned``: suffixes of the inputs to put in pinned memory."""
+
+    type: str
+    device: str
+    pinned: List[str]
+
+
+@dataclasses.dataclass
+class QualNameMetadata:
+    """torchrec's ``QualNameMetadata``: whether a method of the predict module needs preprocessing."""
+
+    need_preproc: bool
+
+
+class PredictFactory(abc.ABC):
+    """torchrec's ``PredictFactory``: makes the predict module a server runs, and says how to batch.
+
+    Subclasses implement ``create_predict_module`` (the model with its weights, e.g. from
+    ``load_package``), ``batching_metadata`` (input name -> :class:`BatchingMetadata`) and
+    ``result_metadata`` (a name of the result's type); the two transformation hooks default to returning
+    the module unchanged (torchrec's are abstract)."""
+
+    @abc.abstractmethod
+    def create_predict_module(self) -> nn.Module:
+        """The predict module, with its learned weights."""
+
+    @abc.abstractmethod
+    def batching_metadata(self) -> Dict[str, BatchingMetadata]:
+        """Input name -> how requests' values of that input are batched."""
+
+    def batching_metadata_json(self) -> str:
+        """:meth:`batching_metadata` as JSON (torchrec's format: ``{name: {type, device, pinned}}``)."""
+        return json.dumps({k: dataclasses.asdict(v) for k, v in self.batching_metadata().items()})
+
+    @abc.abstractmethod
+    def result_metadata(self) -> str:
+        """The result's type, by name (e.g. ``"dict_of_tensor"``)."""
+
+    def run_weights_independent_tranformations(self, predict_module: nn.Module) -> nn.Module:
+        """Transformations that do not depend on the weights (torchrec's spelling, typo included)."""
+        return predict_module
+
+    def run_weights_dependent_transformations(self, predict_module: nn.Module) -> nn.Module:
+        """Transformations that depend on the weights."""
+        return predict_module
+
+    def qualname_metadata(self) -> Dict[str, QualNameMetadata]:
+        return {}
+
+    def qualname_metadata_json(self) -> str:
+        return json.dumps({k: dataclasses.asdict(v) for k, v in self.qualname_metadata().items()})
+
+    def model_inputs_data(self) -> Dict[str, Any]:
+        return {}
+
+
 class DLRMPredictModule(PredictModule):
     """Serves a ``shardkit.models.DLRM`` (float, quantized, or sharded by ``shard_quant_model``).
 
@@ -249,6 +311,9 @@ class DLRMPredictModule(PredictModule):
 
 __all__ = [
     "Answer",
+    "BatchingMetadata",
+    "PredictFactory",
+    "QualNameMetadata",
     "DLRMPredictModule",
     "FLOAT_FEATURES",
     "LENGTHS",
