@@ -36,7 +36,11 @@ from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup, ShardSpec
 from shardkit.modules.lookup_kernels import lookup as run_lookup
 
 # initialize (and load) an offloaded buffer this many bytes at a time, dropping the pages after each
-INIT_CHUNK_BYTES = 64 << 20
+INIT_CHUNK_BYTES = 16 << 20
+# the cache reads misses from / writes victims to the backing file this many rows at a time, unmapping
+# the pages after each chunk: a read maps the kernel's fault-around window (64 KiB by default), so one
+# chunk maps at most ~IO_CHUNK_ROWS x 64 KiB (16 MiB) whatever the number of misses
+IO_CHUNK_ROWS = 256
 
 
 class _OffloadedRowOptimizer(SparseRowOptimizer):
@@ -189,8 +193,14 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
         if self.offload.kind == "caching" or self.compute_device.type == "cuda":
             backing = {"weight": self.store.tensors["weight"]}
             backing.update({f"state.{n}": t for n, t in state.items()})
-            capacity = self.offload.cache_rows(rows)
-            self.cache = RowCache(backing, capacity, self.offload.algorithm, self.compute_device)
+            self.cache = RowCache(
+                backing,
+                self.offload.cache_rows(rows),
+                self.offload.algorithm,
+                self.compute_device,
+                io_chunk_rows=IO_CHUNK_ROWS,
+                after_io=self.store.drop_resident,
+            )
         self._prefetched: List[_Ticket] = []
         # uvm: what the kernel read from / wrote to the backing file (the caching tier counts its own)
         self._uvm_counters = CacheCounters()

@@ -465,3 +465,26 @@ def test_cuda_cache_over_pinned_host_backing():
     assert backing["weight"].device.type == "cpu" and cache.counters.rows_written == 1
     cache.flush()
     _assert_fields_equal(backing, reference, "pinned backing after flush")
+
+
+def test_io_in_chunks_moves_the_same_rows_and_calls_after_io_per_chunk():
+    """io_chunk_rows: misses read and victims written back a chunk at a time, ``after_io`` after each
+    (how a mapped file's pages are unmapped between chunks); the data moved is the same as unchunked."""
+    backing, plain_backing = _backing(20), _backing(20)
+    calls = []
+    cache = RowCache(backing, 3, io_chunk_rows=2, after_io=lambda: calls.append(1))
+    plain = RowCache(plain_backing, 3)
+    for rows in ([5, 1, 7, 9, 0], [2, 3, 4, 11, 12, 13, 14]):
+        for c in (cache, plain):
+            ticket, slots = c.acquire(torch.tensor(rows))
+            c.tensors["weight"][slots] += 1.0
+            c.release(ticket, dirty=True)
+    # first request: 5 rows read (3 chunks), its shrink writes 2 back (1 chunk); second: the 3 cached
+    # (dirty) rows written back to make room (2 chunks), 7 rows read (4 chunks), its shrink writes 4 (2)
+    assert len(calls) == 3 + 1 + 2 + 4 + 2
+    assert cache.counters.as_dict() == plain.counters.as_dict()
+    cache.flush()
+    plain.flush()
+    _assert_fields_equal(backing, plain_backing, "chunked vs unchunked write-back")
+    with pytest.raises(ValueError, match="io_chunk_rows"):
+        RowCache(_backing(4), 2, io_chunk_rows=0)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, Optional, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -107,6 +107,10 @@ class RowCache:
         algorithm: ``"lru"`` or ``"lfu"`` (or an enum member with that name).
         device: where the fast-tier buffers live (default CPU). The backing may be on another device
             (host memory behind a CUDA cache): rows are copied with ``.to``.
+        io_chunk_rows, after_io: rows are read from / written back to the backing store at most
+            ``io_chunk_rows`` at a time (None: all at once), ``after_io()`` called after each chunk. A
+            mapped file's store passes its ``drop_resident`` here, so that the pages one batch's misses
+            map stay bounded by the chunk, not by the misses.
 
     Attributes:
         tensors: field name -> fast-tier buffer ``[size, *width]``, the backing field's dtype, contiguous,
@@ -123,6 +127,8 @@ class RowCache:
         capacity: int,
         algorithm: object = "lru",
         device: Optional[Union[torch.device, str]] = None,
+        io_chunk_rows: Optional[int] = None,
+        after_io: Optional[Callable[[], None]] = None,
     ) -> None:
         if not isinstance(backing, dict) or not backing:
             raise ValueError("RowCache: backing must be a non-empty dict of field name -> tensor [R, *width]")
@@ -146,6 +152,12 @@ class RowCache:
             raise ValueError(f"RowCache: backing fields are on several devices {sorted(map(str, devices))}")
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"RowCache: capacity must be an int >= 0 (rows), got {capacity!r}")
+        if io_chunk_rows is not None and (
+            isinstance(io_chunk_rows, bool) or not isinstance(io_chunk_rows, int) or io_chunk_rows < 1
+        ):
+            raise ValueError(f"RowCache: io_chunk_rows must be an int >= 1 or None, got {io_chunk_rows!r}")
+        self.io_chunk_rows = io_chunk_rows
+        self._after_io = after_io
         self.algorithm = _algorithm_name(algorithm)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.backing = backing
@@ -352,19 +364,26 @@ class RowCache:
         if not count:
             return
         rows, order = rows.sort()
-        cache_slots = slots[order].to(self.device)
-        for name, store in self.backing.items():
-            values = self.tensors[name].index_select(0, cache_slots).to(store.device)
-            store.index_copy_(0, rows.to(store.device), values)
+        slots = slots[order]
+        for start, stop in self._io_chunks(count):
+            cache_slots = slots[start:stop].to(self.device)
+            for name, store in self.backing.items():
+                values = self.tensors[name].index_select(0, cache_slots).to(store.device)
+                store.index_copy_(0, rows[start:stop].to(store.device), values)
+            if self._after_io is not None:
+                self._after_io()
         self.counters.rows_written += count
         self.counters.bytes_written += count * self.row_bytes
 
     def _load(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Copy backing rows ``rows`` (ascending int64 [n], host) into free slots ``slots`` (int64 [n])."""
-        cache_slots = slots.to(self.device)
-        for name, store in self.backing.items():
-            values = store.index_select(0, rows.to(store.device)).to(self.device)
-            self.tensors[name].index_copy_(0, cache_slots, values)
+        for start, stop in self._io_chunks(rows.numel()):
+            cache_slots = slots[start:stop].to(self.device)
+            for name, store in self.backing.items():
+                values = store.index_select(0, rows[start:stop].to(store.device)).to(self.device)
+                self.tensors[name].index_copy_(0, cache_slots, values)
+            if self._after_io is not None:
+                self._after_io()
         self.slot_of_row[rows] = slots.to(torch.int32)
         self.row_of_slot[slots] = rows
         self._dirty[slots] = False
@@ -373,6 +392,11 @@ class RowCache:
         count = rows.numel()
         self.counters.rows_read += count
         self.counters.bytes_read += count * self.row_bytes
+
+    def _io_chunks(self, count: int):
+        """``(start, stop)`` ranges covering ``[0, count)``, ``io_chunk_rows`` long (one range if None)."""
+        step = self.io_chunk_rows or max(count, 1)
+        return [(start, min(start + step, count)) for start in range(0, count, step)]
 
     def _grow(self, size: int) -> None:
         """Reallocate every buffer with ``size`` slots; the existing slots keep their rows and state."""
