@@ -313,7 +313,7 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
         for old in self._prefetched:  # this forward pinned its own rows: the prefetch pins can go
             old.release(dirty=False)
         self._prefetched.clear()
-        slot_ids = slots[inverse] if inverse.numel() else inverse
+        slot_ids = slots.index_select(0, inverse.flatten()).view(inverse.shape)
         train = torch.is_grad_enabled() and self.weight.requires_grad
         if train:
             return _CachedFusedLookup.apply(
