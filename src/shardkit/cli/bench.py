@@ -58,6 +58,7 @@ QUICK_ARGS: Dict[str, List[str]] = {
         *("--step-batch", "64", "--pooling", "2", "--repeats", "1"),
     ],
     "quant_lookup": ["--rows", "1000", "--dim", "16", "--batch", "64", "--pooling", "4", "--repeats", "1"],
+    "offload": ["--quick"],
     "pipeline": [
         *("--tables", "2", "--rows", "1000", "--dim", "8", "--batch", "32", "--pooling", "2"),
         *("--steps", "3", "--warmup", "1", "--repeats", "1"),

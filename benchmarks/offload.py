@@ -1,0 +1,358 @@
+"""Offloaded tables (``fused_uvm``, ``fused_uvm_caching``) against the same table in memory (``fused``).
+
+Run from the repository root: ``python -m benchmarks.offload [--quick]``.
+
+Every row is a training step (forward + fused row-wise Adagrad backward) of one table sharded by a plan
+(world of one, no collectives), ids drawn from a Zipf law (exponent ``--zipf``, default 1.05; hot rows
+spread over the table by a random permutation):
+
+- ``fused`` in memory, then ``fused_uvm_caching`` at load factors 0.01 / 0.05 / 0.2 / 1.0 and
+  ``fused_uvm``, each as steps/s and ``vs_fused`` (in-memory step time / offloaded step time, measured in
+  this run: 1.0 = as fast as in memory), with the cache's hit rate and the bytes it read from the
+  backing file per step;
+- the backing file's read bandwidth: the cache's miss path (rows gathered from the mapped file, pages
+  unmapped after) next to a sequential read and a random 4 KiB ``pread`` of the same file: the physical
+  limits (page cache; the file was just written, so these measure memory, not the disk);
+- a table ``--big-factor`` (default 10) times a memory budget, ``fused_uvm_caching`` with the cache
+  within the budget, run in a fresh process: its steps/s next to the in-memory step of a table that fits
+  the budget, and its peak resident set beyond the process's baseline (VmHWM after the imports).
+
+Goals (issue 24): load factor 0.2 on Zipf ids >= 0.8x the in-memory step; a table 10x the budget
+>= 0.5x the in-memory step of a table that fits. Absolute times on a shared machine are noise; the
+ratios are measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from benchmarks.common import write_results
+
+LOAD_FACTORS = (0.01, 0.05, 0.2, 1.0)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what platform says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def memory_mib() -> Dict[str, float]:
+    """VmHWM, VmRSS, RssAnon, RssFile of this process in MiB (empty off Linux)."""
+    out: Dict[str, float] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                    out[key] = int(value.split()[0]) / 1024
+    except OSError:
+        pass
+    return out
+
+
+def reset_peak() -> bool:
+    """VmHWM back to the current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def zipf_sampler(num_rows: int, exponent: float, seed: int):
+    """A function ``n -> int64 [n]`` of ids whose k-th most frequent row has probability ~ k^-exponent."""
+    ranks = torch.arange(1, num_rows + 1, dtype=torch.float64)
+    cdf = torch.cumsum(ranks.pow(-exponent), 0)
+    cdf /= cdf[-1].clone()
+    gen = torch.Generator().manual_seed(seed)
+    permutation = torch.randperm(num_rows, generator=gen)
+
+    def sample(n: int) -> torch.Tensor:
+        u = torch.rand(n, generator=gen, dtype=torch.float64)
+        return permutation[torch.searchsorted(cdf, u).clamp_(max=num_rows - 1)]
+
+    return sample
+
+
+def sharded_table(kernel: str, rows: int, dim: int, load_factor: float, offload_dir: str, meta: bool):
+    """One table, sharded table-wise on a world of one with ``kernel`` (row-wise Adagrad, fused)."""
+    from shardkit.distributed.sharding_env import ShardingEnv
+    from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig, OptimType
+    from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
+    from shardkit.sharding.sharding_plan import construct_module_sharding_plan, table_wise
+
+    fused = FusedOptimizerConfig(OptimType.ROWWISE_ADAGRAD, lr=0.01)
+    config = EmbeddingBagConfig(rows, dim, name="t", feature_names=["f"])
+    device = torch.device("meta" if meta else "cpu")
+    ebc = EmbeddingBagCollection([config], device=device, fused_optimizer=fused)
+    plan = construct_module_sharding_plan(ebc, {"t": table_wise(rank=0)}, 1, 1)
+    if kernel != "fused":
+        cache = SimpleNamespace(
+            load_factor=load_factor, algorithm="lru", prefetch_pipeline=False, offload_dir=offload_dir
+        )
+        plan = {k: dataclasses.replace(v, compute_kernel=kernel, cache_params=cache) for k, v in plan.items()}
+    return EmbeddingBagCollectionSharder().shard(ebc, plan, ShardingEnv.from_local(1, 0))
+
+
+def batches(rows: int, args, count: int) -> List[Any]:
+    from shardkit.sparse import KeyedJaggedTensor
+
+    sample = zipf_sampler(rows, args.zipf, args.seed)
+    lengths = torch.full((args.batch,), args.pooling)
+    return [
+        KeyedJaggedTensor(["f"], sample(args.batch * args.pooling), lengths=lengths) for _ in range(count)
+    ]
+
+
+def step(module, kjt) -> None:
+    """One training step: forward, loss, backward (the fused optimizer updates the rows)."""
+    module(kjt).wait().values().sum().backward()
+
+
+def step_rows(args, offload_dir: str) -> List[Dict[str, Any]]:
+    """fused in memory, fused_uvm_caching at each load factor, fused_uvm: steps/s and ratios.
+
+    The modules step in turn (one step each per round, the same batches in the same order), so that a
+    change of the machine's load hits them alike; each one's time is its median over the rounds.
+    """
+    inputs = batches(args.rows, args, args.warmup + args.steps)
+    configs = [("fused", 1.0)] + [("fused_uvm_caching", lf) for lf in args.load_factors]
+    configs.append(("fused_uvm", 1.0))
+    modules = [
+        sharded_table(kernel, args.rows, args.dim, lf, offload_dir, meta=kernel != "fused")
+        for kernel, lf in configs
+    ]
+    times: List[List[float]] = [[] for _ in modules]
+    for i, kjt in enumerate(inputs):
+        if i == args.warmup:
+            for module, (kernel, _) in zip(modules, configs):
+                if kernel != "fused":  # counters of the measured (steady) steps only
+                    module.lookups[0].lookups[0].reset_cache_stats()
+        for module, spent in zip(modules, times):
+            start = time.perf_counter()
+            step(module, kjt)
+            if i >= args.warmup:
+                spent.append(time.perf_counter() - start)
+    medians = [sorted(t)[len(t) // 2] for t in times]
+    rows = []
+    for (kernel, load_factor), module, seconds in zip(configs, modules, medians):
+        name = kernel if kernel != "fused_uvm_caching" else f"{kernel} lf={load_factor}"
+        row: Dict[str, Any] = {"name": name, "rows": args.rows, "steps/s": 1.0 / seconds}
+        row["ms/step"] = seconds * 1e3
+        row["vs_fused"] = medians[0] / seconds
+        if kernel != "fused":
+            stats = module.cache_stats()["t"]
+            row["hit_rate"] = float(stats["hit_rate"])
+            row["MB_read/step"] = stats["bytes_read"] / stats["calls"] / 1e6
+        rows.append(row)
+    return rows
+
+
+def bandwidth_rows(args, offload_dir: str) -> List[Dict[str, Any]]:
+    """The cache's gather of random rows from the backing file vs sequential / random reads of it."""
+    from shardkit.kernels.offload.backing_store import BackingStore
+
+    store = BackingStore.create({"weight": ((args.rows, args.dim), torch.float32)}, {"bench": 1}, offload_dir)
+    weight = store.tensors["weight"]
+    chunk = max(1, (16 << 20) // (args.dim * 4))
+    for start in range(0, args.rows, chunk):
+        weight[start : start + chunk].uniform_()
+        store.drop_resident()
+    store.flush()
+    row_bytes = args.dim * 4
+    gen = torch.Generator().manual_seed(args.seed)
+    count = min(args.rows, 65536)
+    rows = torch.randint(0, args.rows, (count,), generator=gen).sort().values  # the cache reads ascending
+    out = []
+
+    def gather() -> None:
+        for start in range(0, count, 256):  # as the cache's miss path: 256 rows a chunk, pages dropped
+            weight.index_select(0, rows[start : start + 256])
+            store.drop_resident()
+
+    seconds = _best(gather, args.repeats)
+    out.append(_bw_row("file: cache miss path (mmap gather, 256-row chunks)", count * row_bytes, seconds))
+    size = os.path.getsize(store.path)
+    fd = os.open(store.path, os.O_RDONLY)
+    try:
+
+        def sequential() -> None:
+            offset = 0
+            while offset < size:
+                offset += len(os.pread(fd, 16 << 20, offset))
+
+        seconds = _best(sequential, args.repeats)
+        out.append(_bw_row("file: sequential read (16 MiB preads)", size, seconds))
+        picks = random.Random(args.seed)
+        offsets = [picks.randrange(0, size // 4096) * 4096 for _ in range(count)]
+
+        def random_reads() -> None:
+            for offset in offsets:
+                os.pread(fd, 4096, offset)
+
+        seconds = _best(random_reads, args.repeats)
+        out.append(_bw_row("file: random 4 KiB preads", count * 4096, seconds))
+    finally:
+        os.close(fd)
+        store.close()
+    return out
+
+
+def _best(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _bw_row(name: str, num_bytes: int, seconds: float) -> Dict[str, Any]:
+    return {"name": name, "MB": num_bytes / 1e6, "ms": seconds * 1e3, "GB/s": num_bytes / seconds / 1e9}
+
+
+def big_child(args) -> None:
+    """In a fresh process: the in-memory step of a table within the budget, then a table
+    ``big_factor`` x the budget offloaded (cache within the budget) with its peak RSS; one JSON line."""
+    row_bytes = args.dim * 4 + 4  # weights + row-wise Adagrad state
+    fits_rows = max(1000, int(args.budget_mb * 2**20 * 0.5) // row_bytes)  # half the budget: room to run
+    big_rows = int(args.big_factor * args.budget_mb * 2**20) // row_bytes
+    # the cache and its slot map (4 bytes a row) within half the budget
+    load_factor = min(1.0, max(1e-4, (args.budget_mb * 2**20 * 0.5 - 4 * big_rows) / row_bytes / big_rows))
+    steps = args.warmup + args.steps
+    small = sharded_table("fused", fits_rows, args.dim, 1.0, args.offload_dir, meta=False)
+    small_inputs = batches(fits_rows, args, steps)
+    big_inputs = batches(big_rows, args, steps)
+    step(small, small_inputs[0])  # warm (native kernels loaded) before the baseline
+    peak_reset = reset_peak()
+    baseline = memory_mib()
+    big = sharded_table("fused_uvm_caching", big_rows, args.dim, load_factor, args.offload_dir, meta=True)
+    times: Dict[str, List[float]] = {"fits": [], "big": []}
+    for i in range(steps):  # in turn, so that a change of load hits both alike
+        for name, module, inputs in (("fits", small, small_inputs), ("big", big, big_inputs)):
+            start = time.perf_counter()
+            step(module, inputs[i])
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+    fits_s, big_s = (sorted(t)[len(t) // 2] for t in (times["fits"], times["big"]))
+    end = memory_mib()
+    stats = big.cache_stats()["t"]
+    key = "VmRSS" if peak_reset else "VmHWM"
+    print(
+        json.dumps(
+            {
+                "fits_rows": fits_rows,
+                "fits_s": fits_s,
+                "big_rows": big_rows,
+                "big_s": big_s,
+                "load_factor": load_factor,
+                "file_mb": sum(g.store.nbytes for lk in big.lookups for g in lk.lookups) / 2**20,
+                "peak_mb": end.get("VmHWM", float("nan")) - baseline.get(key, float("nan")),
+                "anon_mb": end.get("RssAnon", float("nan")) - baseline.get("RssAnon", float("nan")),
+                "hit_rate": stats["hit_rate"],
+            }
+        )
+    )
+
+
+def big_rows(args, offload_dir: str) -> List[Dict[str, Any]]:
+    cmd = [sys.executable, "-m", "benchmarks.offload", "--child-big", "--offload-dir", offload_dir]
+    cmd += ["--budget-mb", str(args.budget_mb), "--big-factor", str(args.big_factor), "--dim", str(args.dim)]
+    cmd += ["--batch", str(args.batch), "--pooling", str(args.pooling), "--zipf", str(args.zipf)]
+    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed)]
+    cmd += ["--threads", str(torch.get_num_threads())]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
+    if done.returncode != 0:
+        raise RuntimeError(f"the big-table run failed:\n{done.stderr[-3000:]}")
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    return [
+        {"name": f"fused, table fits the budget ({r['fits_rows']} rows)", "rows": r["fits_rows"]}
+        | {"steps/s": 1.0 / r["fits_s"], "ms/step": r["fits_s"] * 1e3, "vs_fused": 1.0},
+        {
+            "name": f"fused_uvm_caching, table {args.big_factor:g}x the budget (lf={r['load_factor']:.3g})",
+            "rows": r["big_rows"],
+            "steps/s": 1.0 / r["big_s"],
+            "ms/step": r["big_s"] * 1e3,
+            "vs_fused": r["fits_s"] / r["big_s"],
+            "hit_rate": float(r["hit_rate"]),
+            "file_MiB": r["file_mb"],
+            "budget_MiB": float(args.budget_mb),
+            "peak_rss_MiB": r["peak_mb"],
+            "anon_MiB": r["anon_mb"],
+        },
+    ]
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--rows", type=int, default=1_000_000, help="table rows of the step comparison")
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=2048, help="bags per step")
+    parser.add_argument("--pooling", type=int, default=16, help="ids per bag")
+    parser.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the ids")
+    parser.add_argument("--load-factors", type=float, nargs="+", default=list(LOAD_FACTORS))
+    parser.add_argument("--steps", type=int, default=10, help="measured steps (median)")
+    parser.add_argument("--warmup", type=int, default=5, help="steps before measuring (the cache warms)")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats of each bandwidth measurement")
+    parser.add_argument("--budget-mb", type=float, default=64.0, help="memory budget of the big-table run")
+    parser.add_argument("--big-factor", type=float, default=10.0, help="big table / budget")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--offload-dir", default=None, help="where backing files go (default: a temp dir)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--quick", action="store_true", help="small sizes: runs in seconds")
+    parser.add_argument("--out", default=None, help="directory for offload.json")
+    parser.add_argument("--child-big", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rows, args.batch, args.pooling = 50_000, 128, 8
+        args.steps, args.warmup, args.repeats, args.budget_mb = 2, 1, 1, 4.0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.child_big:
+        big_child(args)
+        return
+    print(f"CPU: {cpu_model()} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)")
+    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="shardkit-bench-offload-", dir=args.offload_dir) as offload_dir:
+        rows = step_rows(args, offload_dir)
+        rows += bandwidth_rows(args, offload_dir)
+        rows += big_rows(args, offload_dir)
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "child_big", "offload_dir")}
+    config.update(cpu_model=cpu_model(), load_average=list(os.getloadavg()))
+    write_results("offload", config, rows, args.out)
+    goals = {r["name"]: r["vs_fused"] for r in rows if "vs_fused" in r}
+    lf02 = goals.get("fused_uvm_caching lf=0.2")
+    big = [v for k, v in goals.items() if "x the budget" in k]
+    if lf02 is not None:
+        print(f"goal: load factor 0.2 >= 0.8x in memory: {lf02:.2f}x {'met' if lf02 >= 0.8 else 'NOT met'}")
+    if big:
+        print(
+            f"goal: {args.big_factor:g}x-budget table >= 0.5x in memory: {big[0]:.2f}x "
+            f"{'met' if big[0] >= 0.5 else 'NOT met'}"
+        )
+
+
+if __name__ == "__main__":
+    main()
