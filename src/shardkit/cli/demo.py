@@ -48,6 +48,8 @@ def check_args(args) -> str:
             return "--model gnn runs on CPU ranks only; drop --device cuda"
         if getattr(args, "quantize", False):
             return "--quantize serves on CPU ranks only; drop --device cuda"
+        if getattr(args, "offload", False):
+            return "--offload keeps the table in a file-backed tier on CPU ranks only; drop --device cuda"
         if not torch.cuda.is_available() or not dist.is_nccl_available():
             return "--device cuda needs CUDA and NCCL, and this torch build or machine has neither"
         if args.nproc > torch.cuda.device_count():
@@ -61,6 +63,8 @@ def check_args(args) -> str:
             return "--checkpoint is for --model dlrm"
         if os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
             return f"--checkpoint {args.checkpoint} exists and is not a directory"
+    if args.model == "gnn" and getattr(args, "offload", False):
+        return "--offload is for --model dlrm"
     if args.model == "gnn":
         from shardkit.cli import demo_gnn
 
@@ -71,6 +75,8 @@ def check_args(args) -> str:
         return f"--tables must be between 1 and {MAX_TABLES}, got {args.tables}"
     if not 1 <= args.batch_size <= MAX_BATCH:
         return f"--batch-size must be between 1 and {MAX_BATCH}, got {args.batch_size}"
+    if getattr(args, "offload", False) and args.sharding_type == "data_parallel":
+        return "--offload needs a table that is not data-parallel; drop --sharding-type data_parallel"
     if args.mc_slots < 0:
         return f"--mc-slots must be >= 0, got {args.mc_slots}"
     if args.max_rows is not None and args.max_rows < 1:
@@ -139,6 +145,12 @@ def add_parser(commands) -> None:
         "--quantize",
         action="store_true",
         help="then serve the trained model with int8 / int4 tables, sharded: memory, predictions vs fp32",
+    )
+    dlrm.add_argument(
+        "--offload",
+        action="store_true",
+        help="offload the largest table (fused_uvm_caching: rows in a backing file, a cache of 5%% of them "
+        "in RAM); prints hit rate and bytes moved, and checks it exact like the others",
     )
     dlrm.add_argument(
         "--mc-slots",

@@ -12,6 +12,11 @@ distributed) into a table of ``--mc-slots`` rows through a ManagedCollisionEmbed
 map is cut into ``nproc`` buckets, so the sharded model (whatever sharding its table gets) equals the
 unsharded one, and the check also compares the slot maps.
 
+With ``--offload`` the largest table that is not data-parallel is offloaded: ``fused_uvm_caching``, its
+rows and optimizer state in a backing file per shard, a cache of ``OFFLOAD_LOAD_FACTOR`` of its rows in
+RAM (the table's memory budget). The demo prints the cache's hit rate and the bytes it moved, and the
+same exactness check must pass: the offloaded table trains bitwise like an in-memory one.
+
 With ``--checkpoint DIR`` the ranks save the trained model and optimizers with ``shardkit.checkpoint``;
 then a fresh model is restored from it on another number of ranks (another plan) and its tables and
 dense weights are compared with the saved ones, which must be equal exactly.
@@ -20,10 +25,12 @@ dense weights are compared with the saved ones, which must be equal exactly.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
 import time
+from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -33,6 +40,7 @@ from shardkit.cli.textplot import ProgressBar, curve
 from shardkit.datasets import RawIdClicks, TableSpec
 from shardkit.models import MixedDimDLRM, dense_parameters
 
+PROG_NAME = "shardkit demo"
 DENSE_IN = 13  # as in Criteo
 DENSE_OUT = 16
 LR = 0.5  # one SGD rate for tables and dense layers: a replicated table trains like a sharded one
@@ -61,6 +69,10 @@ def demo_tables(count: int, max_rows: Optional[int] = None) -> List[TableSpec]:
         specs.append(TableSpec(f"t{i}", min(rows, max_rows or rows), dim, pooling))
     return specs
 
+
+# share of the offloaded table's rows its cache keeps in RAM (--offload)
+OFFLOAD_LOAD_FACTOR = 0.05
+OFFLOAD_KERNEL = "fused_uvm_caching"
 
 MC_FEATURE = "user_id"
 MC_CARDINALITY = 1_000_000  # distinct raw ids of the managed-collision feature
@@ -158,6 +170,52 @@ def plan_sharding(model: MixedDimDLRM, tables: Sequence[TableSpec], args, mc=())
     return ShardingPlan(plans), f"forced plan: every table {args.sharding_type}\n{text}"
 
 
+def offload_largest(plan, tables: Sequence[TableSpec], load_factor: float = OFFLOAD_LOAD_FACTOR):
+    """Switch the largest table of ``plan``'s ``ebc`` that is not data-parallel to ``fused_uvm_caching``
+    (in place); that table, or None when every table is data-parallel (which cannot be offloaded)."""
+    module_plan = plan.plan["ebc"]
+    candidates = [t for t in tables if module_plan[t.name].sharding_type != "data_parallel"]
+    if not candidates:
+        return None
+    table = max(candidates, key=lambda t: (t.rows * t.dim, t.rows))
+    cache = SimpleNamespace(load_factor=load_factor, algorithm="lru", prefetch_pipeline=False)
+    module_plan[table.name] = dataclasses.replace(
+        module_plan[table.name], compute_kernel=OFFLOAD_KERNEL, cache_params=cache
+    )
+    return table
+
+
+def _size(num_bytes: float) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB" if num_bytes >= 2**20 else f"{num_bytes / 2**10:.1f} KiB"
+
+
+def offload_header(table: TableSpec, load_factor: float = OFFLOAD_LOAD_FACTOR) -> str:
+    """What ``--offload`` does to ``table``: where its rows live and the RAM its cache may use."""
+    row_bytes = table.dim * 4  # fp32 weights (the demo's fused SGD keeps no state)
+    cache_rows = max(1, round(load_factor * table.rows))
+    return (
+        f"offloaded: table {table.name} ({table.rows:,}x{table.dim}, {_size(table.rows * row_bytes)}) -> "
+        f"{OFFLOAD_KERNEL}: its rows in a backing file per shard, a cache of {load_factor:g} of them in "
+        f"RAM (memory budget ~{_size(cache_rows * row_bytes)} over the shards)"
+    )
+
+
+def offload_summary(ranks: List[dict], seconds: float) -> List[str]:
+    """The offloaded table's cache counters over every rank: hit rate, rows and bytes moved."""
+    from shardkit.modules.offloaded_lookup import sum_cache_stats
+
+    stats = sum_cache_stats([r.get("cache") or {} for r in ranks])
+    lines = []
+    for table, c in stats.items():
+        moved = c["bytes_read"] + c["bytes_written"]
+        lines.append(
+            f"offloaded table {table}: hit rate {c['hit_rate']:.3f} ({c['hits']:,} of {c['lookups']:,} "
+            f"rows), {c['rows_read']:,} rows read / {c['rows_written']:,} written back, "
+            f"{_size(moved)} moved ({_size(moved / seconds)}/s), {c['evictions']:,} evictions"
+        )
+    return lines
+
+
 def _sharded(model: MixedDimDLRM, plan, device_type: str):
     """``(dmp, optimizer, device)``: this rank's DistributedModelParallel of ``model`` and its optimizers."""
     from shardkit.model_parallel import CombinedOptimizer, DistributedModelParallel
@@ -228,7 +286,13 @@ def run_rank(
         from shardkit import checkpoint
 
         checkpoint.save(checkpoint_dir, dmp, {"optim": optimizer})
-    return {"losses": (mean_losses / world).cpu().tolist(), "seconds": seconds, **_weights(dmp)}
+    cache = dmp.module.ebc.cache_stats()  # before _weights, which writes the caches back
+    return {
+        "losses": (mean_losses / world).cpu().tolist(),
+        "seconds": seconds,
+        "cache": cache,
+        **_weights(dmp),
+    }
 
 
 def restore_rank(model: MixedDimDLRM, plan, checkpoint_dir: str, device_type: str) -> dict:
@@ -385,7 +449,14 @@ def run(args) -> int:
     for t in mc:
         print(mc_header(t, buckets, args))
     plan, plan_text = plan_sharding(model, tables, args, mc)
-    print(plan_text, flush=True)  # before the ranks' progress bar
+    print(plan_text)
+    if getattr(args, "offload", False):
+        offloaded = offload_largest(plan, tables)
+        if offloaded is None:
+            print(f"{PROG_NAME}: error: --offload needs a table that is not data-parallel", file=sys.stderr)
+            return 2
+        print(offload_header(offloaded))
+    sys.stdout.flush()  # before the ranks' progress bar
     # On a fresh machine the native CPU kernels compile on first use (tens of seconds, with their own
     # notice): here, once, rather than on every rank inside the timed training loop.
     from shardkit.kernels.native_build import native_ops
@@ -411,6 +482,8 @@ def run(args) -> int:
     seconds = max(r["seconds"] for r in ranks)
     samples = args.steps * args.batch_size * args.nproc
     print(f"throughput: {samples / seconds:,.0f} samples/s ({samples:,} samples in {seconds:.2f} s)")
+    for line in offload_summary(ranks, seconds):
+        print(line)
     losses = ranks[0]["losses"]
     print(f"loss (global batch mean): {losses[0]:.4f} -> {losses[-1]:.4f}")
     print(curve(losses))
