@@ -9,7 +9,9 @@ spread over the table by a random permutation):
 - ``fused`` in memory, then ``fused_uvm_caching`` at load factors 0.01 / 0.05 / 0.2 / 1.0 and
   ``fused_uvm``, each as steps/s and ``vs_fused`` (in-memory step time / offloaded step time, measured in
   this run: 1.0 = as fast as in memory), with the cache's hit rate and the bytes it read from the
-  backing file per step;
+  backing file per step, measured in the steady state: each cache is first warmed by forward-only
+  passes over ids of the same distribution (``--warm-batches`` x ``--warm-scale``; a cold cache misses
+  every row seen for the first time), then ``--warmup`` training steps precede the measured ones;
 - the backing file's read bandwidth: the cache's miss path (rows gathered from the mapped file, pages
   unmapped after) next to a sequential read and a random 4 KiB ``pread`` of the same file: the physical
   limits (page cache; the file was just written, so these measure memory, not the disk);
@@ -130,6 +132,19 @@ def step(module, kjt) -> None:
     module(kjt).wait().values().sum().backward()
 
 
+def warm(module, rows: int, args) -> None:
+    """Bring an offloaded table's cache to its steady state: forward-only passes (no training, the
+    rows are read, not changed) over ``--warm-batches`` batches of ``--warm-scale`` x the step's ids,
+    drawn like the steps' (another seed). A cold cache misses every row seen for the first time, and
+    the Zipf tail makes that most of them for many steps."""
+    scaled = argparse.Namespace(
+        **{**vars(args), "batch": args.batch * args.warm_scale, "seed": args.seed + 1}
+    )
+    with torch.no_grad():
+        for kjt in batches(rows, scaled, args.warm_batches):
+            module(kjt).wait()
+
+
 def step_rows(args, offload_dir: str) -> List[Dict[str, Any]]:
     """fused in memory, fused_uvm_caching at each load factor, fused_uvm: steps/s and ratios.
 
@@ -143,6 +158,9 @@ def step_rows(args, offload_dir: str) -> List[Dict[str, Any]]:
         sharded_table(kernel, args.rows, args.dim, lf, offload_dir, meta=kernel != "fused")
         for kernel, lf in configs
     ]
+    for module, (kernel, _) in zip(modules, configs):
+        if kernel == "fused_uvm_caching":
+            warm(module, args.rows, args)
     times: List[List[float]] = [[] for _ in modules]
     for i, kjt in enumerate(inputs):
         if i == args.warmup:
@@ -248,6 +266,7 @@ def big_child(args) -> None:
     peak_reset = reset_peak()
     baseline = memory_mib()
     big = sharded_table("fused_uvm_caching", big_rows, args.dim, load_factor, args.offload_dir, meta=True)
+    warm(big, big_rows, args)
     times: Dict[str, List[float]] = {"fits": [], "big": []}
     for i in range(steps):  # in turn, so that a change of load hits both alike
         for name, module, inputs in (("fits", small, small_inputs), ("big", big, big_inputs)):
@@ -282,6 +301,7 @@ def big_rows(args, offload_dir: str) -> List[Dict[str, Any]]:
     cmd += ["--batch", str(args.batch), "--pooling", str(args.pooling), "--zipf", str(args.zipf)]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed)]
     cmd += ["--threads", str(torch.get_num_threads())]
+    cmd += ["--warm-batches", str(args.warm_batches), "--warm-scale", str(args.warm_scale)]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
     if done.returncode != 0:
@@ -315,6 +335,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--load-factors", type=float, nargs="+", default=list(LOAD_FACTORS))
     parser.add_argument("--steps", type=int, default=10, help="measured steps (median)")
     parser.add_argument("--warmup", type=int, default=5, help="steps before measuring (the cache warms)")
+    parser.add_argument("--warm-batches", type=int, default=20, help="forward-only batches warming caches")
+    parser.add_argument("--warm-scale", type=int, default=8, help="ids of a warming batch / a step's")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of each bandwidth measurement")
     parser.add_argument("--budget-mb", type=float, default=64.0, help="memory budget of the big-table run")
     parser.add_argument("--big-factor", type=float, default=10.0, help="big table / budget")
@@ -328,6 +350,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.quick:
         args.rows, args.batch, args.pooling = 50_000, 128, 8
         args.steps, args.warmup, args.repeats, args.budget_mb = 2, 1, 1, 4.0
+        args.warm_batches, args.warm_scale = 2, 2
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.child_big:
