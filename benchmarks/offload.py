@@ -36,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from types import SimpleNamespace
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -101,6 +100,7 @@ def sharded_table(kernel: str, rows: int, dim: int, load_factor: float, offload_
     """One table, sharded table-wise on a world of one with ``kernel`` (row-wise Adagrad, fused)."""
     from shardkit.distributed.sharding_env import ShardingEnv
     from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig, OptimType
+    from shardkit.sharding.cache_params import CacheParams
     from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
     from shardkit.sharding.sharding_plan import construct_module_sharding_plan, table_wise
 
@@ -110,9 +110,7 @@ def sharded_table(kernel: str, rows: int, dim: int, load_factor: float, offload_
     ebc = EmbeddingBagCollection([config], device=device, fused_optimizer=fused)
     plan = construct_module_sharding_plan(ebc, {"t": table_wise(rank=0)}, 1, 1)
     if kernel != "fused":
-        cache = SimpleNamespace(
-            load_factor=load_factor, algorithm="lru", prefetch_pipeline=False, offload_dir=offload_dir
-        )
+        cache = CacheParams(load_factor=load_factor, algorithm="lru", offload_dir=offload_dir)
         plan = {k: dataclasses.replace(v, compute_kernel=kernel, cache_params=cache) for k, v in plan.items()}
     return EmbeddingBagCollectionSharder().shard(ebc, plan, ShardingEnv.from_local(1, 0))
 

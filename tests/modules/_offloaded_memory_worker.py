@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from types import SimpleNamespace
 
 import torch
 
@@ -52,9 +51,9 @@ def sharded_ebc(kernel: str, rows: int, dim: int, offload_dir: str, device: str)
     ebc = EmbeddingBagCollection([config], device=torch.device(device), fused_optimizer=fused)
     plan = construct_module_sharding_plan(ebc, {"big": table_wise(rank=0)}, 1, 1)
     if kernel != "fused":
-        cache = SimpleNamespace(
-            load_factor=0.05, algorithm="lru", prefetch_pipeline=False, offload_dir=offload_dir
-        )
+        from shardkit.sharding.cache_params import CacheParams
+
+        cache = CacheParams(load_factor=0.05, algorithm="lru", offload_dir=offload_dir)
         plan = {k: dataclasses.replace(v, compute_kernel=kernel, cache_params=cache) for k, v in plan.items()}
     return EmbeddingBagCollectionSharder().shard(ebc, plan, ShardingEnv.from_local(1, 0))
 

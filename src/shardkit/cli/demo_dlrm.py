@@ -30,7 +30,6 @@ import math
 import os
 import sys
 import time
-from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -178,7 +177,9 @@ def offload_largest(plan, tables: Sequence[TableSpec], load_factor: float = OFFL
     if not candidates:
         return None
     table = max(candidates, key=lambda t: (t.rows * t.dim, t.rows))
-    cache = SimpleNamespace(load_factor=load_factor, algorithm="lru", prefetch_pipeline=False)
+    from shardkit.sharding.cache_params import CacheParams
+
+    cache = CacheParams(load_factor=load_factor, algorithm="lru")
     module_plan[table.name] = dataclasses.replace(
         module_plan[table.name], compute_kernel=OFFLOAD_KERNEL, cache_params=cache
     )
