@@ -156,6 +156,53 @@ def _truncate_to_common_text(
     ]
 
 
+PairTokens = Tuple[Sequence[int], Sequence[int], bool]
+
+
+def pack_alignment(
+    per_sample: Sequence[Sequence[PairTokens]], *, student_length: int, teacher_length: int
+) -> AlignmentBatch:
+    """Pack each sample's chunk pairs into a dense-padded ``AlignmentBatch``.
+
+    Args:
+        per_sample: per sample, its pairs in order as ``(student token positions, teacher token
+            positions, is_correct)``; a side may be empty. Pair ``k`` of a sample is chunk ``k``.
+        student_length, teacher_length: ``T_s`` / ``T_t`` of the token tensors; every position must
+            lie in ``[0, T)`` (``ValueError`` otherwise).
+    Returns:
+        The tensors (``C = max(1, max pairs per sample)``); a token is on the exact partition when
+        its pair is correct and has one token on each side.
+    """
+    b = len(per_sample)
+    c = max([len(p) for p in per_sample] + [1])
+    pair_valid = torch.zeros(b, c, dtype=torch.bool)
+    pair_is_correct = torch.zeros(b, c, dtype=torch.bool)
+    s_exact = torch.zeros(b, student_length, dtype=torch.bool)
+    t_exact = torch.zeros(b, teacher_length, dtype=torch.bool)
+    s_cid = torch.full((b, student_length), -1, dtype=torch.long)
+    t_cid = torch.full((b, teacher_length), -1, dtype=torch.long)
+    num_chunks = torch.zeros(b, dtype=torch.long)
+    for i, pairs in enumerate(per_sample):
+        num_chunks[i] = len(pairs)
+        for k, (s_pos, t_pos, correct) in enumerate(pairs):
+            for side, pos, length in (("student", s_pos, student_length), ("teacher", t_pos, teacher_length)):
+                if any(not 0 <= int(q) < length for q in pos):
+                    raise ValueError(
+                        f"pack_alignment: sample {i} pair {k} has {side} positions outside [0, {length}): "
+                        f"{list(pos)[:8]}"
+                    )
+            pair_valid[i, k] = True
+            pair_is_correct[i, k] = bool(correct)
+            s_idx = torch.as_tensor(list(s_pos), dtype=torch.long)
+            t_idx = torch.as_tensor(list(t_pos), dtype=torch.long)
+            s_cid[i, s_idx] = k
+            t_cid[i, t_idx] = k
+            if correct and len(s_idx) == 1 and len(t_idx) == 1:
+                s_exact[i, s_idx] = True
+                t_exact[i, t_idx] = True
+    return AlignmentBatch(pair_valid, pair_is_correct, s_exact, t_exact, s_cid, t_cid, num_chunks)
+
+
 def alignment_batch_from_offsets(
     student_offsets: Sequence[Offsets],
     teacher_offsets: Sequence[Offsets],
@@ -184,29 +231,18 @@ def alignment_batch_from_offsets(
             _check_offsets("student", s_raw), _check_offsets("teacher", t_raw), student_length, teacher_length
         )
         per_sample.append(align_offsets(s_off, t_off))
-    b = len(per_sample)
-    c = max([len(p) for p in per_sample] + [1])
-    pair_valid = torch.zeros(b, c, dtype=torch.bool)
-    pair_is_correct = torch.zeros(b, c, dtype=torch.bool)
-    s_exact = torch.zeros(b, student_length, dtype=torch.bool)
-    t_exact = torch.zeros(b, teacher_length, dtype=torch.bool)
-    s_cid = torch.full((b, student_length), -1, dtype=torch.long)
-    t_cid = torch.full((b, teacher_length), -1, dtype=torch.long)
-    num_chunks = torch.zeros(b, dtype=torch.long)
-    for i, pairs in enumerate(per_sample):
-        num_chunks[i] = len(pairs)
-        for k, p in enumerate(pairs):
-            pair_valid[i, k] = True
-            pair_is_correct[i, k] = p.is_correct
-            if p.student_start >= 0:
-                s_cid[i, p.student_start : p.student_end] = k
-            if p.teacher_start >= 0:
-                t_cid[i, p.teacher_start : p.teacher_end] = k
-            one_to_one = p.student_end - p.student_start == 1 and p.teacher_end - p.teacher_start == 1
-            if p.is_correct and one_to_one:
-                s_exact[i, p.student_start] = True
-                t_exact[i, p.teacher_start] = True
-    batch = AlignmentBatch(pair_valid, pair_is_correct, s_exact, t_exact, s_cid, t_cid, num_chunks)
+    spans = [
+        [
+            (
+                range(p.student_start, p.student_end) if p.student_start >= 0 else range(0),
+                range(p.teacher_start, p.teacher_end) if p.teacher_start >= 0 else range(0),
+                p.is_correct,
+            )
+            for p in pairs
+        ]
+        for pairs in per_sample
+    ]
+    batch = pack_alignment(spans, student_length=student_length, teacher_length=teacher_length)
     return batch, per_sample
 
 
