@@ -12,6 +12,7 @@ from shardkit.distill.aligner import (
     TokenAligner,
     align_offsets,
     alignment_batch_from_offsets,
+    pack_alignment,
 )
 from shardkit.distill.alignment_batch import AlignmentBatch, alignment_from_flat_batch
 from shardkit.distill.chunks import chunk_average_log_probs, valid_chunk_mask
@@ -58,6 +59,7 @@ __all__ = [
     "get_sparse_projection_matrix",
     "get_topk_projection",
     "gold_loss",
+    "pack_alignment",
     "parse_projection_file",
     "projection_kl_loss",
     "rebuild_teacher_full_logits_from_ipc",
