@@ -18,9 +18,12 @@ def _megatron_reference(x, target, smoothing, start, end):
     """Megatron's per-rank loss on the gathered fp64 logits ``x [T, V]``: a target outside this rank's
     columns has logit 0 there; smoothing ``s = a K / (K - 1)`` with the mean over ``[start, end)``."""
     lse = torch.logsumexp(x, -1)
-    # a target outside [0, V) is outside every rank's columns: its logit counts as 0 (summed over ranks)
+    # a target outside [0, V) is outside every rank's columns: its max-shifted logit counts as 0
+    # (summed over ranks), i.e. its logit is the row's max
     valid = (target >= 0) & (target < x.size(-1))
-    zt = torch.where(valid, x.gather(-1, target.clamp(0, x.size(-1) - 1)[:, None]).squeeze(-1), 0.0)
+    zt = torch.where(
+        valid, x.gather(-1, target.clamp(0, x.size(-1) - 1)[:, None]).squeeze(-1), x.max(-1).values.detach()
+    )
     nll = lse - zt
     if smoothing == 0.0:
         return nll
@@ -30,11 +33,13 @@ def _megatron_reference(x, target, smoothing, start, end):
 
 
 def _exact_reference(x, target, smoothing):
-    """PyTorch's rule; a target outside ``[0, V)`` has logit 0 (Megatron's scoring of it)."""
+    """PyTorch's rule; a target outside ``[0, V)`` has the row's max as its logit (Megatron's scoring)."""
     logp = torch.log_softmax(x, -1)
     valid = (target >= 0) & (target < x.size(-1))
     picked = torch.where(
-        valid, logp.gather(-1, target.clamp(0, x.size(-1) - 1)[:, None]).squeeze(-1), -torch.logsumexp(x, -1)
+        valid,
+        logp.gather(-1, target.clamp(0, x.size(-1) - 1)[:, None]).squeeze(-1),
+        x.max(-1).values.detach() - torch.logsumexp(x, -1),  # Megatron does not differentiate the max
     )
     return -(1 - smoothing) * picked - smoothing * logp.mean(-1)
 
@@ -44,7 +49,7 @@ def _check():
     start, end = vocab_slice(VOCAB, world, rank)
     X = randn((10, VOCAB), 5)
     target = randint(VOCAB, (10,), 6)
-    target[2] = -100  # Megatron scores it (logsumexp), shardkit's default would ignore it
+    target[2] = -100  # Megatron scores it (logsumexp - max), shardkit's default would ignore it
     target[7] = VOCAB + 3
     G = randn((10,), 7)
     for smoothing_rule in ("exact", "megatron"):
@@ -88,9 +93,9 @@ def _check():
         else:
             ref = _exact_reference(Xb.double(), target, 0.1)
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
-    # Megatron does not ignore -100: the token is scored as logsumexp(z)
+    # Megatron does not ignore -100: the token is scored as logsumexp(z) - max(z)
     out = megatron_cross_entropy(X[:, start:end], target, vocab_start_index=start, vocab_end_index=end)
-    torch.testing.assert_close(out[2].double(), torch.logsumexp(X[2], -1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out[2].double(), torch.logsumexp(X[2], -1) - X[2].max(), rtol=1e-6, atol=1e-6)
     assert float(out[2]) > 0.0
     # the exact rule (default) is PyTorch's at every tp, on in-range targets
     t_in = randint(VOCAB, (10,), 8)
@@ -139,3 +144,51 @@ def test_megatron_entry_reproduces_the_issue_figures():
     assert run_world(_check_issue_figures, 1) == [(0.5902, 0.6402)]
     # tp = 2: Megatron's ranks disagree, 0.9402 / 0.5402 (issue 16); the exact rule does not
     assert run_world(_check_issue_figures, 2) == [(0.5902, 0.9402), (0.5902, 0.5402)]
+
+
+def _megatron_algorithm(x_shard, target, start, group):
+    """Megatron's forward as its code runs it, step by step, on this rank's shard: subtract the global
+    max, take the target's shifted logit where this rank owns it (0 elsewhere, summed over ranks), loss
+    = log(sum of exp of the shifted logits) - that. A target no rank owns (-100) thus scores
+    ``logsumexp(z) - max(z)``, not ``logsumexp(z)``."""
+    z = x_shard.double()
+    z_max = z.max(-1).values
+    dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
+    shifted = z - z_max[:, None]
+    local = target - start
+    mask = (local < 0) | (local >= z.size(-1))
+    predicted = shifted.gather(-1, local.clamp(0, z.size(-1) - 1)[:, None]).squeeze(-1)
+    predicted = torch.where(mask, torch.zeros_like(predicted), predicted)
+    dist.all_reduce(predicted, group=group)
+    sum_exp = shifted.exp().sum(-1)
+    dist.all_reduce(sum_exp, group=group)
+    return sum_exp.log() - predicted
+
+
+def _check_out_of_range_targets():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    start, end = vocab_slice(VOCAB, world, rank)
+    X = randn((10, VOCAB), 15) * 3
+    target = randint(VOCAB, (10,), 16)
+    target[2], target[5], target[7] = -100, -1, VOCAB + 3
+    out = megatron_cross_entropy(
+        X[:, start:end].float(), target, vocab_start_index=start, vocab_end_index=end
+    )
+    ref = _megatron_algorithm(X[:, start:end], target, start, dist.group.WORLD)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    # the issue's logits 0, 1, 2, 3 with target -100: Megatron's 0.4402 (= logsumexp - max)
+    x = torch.arange(4.0)[None, rank * 4 // world : (rank + 1) * 4 // world]
+    lo = rank * 4 // world
+    return round(
+        float(
+            megatron_cross_entropy(
+                x, torch.tensor([-100]), vocab_start_index=lo, vocab_end_index=lo + x.size(-1)
+            )
+        ),
+        4,
+    )
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_out_of_range_targets_follow_megatrons_algorithm(world_size):
+    assert run_world(_check_out_of_range_targets, world_size) == [0.4402] * world_size

@@ -3,9 +3,10 @@
 shardkit's ``vocab_parallel_cross_entropy`` accepts Megatron's call but keeps shardkit's rules. This
 entry point follows Megatron where its behaviour is well-defined (docs/names.md lists each difference):
 
-- no ignore index unless asked: a target outside this rank's columns contributes a target logit of 0
-  on that rank, so a target outside ``[0, V)`` (such as -100) is scored as ``logsumexp(z)`` (the
-  exact rule) on every rank, as Megatron does. ``ignore_index=-100`` gives shardkit's rule (loss 0,
+- no ignore index unless asked: as in Megatron, the logits are shifted by the row's max and a target
+  outside this rank's columns contributes a shifted target logit of 0 on that rank, so a target outside
+  ``[0, V)`` (such as -100) is scored as ``logsumexp(z) - max(z)`` on every rank (the gradient is the
+  softmax). ``ignore_index=-100`` gives shardkit's rule (loss 0,
   gradient 0).
 - label smoothing: ``smoothing="exact"`` (default) is PyTorch's rule, ``a / V`` on every class of the
   whole vocabulary, the same at every tensor-parallel size. ``smoothing="megatron"`` is Megatron's:
@@ -55,8 +56,10 @@ def _plain_loss(z, target, start, vocab, group, label_smoothing, rule) -> torch.
     index = target - start
     owned = (index >= 0) & (index < width)
     picked = z.gather(-1, index.clamp(0, max(width - 1, 0))[:, None]).squeeze(-1) if width else z.sum(-1)
-    target_logit = reduce_from_region(torch.where(owned, picked, torch.zeros_like(picked)), group)
-    nll = lse - target_logit
+    # Megatron zeroes a target it does not own *after* subtracting the max: a target no rank owns
+    # (-100) scores logsumexp(z) - max(z), the target logit counting as the row's max
+    shifted = torch.where(owned, picked - shift, torch.zeros_like(picked))
+    nll = sumexp.log() - reduce_from_region(shifted, group)
     if label_smoothing == 0.0:
         return nll
     if rule == "exact":
@@ -85,7 +88,7 @@ def megatron_cross_entropy(
             sharded on its last dim; this rank holds ``[vocab_start_index, vocab_end_index)``
             (default: even shards).
         target: ``[...]`` integer global ids, the same on every rank. Ids outside ``[0, V)`` are
-            scored with a target logit of 0 (Megatron), unless equal to ``ignore_index``.
+            scored as ``logsumexp(z) - max(z)`` (Megatron), unless equal to ``ignore_index``.
         label_smoothing: ``a`` in ``[0, 1]``; its meaning depends on ``smoothing`` (module doc).
         group, tp_group: the tensor-parallel group under either name (None: the default group).
         ignore_index: None (Megatron: nothing ignored) or an id whose tokens get loss 0, gradient 0.
