@@ -254,3 +254,53 @@ def test_localize_alignment_without_a_group_and_bad_input():
 
 def test_vocab_parallel_log_softmax_is_the_losses_function():
     assert vocab_parallel_log_softmax is shardkit.losses.vocab_parallel_log_softmax
+
+
+# --- the cases of NeMo RL's own loss_utils tests (written here from their descriptions) -----------
+
+
+def _geometry(vocab_start, vocab_end, seq_start, seq_len):
+    return {
+        "vocab_start_index": vocab_start,
+        "vocab_end_index": vocab_end,
+        "global_seq_start": seq_start,
+        "actual_shape": (seq_len, vocab_end - vocab_start),
+    }
+
+
+def test_plans_for_one_shard_cp_ranks_and_tp_ranks():
+    (plan,) = collect_overlapping_teacher_shards([_geometry(0, 5, 0, 4)], 0, 1, 4)
+    assert plan[1:] == (slice(0, 4), slice(0, 5), slice(0, 4), slice(0, 5))
+    s0, s1 = _geometry(0, 5, 0, 4), _geometry(0, 5, 4, 4)
+    plans = collect_overlapping_teacher_shards([s0, s1], 1, 2, 8)
+    assert len(plans) == 1 and plans[0][0] is s1 and plans[0][3] == slice(0, 4)
+    plans = collect_overlapping_teacher_shards([_geometry(0, 4, 0, 2), _geometry(4, 8, 0, 2)], 0, 1, 2)
+    assert [p[4] for p in plans] == [slice(0, 4), slice(4, 8)]
+
+
+def _entry(storage, b, vocab_end=5):
+    return {
+        "teacher_shards": [
+            dict(
+                _geometry(0, vocab_end, 0, 4),
+                payload_ipc=storage,
+                buf_idx=0,
+                sample_index_in_buf=b,
+                full_seq_len=4,
+                full_vocab_size=5,
+            )
+        ]
+    }
+
+
+def test_zero_copy_view_points_into_the_storage_at_the_cp_offset():
+    storage = torch.arange(2 * 4 * 5, dtype=torch.float32).reshape(1, 2, 4, 5)
+    entries = [_entry(storage, 0), _entry(storage, 1)]
+    out = _try_zero_copy_teacher_logits(entries, student_cp_rank=0, student_cp_size=1, device="cpu")
+    assert out.data_ptr() == storage.data_ptr() and torch.equal(out, storage[0, :2])
+    out = _try_zero_copy_teacher_logits(entries, student_cp_rank=1, student_cp_size=2, device="cpu")
+    expected = storage[0, :2, 2:4, :]
+    assert out.data_ptr() == expected.data_ptr() and torch.equal(out, expected)
+    kw = dict(student_cp_rank=0, student_cp_size=1, device="cpu")
+    assert _try_zero_copy_teacher_logits([_entry(storage, 0, vocab_end=3)], **kw) is None  # vocab-sharded
+    assert _try_zero_copy_teacher_logits([_entry(storage, 0), _entry(storage, 2)], **kw) is None  # rows 0, 2
