@@ -309,3 +309,18 @@ def test_token_strings_give_the_offset_aligners_chunks(pair):
 def test_module_exposes_the_names():
     for name in ("TokenAligner", "AlignmentPair", "_canonicalize_sequence"):
         assert hasattr(na, name)
+
+
+def test_empty_inputs_are_normal():
+    vocab = {0: "a"}
+    aligner = _aligner(vocab, vocab)
+    batch = aligner.align(torch.zeros(0, 3, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long))
+    assert batch.student_chunk_id.shape == (0, 3) and batch.num_chunks.shape == (0,)
+    batch = aligner.align(torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long))
+    assert batch.num_chunks.tolist() == [0, 0] and batch.pair_valid.shape == (2, 1)
+    ids, none = torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2)
+    batch = aligner.align(ids, ids, student_attention_mask=none, teacher_attention_mask=none)
+    assert batch.num_chunks.tolist() == [0] and (batch.student_chunk_id == -1).all()
+    # one side empty: every student token is a one-sided (invalid) pair
+    batch = aligner.align(ids, torch.zeros(1, 0, dtype=torch.long))
+    assert batch.student_chunk_id.tolist() == [[0, 1]] and not batch.pair_is_correct.any()
