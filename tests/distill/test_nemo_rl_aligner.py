@@ -324,3 +324,45 @@ def test_empty_inputs_are_normal():
     # one side empty: every student token is a one-sided (invalid) pair
     batch = aligner.align(ids, torch.zeros(1, 0, dtype=torch.long))
     assert batch.student_chunk_id.tolist() == [[0, 1]] and not batch.pair_is_correct.any()
+
+
+def test_differing_texts_keep_every_token_once_in_order():
+    """Real tokenizers on a text and an edited copy (insertions, deletions, substitutions): every token
+    is in exactly one pair, in order, and a pair is correct exactly when its two texts are equal."""
+    import random
+
+    toks = tokenizers()
+    aligner = TokenAligner(None, None)
+    rng = random.Random(0)
+    for _ in range(60):
+        text = rng.choice(CORPUS)
+        chars = list(text)
+        for _ in range(rng.randint(1, 4)):
+            op, p = rng.choice("ids"), rng.randrange(len(chars) + 1)
+            if op == "i":
+                chars.insert(p, rng.choice(["x", " ", "\u00e9", "\U0001f600"]))
+            elif p < len(chars):
+                if op == "d":
+                    del chars[p]
+                else:
+                    chars[p] = rng.choice("qrs")
+        student, teacher = toks[rng.randrange(3)], toks[rng.randrange(3)]
+        s_tok = [student.id_to_token(i) for i in student.encode(text).ids]
+        t_tok = [teacher.id_to_token(i) for i in teacher.encode("".join(chars)).ids]
+        pairs = aligner._align_single(s_tok, t_tok)
+        assert [q for p in pairs if p.s_start >= 0 for q in range(p.s_start, p.s_end)] == list(
+            range(len(s_tok))
+        )
+        assert [q for p in pairs if p.t_start >= 0 for q in range(p.t_start, p.t_end)] == list(
+            range(len(t_tok))
+        )
+        s_canon, s_map = _canonicalize_sequence(s_tok)
+        t_canon, t_map = _canonicalize_sequence(t_tok)
+
+        def text_of(canon, ranges, start, end):
+            return "".join(c for c, (a, b) in zip(canon, ranges) if start <= a and b <= end)
+
+        for p in pairs:
+            s_txt = text_of(s_canon, s_map, p.s_start, p.s_end) if p.s_start >= 0 else ""
+            t_txt = text_of(t_canon, t_map, p.t_start, p.t_end) if p.t_start >= 0 else ""
+            assert p.is_correct == (bool(s_txt) and s_txt == t_txt)
