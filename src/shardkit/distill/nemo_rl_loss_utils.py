@@ -255,8 +255,9 @@ def _try_zero_copy_teacher_logits(
     A view is possible when every sample (``entry["teacher_shards"]``) has exactly one shard that
     holds the whole vocabulary and covers this rank's window, and those shards are rows ``0..B-1``
     of one storage slot (same ``payload_ipc`` and ``buf_idx``, ``sample_index_in_buf == i``) with
-    the same ``global_seq_start``. ``device`` is where a CUDA handle is opened; a tensor payload is
-    viewed where it lives.
+    the same ``global_seq_start``. The view lives where the storage does (a CUDA IPC handle opens on
+    the producer's device, as PyTorch rebuilds it); ``device`` is accepted for NeMo RL's signature and
+    does not move it.
     """
     if not per_sample_entries or not per_sample_entries[0].get("teacher_shards"):
         return None
