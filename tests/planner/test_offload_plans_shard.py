@@ -3,8 +3,8 @@ table's miss-ratio curve for a memory budget, the real EmbeddingBagCollection sh
 and the offloaded lookup's cache holds the rows the report says (the table itself only in the backing
 file), with the unsharded module's outputs.
 
-The real sharder does not list the offloading kernels among its options (it accepts them in a plan);
-the sharder here adds them, as ``shardkit plan`` does.
+The real sharder offers the offloading kernels; on CPU the planner considers them only where the
+constraints name them. The sharder's ``fused_params`` cache keys reach the storage too.
 """
 
 from __future__ import annotations
@@ -28,11 +28,6 @@ from shardkit.testing import run_world
 
 ROWS, DIM, BATCH = 400, 16, 8
 CACHING = "fused_uvm_caching"
-
-
-class _OffloadingSharder(embeddingbag.EmbeddingBagCollectionSharder):
-    def compute_kernels(self, sharding_type, compute_device_type):
-        return [*super().compute_kernels(sharding_type, compute_device_type), "fused_uvm", CACHING]
 
 
 def _ids(n: int, seed: int) -> torch.Tensor:
@@ -73,7 +68,7 @@ def _plan_and_shard(tmp_dir: str):
         constraints=constraints,
         storage_reservation=HeuristicalStorageReservation(percentage=0.0),
     )
-    sharder = _OffloadingSharder()
+    sharder = embeddingbag.EmbeddingBagCollectionSharder()
     plan = planner.collective_plan(ebc, [sharder]).plan[""]
     report = {t["table"]: t for t in planner.last_report.tables}
     sharded = sharder.shard(ebc, plan, ShardingEnv.from_process_group(None))
@@ -109,3 +104,42 @@ def test_the_planned_cache_is_the_cache_the_storage_builds(tmp_path):
     assert out["report_cache_rows"] == rows and out["capacities"] == [rows]
     assert len(out["paths"]) == 1 and out["paths"][0].startswith(str(tmp_path))
     assert out["equal"]
+
+
+def _fused_params_worker(tmp_dir: str):
+    from shardkit.sharding.sharding_plan import construct_module_sharding_plan, table_wise
+
+    torch.manual_seed(0)
+    configs = [EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=DIM, name="big", feature_names=["f"])]
+    ebc = EmbeddingBagCollection(configs)
+    fused_params = {
+        "optimizer": OptimType.ADAGRAD,
+        "learning_rate": 0.1,
+        "cache_load_factor": 0.25,
+        "cache_algorithm": "lfu",
+        "offload_dir": tmp_dir,
+    }
+    sharder = embeddingbag.EmbeddingBagCollectionSharder(fused_params=fused_params)
+    plan = construct_module_sharding_plan(
+        ebc, {"big": table_wise(rank=0, compute_kernel=CACHING)}, sharder, 1, 1
+    )
+    assert plan["big"].cache_params is None  # the plan names no cache options: fused_params' apply
+    sharded = sharder.shard(ebc, plan, ShardingEnv.from_process_group(None))
+    (group,) = [g for lk in sharded.lookups for g in lk.lookups]
+    return group.cache.capacity, group.cache.algorithm, group.store.path, plan["big"].cache_params
+
+
+def test_fused_params_cache_keys_reach_the_cache(tmp_path):
+    (out,) = run_world(_fused_params_worker, 1, str(tmp_path), timeout=120)
+    capacity, algorithm, path, untouched = out
+    assert capacity == cache_rows(ROWS, 0.25) and algorithm == "lfu"
+    assert path.startswith(str(tmp_path)) and untouched is None  # the caller's plan was not modified
+
+
+def test_bad_fused_params_cache_keys_fail_at_the_sharder():
+    import pytest
+
+    with pytest.raises(ValueError, match="cache_load_factor"):
+        embeddingbag.EmbeddingBagCollectionSharder(
+            fused_params={"optimizer": "SGD", "cache_load_factor": 2.0}
+        )

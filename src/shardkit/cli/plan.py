@@ -299,34 +299,13 @@ def _cache_params(value: Any, where: str):
         raise ConfigError(f"{where}: {err}") from None
 
 
-def _planning_sharder():
-    """The EmbeddingBagCollection sharder, offering the offloading kernels ``fused_uvm`` /
-    ``fused_uvm_caching`` wherever it offers ``fused`` (data parallel excepted) if it does not list them
-    itself: ``ParameterSharding`` accepts them, and the command only plans."""
-    from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
-    from shardkit.sharding.types import EmbeddingComputeKernel, ShardingType
-
-    offloading = [EmbeddingComputeKernel.FUSED_UVM.value, EmbeddingComputeKernel.FUSED_UVM_CACHING.value]
-
-    class PlanningSharder(EmbeddingBagCollectionSharder):
-        def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-            kernels = list(super().compute_kernels(sharding_type, compute_device_type))
-            if (
-                EmbeddingComputeKernel.FUSED.value in kernels
-                and sharding_type != ShardingType.DATA_PARALLEL.value
-            ):
-                kernels += [k for k in offloading if k not in kernels]
-            return kernels
-
-    return PlanningSharder()
-
-
 def build(config: Dict[str, Any]):
     """``(planner, module, sharders)`` for a parsed config; ``ConfigError`` names what is wrong."""
     import torch
 
     from shardkit.modules import EmbeddingBagCollection, FusedOptimizerConfig, OptimType
     from shardkit.planner import EmbeddingShardingPlanner
+    from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
 
     _unknown(config, TOP_KEYS, "config")
     for key in ("tables", "world_size", "memory_per_rank"):
@@ -350,7 +329,7 @@ def build(config: Dict[str, Any]):
     except (ValueError, KeyError) as err:
         raise ConfigError(f"tables: {err}") from None
     planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=constraints)
-    return planner, module, [_planning_sharder()]
+    return planner, module, [EmbeddingBagCollectionSharder()]
 
 
 def run(args) -> int:

@@ -151,7 +151,12 @@ class EmbeddingCollectionSharder(BaseEmbeddingSharder[EmbeddingCollection]):
         device: Optional[torch.device] = None,
     ) -> ShardedEmbeddingCollection:
         return ShardedEmbeddingCollection(
-            module, params, env, device, self.qcomm_codecs_registry, self.fused_optimizer_for(module)
+            module,
+            self.plan_with_cache_params(params),
+            env,
+            device,
+            self.qcomm_codecs_registry,
+            self.fused_optimizer_for(module),
         )
 
     def shardable_parameters(self, module: EmbeddingCollection) -> Dict[str, torch.Tensor]:

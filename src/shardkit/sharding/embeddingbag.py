@@ -206,7 +206,12 @@ class EmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]
         device: Optional[torch.device] = None,
     ) -> ShardedEmbeddingBagCollection:
         return ShardedEmbeddingBagCollection(
-            module, params, env, device, self.qcomm_codecs_registry, self.fused_optimizer_for(module)
+            module,
+            self.plan_with_cache_params(params),
+            env,
+            device,
+            self.qcomm_codecs_registry,
+            self.fused_optimizer_for(module),
         )
 
     def shardable_parameters(self, module: EmbeddingBagCollection) -> Dict[str, torch.Tensor]:

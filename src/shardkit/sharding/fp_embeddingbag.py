@@ -204,7 +204,7 @@ class FeatureProcessedEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharde
     ) -> ShardedFeatureProcessedEmbeddingBagCollection:
         return ShardedFeatureProcessedEmbeddingBagCollection(
             module,
-            params,
+            self.plan_with_cache_params(params),
             env,
             device,
             self.qcomm_codecs_registry,

@@ -18,6 +18,7 @@ from torch import nn
 
 from shardkit.distributed.codecs import QuantizedCommCodecs
 from shardkit.modules import FusedOptimizerConfig, OptimType
+from shardkit.sharding.cache_params import FUSED_PARAMS_KEYS, cache_params_from_fused_params
 from shardkit.sharding.types import ModuleSharder
 from shardkit.sharding.utils import merge_fused_params, optimizer_type_to_emb_opt_type
 
@@ -52,10 +53,14 @@ def fused_optimizer_config(fused_params: Optional[Dict[str, Any]]) -> Optional[F
     Keys: ``optimizer`` (an ``OptimType``, fbgemm's ``EmbOptimType`` or its name, a ``torch.optim``
     class with a fused equivalent, or ``shardkit.optim.RowWiseAdagrad``), ``lr`` (alias
     ``learning_rate``), ``eps``, ``betas`` (or ``beta1`` / ``beta2``), ``initial_accumulator_value``;
-    ``weight_decay`` / ``lr_decay`` / ``momentum`` only at 0 (the fused kernels have none). Anything
+    ``weight_decay`` / ``lr_decay`` / ``momentum`` only at 0 (the fused kernels have none). The cache
+    keys of the offloading kernels (``cache_load_factor``, ``cache_algorithm``, ... :
+    ``shardkit.sharding.cache_params.FUSED_PARAMS_KEYS``) are read by the sharders, not here. Anything
     else is a ``ValueError`` that names the key.
     """
     params = merge_fused_params(fused_params)
+    for key in (*FUSED_PARAMS_KEYS, "cache_params"):  # the offloading kernels' cache options
+        params.pop(key, None)
     if not params:
         return None
     if "optimizer" not in params:
@@ -116,6 +121,7 @@ class FusedParamsSharder(ModuleSharder[M]):
     ) -> None:
         super().__init__(qcomm_codecs_registry)
         fused_optimizer_config(fused_params)
+        cache_params_from_fused_params(fused_params)  # a bad cache key fails here too
         self._fused_params = fused_params
 
     @property

@@ -9,6 +9,7 @@ directory can hold every offloaded shard of this rank.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, Optional
 
 from shardkit.kernels.offload import OffloadSpec
@@ -19,7 +20,13 @@ from shardkit.kernels.offload.backing_store import (
     field_specs,
 )
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig, _state_shapes
-from shardkit.sharding.types import EmbeddingComputeKernel, ParameterSharding, ShardingType
+from shardkit.sharding.cache_params import cache_params_from_fused_params
+from shardkit.sharding.types import (
+    EmbeddingComputeKernel,
+    EmbeddingModuleShardingPlan,
+    ParameterSharding,
+    ShardingType,
+)
 
 OFFLOAD_KINDS = {
     EmbeddingComputeKernel.FUSED_UVM.value: "uvm",
@@ -67,6 +74,22 @@ def offload_spec(table: str, sharding: ParameterSharding, data_type: Any = None)
     )
 
 
+def with_fused_cache_params(
+    plan: EmbeddingModuleShardingPlan, fused_params: Optional[Dict[str, Any]]
+) -> EmbeddingModuleShardingPlan:
+    """``plan`` with each offloaded table's ``cache_params`` completed from the sharder's ``fused_params``
+    cache keys (``cache_load_factor``, ``cache_algorithm``, ...; the plan's own fields win, as torchrec's
+    ``add_params_from_parameter_sharding``). The caller's plan is not modified."""
+    if not fused_params:
+        return plan
+    out = type(plan)(plan)  # a copy of the same mapping type (EmbeddingModuleShardingPlan or dict)
+    for name, sharding in plan.items():
+        if sharding.compute_kernel in OFFLOAD_KINDS:
+            merged = cache_params_from_fused_params(fused_params, sharding.cache_params)
+            out[name] = dataclasses.replace(sharding, cache_params=merged)
+    return out
+
+
 def check_offload_space(shards: Dict[str, tuple], fused_optimizer: Optional[FusedOptimizerConfig]) -> None:
     """OSError naming the directory and the bytes needed if the offloaded shards of this rank do not fit.
 
@@ -81,4 +104,10 @@ def check_offload_space(shards: Dict[str, tuple], fused_optimizer: Optional[Fuse
         check_directory(directory, total)
 
 
-__all__ = ["DEFAULT_LOAD_FACTOR", "OFFLOAD_KINDS", "check_offload_space", "offload_spec"]
+__all__ = [
+    "DEFAULT_LOAD_FACTOR",
+    "OFFLOAD_KINDS",
+    "check_offload_space",
+    "offload_spec",
+    "with_fused_cache_params",
+]

@@ -40,7 +40,7 @@ from shardkit.sharding.embedding_sharding import (
 )
 from shardkit.sharding.fused_optimizer_config import FusedParamsSharder, resolve_fused_optimizer
 from shardkit.sharding.kjt_list import KJTList
-from shardkit.sharding.offload_plan import check_offload_space
+from shardkit.sharding.offload_plan import check_offload_space, with_fused_cache_params
 from shardkit.sharding.sharded_module_state import ShardedFusedOptimizer, TableStates
 from shardkit.sharding.types import (
     EmbeddingComputeKernel,
@@ -576,7 +576,8 @@ def _tables_from_state_dict(
 class BaseEmbeddingSharder(FusedParamsSharder[M]):
     """What the embedding collections' sharders share: every sharding type; FUSED or DENSE kernels
     (a FUSED data-parallel table all-reduces its gradient rows before its fused optimizer steps, see
-    ``shardkit.sharding.replicated_fused_lookup``; a DENSE one is averaged by the data-parallel wrapper).
+    ``shardkit.sharding.replicated_fused_lookup``; a DENSE one is averaged by the data-parallel wrapper),
+    and the offloading FUSED_UVM / FUSED_UVM_CACHING for the other types (docs/offload.md).
 
     Args (torchrec's order):
         fused_params: the fused optimizer of a collection built without one and without an
@@ -594,7 +595,18 @@ class BaseEmbeddingSharder(FusedParamsSharder[M]):
         return [t.value for t in ShardingType if t is not ShardingType.GRID_SHARD]
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value]
+        kernels = [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value]
+        if sharding_type != ShardingType.DATA_PARALLEL.value:  # a replica stays in memory
+            kernels += [
+                EmbeddingComputeKernel.FUSED_UVM.value,
+                EmbeddingComputeKernel.FUSED_UVM_CACHING.value,
+            ]
+        return kernels
+
+    def plan_with_cache_params(self, params: EmbeddingModuleShardingPlan) -> EmbeddingModuleShardingPlan:
+        """``params`` with the offloaded tables' cache options completed from ``fused_params``' cache keys
+        (``cache_load_factor``, ``cache_algorithm``, ``prefetch_pipeline``, ``offload_dir``, ...)."""
+        return with_fused_cache_params(params, self._fused_params)
 
 
 __all__ = [
