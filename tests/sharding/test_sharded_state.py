@@ -316,7 +316,7 @@ def _wrong_inputs():
     target = [torch.zeros(layout.local_shape(md)) for md in skewed.local_metadata(rank)]
     if rank == 1:  # rank 0 holds only an empty shard: nothing to find
         with pytest.raises(
-            ValueError, match=r"table 'item': the state value on rank 1 has no piece at offsets"
+            ValueError, match=r"table 'item': the state value on rank 1 does not cover the piece at offsets"
         ):
             load_state_value(value, target, skewed)
     load_state_value(full, target, skewed)  # a plain tensor is the whole table

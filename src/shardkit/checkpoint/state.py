@@ -22,6 +22,7 @@ were until every rank has read everything.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -32,6 +33,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor
 
 from shardkit.checkpoint.manifest import CheckpointError
+from shardkit.kernels.offload.backing_store import file_backed_copy, store_of
 from shardkit.modules.optimizer_facade import OptimizerFacade
 from shardkit.optim.keyed_optimizer import KeyedOptimizer
 
@@ -290,16 +292,26 @@ def apply_state(model: nn.Module, optimizers: Any, state: Dict[str, Any]) -> Non
             load_optimizer_state(opt, state["optim"][k], names, k)
 
 
+def _staged(tensor: torch.Tensor) -> torch.Tensor:
+    """A new copy of ``tensor``: in RAM, or, for a piece of an offloaded table's backing file, in a
+    scratch file next to it (copied in row chunks): staging never holds an offloaded table in RAM."""
+    store = store_of(tensor)
+    if store is None:
+        return tensor.detach().clone()
+    return file_backed_copy(tensor.detach(), os.path.dirname(store.path) if store.path else None)
+
+
 def staging_copy(value: Any) -> Any:
     """A copy of a (nested) state dict whose tensors are new: DTensor / ShardedTensor keep their
-    placements with cloned local shards; other values are shared (``dcp.load`` replaces them)."""
+    placements with copied local shards (pieces of offloaded tables copied into scratch files, not
+    RAM); other values are shared (``dcp.load`` replaces them)."""
     if isinstance(value, Mapping):
         return {k: staging_copy(v) for k, v in value.items()}
     if isinstance(value, list):
         return [staging_copy(v) for v in value]
     if isinstance(value, DTensor):
         return DTensor.from_local(
-            value.to_local().clone(),
+            _staged(value.to_local()),
             value.device_mesh,
             value.placements,
             run_check=False,
@@ -307,10 +319,10 @@ def staging_copy(value: Any) -> Any:
             stride=value.stride(),
         )
     if isinstance(value, ShardedTensor):
-        shards = [TorchShard(s.tensor.clone(), s.metadata) for s in value.local_shards()]
+        shards = [TorchShard(_staged(s.tensor), s.metadata) for s in value.local_shards()]
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, value.metadata())
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return _staged(value)
     return value
 
 

@@ -26,6 +26,7 @@ from shardkit.modules.optimizer_facade import LearningRateGroup, OptimizerFacade
 from shardkit.sharding.embedding_sharding import ShardedTable
 from shardkit.sharding.sharded_state import full_table, load_full_table, load_state_value, to_state_value
 from shardkit.sharding.sharding_spec import ShardMetadata
+from shardkit.sharding.state_chunks import chunked_layout, chunked_local
 from shardkit.sharding.state_layout import ShardLayout, row_state_layout, table_layout
 from shardkit.sharding.types import EmbeddingComputeKernel, EmbeddingModuleShardingPlan
 
@@ -94,11 +95,21 @@ class TableStates:
             for piece, md in zip(self.pieces[name], layout.local_metadata(self.rank))
         ]
 
+    def streamed(self, name: str, pieces: List[torch.Tensor], layout: ShardLayout, dtype: torch.dtype):
+        """``(pieces, layout)`` as a state value holds them: an offloaded table's cut into row chunks
+        (``state_chunks``: a checkpoint streams it), any other table's unchanged."""
+        if self.tables[name].offload is None:
+            return pieces, layout
+        return chunked_local(pieces, layout, self.rank, dtype), chunked_layout(layout, dtype)
+
     def state_value(self, name: str):
-        return to_state_value(self.weights(name), self.layouts[name], self.tables[name].config.dtype)
+        dtype = self.tables[name].config.dtype
+        pieces, layout = self.streamed(name, self.weights(name), self.layouts[name], dtype)
+        return to_state_value(pieces, layout, dtype)
 
     def load_value(self, name: str, value) -> None:
-        load_state_value(value, self.weights(name), self.layouts[name])
+        dtype = self.tables[name].config.dtype
+        load_state_value(value, *self.streamed(name, self.weights(name), self.layouts[name], dtype))
 
     def full(self, name: str, dst: Optional[int] = None) -> Optional[torch.Tensor]:
         return full_table(self.weights(name), self.layouts[name], dst)
@@ -200,7 +211,7 @@ class ShardedFusedOptimizer(OptimizerFacade):
         for table in self._tables:
             entry: Dict[str, Any] = {} if step is None else {"step": step}
             for name in self._kinds:
-                pieces, layout = self._local(table, name)
+                pieces, layout = self._states.streamed(table, *self._local(table, name), torch.float32)
                 entry[name] = to_state_value(pieces, layout, torch.float32)
             state[table] = entry
         return {"state": state, "lr": self.lr}
@@ -247,7 +258,7 @@ class ShardedFusedOptimizer(OptimizerFacade):
         steps = {int(tables[t]["step"]) for t in self._tables if "step" in tables[t]}
         for table in self._tables:
             for name in self._kinds:
-                pieces, layout = self._local(table, name)
+                pieces, layout = self._states.streamed(table, *self._local(table, name), torch.float32)
                 load_state_value(tables[table][name], pieces, layout)
         if steps:
             step = steps.pop()

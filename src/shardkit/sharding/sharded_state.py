@@ -192,10 +192,11 @@ def load_state_value(
 ) -> None:
     """Copy ``value`` into this rank's ``local_shards`` (in place); for ``load_state_dict``.
 
-    ``value`` is a DTensor / ShardedTensor whose local pieces include every non-empty local shard at
-    the same offsets and sizes (e.g. one made by :func:`to_state_value` from the same layout, and
-    filled by ``dcp.load``), a replicated DTensor, or a plain tensor holding the whole table. Raises
-    ``ValueError`` naming the table when the global shape differs or a shard is missing.
+    ``value`` is a DTensor / ShardedTensor whose local pieces together cover every non-empty local
+    shard (e.g. one made by :func:`to_state_value` from the same layout, and filled by ``dcp.load``;
+    the pieces may be cut differently, as an offloaded table's row chunks are), a replicated DTensor,
+    or a plain tensor holding the whole table. Raises ``ValueError`` naming the table when the global
+    shape differs or part of a shard is missing.
     """
     rank, _ = _world()
     # ShardedTensor.shape would go through its deprecated __torch_function__ (a FutureWarning)
@@ -216,17 +217,37 @@ def load_state_value(
         for view, md in zip(_global_views(local_shards, layout), layout.local_metadata(rank)):
             if _volume(md) == 0:
                 continue
-            source = [
-                t for offsets, t in chunks if offsets == tuple(md.shard_offsets) and t.shape == view.shape
-            ]
-            if not source:
+            if _copy_overlaps(view, md, chunks) != _volume(md):
                 raise ValueError(
-                    f"table {layout.name!r}: the state value on rank {rank} has no piece at offsets "
-                    f"{md.shard_offsets} of sizes {md.shard_sizes} "
+                    f"table {layout.name!r}: the state value on rank {rank} does not cover the piece at "
+                    f"offsets {md.shard_offsets} of sizes {md.shard_sizes} "
                     f"(it has {[(list(o), list(t.shape)) for o, t in chunks]}); "
                     f"load the checkpoint with dcp.load into this module's state_dict, or pass the full table"
                 )
-            view.copy_(source[0])
+
+
+def _copy_overlaps(view: torch.Tensor, md: ShardMetadata, chunks) -> int:
+    """Copy into ``view`` (shard ``md``) the part of each local chunk that overlaps it; the number of
+    elements copied. The chunks of one value do not overlap each other, so ``view`` is covered when
+    that number is its volume: a value cut differently from the layout (an offloaded table's row chunks,
+    ``state_chunks``, against an in-memory table's shards, or back) loads as well as one cut alike."""
+    copied = 0
+    for offsets, tensor in chunks:
+        if tensor.dim() != view.dim():
+            continue
+        target, source, volume = [], [], 1
+        for o, size, p, length in zip(md.shard_offsets, md.shard_sizes, offsets, tensor.shape):
+            lo, hi = max(int(o), int(p)), min(int(o) + int(size), int(p) + int(length))
+            if hi <= lo:
+                volume = 0
+                break
+            target.append(slice(lo - int(o), hi - int(o)))
+            source.append(slice(lo - int(p), hi - int(p)))
+            volume *= hi - lo
+        if volume:
+            view[tuple(target)].copy_(tensor[tuple(source)])
+            copied += volume
+    return copied
 
 
 def load_full_table(

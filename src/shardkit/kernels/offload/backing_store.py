@@ -23,6 +23,7 @@ interface.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import mmap
 import os
@@ -153,6 +154,13 @@ class BackingStore:
         self.tensors = tensors
         self.path = path
         self._mapping = mapping
+        self._base = 0
+        if mapping is not None:
+            # the mapping's address, to tell which tensors alias it (store_of) and to alias them (alias)
+            probe = ctypes.c_char.from_buffer(mapping)
+            self._base = ctypes.addressof(probe)
+            del probe  # releases the buffer export again
+            _live_stores.add(self)
         if path is not None:
             # the mapping stays valid after the unlink: the tensors never dangle, the file goes at exit
             self._finalizer = weakref.finalize(self, _remove_quietly, path)
@@ -229,6 +237,28 @@ class BackingStore:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def contains(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory lies in this store's mapped file."""
+        if self._mapping is None or tensor.device.type != "cpu" or tensor.numel() == 0:
+            return False
+        start = tensor.data_ptr()
+        return self._base <= start and start + tensor.nbytes <= self._base + len(self._mapping)
+
+    def alias(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor on the same file pages as ``tensor`` (a contiguous view of one of the fields) whose
+        storage is exactly its own bytes: no copy. ``torch.distributed.checkpoint`` clones a tensor whose
+        storage is larger than the tensor before writing it (a row slice of a field is such a view), and
+        keeps what it wrote until the file is complete: a checkpoint of a shard would hold a copy of it in
+        RAM. An alias is written straight from the mapped file."""
+        if tensor.numel() == 0 or not self.contains(tensor):
+            return tensor
+        if not tensor.is_contiguous():
+            raise ValueError(f"backing file {self.path!r}: only a contiguous view can be aliased")
+        flat = torch.frombuffer(
+            self._mapping, dtype=tensor.dtype, count=tensor.numel(), offset=tensor.data_ptr() - self._base
+        )
+        return flat.view(tensor.shape)
+
     def drop_resident(self) -> None:
         """Unmap the pages this process touched (they stay in the page cache, dirty ones reach the file)."""
         if self._mapping is not None:
@@ -240,7 +270,8 @@ class BackingStore:
             self._mapping.flush()
 
     def close(self) -> None:
-        """Remove the file this store created (its tensors stay readable until they are dropped)."""
+        """Remove the file this store created (its tensors stay readable and writable until they are
+        dropped)."""
         if self.path is not None and getattr(self, "_finalizer", None) is not None:
             self._finalizer()
 
@@ -260,6 +291,44 @@ def _mapped(fd: int, size: int) -> mmap.mmap:
     if advice is not None:
         mapping.madvise(advice)
     return mapping
+
+
+_live_stores: weakref.WeakSet[BackingStore] = weakref.WeakSet()
+
+
+def store_of(tensor: torch.Tensor) -> Optional[BackingStore]:
+    """The live file-backed store whose mapping holds ``tensor``'s memory, or None (an ordinary tensor)."""
+    for store in list(_live_stores):
+        if store.contains(tensor):
+            return store
+    return None
+
+
+def file_backed_copy(
+    tensor: torch.Tensor, directory: Optional[str], chunk_bytes: int = 64 << 20
+) -> torch.Tensor:
+    """A copy of ``tensor`` in a new scratch backing file in ``directory``, copied ``chunk_bytes`` at a
+    time with both files' pages unmapped between chunks: the copy never holds ``tensor`` in RAM. The
+    file is unlinked at once (the mapping lives as long as the returned tensor). Raises OSError naming
+    the directory and the bytes needed if it cannot hold the copy."""
+    scratch = BackingStore.create(
+        {"data": (tuple(tensor.shape), tensor.dtype)}, {"scratch": "copy"}, directory, "scratch"
+    )
+    scratch.close()  # unlinked now: nothing is left behind, whatever happens to this process
+    out = scratch.tensors["data"]
+    source = store_of(tensor)
+    if tensor.dim() == 0 or tensor.numel() == 0:
+        out.copy_(tensor)
+        return out
+    row_bytes = max(1, tensor[0].numel() * tensor.element_size())
+    step = max(1, chunk_bytes // row_bytes)
+    with torch.no_grad():
+        for start in range(0, tensor.size(0), step):
+            out[start : start + step].copy_(tensor[start : start + step])
+            scratch.drop_resident()
+            if source is not None:
+                source.drop_resident()
+    return out
 
 
 def _map_fields(mapping: mmap.mmap, fields: Mapping[str, FieldSpec]) -> Dict[str, torch.Tensor]:

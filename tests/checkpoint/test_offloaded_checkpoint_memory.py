@@ -1,0 +1,116 @@
+"""Checkpoints of an offloaded table stream it: the table is never held in anonymous memory (RAM).
+
+One rank, one ``fused_uvm_caching`` table of 192 MiB (plus its row-wise Adagrad state) in a backing file.
+The worker caps its own *data* memory with ``RLIMIT_DATA`` (private writable mappings: heap and
+anonymous memory; mapped files such as the backing file do not count) at what it uses after building
+the module plus 64 MiB, a third of the table. A copy of the table then fails to allocate (checked first:
+the cap bites), so any save or load that materializes a shard whole in RAM fails deterministically.
+Under the cap: ``shardkit.checkpoint.save`` and ``load`` (staging included) and raw ``dcp.save`` /
+``dcp.load`` of the state dicts, each exact (compared piece by piece, in chunks). Memory numbers, no
+timings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from shardkit import checkpoint
+from shardkit.distributed.sharding_env import ShardingEnv
+from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig, OptimType
+from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
+from shardkit.sharding.sharding_plan import construct_module_sharding_plan, table_wise
+from shardkit.testing import run_world
+
+ROWS, DIM = 3 << 18, 64  # 786,432 x 64 fp32 = 192 MiB
+BUDGET = 64 << 20
+CHUNK_ROWS = 1 << 15
+
+
+def _vm_data() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmData:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmData in /proc/self/status")
+
+
+def _module(root: str, seed: int):
+    torch.manual_seed(seed)
+    tables = [
+        EmbeddingBagConfig(ROWS, DIM, name="big", feature_names=["f_big"]),
+        EmbeddingBagConfig(100, DIM, name="small", feature_names=["f_small"]),
+    ]
+    fused = FusedOptimizerConfig(OptimType.ROWWISE_ADAGRAD, lr=0.1)
+    ebc = EmbeddingBagCollection(tables, fused_optimizer=fused, device="meta")
+    plan = construct_module_sharding_plan(ebc, {"big": table_wise(rank=0), "small": table_wise(rank=0)})
+    cache = SimpleNamespace(load_factor=0.001, algorithm="lru", prefetch_pipeline=False, offload_dir=root)
+    plan = {
+        n: dataclasses.replace(p, compute_kernel="fused_uvm_caching", cache_params=cache)
+        for n, p in plan.items()
+    }
+    env = ShardingEnv.from_process_group(None)
+    module = EmbeddingBagCollectionSharder().shard(ebc, plan, env, device=torch.device("cpu"))
+    # some optimizer state that is not zero
+    module.fused_optimizer.state_dict()["state"]["big"]["sum"].local_shards()[0].tensor.fill_(0.5)
+    return module
+
+
+def _pieces(module) -> list:
+    """Every local tensor of the state values (aliases of the backing files: no copy)."""
+    out = [s.tensor for v in module.state_dict().values() for s in v.local_shards()]
+    for state in module.fused_optimizer.state_dict()["state"].values():
+        out += [s.tensor for s in state["sum"].local_shards()]
+    return out
+
+
+def _same(a, b) -> bool:
+    """Piece by piece, ``CHUNK_ROWS`` rows at a time (no whole copy)."""
+    pairs = list(zip(_pieces(a), _pieces(b)))
+    return all(
+        x.shape == y.shape
+        and all(
+            torch.equal(x[i : i + CHUNK_ROWS], y[i : i + CHUNK_ROWS]) for i in range(0, x.size(0), CHUNK_ROWS)
+        )
+        for x, y in pairs
+    )
+
+
+def _capped(root: str) -> dict:
+    source = _module(root, 0)
+    target = _module(root, 1)
+    assert not _same(source, target)
+    optim = {"fused": source.fused_optimizer}
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (_vm_data() + BUDGET, hard))
+    try:
+        with pytest.raises(RuntimeError, match="can't allocate memory"):
+            torch.empty(ROWS, DIM).fill_(1)  # the cap bites: a copy of the table does not fit
+        checkpoint.save(os.path.join(root, "ckpt"), source, optim)
+        checkpoint.load(os.path.join(root, "ckpt"), target, {"fused": target.fused_optimizer})
+        loaded = _same(source, target)
+        other = target
+        for piece in _pieces(other):  # forget what the load wrote, a chunk at a time
+            for i in range(0, piece.size(0), CHUNK_ROWS):
+                piece[i : i + CHUNK_ROWS] = 0
+        raw = os.path.join(root, "raw")
+        dcp.save(
+            {"model": source.state_dict(), "optim": source.fused_optimizer.state_dict()}, checkpoint_id=raw
+        )
+        state = {"model": other.state_dict(), "optim": other.fused_optimizer.state_dict()}
+        dcp.load(state, checkpoint_id=raw)  # fills the state values, which alias the backing files
+        raw_loaded = _same(source, other)
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+    return {"loaded": loaded, "raw_loaded": raw_loaded}
+
+
+def test_offloaded_checkpoint_never_holds_the_table_in_ram(tmp_path):
+    result = run_world(_capped, 1, str(tmp_path), timeout=240)[0]
+    assert result["loaded"] and result["raw_loaded"]
