@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 
 from shardkit import checkpoint
 from shardkit.distributed.sharding_env import ShardingEnv
+from shardkit.kernels.offload.backing_store import BackingStore
 from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig, OptimType
 from shardkit.sharding import state_chunks
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
@@ -170,10 +171,28 @@ def _at_three(root: str, saved: dict, uninterrupted: dict) -> bool:
 
 
 def _at_one(root: str, saved: dict) -> bool:
+    scratch_files = []
+    create = BackingStore.create.__func__
+
+    def counting(cls, fields, identity, directory=None, name="table"):
+        scratch_files.extend([name] if name == "scratch" else [])
+        return create(cls, fields, identity, directory, name)
+
     for kernel, seed in (("fused_uvm", 5), ("fused", 6)):
         model = sharded(kernel, seed, root)
-        checkpoint.load(os.path.join(root, "c3"), model, _optim(model))
+        BackingStore.create = classmethod(counting)
+        try:
+            checkpoint.load(os.path.join(root, "c3"), model, _optim(model))
+        finally:
+            BackingStore.create = classmethod(create)
         assert_equal(everything(model), saved, f"3 -> 1 rank, {kernel}")
+        pieces = sum(len(v.local_shards()) for v in model.state_dict().values())
+        if kernel == "fused_uvm":
+            # staged in scratch files, one per state value (3 tables, 3 Adagrad sums), not per piece
+            assert pieces > 2 * len(TABLES) and len(scratch_files) == 2 * len(TABLES), (pieces, scratch_files)
+        else:
+            assert not scratch_files, scratch_files  # an in-memory model stages in RAM
+        scratch_files.clear()
     return True
 
 

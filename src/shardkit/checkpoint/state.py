@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor
 
 from shardkit.checkpoint.manifest import CheckpointError
-from shardkit.kernels.offload.backing_store import file_backed_copy, store_of
+from shardkit.kernels.offload.backing_store import file_backed_copies, store_of
 from shardkit.modules.optimizer_facade import OptimizerFacade
 from shardkit.optim.keyed_optimizer import KeyedOptimizer
 
@@ -292,13 +292,20 @@ def apply_state(model: nn.Module, optimizers: Any, state: Dict[str, Any]) -> Non
             load_optimizer_state(opt, state["optim"][k], names, k)
 
 
-def _staged(tensor: torch.Tensor) -> torch.Tensor:
-    """A new copy of ``tensor``: in RAM, or, for a piece of an offloaded table's backing file, in a
-    scratch file next to it (copied in row chunks): staging never holds an offloaded table in RAM."""
-    store = store_of(tensor)
-    if store is None:
-        return tensor.detach().clone()
-    return file_backed_copy(tensor.detach(), os.path.dirname(store.path) if store.path else None)
+def _staged(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """New copies of ``tensors`` (the local pieces of one value): in RAM, or, for pieces of an offloaded
+    table's backing file, in one scratch file next to it (copied in row chunks): staging never holds
+    an offloaded table in RAM."""
+    out = [t.detach() for t in tensors]
+    offloaded = [(i, store_of(t)) for i, t in enumerate(out)]
+    offloaded = [(i, s) for i, s in offloaded if s is not None]
+    if offloaded:
+        directory = os.path.dirname(offloaded[0][1].path) if offloaded[0][1].path else None
+        copies = file_backed_copies([out[i] for i, _ in offloaded], directory)
+        for (i, _), copy in zip(offloaded, copies):
+            out[i] = copy
+    done = {i for i, _ in offloaded}
+    return [t if i in done else t.clone() for i, t in enumerate(out)]
 
 
 def staging_copy(value: Any) -> Any:
@@ -311,7 +318,7 @@ def staging_copy(value: Any) -> Any:
         return [staging_copy(v) for v in value]
     if isinstance(value, DTensor):
         return DTensor.from_local(
-            _staged(value.to_local()),
+            _staged([value.to_local()])[0],
             value.device_mesh,
             value.placements,
             run_check=False,
@@ -319,10 +326,12 @@ def staging_copy(value: Any) -> Any:
             stride=value.stride(),
         )
     if isinstance(value, ShardedTensor):
-        shards = [TorchShard(_staged(s.tensor), s.metadata) for s in value.local_shards()]
+        local = value.local_shards()
+        copies = _staged([s.tensor for s in local])
+        shards = [TorchShard(copy, s.metadata) for copy, s in zip(copies, local)]
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, value.metadata())
     if isinstance(value, torch.Tensor):
-        return _staged(value)
+        return _staged([value])[0]
     return value
 
 

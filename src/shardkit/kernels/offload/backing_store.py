@@ -33,7 +33,7 @@ import tempfile
 import threading
 import uuid
 import weakref
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -304,30 +304,38 @@ def store_of(tensor: torch.Tensor) -> Optional[BackingStore]:
     return None
 
 
-def file_backed_copy(
-    tensor: torch.Tensor, directory: Optional[str], chunk_bytes: int = 64 << 20
-) -> torch.Tensor:
-    """A copy of ``tensor`` in a new scratch backing file in ``directory``, copied ``chunk_bytes`` at a
-    time with both files' pages unmapped between chunks: the copy never holds ``tensor`` in RAM. The
-    file is unlinked at once (the mapping lives as long as the returned tensor). Raises OSError naming
-    the directory and the bytes needed if it cannot hold the copy."""
-    scratch = BackingStore.create(
-        {"data": (tuple(tensor.shape), tensor.dtype)}, {"scratch": "copy"}, directory, "scratch"
-    )
+def file_backed_copies(
+    tensors: Sequence[torch.Tensor], directory: Optional[str], chunk_bytes: int = 64 << 20
+) -> List[torch.Tensor]:
+    """Copies of ``tensors`` (one dtype) in one new scratch backing file in ``directory``, each copied
+    ``chunk_bytes`` at a time with the files' pages unmapped between chunks: the copies never hold the
+    tensors in RAM, and one file (one mapping) serves them all however many pieces a table is cut into.
+    The file is unlinked at once (the mapping lives as long as the returned tensors). Raises OSError
+    naming the directory and the bytes needed if it cannot hold the copies."""
+    if not tensors:
+        return []
+    dtype = tensors[0].dtype
+    total = sum(t.numel() for t in tensors)
+    scratch = BackingStore.create({"data": ((total,), dtype)}, {"scratch": "copy"}, directory, "scratch")
     scratch.close()  # unlinked now: nothing is left behind, whatever happens to this process
-    out = scratch.tensors["data"]
-    source = store_of(tensor)
-    if tensor.dim() == 0 or tensor.numel() == 0:
-        out.copy_(tensor)
-        return out
-    row_bytes = max(1, tensor[0].numel() * tensor.element_size())
-    step = max(1, chunk_bytes // row_bytes)
-    with torch.no_grad():
-        for start in range(0, tensor.size(0), step):
-            out[start : start + step].copy_(tensor[start : start + step])
-            scratch.drop_resident()
-            if source is not None:
-                source.drop_resident()
+    flat, out, at = scratch.tensors["data"], [], 0
+    for tensor in tensors:
+        if tensor.dtype != dtype:
+            raise ValueError(f"file_backed_copies: tensors of dtypes {dtype} and {tensor.dtype}")
+        target = flat[at : at + tensor.numel()].view(tensor.shape)
+        at += tensor.numel()
+        out.append(target)
+        if tensor.dim() == 0 or tensor.numel() == 0:
+            target.copy_(tensor)
+            continue
+        source = store_of(tensor)
+        step = max(1, chunk_bytes // max(1, tensor[0].numel() * tensor.element_size()))
+        with torch.no_grad():
+            for row in range(0, tensor.size(0), step):
+                target[row : row + step].copy_(tensor[row : row + step])
+                scratch.drop_resident()
+                if source is not None:
+                    source.drop_resident()
     return out
 
 
