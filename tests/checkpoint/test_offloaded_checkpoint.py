@@ -142,6 +142,15 @@ def _at_two(root: str):
     in_memory = sharded("fused", 1)
     checkpoint.load(os.path.join(root, "c2"), in_memory, _optim(in_memory))
     assert_equal(everything(in_memory), saved, "offloaded -> fused at 2 ranks")
+    # plain load_state_dict between values cut differently (row pieces <-> plan shards), both ways
+    copied = sharded("fused_uvm", 3, root)
+    copied.load_state_dict(in_memory.state_dict())
+    copied.fused_optimizer.load_state_dict(in_memory.fused_optimizer.state_dict())
+    assert_equal(everything(copied), saved, "load_state_dict: fused -> fused_uvm")
+    back = sharded("fused", 4)
+    back.load_state_dict(copied.state_dict())
+    back.fused_optimizer.load_state_dict(copied.fused_optimizer.state_dict())
+    assert_equal(everything(back), saved, "load_state_dict: fused_uvm -> fused")
     train(in_memory, range(STEPS, 2 * STEPS))
     assert_equal(everything(in_memory), uninterrupted, "continued after the load")
 
@@ -227,6 +236,40 @@ def test_rank_killed_mid_step_then_restart_from_checkpoint_is_exact(tmp_path):
     with pytest.raises(WorldError, match="rank 1 ---\nworker process died"):
         run_world(_killed_mid_step, 2, root, timeout=120, env={"SHARDKIT_TIMEOUT": "10"})
     assert all(run_world(_restarted, 2, root, timeout=300))
+
+
+def _dmp_round_trip(root: str) -> bool:
+    """DistributedModelParallel with offloaded tables (evicting cache) trained through the pipeline,
+    saved, loaded into an in-memory DMP: every shard's weights and fused optimizer state equal."""
+    from tests.pipeline import test_offloaded_pipeline as offloaded_pipeline
+    from tests.pipeline import test_zero_sample_pipeline as base
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    reference = base._ebc()
+    source = offloaded_pipeline._dmp(reference, "fused_uvm_caching", False, world_size)
+    pipeline = offloaded_pipeline._pipeline(source, offloaded_pipeline.TrainPipelineSparseDist)
+    data = base._Data(rank, world_size, 6)
+    for _ in range(6):
+        pipeline.progress(data)
+    checkpoint.save(os.path.join(root, "dmp"), source, {"fused": source.fused_optimizer})
+    target = offloaded_pipeline._dmp(reference, "fused", False, world_size)
+    checkpoint.load(os.path.join(root, "dmp"), target, {"fused": target.fused_optimizer})
+    got, want = target.module.ebc, source.module.ebc
+    assert want.cache_stats() and all(s["evictions"] > 0 for s in want.cache_stats().values())
+    for key, weight in want.local_shards().items():
+        assert torch.equal(got.local_shards()[key], weight), key
+    loaded = got.fused_optimizer.state_dict()["state"]
+    for table, state in want.fused_optimizer.state_dict()["state"].items():
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(_full(loaded[table][name]), _full(value)), (table, name)
+            else:
+                assert loaded[table][name] == value, (table, name)
+    return True
+
+
+def test_offloaded_dmp_checkpoint_loads_into_in_memory_dmp(tmp_path):
+    assert all(run_world(_small_chunks, 2, "_dmp_round_trip", str(tmp_path), timeout=300))
 
 
 def test_offloaded_checkpoints_across_kernels_worlds_and_plans(tmp_path):
