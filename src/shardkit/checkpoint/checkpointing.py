@@ -40,9 +40,10 @@ import uuid
 import warnings
 from typing import Any, Callable, List, Optional, TypeVar
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 
@@ -69,6 +70,7 @@ from shardkit.checkpoint.state import (
 )
 from shardkit.distributed.agreement import gather_objects, group_rank, group_size
 from shardkit.distributed.timeouts import ENV_VAR, is_timeout, silent_ranks
+from shardkit.kernels.offload.backing_store import store_of
 from shardkit.sharding.types import ShardingPlan
 
 T = TypeVar("T")
@@ -103,6 +105,25 @@ class _ExactLoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self):
         return create_default_local_load_plan(self.state_dict, self.metadata, True)
+
+
+class _StreamingSavePlanner(DefaultSavePlanner):
+    """DCP's save planner that unmaps the pages of an offloaded table's backing file that writing the
+    previous piece mapped into this process (they stay in the page cache): DCP writes one piece at a
+    time, so the process's resident memory grows by one piece (docs/checkpoint.md), not the table."""
+
+    _last = None
+
+    def resolve_data(self, write_item):
+        data = super().resolve_data(write_item)
+        self.release()
+        self._last = store_of(data) if isinstance(data, torch.Tensor) else None
+        return data
+
+    def release(self) -> None:
+        if self._last is not None:
+            self._last.drop_resident()
+            self._last = None
 
 
 @contextlib.contextmanager
@@ -243,12 +264,15 @@ def _save(path: str, model: nn.Module, optimizers: Any) -> None:
             raise CheckpointError(f"{tmp} is not visible here: checkpoint to a directory every rank shares")
 
     _agreed(_visible, "checking the temporary directory")
+    planner = _StreamingSavePlanner()
     try:
         with _quiet_dcp():
-            dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True))
+            dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True), planner=planner)
     # dcp raises CheckpointException (a BaseException) on every rank when a rank failed
     except (Exception, CheckpointException) as err:
         raise CheckpointError(f"writing checkpoint {path} failed: {str(err)[:4000]}") from err
+    finally:
+        planner.release()
     names = _agreed(lambda: sorted(os.listdir(tmp)), f"listing {tmp}")
     digests = _agreed(
         lambda: {n: file_digest(os.path.join(tmp, n)) for n in my_share(names, rank, world)}, "hashing"
