@@ -106,6 +106,14 @@ class _ExactLoadPlanner(DefaultLoadPlanner):
     def create_local_plan(self):
         return create_default_local_load_plan(self.state_dict, self.metadata, True)
 
+    def commit_tensor(self, read_item, tensor) -> None:
+        # a piece of an offloaded table was read into its scratch file: unmap those pages again, so
+        # that the resident set grows by about one piece, not the table (they stay in the page cache)
+        super().commit_tensor(read_item, tensor)
+        store = store_of(tensor)
+        if store is not None:
+            store.drop_resident()
+
 
 class _StreamingSavePlanner(DefaultSavePlanner):
     """DCP's save planner that unmaps the pages of an offloaded table's backing file that writing the

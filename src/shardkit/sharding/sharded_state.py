@@ -36,6 +36,7 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from shardkit.kernels.offload.backing_store import store_of
 from shardkit.sharding.sharding_spec import ShardMetadata
 from shardkit.sharding.state_dtensor import with_local_shards
 from shardkit.sharding.state_layout import ShardLayout
@@ -217,7 +218,9 @@ def load_state_value(
         for view, md in zip(_global_views(local_shards, layout), layout.local_metadata(rank)):
             if _volume(md) == 0:
                 continue
-            if _copy_overlaps(view, md, chunks) != _volume(md):
+            copied, sources = _copy_overlaps(view, md, chunks)
+            _drop_resident([view, *sources])
+            if copied != _volume(md):
                 raise ValueError(
                     f"table {layout.name!r}: the state value on rank {rank} does not cover the piece at "
                     f"offsets {md.shard_offsets} of sizes {md.shard_sizes} "
@@ -226,12 +229,21 @@ def load_state_value(
                 )
 
 
-def _copy_overlaps(view: torch.Tensor, md: ShardMetadata, chunks) -> int:
+def _drop_resident(tensors: Sequence[torch.Tensor]) -> None:
+    """Unmap from this process the pages of the backing files (an offloaded table's, or the scratch file
+    a checkpoint load staged it in) that copying between ``tensors`` touched: a table larger than
+    memory is loaded piece by piece with the resident set growing by about one piece."""
+    for store in {id(s): s for s in map(store_of, tensors) if s is not None}.values():
+        store.drop_resident()
+
+
+def _copy_overlaps(view: torch.Tensor, md: ShardMetadata, chunks) -> Tuple[int, List[torch.Tensor]]:
     """Copy into ``view`` (shard ``md``) the part of each local chunk that overlaps it; the number of
     elements copied. The chunks of one value do not overlap each other, so ``view`` is covered when
     that number is its volume: a value cut differently from the layout (an offloaded table's row chunks,
-    ``state_chunks``, against an in-memory table's shards, or back) loads as well as one cut alike."""
-    copied = 0
+    ``state_chunks``, against an in-memory table's shards, or back) loads as well as one cut alike.
+    Also returns the chunks that overlapped."""
+    copied, sources = 0, []
     for offsets, tensor in chunks:
         if tensor.dim() != view.dim():
             continue
@@ -247,7 +259,8 @@ def _copy_overlaps(view: torch.Tensor, md: ShardMetadata, chunks) -> int:
         if volume:
             view[tuple(target)].copy_(tensor[tuple(source)])
             copied += volume
-    return copied
+            sources.append(tensor)
+    return copied, sources
 
 
 def load_full_table(

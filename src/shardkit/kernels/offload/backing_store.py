@@ -319,10 +319,12 @@ def file_backed_copies(
     scratch = BackingStore.create({"data": ((total,), dtype)}, {"scratch": "copy"}, directory, "scratch")
     scratch.close()  # unlinked now: nothing is left behind, whatever happens to this process
     flat, out, at = scratch.tensors["data"], [], 0
+    flat.backing_store = scratch  # alive while the copies are: store_of finds it (drop_resident)
     for tensor in tensors:
         if tensor.dtype != dtype:
             raise ValueError(f"file_backed_copies: tensors of dtypes {dtype} and {tensor.dtype}")
         target = flat[at : at + tensor.numel()].view(tensor.shape)
+        target.backing_store = scratch
         at += tensor.numel()
         out.append(target)
         if tensor.dim() == 0 or tensor.numel() == 0:
