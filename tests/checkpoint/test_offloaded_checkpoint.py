@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,6 +29,7 @@ from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.kernels.offload.backing_store import BackingStore
 from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig, OptimType
 from shardkit.sharding import state_chunks
+from shardkit.sharding.cache_params import CacheParams
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
 from shardkit.sharding.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
 from shardkit.sparse import KeyedJaggedTensor
@@ -57,9 +57,7 @@ def sharded(kernel: str, seed: int, offload_dir=None, optimizer: OptimType = Opt
     configs = [EmbeddingBagConfig(rows, DIM, name=n, feature_names=[f"f_{n}"]) for n, rows in TABLES]
     ebc = EmbeddingBagCollection(configs, fused_optimizer=FusedOptimizerConfig(optimizer, lr=0.1))
     plan = construct_module_sharding_plan(ebc, _plan(dist.get_world_size()))
-    cache = SimpleNamespace(
-        load_factor=0.05, algorithm="lru", prefetch_pipeline=False, offload_dir=offload_dir
-    )
+    cache = CacheParams(load_factor=0.05, algorithm="lru", offload_dir=offload_dir)
     plan = {n: dataclasses.replace(p, compute_kernel=kernel, cache_params=cache) for n, p in plan.items()}
     return EmbeddingBagCollectionSharder().shard(ebc, plan, ShardingEnv.from_process_group(None))
 
