@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from shardkit.distributed.state import register_reset
 
 ENV_VAR = "SHARDKIT_VALIDATE"
@@ -43,6 +45,14 @@ def set_validation(enabled: bool) -> None:
 def validation_enabled() -> bool:
     """Whether validation that costs a collective / host sync runs (default on; see the module doc)."""
     return _ENABLED[0]
+
+
+def host_checks_enabled() -> bool:
+    """Whether a check that reads tensor contents on the host (an id range, a bag length) runs:
+    validation on, and not while ``torch.export`` / ``torch.compile`` traces (a host read of traced
+    values cannot be recorded into a program; the exported program relies on the indexing ops' own
+    bounds checks instead, see docs/export.md)."""
+    return _ENABLED[0] and not torch.compiler.is_compiling()
 
 
 def _reset_to_default() -> None:

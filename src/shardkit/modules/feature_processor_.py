@@ -14,7 +14,7 @@ from typing import Dict, Mapping, Optional
 import torch
 from torch import nn
 
-from shardkit.distributed.validation import validation_enabled
+from shardkit.distributed.validation import host_checks_enabled
 from shardkit.kernels import bag_of_each_id
 from shardkit.sparse import JaggedTensor, KeyedJaggedTensor
 
@@ -30,7 +30,7 @@ def positions_in_bags(offsets: torch.Tensor, num_ids: int) -> torch.Tensor:
 def check_bag_lengths(owner: str, feature: Optional[str], lengths: torch.Tensor, max_length: int) -> None:
     """ValueError if a bag of ``feature`` is longer than ``max_length`` (a host sync; skipped when
     validation is off, and then a too-long bag makes the weight gather fail)."""
-    if validation_enabled() and lengths.numel():
+    if host_checks_enabled() and lengths.numel():
         longest = int(lengths.max())
         if longest > max_length:
             which = "" if feature is None else f" of feature {feature!r}"

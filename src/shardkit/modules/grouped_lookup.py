@@ -17,7 +17,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from shardkit.distributed.validation import validation_enabled
+from shardkit.distributed.validation import host_checks_enabled
 from shardkit.modules.embedding_configs import BaseEmbeddingConfig, PoolingType
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig, SparseRowOptimizer
 from shardkit.modules.lookup_kernels import lookup
@@ -209,7 +209,7 @@ class GroupedEmbeddingLookup(nn.Module):
         if ids.is_meta or self.weight.is_meta:
             return self._meta_output(ids, bags_per_feature, batch_major)
         offsets = offsets.to(torch.int64)
-        if validation_enabled():
+        if host_checks_enabled():
             self._check_ids(ids.to(torch.int64), offsets, bag_bounds)
         bag_shift = self._bag_shift(ids.device, bags_per_feature) if any(self._shifts) else None
         bag_scale = self._mean_scale(offsets, bags_per_feature) if self._has_mean else None

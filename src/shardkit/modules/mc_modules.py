@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from shardkit.distributed.validation import validation_enabled
+from shardkit.distributed.validation import host_checks_enabled
 from shardkit.modules.mc_eviction import (
     DistanceLFU_EvictionPolicy,
     LFU_EvictionPolicy,
@@ -220,7 +220,7 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
     def check_ids(self, ids: torch.Tensor, what: str = "") -> None:
         """``ValueError`` naming the module if a preprocessed id is outside ``[0, input_hash_size)``
         or (a shard's module) outside its buckets. One host sync; skipped when validation is off."""
-        if not validation_enabled() or ids.numel() == 0:
+        if not host_checks_enabled() or ids.numel() == 0:
             return
         if ids.dtype != torch.int64:
             raise ValueError(f"{self._label}: ids{what} must be int64, got {ids.dtype}")

@@ -1,7 +1,9 @@
 """``torch.utils._pytree`` registration of the jagged types, so that tree utilities (``tree_map``,
 ``torch.export`` inputs, ...) see their tensors as leaves.
 
-Leaves: ``[values, weights, lengths, offsets]`` (a missing one is ``None``), as torchrec. The context
+Leaves: ``[values, weights, lengths, offsets]`` as torchrec (weights ``None`` when absent; lengths
+and offsets are both always given, the missing one computed: torchrec leaves it ``None``, which makes
+the tree spec depend on a cache). The context
 keeps what is not a tensor: nothing for a JaggedTensor; the keys, the stride and the
 ``stride_per_key_per_rank`` of a KeyedJaggedTensor (torchrec keeps the keys only; the variable batch
 is kept here so that a round trip gives the same tensor; inverse indices are not carried); the keys,
@@ -31,7 +33,9 @@ _FIELD_KEYS = [GetAttrKey(name) for name in ("_values", "_weights", "_lengths", 
 
 
 def _fields(t) -> Leaves:
-    return [t.values(), t.weights_or_none(), t.lengths_or_none(), t.offsets_or_none()]
+    # lengths and offsets both, always (the missing one computed, asynchronously): whether a tensor
+    # has its offsets cached must not change its tree spec, or an exported program would refuse it
+    return [t.values(), t.weights_or_none(), t.lengths(), t.offsets()]
 
 
 def _jt_unflatten(leaves: Leaves, context: None) -> JaggedTensor:

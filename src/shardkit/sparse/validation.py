@@ -94,7 +94,13 @@ def check_weights(owner: str, values: torch.Tensor, weights: Optional[torch.Tens
         return
     check_tensor(owner, "weights", weights)
     check_1d(owner, "weights", weights)
-    if weights.numel() != values.size(0):
+    count, expected = weights.numel(), values.size(0)
+    if not isinstance(count, int) or not isinstance(expected, int):
+        # torch.export: the sizes are symbols (weights built per key from unbacked per-key counts);
+        # a recorded runtime check instead of a guard the tracer cannot decide
+        torch._check(count == expected, lambda: f"{owner}: one weight per value is required")
+        return
+    if count != expected:
         raise ValueError(
             f"{owner}: weights has {weights.numel()} elements but values has {values.size(0)}; "
             "there must be one weight per value"
@@ -142,6 +148,10 @@ def segment_offsets_with_sync(
     tensor = offsets if offsets is not None else lengths
     if tensor.device.type == "meta":
         return _even_split_offsets(len(row_bounds) - 1, num_values)
+    if not validate and isinstance(num_values, int) and num_values == 0 and torch.compiler.is_compiling():
+        # torch.export of an input with no values (a zero-sample batch): every offset is 0, and
+        # reading them back would leave unbacked symbols that no output uses
+        return [0] * len(row_bounds)
     full = offsets.long() if offsets is not None else complete_cumsum(lengths.long())
     parts = [full[host_list_to_device(row_bounds, full.device)]]
     if validate:
