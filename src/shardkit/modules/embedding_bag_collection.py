@@ -10,6 +10,7 @@ import torch
 from shardkit.modules.embedding_configs import EmbeddingBagConfig
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig
 from shardkit.modules.grouped_tables import GroupedTablesModule
+from shardkit.modules.tracing import is_fx_proxy, traced_leaf
 from shardkit.sparse import KeyedJaggedTensor, KeyedTensor
 
 
@@ -62,6 +63,8 @@ class EmbeddingBagCollection(GroupedTablesModule):
         return self._is_weighted
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if is_fx_proxy(features):  # torch.fx: one leaf call (shardkit.modules.tracing)
+            return traced_leaf(self, features)
         if self._is_weighted and features.weights_or_none() is None:
             raise ValueError(
                 "EmbeddingBagCollection(is_weighted=True) needs a KeyedJaggedTensor with weights"

@@ -9,6 +9,7 @@ import torch
 from shardkit.modules.embedding_configs import EmbeddingConfig
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig
 from shardkit.modules.grouped_tables import GroupedTablesModule
+from shardkit.modules.tracing import is_fx_proxy, traced_leaf
 from shardkit.sparse import JaggedTensor, KeyedJaggedTensor
 
 
@@ -45,6 +46,8 @@ class EmbeddingCollection(GroupedTablesModule):
         return self._need_indices
 
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        if is_fx_proxy(features):  # torch.fx: one leaf call (shardkit.modules.tracing)
+            return traced_leaf(self, features)
         out: Dict[str, JaggedTensor] = {}
         names = iter(self._group_embedding_order)
         for lookup, kjt in zip(self.lookups, self._split_by_group(features)):

@@ -12,6 +12,7 @@ from shardkit.modules.feature_processor_ import (
     FeatureProcessorDictWrapper,
     FeatureProcessorsCollection,
 )
+from shardkit.modules.tracing import is_fx_proxy, refuse_script, traced_leaf
 from shardkit.sparse import KeyedJaggedTensor, KeyedTensor
 
 
@@ -58,7 +59,12 @@ class FeatureProcessedEmbeddingBagCollection(nn.Module):
             )
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if is_fx_proxy(features):  # torch.fx: one leaf call (shardkit.modules.tracing)
+            return traced_leaf(self, features)
         return self._embedding_bag_collection(self._processor_collection(features))
+
+    def __prepare_scriptable__(self) -> None:
+        refuse_script(self)
 
     def split(self) -> Tuple[FeatureProcessorsCollection, EmbeddingBagCollection]:
         """``(processors as one collection, the embedding bag collection)``, as torchrec."""

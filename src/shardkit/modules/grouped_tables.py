@@ -24,6 +24,7 @@ from shardkit.modules.fused_optimizer_state import FusedOptimizer
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig
 from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup, ShardSpec
 from shardkit.modules.table_view import TableView
+from shardkit.modules.tracing import refuse_script
 from shardkit.sparse import KeyedJaggedTensor
 
 
@@ -98,6 +99,9 @@ class GroupedTablesModule(nn.Module):
         setattr(self, state_prefix, nn.ModuleDict({t.name: TableView(self, t) for t in self._tables}))
         self.register_state_dict_post_hook(_tables_to_state_dict)
         self.register_load_state_dict_pre_hook(_tables_from_state_dict)
+
+    def __prepare_scriptable__(self) -> None:
+        refuse_script(self)  # TypeError naming torch.export / torch.fx (shardkit.modules.tracing)
 
     # ---- tables -------------------------------------------------------------------------------
 

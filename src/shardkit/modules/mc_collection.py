@@ -9,6 +9,7 @@ from torch import nn
 
 from shardkit.modules.embedding_configs import BaseEmbeddingConfig
 from shardkit.modules.mc_modules import ManagedCollisionModule
+from shardkit.modules.tracing import is_fx_proxy, refuse_script, traced_leaf
 from shardkit.sparse import JaggedTensor, KeyedJaggedTensor
 
 
@@ -57,6 +58,9 @@ class ManagedCollisionCollection(nn.Module):
     def embedding_configs(self) -> List[BaseEmbeddingConfig]:
         return list(self._embedding_configs)
 
+    def __prepare_scriptable__(self) -> None:
+        refuse_script(self)
+
     def feature_names(self) -> List[str]:
         return list(self._feature_names)
 
@@ -64,6 +68,8 @@ class ManagedCollisionCollection(nn.Module):
         return {t: m.buckets() for t, m in self._managed_collision_modules.items()}
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        if is_fx_proxy(features):  # torch.fx: one leaf call (shardkit.modules.tracing)
+            return traced_leaf(self, features)
         features = self.in_table_order(features)
         parts = features.split([len(self._table_to_features[c.name]) for c in self._embedding_configs])
         values: List[torch.Tensor] = []

@@ -23,6 +23,7 @@ from shardkit.modules.embedding_bag_collection import EmbeddingBagCollection
 from shardkit.modules.embedding_collection import EmbeddingCollection
 from shardkit.modules.mc_collection import ManagedCollisionCollection
 from shardkit.modules.mc_row_reset import reset_rows_
+from shardkit.modules.tracing import is_fx_proxy, refuse_script, traced_leaf
 from shardkit.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 
@@ -69,12 +70,17 @@ class BaseManagedCollisionEmbeddingCollection(nn.Module):
         """The embedding module's fused optimizer (``ValueError`` if it was built without one)."""
         return self._embedding_module.fused_optimizer
 
+    def __prepare_scriptable__(self) -> None:
+        refuse_script(self)
+
     def is_weighted(self) -> bool:
         return bool(getattr(self._embedding_module, "is_weighted", lambda: False)())
 
     def forward(
         self, features: KeyedJaggedTensor
     ) -> Tuple[Union[KeyedTensor, Dict[str, JaggedTensor]], Optional[KeyedJaggedTensor]]:
+        if is_fx_proxy(features):  # torch.fx: one leaf call (shardkit.modules.tracing)
+            return traced_leaf(self, features)
         remapped = self._managed_collision_collection(features)
         self.evictions_per_table = self._managed_collision_collection.evict()
         self._reset_evicted_rows(self.evictions_per_table)

@@ -31,6 +31,7 @@ from shardkit.modules import (
     FeatureProcessedEmbeddingBagCollection as FloatFeatureProcessedEmbeddingBagCollection,
 )
 from shardkit.modules.grouped_tables import GroupedTablesModule
+from shardkit.modules.tracing import is_fx_proxy, traced_leaf
 from shardkit.quant.data_types import QuantConfig, qconfig_output_dtype, quantized_data_types
 from shardkit.quant.quant_lookup import QuantGroupedEmbeddingLookup, quantize_into
 from shardkit.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
@@ -100,6 +101,8 @@ class _QuantTables:
 
 def _no_grad_forward(method):
     def forward(self, features: KeyedJaggedTensor):
+        if is_fx_proxy(features):  # torch.fx: one leaf call (shardkit.modules.tracing)
+            return traced_leaf(self, features)
         with torch.no_grad():
             return method(self, features)
 
