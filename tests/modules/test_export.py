@@ -35,6 +35,8 @@ from shardkit.quant import (
     QuantEmbeddingBagCollection,
     QuantEmbeddingCollection,
     QuantFeatureProcessedEmbeddingBagCollection,
+    QuantManagedCollisionEmbeddingBagCollection,
+    QuantManagedCollisionEmbeddingCollection,
 )
 from shardkit.sparse import KeyedJaggedTensor
 
@@ -139,6 +141,8 @@ MODULES: Dict[str, Callable[[], torch.nn.Module]] = {
     "quant_ebc": lambda: QuantEmbeddingBagCollection.from_float(EmbeddingBagCollection(_bag_tables())),
     "quant_ec": lambda: QuantEmbeddingCollection.from_float(EmbeddingCollection(_seq_tables())),
     "quant_fp_ebc": lambda: QuantFeatureProcessedEmbeddingBagCollection.from_float(_fp_dict()),
+    "quant_mc_ebc": lambda: QuantManagedCollisionEmbeddingBagCollection.from_float(MODULES["mc_ebc"]()),
+    "quant_mc_ec": lambda: QuantManagedCollisionEmbeddingCollection.from_float(MODULES["mc_ec"]()),
 }
 
 

@@ -21,6 +21,7 @@ from shardkit.modules.mc_embedding_modules import (
     ManagedCollisionEmbeddingBagCollection,
     ManagedCollisionEmbeddingCollection,
 )
+from shardkit.modules.tracing import is_fx_proxy, traced_leaf
 from shardkit.quant.embedding_modules import QuantEmbeddingBagCollection, QuantEmbeddingCollection
 from shardkit.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
@@ -59,6 +60,8 @@ class _InferenceRemap:
     _allow_in_place_embed_weight_update = False
 
     def forward(self, features: KeyedJaggedTensor):
+        if is_fx_proxy(features):  # torch.fx: one leaf call (remap + lookup), not two
+            return traced_leaf(self, features)
         return super().forward(self._managed_collision_collection(features))
 
     @classmethod
