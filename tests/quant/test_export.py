@@ -124,3 +124,18 @@ def test_collections_export_with_a_keyed_jagged_tensor_input(backend):
                     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     finally:
         set_validation(before)
+
+
+def test_quantized_lookup_exports_with_validation_on():
+    # the id check reads the ids on the host: it steps aside while exporting (no set_validation
+    # needed), and the eager module still checks
+    module = _Lookup()
+    ids, offsets = torch.tensor([1, 2, 3, 4, 5, 6, 7]), torch.tensor([0, 1, 3, 3, 4, 6, 7])
+    assert validation_enabled()
+    program = torch.export.export(
+        module, (ids, offsets), dynamic_shapes={"ids": {0: torch.export.Dim("n", min=2)}, "offsets": None}
+    )
+    other_ids, other_offsets = torch.tensor([9, 2, 3, 49, 0]), torch.tensor([0, 1, 1, 2, 3, 4, 5])
+    assert torch.equal(program.module()(other_ids, other_offsets), module(other_ids, other_offsets))
+    with pytest.raises(IndexError, match="feature 'f3'"):
+        module(torch.tensor([9, 2, 3, 49, 50]), other_offsets)
