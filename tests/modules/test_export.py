@@ -271,3 +271,17 @@ def test_fx_trace_of_the_managed_collision_collection():
     traced = torch.fx.symbolic_trace(_Holder(module))
     for kjt in [EXAMPLE, *OTHERS, *FX_ONLY]:
         _assert_same(traced(kjt), module(kjt), "managed collision collection")
+
+
+@pytest.mark.parametrize("name", ["ebc", "ec"])
+def test_exported_program_round_trips_through_save_and_load(name, tmp_path):
+    # the KJT / KeyedTensor tree specs serialize (their contexts come back as tuples, as flattened)
+    module = MODULES[name]().eval()
+    exported = _export(module, EXAMPLE)
+    # saved with its example KJT, the program's load would unpickle it (a full pickle: torch falls
+    # back from weights_only); without it, nothing but tensors and the graph is stored
+    exported.example_inputs = None
+    torch.export.save(exported, tmp_path / "program.pt2")
+    program = torch.export.load(tmp_path / "program.pt2").module()
+    for i, kjt in enumerate([EXAMPLE, *OTHERS]):
+        _assert_same(program(kjt), module(kjt), f"{name} loaded, input {i}")

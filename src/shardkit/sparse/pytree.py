@@ -17,6 +17,7 @@ flattened in the spec's key order, as torchrec.
 
 from __future__ import annotations
 
+import json
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -90,6 +91,16 @@ def _with_keys(flatten, keys=_FIELD_KEYS):
     return flatten_with_keys
 
 
+def _context_to_json(context: Any) -> str:
+    return json.dumps(context)
+
+
+def _context_from_json(dumped: str) -> Tuple[Any, ...]:
+    # the context is a tuple when flattened; JSON brings it back as a list, and torch.export compares
+    # a loaded program's input spec with the caller's by equality, so restore the tuple
+    return tuple(json.loads(dumped))
+
+
 def _jt_flatten(jt: JaggedTensor) -> Tuple[Leaves, Any]:
     return _fields(jt), None
 
@@ -107,6 +118,8 @@ register_pytree_node(
     _kjt_unflatten,
     serialized_type_name="shardkit.KeyedJaggedTensor",
     flatten_with_keys_fn=_with_keys(_kjt_flatten),
+    to_dumpable_context=_context_to_json,
+    from_dumpable_context=_context_from_json,
 )
 register_pytree_node(
     KeyedTensor,
@@ -114,5 +127,7 @@ register_pytree_node(
     _kt_unflatten,
     serialized_type_name="shardkit.KeyedTensor",
     flatten_with_keys_fn=_with_keys(_kt_flatten, [GetAttrKey("_values")]),
+    to_dumpable_context=_context_to_json,
+    from_dumpable_context=_context_from_json,
 )
 register_pytree_flatten_spec(KeyedTensor, _kt_flatten_spec)
