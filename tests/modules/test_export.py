@@ -285,3 +285,13 @@ def test_exported_program_round_trips_through_save_and_load(name, tmp_path):
     program = torch.export.load(tmp_path / "program.pt2").module()
     for i, kjt in enumerate([EXAMPLE, *OTHERS]):
         _assert_same(program(kjt), module(kjt), f"{name} loaded, input {i}")
+
+
+def test_managed_collision_collection_refuses_script_and_fx_as_root():
+    module = _mc(_bag_tables(False)).eval()
+    with pytest.raises(
+        TypeError, match=r"torch\.jit\.script does not support shardkit's ManagedCollisionCollection"
+    ):
+        torch.jit.script(module)
+    with pytest.raises(TypeError, match=r"ManagedCollisionCollection as the root module"):
+        torch.fx.symbolic_trace(module)
