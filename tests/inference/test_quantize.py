@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from shardkit.inference import quantize_embeddings, quantize_inference_model
+from shardkit.inference.quantize import quant_config
 from shardkit.models import DLRM
 from shardkit.modules import (
     DataType,
@@ -23,6 +24,7 @@ from shardkit.modules import (
     FeatureProcessedEmbeddingBagCollection,
     LFU_EvictionPolicy,
     ManagedCollisionCollection,
+    ManagedCollisionEmbeddingBagCollection,
     ManagedCollisionEmbeddingCollection,
     MCHManagedCollisionModule,
     PositionWeightedModule,
@@ -31,6 +33,8 @@ from shardkit.quant import (
     QuantEmbeddingBagCollection,
     QuantEmbeddingCollection,
     QuantFeatureProcessedEmbeddingBagCollection,
+    QuantManagedCollisionEmbeddingBagCollection,
+    QuantManagedCollisionEmbeddingCollection,
 )
 from shardkit.sparse import KeyedJaggedTensor
 
@@ -130,20 +134,69 @@ def test_feature_processed_collection_gets_fp_weight_dtype():
     assert root["plain"].table_storage("t_user") == "fp16"
 
 
-def test_managed_collision_module_is_a_clear_error():
-    tables = [EmbeddingConfig(6, 3, name="t", feature_names=["f"])]
+def _mc(pooled: bool):
+    """A float MC module whose maps hold slots (a few training-mode passes), then in eval."""
+    config_type = EmbeddingBagConfig if pooled else EmbeddingConfig
+    tables = [config_type(6, 4, name=f"t_{k}", feature_names=[k]) for k in ("a", "b")]
     mc = ManagedCollisionCollection(
-        {"t": MCHManagedCollisionModule(6, None, LFU_EvictionPolicy(), 1, 1000)}, tables
+        {t.name: MCHManagedCollisionModule(6, None, LFU_EvictionPolicy(), 1, 1000) for t in tables}, tables
     )
-    root = torch.nn.ModuleDict(
-        {"mc_ec": ManagedCollisionEmbeddingCollection(EmbeddingCollection(tables), mc)}
+    if pooled:
+        module = ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables), mc)
+    else:
+        module = ManagedCollisionEmbeddingCollection(EmbeddingCollection(tables), mc)
+    for seed in range(3):
+        module(_mc_kjt(seed))
+    return module.eval()
+
+
+def _mc_kjt(seed: int) -> KeyedJaggedTensor:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 3, (2 * 4,), generator=gen)
+    return KeyedJaggedTensor(
+        ["a", "b"], torch.randint(0, 1000, (int(lengths.sum()),), generator=gen), lengths=lengths
     )
-    with pytest.raises(
-        ValueError,
-        match=r"mc_ec is a ManagedCollisionEmbeddingCollection: shardkit.quant has no "
-        r"quantized managed-collision collection \(torchrec's QuantManagedCollisionEmbeddingCollection\)",
-    ):
-        quantize_inference_model(root)
+
+
+@pytest.mark.parametrize("pooled", [True, False], ids=["ebc", "ec"])
+def test_managed_collision_modules_become_quantized_mc_modules(pooled):
+    mc_type = ManagedCollisionEmbeddingBagCollection if pooled else ManagedCollisionEmbeddingCollection
+    quant_type = (
+        QuantManagedCollisionEmbeddingBagCollection if pooled else QuantManagedCollisionEmbeddingCollection
+    )
+    root = torch.nn.ModuleDict({"mc": _mc(pooled)})
+    trained = copy.deepcopy(root["mc"])
+    quantize_inference_model(root, per_table_weight_dtype={"t_b": torch.quint4x2})
+    served = root["mc"]
+    assert type(served) is quant_type
+    assert served.table_storage("t_a") == "int8" and served.table_storage("t_b") == "int4"
+    # the same as from_float of the trained module with those storages: byte-identical rows
+    trained._embedding_module.qconfig = quant_config(
+        torch.int8, per_table_weight_dtype={"t_b": torch.quint4x2}
+    )
+    reference = quant_type.from_float(trained)
+    for table in ("t_a", "t_b"):
+        assert torch.equal(served.table_weight(table), reference.table_weight(table)), table
+    for seed in range(10, 13):
+        got, want = served(_mc_kjt(seed)), reference(_mc_kjt(seed))
+        if pooled:
+            assert torch.equal(got.values(), want.values())
+        else:
+            assert all(torch.equal(got[k].values(), want[k].values()) for k in want)
+    # quantize_embeddings with the sequence type as an additional key does the same; not in place
+    float_root = torch.nn.ModuleDict({"mc": _mc(pooled)})
+    keys = [] if pooled else [EmbeddingCollection]
+    mapping = {} if pooled else {EmbeddingCollection: QuantEmbeddingCollection}
+    out = quantize_embeddings(
+        float_root,
+        torch.float16,
+        inplace=False,
+        additional_qconfig_spec_keys=keys,
+        additional_mapping=mapping,
+    )
+    assert type(out["mc"]) is quant_type and out["mc"].table_storage("t_a") == "fp16"
+    assert type(float_root["mc"]) is mc_type
+    assert not hasattr(float_root["mc"]._embedding_module, "qconfig")
 
 
 def test_bad_dtypes_and_table_names_are_errors():

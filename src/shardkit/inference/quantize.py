@@ -9,9 +9,10 @@ from the weight dtype (``torch.float16`` / ``torch.bfloat16`` -> FP16 / BF16 row
 dtype (:func:`shardkit.quant.data_types.quantized_data_types`). The float modules are not modified;
 dense layers stay as they are.
 
-shardkit.quant has no quantized managed-collision collections (torchrec's
-``QuantManagedCollisionEmbeddingCollection``): a managed-collision module in the model is a
-``ValueError`` naming its path, never left in fp32 silently.
+A managed-collision module (``ManagedCollisionEmbeddingCollection`` / ``...BagCollection``) whose
+embedding module is of a type to quantize becomes torchrec's ``QuantManagedCollisionEmbeddingCollection``
+/ ``...BagCollection`` (``shardkit.quant.mc_modules``): the embedding module quantized with that type's
+dtypes (per-table dtypes included), the MC collection and its id -> slot maps copied, held in eval mode.
 """
 
 from __future__ import annotations
@@ -27,12 +28,18 @@ from shardkit.modules import (
     EmbeddingBagCollection,
     FeatureProcessedEmbeddingBagCollection,
 )
-from shardkit.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
+from shardkit.modules.mc_embedding_modules import (
+    BaseManagedCollisionEmbeddingCollection,
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+)
 from shardkit.quant import (
     QuantConfig,
     QuantEmbeddingBagCollection,
     QuantEmbeddingCollection,
     QuantFeatureProcessedEmbeddingBagCollection,
+    QuantManagedCollisionEmbeddingBagCollection,
+    QuantManagedCollisionEmbeddingCollection,
     dtype_to_data_type,
 )
 
@@ -73,6 +80,34 @@ def _table_names(module: nn.Module) -> List[str]:
     return [] if inner is None else _table_names(inner)
 
 
+# the quantized MC type of each float MC type (torchrec's QuantManagedCollision*): the embedding module
+# inside is quantized by the qconfig of its own type, the MC collection (its id -> slot maps) is copied
+_MC_QUANT_TYPES: Dict[Type[nn.Module], Type[nn.Module]] = {
+    ManagedCollisionEmbeddingCollection: QuantManagedCollisionEmbeddingCollection,
+    ManagedCollisionEmbeddingBagCollection: QuantManagedCollisionEmbeddingBagCollection,
+}
+
+
+def _swap_managed_collision(module: nn.Module, embedding: nn.Module, qconfig: QuantConfig) -> nn.Module:
+    """``QuantManagedCollision*.from_float(module)`` with ``qconfig`` (the embedding module's type's)
+    deciding the storages; the caller's float modules are left as they were."""
+    quant_type = _MC_QUANT_TYPES.get(type(module))
+    if quant_type is None:
+        raise ValueError(
+            f"{type(module).__name__}: no quantized managed-collision type for it (known: "
+            f"{sorted(t.__name__ for t in _MC_QUANT_TYPES)})"
+        )
+    had, before = hasattr(embedding, "qconfig"), getattr(embedding, "qconfig", None)
+    embedding.qconfig = qconfig
+    try:
+        return quant_type.from_float(module)
+    finally:
+        if had:
+            embedding.qconfig = before
+        else:
+            del embedding.qconfig
+
+
 def _swap(
     model: nn.Module,
     qconfigs: Dict[Type[nn.Module], QuantConfig],
@@ -96,15 +131,10 @@ def _swap(
                     module.qconfig = before
                 else:
                     del module.qconfig
-        inner = [type(m).__name__ for m in module.modules() if type(m) in qconfigs]
-        if isinstance(module, BaseManagedCollisionEmbeddingCollection) and inner:
-            quant_name = "QuantManagedCollision" + type(module).__name__[len("ManagedCollision") :]
-            raise ValueError(
-                f"{path or 'the model'} is a {type(module).__name__}: shardkit.quant has no quantized "
-                f"managed-collision collection (torchrec's {quant_name}), "
-                f"so its {inner} cannot be quantized; serve it in fp32 (leave it out of "
-                "the mapping's types) or remap ids before a plain collection"
-            )
+        if isinstance(module, BaseManagedCollisionEmbeddingCollection):
+            embedding = module._embedding_module
+            if type(embedding) in qconfigs:
+                return _swap_managed_collision(module, embedding, qconfigs[type(embedding)])
         for name, child in list(module.named_children()):
             swapped = visit(child, f"{path}.{name}" if path else name)
             if swapped is not child:
@@ -139,8 +169,9 @@ def quantize_embeddings(
         per_table_weight_dtype: table name -> weight dtype, overriding ``dtype`` for that table; a
             name no quantized collection has is a ``ValueError`` (never ignored).
 
-    Returns the quantized model. ``ValueError`` for a dtype without a table storage, a table name that is
-    not in any quantized collection, or a managed-collision module holding a collection to quantize.
+    Returns the quantized model. ``ValueError`` for a dtype without a table storage or a table name that is
+    not in any quantized collection. A managed-collision module whose embedding module is of a type to
+    quantize becomes its ``QuantManagedCollision*`` counterpart (module docstring).
     """
     qconfig = quant_config(dtype, output_dtype, per_table_weight_dtype)
     qconfigs: Dict[Type[nn.Module], QuantConfig] = {EmbeddingBagCollection: qconfig}
@@ -180,8 +211,7 @@ def quantize_inference_model(
         quantization_dtype: every other table's weight dtype.
         output_dtype: the collections' output dtype.
 
-    ``ValueError`` as :func:`quantize_embeddings` (a managed-collision module: shardkit has no quantized
-    one, the error names its path).
+    ``ValueError`` as :func:`quantize_embeddings`; managed-collision modules as there.
     """
     mapping_by_name = DEFAULT_QUANTIZATION_MAPPING if quantization_mapping is None else quantization_mapping
     keys: List[Type[nn.Module]] = []
