@@ -16,6 +16,7 @@ from shardkit.quant.mc_modules import (
     QuantManagedCollisionEmbeddingBagCollection,
     QuantManagedCollisionEmbeddingCollection,
 )
+from shardkit.quant.pruning import PrunedQuantEmbeddings, PruningReport, prune_rows
 from shardkit.quant.quant_lookup import QuantGroupedEmbeddingLookup, quantize_into
 
 __all__ = [
@@ -26,6 +27,9 @@ __all__ = [
     "QuantManagedCollisionEmbeddingBagCollection",
     "QuantManagedCollisionEmbeddingCollection",
     "QuantGroupedEmbeddingLookup",
+    "PrunedQuantEmbeddings",
+    "PruningReport",
+    "prune_rows",
     "dtype_to_data_type",
     "quantize_into",
     "quantized_data_types",
