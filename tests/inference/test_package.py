@@ -18,13 +18,14 @@ from shardkit.inference import PackageError, load_package, quantize_inference_mo
 from shardkit.inference.package import CONFIG_FILE, WEIGHTS_FILE
 from shardkit.models import DLRM
 from shardkit.modules import (
+    DataType,
     EmbeddingBagCollection,
     EmbeddingBagConfig,
     EmbeddingCollection,
     EmbeddingConfig,
     PoolingType,
 )
-from shardkit.quant import QuantEmbeddingCollection
+from shardkit.quant import QuantEmbeddingBagCollection, QuantEmbeddingCollection
 from shardkit.sparse import KeyedJaggedTensor
 
 ROWS = {"t_user": 20, "t_item": 30}
@@ -182,3 +183,32 @@ def test_other_model(tmp_path):
 def test_unsupported_model_is_a_type_error(tmp_path):
     with pytest.raises(TypeError, match="a package describes EmbeddingBagCollection, .*got Linear"):
         save_package(torch.nn.Linear(2, 2), tmp_path)
+
+
+@pytest.mark.parametrize("quantized", [True, False], ids=["int8", "fp32"])
+def test_round_trip_of_the_demo_model(tmp_path, quantized):
+    from shardkit.datasets import TableSpec
+    from shardkit.models import MixedDimDLRM
+
+    torch.manual_seed(0)
+    specs = [TableSpec("user", 20, 16), TableSpec("item", 30, 8)]  # one interacting, one wide table
+    model = MixedDimDLRM(specs, 5, 16, hidden=12, activation=torch.nn.SiLU).eval()
+    if quantized:
+        model.ebc = QuantEmbeddingBagCollection.from_float(model.ebc, data_type=DataType.INT8)
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(0, 3, (2 * 4,), generator=gen)
+    kjt = KeyedJaggedTensor(
+        ["user", "item"], torch.randint(0, 20, (int(lengths.sum()),), generator=gen), lengths=lengths
+    )
+    dense = torch.randn(4, 5, generator=gen)
+    with torch.inference_mode():
+        want = model.logits(dense, kjt)
+    save_package(model, tmp_path / "pkg")
+    loaded = load_package(tmp_path / "pkg")
+    assert type(loaded) is MixedDimDLRM and type(loaded.ebc) is type(model.ebc)
+    assert type(loaded.dense_arch[1]) is torch.nn.SiLU
+    with torch.inference_mode():
+        assert torch.equal(loaded.logits(dense, kjt), want)
+    model.mc_ebc = torch.nn.Identity()  # a model with managed-collision tables is not described
+    with pytest.raises(TypeError, match="without managed-collision tables"):
+        save_package(model, tmp_path / "other")

@@ -15,8 +15,9 @@ model from the description and loads the weights strictly. Any mismatch is a :cl
 weights file, weights of another model, or (``load_package(path, model)``) a package of another model.
 
 Models a package can describe (:data:`SUPPORTED`): shardkit's ``EmbeddingBagCollection``,
-``QuantEmbeddingBagCollection``, ``QuantEmbeddingCollection``, and ``shardkit.models.DLRM`` over one of
-the two bag collections. Anything else is a ``TypeError`` naming it. Feature processors, managed
+``QuantEmbeddingBagCollection``, ``QuantEmbeddingCollection``, and ``shardkit.models.DLRM`` /
+``MixedDimDLRM`` (the demo's model; no managed-collision tables) over one of the two bag collections.
+Anything else is a ``TypeError`` naming it. Feature processors, managed
 collision, custom ``init_fn`` s and fused optimizer settings are not described (serving needs none).
 """
 
@@ -32,7 +33,8 @@ import torch
 from torch import nn
 
 import shardkit
-from shardkit.models import DLRM
+from shardkit.datasets import TableSpec
+from shardkit.models import DLRM, MixedDimDLRM
 from shardkit.modules import (
     DataType,
     EmbeddingBagCollection,
@@ -46,7 +48,15 @@ FORMAT = "shardkit-package"
 FORMAT_VERSION = 1
 CONFIG_FILE = "shardkit_package.json"
 WEIGHTS_FILE = "weights.pt"
-SUPPORTED = ("EmbeddingBagCollection", "QuantEmbeddingBagCollection", "QuantEmbeddingCollection", "DLRM")
+SUPPORTED = (
+    "EmbeddingBagCollection",
+    "QuantEmbeddingBagCollection",
+    "QuantEmbeddingCollection",
+    "DLRM",
+    "MixedDimDLRM",
+)
+# MixedDimDLRM's activations a package may name (a name, never code)
+_ACTIVATIONS = {"ReLU": nn.ReLU, "SiLU": nn.SiLU}
 _DTYPES = {str(d).split(".")[-1]: d for d in (torch.float32, torch.float16, torch.bfloat16, torch.uint8)}
 
 
@@ -99,6 +109,22 @@ def describe(model: nn.Module) -> Dict[str, Any]:
             "dense_in_features": dense[0].in_features,
             "dense_arch_layer_sizes": [m.out_features for m in dense],
             "over_arch_layer_sizes": [m.out_features for m in over],
+        }
+    if type(model) is MixedDimDLRM:
+        activation = type(model.dense_arch[1]).__name__
+        if model.mc_ebc is not None or activation not in _ACTIVATIONS:
+            raise TypeError(
+                "save_package: a MixedDimDLRM is described without managed-collision tables and with a "
+                f"{' or '.join(_ACTIVATIONS)} activation; this one has "
+                f"{'mc_ebc, ' if model.mc_ebc is not None else ''}{activation}"
+            )
+        return {
+            "type": kind,
+            "ebc": describe(model.ebc),
+            "dense_in": model.dense_arch[0].in_features,
+            "hidden": model.dense_arch[0].out_features,
+            "dense_out": model.dense_arch[2].out_features,
+            "activation": activation,
         }
     raise TypeError(
         f"save_package: a package describes {', '.join(SUPPORTED)} (DLRM over one of the bag collections); "
@@ -156,6 +182,24 @@ def build(description: Dict[str, Any], materialize: bool = True) -> nn.Module:
             [int(s) for s in description["dense_arch_layer_sizes"]],
             [int(s) for s in description["over_arch_layer_sizes"]],
         )
+    if kind == "MixedDimDLRM":
+        ebc = build(description["ebc"], materialize=False)
+        if description["activation"] not in _ACTIVATIONS:
+            raise PackageError(
+                f"the package names activation {description['activation']!r}; known: {sorted(_ACTIVATIONS)}"
+            )
+        specs = [TableSpec(c.name, c.num_embeddings, c.embedding_dim) for c in ebc.embedding_bag_configs()]
+        with torch.device("cpu"):  # its index lists are read back (.tolist()): never meta tensors
+            model = MixedDimDLRM(
+                specs,
+                int(description["dense_in"]),
+                int(description["dense_out"]),
+                int(description["hidden"]),
+                device=meta,
+                activation=_ACTIVATIONS[description["activation"]],
+            )
+        model.ebc = ebc  # the described collection (quantized or float) instead of the trainable one
+        return model.to_empty(device="cpu") if materialize else model
     raise PackageError(f"the package describes a {kind!r}; this shardkit builds {', '.join(SUPPORTED)}")
 
 

@@ -84,16 +84,21 @@ class MixedDimDLRM(nn.Module):
         )
 
     def forward(self, batch: Batch) -> Tuple[torch.Tensor, torch.Tensor]:
-        dense = self.dense_arch(batch.dense_features)
-        pooled = self.ebc(batch.sparse_features).values()
+        logits = self.logits(batch.dense_features, batch.sparse_features)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits.squeeze(1), batch.labels)
+        return loss, loss.detach()
+
+    def logits(self, dense_features: torch.Tensor, sparse_features) -> torch.Tensor:
+        """Click logits ``[B, 1]`` of ``dense_features`` ``[B, dense_in]`` and the sparse KJT (what
+        serving needs: no labels)."""
+        dense = self.dense_arch(dense_features)
+        pooled = self.ebc(sparse_features).values()
         if self.mc_ebc is not None:
-            pooled = torch.cat([pooled, self.mc_ebc(batch.sparse_features)[0].values()], dim=1)
+            pooled = torch.cat([pooled, self.mc_ebc(sparse_features)[0].values()], dim=1)
         pooled = pooled.split(self._dims, dim=1)
         stacked = torch.stack([dense, *[pooled[i] for i in self._interacting]], dim=1)  # [B, n, dense_out]
         dots = torch.bmm(stacked, stacked.transpose(1, 2))[:, self._pair_rows, self._pair_cols]
-        logits = self.over_arch(torch.cat([dense, dots, *[pooled[i] for i in self._wide]], dim=1))
-        loss = nn.functional.binary_cross_entropy_with_logits(logits.squeeze(1), batch.labels)
-        return loss, loss.detach()
+        return self.over_arch(torch.cat([dense, dots, *[pooled[i] for i in self._wide]], dim=1))
 
 
 def managed_collision_ebc(
