@@ -48,6 +48,8 @@ def check_args(args) -> str:
             return "--model gnn runs on CPU ranks only; drop --device cuda"
         if getattr(args, "quantize", False):
             return "--quantize serves on CPU ranks only; drop --device cuda"
+        if getattr(args, "serve", False):
+            return "--serve serves on CPU only; drop --device cuda"
         if getattr(args, "offload", False):
             return "--offload keeps the table in a file-backed tier on CPU ranks only; drop --device cuda"
         if not torch.cuda.is_available() or not dist.is_nccl_available():
@@ -65,6 +67,8 @@ def check_args(args) -> str:
             return f"--checkpoint {args.checkpoint} exists and is not a directory"
     if args.model == "gnn" and getattr(args, "offload", False):
         return "--offload is for --model dlrm"
+    if args.model == "gnn" and getattr(args, "serve", False):
+        return "--serve is for --model dlrm"
     if args.model == "gnn":
         from shardkit.cli import demo_gnn
 
@@ -147,6 +151,12 @@ def add_parser(commands) -> None:
         help="then serve the trained model with int8 / int4 tables, sharded: memory, predictions vs fp32",
     )
     dlrm.add_argument(
+        "--serve",
+        action="store_true",
+        help="then package the trained model (int8 tables), load it in a fresh process, answer requests "
+        "batched into KJTs: latency percentiles, requests/s, answers checked against the fp32 model",
+    )
+    dlrm.add_argument(
         "--offload",
         action="store_true",
         help="offload the largest table (fused_uvm_caching: rows in a backing file, a cache of 5%% of them "
@@ -156,7 +166,8 @@ def add_parser(commands) -> None:
         "--mc-slots",
         type=int,
         default=4096,
-        help="rows of the table behind the raw 64-bit-id feature (managed collision; 0 or --quantize: none)",
+        help="rows of the table behind the raw 64-bit-id feature (managed collision; 0, --quantize or "
+        "--serve: none)",
     )
     gnn = parser.add_argument_group("gnn")
     gnn.add_argument("--nodes", type=int, default=200, help="graph nodes (default 200)")

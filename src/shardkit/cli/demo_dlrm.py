@@ -436,9 +436,9 @@ def run(args) -> int:
     from shardkit.testing import run_world
 
     tables = demo_tables(args.tables, args.max_rows)
-    # quantized serving (demo_quant) draws batches without the raw-id feature: no MC table then
+    # quantized serving (demo_quant, demo_serve) draws batches without the raw-id feature: no MC table then
     buckets = mc_buckets(args)
-    mc = mc_tables(0 if getattr(args, "quantize", False) else args.mc_slots, buckets)
+    mc = mc_tables(0 if serving(args) else args.mc_slots, buckets)
     model = make_model(tables, args.seed, mc=mc, nproc=buckets)
     rows = sum(t.rows for t in tables)
     backend = "nccl" if args.device == "cuda" else "gloo"
@@ -509,9 +509,19 @@ def run(args) -> int:
 
         ok = demo_quant.run(model, tables, args, tolerance)
         print("result: quantized sharded == quantized unsharded" if ok else "result: quantized MISMATCH")
+    if ok and getattr(args, "serve", False):
+        from shardkit.cli import demo_serve
+
+        ok = demo_serve.run(model, tables, args)
+        print("result: served answers == trained model" if ok else "result: served answers MISMATCH")
     if args.checkpoint is not None:
         ok &= check_restart(args, tables, ranks, backend)
     return 0 if ok else 1
+
+
+def serving(args) -> bool:
+    """Whether the demo serves the trained model (``--quantize`` or ``--serve``)."""
+    return bool(getattr(args, "quantize", False) or getattr(args, "serve", False))
 
 
 def restart_world_size(args) -> int:
@@ -537,7 +547,7 @@ def check_restart(args, tables, saved: List[dict], backend: str) -> bool:
 
     world = restart_world_size(args)
     buckets = mc_buckets(args)
-    mc = mc_tables(0 if getattr(args, "quantize", False) else args.mc_slots, buckets)
+    mc = mc_tables(0 if serving(args) else args.mc_slots, buckets)
     # other initial weights: only the checkpoint can make them equal
     fresh = make_model(tables, args.seed + 1, mc=mc, nproc=buckets)
     plan, _ = plan_sharding(fresh, tables, argparse.Namespace(**{**vars(args), "nproc": world}), mc)
