@@ -48,7 +48,7 @@ def requests_of(batch) -> List:
     ]
 
 
-def _predict_module(model):
+def demo_predict_module(model):
     """A PredictModule serving a MixedDimDLRM: ``{"default": logits [B]}``."""
     from shardkit.inference import PredictModule, RequestBatcher
     from shardkit.inference.predict_module import FLOAT_FEATURES
@@ -79,7 +79,7 @@ def serve_package(package: str, requests: Sequence, batch_size: int) -> Dict[str
     from shardkit.inference import load_package
 
     start = time.perf_counter()
-    module = _predict_module(load_package(package))
+    module = demo_predict_module(load_package(package))
     load_seconds = time.perf_counter() - start
     ctr, latencies = [], []
     begin = time.perf_counter()
