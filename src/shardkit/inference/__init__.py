@@ -6,6 +6,8 @@
   results split back, bad requests refused one by one; ``DLRMPredictModule``.
 - :mod:`~shardkit.inference.quantize`: ``quantize_embeddings`` / ``quantize_inference_model``, a
   trained model's collections swapped for ``shardkit.quant``'s.
+- :mod:`~shardkit.inference.pruning`: ``prune_inference_model``, a quantized model's tables pruned
+  (rows dropped, ids remapped; ``shardkit.quant.prune_rows``).
 - :mod:`~shardkit.inference.package`: ``save_package`` / ``load_package``, weights + a JSON description
   that load in a fresh process.
 - :mod:`~shardkit.inference.shard_quant`: ``shard_quant_model``, a quantized model sharded by the planner.
@@ -23,6 +25,7 @@ from shardkit.inference.predict_module import (
     RequestBatcher,
     split_results,
 )
+from shardkit.inference.pruning import prune_inference_model
 from shardkit.inference.quantize import (
     DEFAULT_QUANTIZATION_DTYPE,
     DEFAULT_QUANTIZATION_MAPPING,
@@ -50,6 +53,7 @@ __all__ = [
     "RequestBatcher",
     "default_quant_sharders",
     "load_package",
+    "prune_inference_model",
     "quantize_embeddings",
     "quantize_inference_model",
     "save_package",

@@ -153,6 +153,22 @@ class PrunedQuantEmbeddings(nn.Module):
         for name, remap in remappings.items():
             self.register_buffer(f"pruning_indices_remapping_{name}", remap)
 
+    def embedding_bag_configs(self):
+        """The unpruned tables' configs (the id ranges requests use); bag collections only."""
+        return self._unpruned_configs("embedding_bag_configs")
+
+    def embedding_configs(self):
+        """The unpruned tables' configs (the id ranges requests use); sequence collections only."""
+        return self._unpruned_configs("embedding_configs")
+
+    def _unpruned_configs(self, method: str):
+        if not hasattr(self.embeddings, method):
+            raise AttributeError(f"{type(self.embeddings).__name__} has no {method}")
+        rows = {t.name: t.rows for t in self.report.tables}
+        return [
+            dataclasses.replace(c, num_embeddings=rows[c.name]) for c in getattr(self.embeddings, method)()
+        ]
+
     def remapping(self, table: str) -> torch.Tensor:
         """int32 ``[num_embeddings]``: unpruned id -> row of the pruned table (``KeyError`` if not pruned)."""
         if table not in self._pruned:
