@@ -55,14 +55,28 @@ TREE = {
         "SeqEmbeddingsAllToOne SequenceEmbeddingsAllToAll SequenceEmbeddingsAwaitable "
         "VariableBatchPooledEmbeddingsAllToAll VariableBatchPooledEmbeddingsReduceScatter"
     ),
-    "torchrec.distributed.embedding": "EmbeddingCollectionSharder ShardedEmbeddingCollection",
-    "torchrec.distributed.embedding_sharding": "EmbeddingSharding EmbeddingShardingContext group_tables",
+    "torchrec.distributed.embedding": (
+        "EmbeddingCollectionAwaitable EmbeddingCollectionContext EmbeddingCollectionSharder "
+        "ShardedEmbeddingCollection create_embedding_sharding create_sharding_infos_by_sharding"
+    ),
+    "torchrec.distributed.embedding_lookup": (
+        "CommOpGradientScaling embeddings_cat_empty_rank_handle fx_wrap_tensor_view2d"
+    ),
+    "torchrec.distributed.embedding_sharding": (
+        "BaseEmbeddingDist BaseSparseFeaturesDist EmbeddingSharding EmbeddingShardingContext "
+        "EmbeddingShardingInfo KJTListAwaitable KJTListSplitsAwaitable bucketize_kjt_before_all2all "
+        "group_tables"
+    ),
     "torchrec.distributed.embedding_types": (
-        "BaseEmbeddingSharder BaseGroupedFeatureProcessor BaseQuantEmbeddingSharder "
-        "EmbeddingComputeKernel KJTList OptimType ShardedEmbeddingModule"
+        "BaseEmbeddingLookup BaseEmbeddingSharder BaseGroupedFeatureProcessor BaseQuantEmbeddingSharder "
+        "EmbeddingAttributes EmbeddingComputeKernel FeatureShardingMixIn GroupedEmbeddingConfig KJTList "
+        "ModuleShardingMixIn OptimType ShardedConfig ShardedEmbeddingModule ShardedEmbeddingTable "
+        "ShardedMetaConfig compute_kernel_to_embedding_location"
     ),
     "torchrec.distributed.embeddingbag": (
-        "EmbeddingBagCollectionSharder EmbeddingBagSharder ShardedEmbeddingBag ShardedEmbeddingBagCollection"
+        "EmbeddingBagCollectionAwaitable EmbeddingBagCollectionContext EmbeddingBagCollectionSharder "
+        "EmbeddingBagSharder ShardedEmbeddingBag ShardedEmbeddingBagCollection construct_output_kt "
+        "create_embedding_bag_sharding create_sharding_infos_by_sharding replace_placement_with_meta_device"
     ),
     "torchrec.distributed.fbgemm_qcomm_codec": (
         "CommType QCommsConfig get_qcomm_codecs get_qcomm_codecs_registry"
@@ -106,6 +120,7 @@ TREE = {
     "torchrec.distributed.sharding.grid_sharding": "GridPooledEmbeddingSharding",
     "torchrec.distributed.sharding.rw_sequence_sharding": "RwSequenceEmbeddingSharding",
     "torchrec.distributed.sharding.rw_sharding": "RwPooledEmbeddingSharding",
+    "torchrec.distributed.sharding.sequence_sharding": "SequenceShardingContext",
     "torchrec.distributed.sharding.tw_sequence_sharding": "TwSequenceEmbeddingSharding",
     "torchrec.distributed.sharding.tw_sharding": "TwPooledEmbeddingSharding",
     "torchrec.distributed.sharding.twcw_sharding": "TwCwPooledEmbeddingSharding",
@@ -138,7 +153,8 @@ TREE = {
     "torchrec.distributed.utils": (
         "CopyableMixin PermutePooledEmbeddings add_params_from_parameter_sharding "
         "add_prefix_to_state_dict append_prefix copy_to_device filter_state_dict "
-        "get_unsharded_module_names merge_fused_params none_throws optimizer_type_to_emb_opt_type "
+        "get_unsharded_module_names init_parameters merge_fused_params none_throws "
+        "optimizer_type_to_emb_opt_type "
         "sharded_model_copy"
     ),
     "torchrec.inference.modules": (
@@ -151,7 +167,7 @@ TREE = {
     "torchrec.models.dlrm": "DLRM DLRMTrain DenseArch InteractionArch OverArch SparseArch",
     "torchrec.modules.activation": "SwishLayerNorm",
     "torchrec.modules.embedding_configs": (
-        "BaseEmbeddingConfig DataType EmbeddingBagConfig EmbeddingConfig PoolingType"
+        "BaseEmbeddingConfig DataType EmbeddingBagConfig EmbeddingConfig EmbeddingTableConfig PoolingType"
     ),
     "torchrec.modules.embedding_modules": "EmbeddingBagCollection EmbeddingCollection",
     "torchrec.modules.feature_processor": (
@@ -190,6 +206,7 @@ TREE = {
         "ComputeJTDictToKJT ComputeKJTToJTDict JaggedTensor KeyedJaggedTensor KeyedTensor jt_is_equal "
         "kjt_is_equal permute_multi_embedding regroup_kts"
     ),
+    "torchrec.streamable": "Multistreamable",
     "torchrec.types": "DataType",
 }
 
@@ -203,31 +220,18 @@ ABSENT = {
         "ReduceScatter_Wait Variable_Batch_All2All_Pooled_Req Variable_Batch_All2All_Pooled_Wait"
     ),
     "torchrec.distributed.dist_data": "SplitsAllToAllAwaitable",
-    "torchrec.distributed.embedding": (
-        "EmbeddingCollectionAwaitable EmbeddingCollectionContext create_embedding_sharding "
-        "create_sharding_infos_by_sharding get_ec_index_dedup set_ec_index_dedup"
-    ),
+    "torchrec.distributed.embedding": "get_ec_index_dedup set_ec_index_dedup",
     "torchrec.distributed.embedding_lookup": (
-        "CommOpGradientScaling GroupedEmbeddingsLookup GroupedPooledEmbeddingsLookup "
-        "InferGroupedEmbeddingsLookup InferGroupedLookupMixin InferGroupedPooledEmbeddingsLookup "
-        "MetaInferGroupedEmbeddingsLookup MetaInferGroupedPooledEmbeddingsLookup "
-        "embeddings_cat_empty_rank_handle fx_wrap_tensor_view2d"
+        "GroupedEmbeddingsLookup GroupedPooledEmbeddingsLookup InferGroupedEmbeddingsLookup "
+        "InferGroupedLookupMixin InferGroupedPooledEmbeddingsLookup MetaInferGroupedEmbeddingsLookup "
+        "MetaInferGroupedPooledEmbeddingsLookup"
     ),
     "torchrec.distributed.embedding_sharding": (
-        "BaseEmbeddingDist BaseSparseFeaturesDist EmbeddingShardingInfo FusedKJTListSplitsAwaitable "
-        "KJTListAwaitable KJTListSplitsAwaitable KJTSplitsAllToAllMeta ListOfKJTListAwaitable "
-        "ListOfKJTListSplitsAwaitable bucketize_kjt_before_all2all"
+        "FusedKJTListSplitsAwaitable KJTSplitsAllToAllMeta ListOfKJTListAwaitable "
+        "ListOfKJTListSplitsAwaitable"
     ),
-    "torchrec.distributed.embedding_types": (
-        "BaseEmbeddingLookup EmbeddingAttributes FeatureShardingMixIn GroupedEmbeddingConfig "
-        "ListOfKJTList ModuleShardingMixIn ShardedConfig ShardedEmbeddingTable ShardedMetaConfig "
-        "compute_kernel_to_embedding_location"
-    ),
-    "torchrec.distributed.embeddingbag": (
-        "EmbeddingAwaitable EmbeddingBagCollectionAwaitable EmbeddingBagCollectionContext "
-        "VariableBatchEmbeddingBagCollectionAwaitable construct_output_kt create_embedding_bag_sharding "
-        "create_sharding_infos_by_sharding replace_placement_with_meta_device"
-    ),
+    "torchrec.distributed.embedding_types": "ListOfKJTList",
+    "torchrec.distributed.embeddingbag": "EmbeddingAwaitable VariableBatchEmbeddingBagCollectionAwaitable",
     "torchrec.distributed.grouped_position_weighted": "GroupedPositionWeightedModule",
     "torchrec.distributed.planner.proposers": "GreedyProposer GridSearchProposer UniformProposer",
     "torchrec.distributed.planner.types": (
@@ -241,7 +245,6 @@ ABSENT = {
     "torchrec.distributed.sharding.rw_sharding": (
         "BaseRwEmbeddingSharding RwPooledEmbeddingDist RwSparseFeaturesDist"
     ),
-    "torchrec.distributed.sharding.sequence_sharding": "SequenceShardingContext",
     "torchrec.distributed.sharding.tw_sharding": (
         "BaseTwEmbeddingSharding TwPooledEmbeddingDist TwSparseFeaturesDist"
     ),
@@ -252,9 +255,8 @@ ABSENT = {
         "FusedKJTListSplitsAwaitable KJTAllToAllForward KJTSplitsAllToAllMeta SplitsAllToAllAwaitable"
     ),
     "torchrec.distributed.types": "GenericMeta ShardingEnv2D scope",
-    "torchrec.distributed.utils": "convert_to_fbgemm_types init_parameters",
-    "torchrec.modules.embedding_configs": "EmbeddingTableConfig",
-    "torchrec.streamable": "Multistreamable Pipelineable",
+    "torchrec.distributed.utils": "convert_to_fbgemm_types",
+    "torchrec.streamable": "Pipelineable",
 }
 
 

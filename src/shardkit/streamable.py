@@ -4,8 +4,9 @@ Re-exports only (docs/names.md, "torchrec's module tree"): each name is defined 
 shardkit (the import says where), and nothing inside shardkit imports from this module."""
 
 from shardkit.distributed.absent_names import absent
+from shardkit.distributed.multistreamable import Multistreamable
 
-__all__ = []
+__all__ = ["Multistreamable"]
 
 # torchrec's names here that shardkit lacks: importing one is an ImportError naming it
-__getattr__ = absent(__name__, ["Multistreamable", "Pipelineable"])
+__getattr__ = absent(__name__, ["Pipelineable"])

@@ -5,18 +5,21 @@ shardkit (the import says where), and nothing inside shardkit imports from this 
 
 from shardkit.distributed.absent_names import absent
 from shardkit.sharding.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
+from shardkit.sharding.sharding_awaitables import EmbeddingCollectionAwaitable
+from shardkit.sharding.sharding_contexts import EmbeddingCollectionContext
+from shardkit.sharding.sharding_factory import create_embedding_sharding
+from shardkit.sharding.sharding_infos import (
+    create_ec_sharding_infos_by_sharding as create_sharding_infos_by_sharding,
+)
 
-__all__ = ["EmbeddingCollectionSharder", "ShardedEmbeddingCollection"]
+__all__ = [
+    "EmbeddingCollectionAwaitable",
+    "EmbeddingCollectionContext",
+    "EmbeddingCollectionSharder",
+    "ShardedEmbeddingCollection",
+    "create_embedding_sharding",
+    "create_sharding_infos_by_sharding",
+]
 
 # torchrec's names here that shardkit lacks: importing one is an ImportError naming it
-__getattr__ = absent(
-    __name__,
-    [
-        "EmbeddingCollectionAwaitable",
-        "EmbeddingCollectionContext",
-        "create_embedding_sharding",
-        "create_sharding_infos_by_sharding",
-        "get_ec_index_dedup",
-        "set_ec_index_dedup",
-    ],
-)
+__getattr__ = absent(__name__, ["get_ec_index_dedup", "set_ec_index_dedup"])

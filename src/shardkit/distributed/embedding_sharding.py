@@ -5,24 +5,31 @@ shardkit (the import says where), and nothing inside shardkit imports from this 
 
 from shardkit.distributed.absent_names import absent
 from shardkit.modules.grouped_tables import group_tables
-from shardkit.sharding.embedding_sharding import EmbeddingSharding
-from shardkit.sharding.sharded_embedding_module import EmbeddingShardingContext
+from shardkit.sharding.bucketize_kjt import bucketize_kjt_before_all2all
+from shardkit.sharding.sharding_awaitables import KJTListAwaitable, KJTListSplitsAwaitable
+from shardkit.sharding.sharding_contexts import EmbeddingShardingContext
+from shardkit.sharding.sharding_infos import EmbeddingShardingInfo
+from shardkit.sharding.sharding_interface import BaseEmbeddingDist, BaseSparseFeaturesDist, EmbeddingSharding
 
-__all__ = ["EmbeddingSharding", "EmbeddingShardingContext", "group_tables"]
+__all__ = [
+    "BaseEmbeddingDist",
+    "BaseSparseFeaturesDist",
+    "EmbeddingSharding",
+    "EmbeddingShardingContext",
+    "EmbeddingShardingInfo",
+    "KJTListAwaitable",
+    "KJTListSplitsAwaitable",
+    "bucketize_kjt_before_all2all",
+    "group_tables",
+]
 
 # torchrec's names here that shardkit lacks: importing one is an ImportError naming it
 __getattr__ = absent(
     __name__,
     [
-        "BaseEmbeddingDist",
-        "BaseSparseFeaturesDist",
-        "EmbeddingShardingInfo",
         "FusedKJTListSplitsAwaitable",
-        "KJTListAwaitable",
-        "KJTListSplitsAwaitable",
         "KJTSplitsAllToAllMeta",
         "ListOfKJTListAwaitable",
         "ListOfKJTListSplitsAwaitable",
-        "bucketize_kjt_before_all2all",
     ],
 )

@@ -9,31 +9,39 @@ from shardkit.modules.fused_optimizers import OptimType
 from shardkit.sharding.kjt_list import KJTList
 from shardkit.sharding.quant_embeddingbag import BaseQuantEmbeddingSharder
 from shardkit.sharding.sharded_embedding_module import BaseEmbeddingSharder, ShardedEmbeddingModule
+from shardkit.sharding.sharded_embedding_table import (
+    EmbeddingAttributes,
+    GroupedEmbeddingConfig,
+    ShardedConfig,
+    ShardedEmbeddingTable,
+    ShardedMetaConfig,
+    compute_kernel_to_embedding_location,
+)
+from shardkit.sharding.sharding_interface import (
+    BaseEmbeddingLookup,
+    FeatureShardingMixIn,
+    ModuleShardingMixIn,
+)
 from shardkit.sharding.types import EmbeddingComputeKernel
 
 __all__ = [
+    "BaseEmbeddingLookup",
     "BaseEmbeddingSharder",
     "BaseGroupedFeatureProcessor",
     "BaseQuantEmbeddingSharder",
+    "EmbeddingAttributes",
     "EmbeddingComputeKernel",
+    "FeatureShardingMixIn",
+    "GroupedEmbeddingConfig",
     "KJTList",
+    "ModuleShardingMixIn",
     "OptimType",
+    "ShardedConfig",
     "ShardedEmbeddingModule",
+    "ShardedEmbeddingTable",
+    "ShardedMetaConfig",
+    "compute_kernel_to_embedding_location",
 ]
 
 # torchrec's names here that shardkit lacks: importing one is an ImportError naming it
-__getattr__ = absent(
-    __name__,
-    [
-        "BaseEmbeddingLookup",
-        "EmbeddingAttributes",
-        "FeatureShardingMixIn",
-        "GroupedEmbeddingConfig",
-        "ListOfKJTList",
-        "ModuleShardingMixIn",
-        "ShardedConfig",
-        "ShardedEmbeddingTable",
-        "ShardedMetaConfig",
-        "compute_kernel_to_embedding_location",
-    ],
-)
+__getattr__ = absent(__name__, ["ListOfKJTList"])

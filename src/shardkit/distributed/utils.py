@@ -14,6 +14,7 @@ from shardkit.sharding.utils import (
     copy_to_device,
     filter_state_dict,
     get_unsharded_module_names,
+    init_parameters,
     merge_fused_params,
     none_throws,
     optimizer_type_to_emb_opt_type,
@@ -28,6 +29,7 @@ __all__ = [
     "copy_to_device",
     "filter_state_dict",
     "get_unsharded_module_names",
+    "init_parameters",
     "merge_fused_params",
     "none_throws",
     "optimizer_type_to_emb_opt_type",
@@ -35,4 +37,4 @@ __all__ = [
 ]
 
 # torchrec's names here that shardkit lacks: importing one is an ImportError naming it
-__getattr__ = absent(__name__, ["convert_to_fbgemm_types", "init_parameters"])
+__getattr__ = absent(__name__, ["convert_to_fbgemm_types"])

@@ -35,7 +35,7 @@ from shardkit.model_parallel.optimizers import CombinedOptimizer
 from shardkit.planner import EmbeddingShardingPlanner, Topology
 from shardkit.sharding.default_sharders import get_default_sharders
 from shardkit.sharding.types import ModuleSharder, ShardedModule, ShardingPlan
-from shardkit.sharding.utils import append_prefix, copy_to_device
+from shardkit.sharding.utils import append_prefix, copy_to_device, init_parameters
 
 
 def get_module(module: nn.Module) -> nn.Module:
@@ -123,15 +123,9 @@ class DistributedModelParallel(nn.Module):
                 setattr(module, name, sharded)
         return module
 
-    @torch.no_grad()
     def _init_parameters(self, module: nn.Module) -> None:
         """Allocate on ``device`` the tensors still on meta, then let their module initialize them."""
-        for sub in module.modules():
-            own = [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]
-            if any(t.device.type == "meta" for t in own):
-                sub.to_empty(device=self.device, recurse=False)
-                if hasattr(sub, "reset_parameters"):
-                    sub.reset_parameters()
+        init_parameters(module, self.device)
 
     def init_data_parallel(self) -> None:
         """Wrap the unsharded part for data parallelism (see the constructor); calling it again is a no-op."""

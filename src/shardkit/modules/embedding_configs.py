@@ -15,8 +15,6 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from shardkit.distributed.absent_names import absent
-
 
 @unique
 class PoolingType(Enum):
@@ -146,6 +144,36 @@ class EmbeddingConfig(BaseEmbeddingConfig):
         return PoolingType.NONE
 
 
+@dataclass
+class EmbeddingTableConfig(BaseEmbeddingConfig):
+    """A table as the sharding code sees it (torchrec's ``EmbeddingTableConfig``): the base config plus
+    how its bags are pooled and what its lookups are called.
+
+    pooling: ``PoolingType`` of its bags (NONE: one row per id). is_weighted: the input carries a
+    weight per id. has_feature_processor: a feature processor runs before the lookup.
+    embedding_names: the output name of each feature (a feature's name, or ``feature@table``).
+    pruning_indices_remapping / need_pos: kept for torchrec's signature; shardkit's trainable
+    modules do not prune rows and give positions through their feature processors.
+    """
+
+    pruning_indices_remapping: Optional[torch.Tensor] = None
+    need_pos: bool = False
+    pooling: PoolingType = PoolingType.SUM
+    is_weighted: bool = False
+    has_feature_processor: bool = False
+    embedding_names: List[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.pooling = PoolingType(self.pooling)
+        self.embedding_names = list(self.embedding_names)
+        if self.embedding_names and len(self.embedding_names) != len(self.feature_names):
+            raise ValueError(
+                f"table '{self.name}': {len(self.embedding_names)} embedding_names for "
+                f"{len(self.feature_names)} feature_names"
+            )
+
+
 def check_table_configs(tables: Sequence[BaseEmbeddingConfig], config_type: type) -> Dict[str, List[str]]:
     """Validate a collection's tables; returns ``{feature name: [table names]}`` in declaration order.
 
@@ -178,7 +206,3 @@ def embedding_names_by_table(tables: Sequence[BaseEmbeddingConfig]) -> List[List
         for feature in table.feature_names:
             count[feature] = count.get(feature, 0) + 1
     return [[f if count[f] == 1 else f"{f}@{t.name}" for f in t.feature_names] for t in tables]
-
-
-# torchrec's names here that shardkit lacks: importing one is an ImportError naming it
-__getattr__ = absent(__name__, ["EmbeddingTableConfig"])

@@ -7,7 +7,7 @@
 - the sharded modules and their sharders (``embeddingbag``, ``embedding_bag_module`` for a plain
   ``nn.EmbeddingBag``, ``embedding``, ``fp_embeddingbag``; managed collision: ``mc_modules``,
   ``mc_embeddingbag``, ``mc_embedding``), built
-  from one ``EmbeddingSharding`` per sharding type (``data_parallel``, ``table_wise``, ``column_wise``,
+  from one ``EmbeddingShardingImpl`` per sharding type (``data_parallel``, ``table_wise``, ``column_wise``,
   ``row_wise``, ``table_row_wise``, ``table_column_wise``, ``grid_sharding``);
 - their state (``state_layout``, ``sharded_state``, ``sharded_module_state``) and the specification's
   ``utils``; ``dist_data`` holds the modules that move features and embeddings between ranks.
@@ -26,7 +26,7 @@ from shardkit.sharding.column_wise import CwPooledEmbeddingSharding, CwSequenceE
 from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding, DpSequenceEmbeddingSharding
 from shardkit.sharding.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
 from shardkit.sharding.embedding_bag_module import EmbeddingBagSharder, ShardedEmbeddingBag
-from shardkit.sharding.embedding_sharding import EmbeddingSharding, ShardingContext
+from shardkit.sharding.embedding_sharding import EmbeddingShardingImpl, ShardingContext
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
 from shardkit.sharding.fp_embeddingbag import (
     FeatureProcessedEmbeddingBagCollectionSharder,
@@ -54,7 +54,7 @@ from shardkit.sharding.mc_modules import (
 from shardkit.sharding.row_wise import RwPooledEmbeddingSharding, RwSequenceEmbeddingSharding
 from shardkit.sharding.sharded_embedding_module import (
     BaseEmbeddingSharder,
-    EmbeddingShardingContext,
+    EmbeddingModuleContext,
     ShardedEmbeddingModule,
 )
 from shardkit.sharding.sharded_module_state import ShardedFusedOptimizer
@@ -177,7 +177,7 @@ __all__ = [
     "EmbeddingBagCollectionSharder",
     "EmbeddingBagSharder",
     "EmbeddingCollectionSharder",
-    "EmbeddingShardingContext",
+    "EmbeddingModuleContext",
     "FeatureProcessedEmbeddingBagCollectionSharder",
     "ShardedEmbeddingBag",
     "ShardedEmbeddingBagCollection",
@@ -190,7 +190,7 @@ __all__ = [
     "CwSequenceEmbeddingSharding",
     "DpPooledEmbeddingSharding",
     "DpSequenceEmbeddingSharding",
-    "EmbeddingSharding",
+    "EmbeddingShardingImpl",
     "RwPooledEmbeddingSharding",
     "RwSequenceEmbeddingSharding",
     "ShardingContext",

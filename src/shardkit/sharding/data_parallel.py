@@ -23,8 +23,8 @@ from shardkit.distributed.comm_ops import get_gradient_division
 from shardkit.sharding.embedding_lookup import ShardedGroupedLookup, received_keys
 from shardkit.sharding.embedding_sharding import (
     ColumnBlock,
-    EmbeddingSharding,
-    ScaleGrad,
+    CommOpGradientScaling,
+    EmbeddingShardingImpl,
     ShardingContext,
     TableShard,
     record_input,
@@ -39,7 +39,7 @@ from shardkit.sparse import KeyedJaggedTensor
 _KERNELS = (EmbeddingComputeKernel.DENSE.value, EmbeddingComputeKernel.FUSED.value)
 
 
-class _DataParallel(EmbeddingSharding):
+class _DataParallel(EmbeddingShardingImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         for table in self.tables:
@@ -54,7 +54,7 @@ class _DataParallel(EmbeddingSharding):
             for t in self.tables
         ]
         self._keys: List[ColumnBlock] = received_keys(self._whole)
-        position = {f: i for i, f in enumerate(self.feature_names)}
+        position = {f: i for i, f in enumerate(self._feature_names)}
         self._permute = [position[f] for f, _, _ in self._keys]
         self._dims = {f: t.config.embedding_dim for t in self.tables for f in t.config.feature_names}
 
@@ -71,7 +71,7 @@ class _DataParallel(EmbeddingSharding):
         if weights is not None and weights.requires_grad and get_gradient_division() and self.world_size > 1:
             # no output dist divides this gradient by the world size, as the other shardings' do: the
             # input weights' gradients then follow one convention whatever a feature's sharding
-            local = with_weights(local, ScaleGrad.apply(weights, 1.0 / self.world_size))
+            local = with_weights(local, CommOpGradientScaling.apply(weights, 1.0 / self.world_size))
         ctx.sent_batches = local.stride_per_key()
         return NoWait(NoWait(local))
 

@@ -17,7 +17,7 @@ from shardkit.sharding.kjt_list import KJTList
 from shardkit.sharding.row_wise import RwSequenceEmbeddingSharding
 from shardkit.sharding.sharded_embedding_module import (
     BaseEmbeddingSharder,
-    EmbeddingShardingContext,
+    EmbeddingModuleContext,
     ShardedEmbeddingModule,
 )
 from shardkit.sharding.table_column_wise import TwCwSequenceEmbeddingSharding
@@ -104,19 +104,19 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule):
         self._need_indices = module.need_indices()
 
     def input_dist(
-        self, ctx: EmbeddingShardingContext, features: KeyedJaggedTensor
+        self, ctx: EmbeddingModuleContext, features: KeyedJaggedTensor
     ) -> Awaitable[Awaitable[KJTList]]:
         ctx.features = features  # the output keeps the input's lengths (and ids, with need_indices)
         return super().input_dist(ctx, features)
 
-    def compute(self, ctx: EmbeddingShardingContext, dist_input: KJTList) -> List[torch.Tensor]:
+    def compute(self, ctx: EmbeddingModuleContext, dist_input: KJTList) -> List[torch.Tensor]:
         return [
             s.compute(c, lk, kjt)
             for s, c, lk, kjt in zip(self._shardings, ctx.sharding_contexts, self.lookups, dist_input)
         ]
 
     def output_dist(
-        self, ctx: EmbeddingShardingContext, output: List[torch.Tensor]
+        self, ctx: EmbeddingModuleContext, output: List[torch.Tensor]
     ) -> LazyAwaitable[Dict[str, JaggedTensor]]:
         parts = [s.output_dist(c, out) for s, c, out in zip(self._shardings, ctx.sharding_contexts, output)]
         return _SequenceOutputAwaitable(
@@ -124,7 +124,7 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule):
         )
 
     def compute_and_output_dist(
-        self, ctx: EmbeddingShardingContext, input: KJTList
+        self, ctx: EmbeddingModuleContext, input: KJTList
     ) -> LazyAwaitable[Dict[str, JaggedTensor]]:
         return _SequenceOutputAwaitable(
             self._compute_and_start(ctx, input),

@@ -42,7 +42,7 @@ from shardkit.modules import (
 from shardkit.sharding.embeddingbag import POOLED_SHARDINGS, ShardedEmbeddingBagCollection
 from shardkit.sharding.fused_optimizer_config import FusedParamsSharder, fused_optimizer_config
 from shardkit.sharding.kjt_list import KJTList
-from shardkit.sharding.sharded_embedding_module import EmbeddingShardingContext
+from shardkit.sharding.sharded_embedding_module import EmbeddingModuleContext
 from shardkit.sharding.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
@@ -89,7 +89,7 @@ def _table_config(module: nn.EmbeddingBag, name: str) -> EmbeddingBagConfig:
     )
 
 
-class _BagContext(EmbeddingShardingContext):
+class _BagContext(EmbeddingModuleContext):
     """One forward's context, plus (mode ``mean``) its bags' lengths ``[B, 1]`` fp32, at least 1: the
     divisor of the pooled sums (an empty bag stays zeros, as nn.EmbeddingBag's)."""
 

@@ -1,12 +1,12 @@
 """What every sharding type shares: the placed tables, the per-forward context, the sharding interface.
 
 A sharded embedding module splits its tables by sharding type and hands each type's tables to one
-``EmbeddingSharding`` (``table_wise.TwPooledEmbeddingSharding``, ``row_wise.RwSequenceEmbeddingSharding``,
+``EmbeddingShardingImpl`` (``table_wise.TwPooledEmbeddingSharding``, ``row_wise.RwSequenceEmbeddingSharding``,
 ...). Each sharding builds the same three pieces (DESIGN.md, "data flow of a sharded embedding
 module"):
 
 - ``input_dist(ctx, features)``: the features of its tables (a KeyedJaggedTensor in
-  :attr:`EmbeddingSharding.feature_names` order, this rank's batch) -> ``Awaitable[Awaitable[KJT]]``
+  :meth:`EmbeddingShardingImpl.feature_names` order, this rank's batch) -> ``Awaitable[Awaitable[KJT]]``
   of the features this rank's shards look up;
 - ``compute(ctx, lookup, dist_input)``: the grouped lookup of this rank's shards
   (``embedding_lookup.ShardedGroupedLookup``);
@@ -15,6 +15,10 @@ module"):
 
 Pooled shardings return ``[B_me, sum of output widths]`` whose column blocks :attr:`output_layout`
 describes; sequence shardings return one ``[ids of the feature, embedding_dim]`` tensor per feature.
+
+``EmbeddingShardingImpl`` is shardkit's internal interface (its contexts carry more than torchrec's);
+torchrec's ``EmbeddingSharding`` interface, for user-written sharded modules, is in
+``sharding_interface``, and ``sharding_factory`` offers these shardings behind it.
 """
 
 from __future__ import annotations
@@ -221,7 +225,7 @@ def start_kjt_all_to_all(
 ColumnBlock = Tuple[str, int, int]
 
 
-class EmbeddingSharding(abc.ABC):
+class EmbeddingShardingImpl(abc.ABC):
     """The tables of one sharding type in one sharded module: input dist, lookup and output dist.
 
     Args:
@@ -251,7 +255,11 @@ class EmbeddingSharding(abc.ABC):
         self.device = device
         self.weighted = weighted
         self._codecs = dict(qcomm_codecs_registry or {})
-        self.feature_names: List[str] = [f for t in self.tables for f in t.config.feature_names]
+        self._feature_names: List[str] = [f for t in self.tables for f in t.config.feature_names]
+
+    def feature_names(self) -> List[str]:
+        """The input features of this sharding's tables, in order (the keys ``input_dist`` takes)."""
+        return list(self._feature_names)
 
     @property
     def pg(self) -> Optional[dist.ProcessGroup]:
@@ -343,17 +351,19 @@ class MappedAwaitable(Awaitable):
         return self._fn(self._inner.wait())
 
 
-class ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by ``scale``."""
+class CommOpGradientScaling(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale_gradient_factor`` (torchrec's
+    ``embedding_lookup.CommOpGradientScaling``: e.g. ``1 / world_size`` on a replicated table whose
+    gradient an all-reduce later sums)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
+    def forward(ctx, input_tensor: torch.Tensor, scale_gradient_factor: float) -> torch.Tensor:
+        ctx.scale_gradient_factor = scale_gradient_factor
+        return input_tensor.view_as(input_tensor)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
+    def backward(ctx, grad_output: torch.Tensor):
+        return grad_output * ctx.scale_gradient_factor, None
 
 
 def with_weights(kjt: KeyedJaggedTensor, weights: torch.Tensor) -> KeyedJaggedTensor:
@@ -396,9 +406,9 @@ def split_sequence_rows(
 
 __all__ = [
     "ColumnBlock",
-    "EmbeddingSharding",
+    "EmbeddingShardingImpl",
     "MappedAwaitable",
-    "ScaleGrad",
+    "CommOpGradientScaling",
     "ShardedTable",
     "ShardingContext",
     "TableShard",

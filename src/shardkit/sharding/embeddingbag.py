@@ -25,7 +25,7 @@ from shardkit.sharding.kjt_list import KJTList
 from shardkit.sharding.row_wise import RwPooledEmbeddingSharding
 from shardkit.sharding.sharded_embedding_module import (
     BaseEmbeddingSharder,
-    EmbeddingShardingContext,
+    EmbeddingModuleContext,
     ShardedEmbeddingModule,
 )
 from shardkit.sharding.table_column_wise import TwCwPooledEmbeddingSharding
@@ -165,20 +165,20 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
         permutation = column_permutation(blocks, self._embedding_names, self._dims)
         self._column_runs = None if permutation is None else column_runs(permutation)
 
-    def compute(self, ctx: EmbeddingShardingContext, dist_input: KJTList) -> List[torch.Tensor]:
+    def compute(self, ctx: EmbeddingModuleContext, dist_input: KJTList) -> List[torch.Tensor]:
         return [
             s.compute(c, lk, kjt)
             for s, c, lk, kjt in zip(self._shardings, ctx.sharding_contexts, self.lookups, dist_input)
         ]
 
     def output_dist(
-        self, ctx: EmbeddingShardingContext, output: List[torch.Tensor]
+        self, ctx: EmbeddingModuleContext, output: List[torch.Tensor]
     ) -> LazyAwaitable[KeyedTensor]:
         parts = [s.output_dist(c, out) for s, c, out in zip(self._shardings, ctx.sharding_contexts, output)]
         return self._assemble(parts)
 
     def compute_and_output_dist(
-        self, ctx: EmbeddingShardingContext, input: KJTList
+        self, ctx: EmbeddingModuleContext, input: KJTList
     ) -> LazyAwaitable[KeyedTensor]:
         return self._assemble(self._compute_and_start(ctx, input))
 

@@ -32,10 +32,10 @@ from shardkit.modules import (
     PositionWeightedModuleCollection,
 )
 from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding
-from shardkit.sharding.embedding_sharding import EmbeddingSharding, ScaleGrad, with_weights
+from shardkit.sharding.embedding_sharding import CommOpGradientScaling, EmbeddingShardingImpl, with_weights
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
 from shardkit.sharding.kjt_list import KJTList
-from shardkit.sharding.sharded_embedding_module import EmbeddingShardingContext
+from shardkit.sharding.sharded_embedding_module import EmbeddingModuleContext
 from shardkit.sharding.types import EmbeddingModuleShardingPlan
 from shardkit.sparse import KeyedJaggedTensor, KeyedTensor
 
@@ -121,7 +121,7 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedEmbeddingBagCollectio
                         f"feature {key!r}: a bag has {longest} ids, more than max_feature_length {limit}"
                     )
 
-    def input_dist(self, ctx: EmbeddingShardingContext, features: KeyedJaggedTensor):
+    def input_dist(self, ctx: EmbeddingModuleContext, features: KeyedJaggedTensor):
         return super().input_dist(ctx, self._positions_as_weights(features))
 
     def _positions_as_weights(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
@@ -150,7 +150,7 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedEmbeddingBagCollectio
         weights = torch.cat(pieces) if pieces else torch.zeros(0, device=values.device)
         return with_weights(features, weights)
 
-    def _weigh(self, sharding: EmbeddingSharding, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    def _weigh(self, sharding: EmbeddingShardingImpl, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Received positions -> position weights, for the processed features ``sharding`` looks up."""
         features = [self._source_feature[f] for f in sharding.received_features()]  # the input's names
         if not any(f in self._max_lengths for f in features):
@@ -166,7 +166,7 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedEmbeddingBagCollectio
             if feature in self._max_lengths:
                 table = self._position_weight(feature)
                 if scale != 1.0:
-                    table = ScaleGrad.apply(table, scale)
+                    table = CommOpGradientScaling.apply(table, scale)
                 piece = table.index_select(0, piece.to(torch.int64)).to(torch.float32)
             pieces.append(piece)
         weights = torch.cat(pieces)
@@ -176,11 +176,11 @@ class ShardedFeatureProcessedEmbeddingBagCollection(ShardedEmbeddingBagCollectio
             weights = weights + received * 0
         return with_weights(kjt, weights)
 
-    def compute(self, ctx: EmbeddingShardingContext, dist_input: KJTList) -> List[torch.Tensor]:
+    def compute(self, ctx: EmbeddingModuleContext, dist_input: KJTList) -> List[torch.Tensor]:
         return super().compute(ctx, self._weigh_all(dist_input))
 
     def compute_and_output_dist(
-        self, ctx: EmbeddingShardingContext, input: KJTList
+        self, ctx: EmbeddingModuleContext, input: KJTList
     ) -> LazyAwaitable[KeyedTensor]:
         return super().compute_and_output_dist(ctx, self._weigh_all(input))
 

@@ -21,7 +21,7 @@ from shardkit.quant.offloaded_quant_lookup import OffloadedQuantEmbeddingLookup
 from shardkit.quant.quant_lookup import QuantGroupedEmbeddingLookup
 from shardkit.sharding.column_wise import CwPooledEmbeddingSharding, CwSequenceEmbeddingSharding
 from shardkit.sharding.embedding_lookup import ShardedGroupedLookup
-from shardkit.sharding.embedding_sharding import EmbeddingSharding, ShardedTable
+from shardkit.sharding.embedding_sharding import EmbeddingShardingImpl, ShardedTable
 from shardkit.sharding.row_wise import RwPooledEmbeddingSharding, RwSequenceEmbeddingSharding
 from shardkit.sharding.table_wise import TwPooledEmbeddingSharding, TwSequenceEmbeddingSharding
 from shardkit.sharding.types import ShardingType
@@ -107,13 +107,13 @@ class InferRwSequenceEmbeddingSharding(RwSequenceEmbeddingSharding):
         )
 
 
-INFER_SEQUENCE_SHARDINGS: Dict[str, Type[EmbeddingSharding]] = {
+INFER_SEQUENCE_SHARDINGS: Dict[str, Type[EmbeddingShardingImpl]] = {
     ShardingType.TABLE_WISE.value: InferTwSequenceEmbeddingSharding,
     ShardingType.ROW_WISE.value: InferRwSequenceEmbeddingSharding,
     ShardingType.COLUMN_WISE.value: InferCwSequenceEmbeddingSharding,
 }
 
-INFER_POOLED_SHARDINGS: Dict[str, Type[EmbeddingSharding]] = {
+INFER_POOLED_SHARDINGS: Dict[str, Type[EmbeddingShardingImpl]] = {
     ShardingType.TABLE_WISE.value: InferTwEmbeddingSharding,
     ShardingType.ROW_WISE.value: InferRwPooledEmbeddingSharding,
     ShardingType.COLUMN_WISE.value: InferCwPooledEmbeddingSharding,
@@ -126,7 +126,7 @@ def create_infer_embedding_bag_sharding(
     env: ShardingEnv,
     device: Optional[torch.device] = None,
     weighted: bool = False,
-) -> EmbeddingSharding:
+) -> EmbeddingShardingImpl:
     """The inference sharding of quantized pooled tables of ``sharding_type`` (``table_wise``,
     ``row_wise`` or ``column_wise``) for ``sharding_infos`` (the placed tables, all of that type;
     ``shardkit.sharding.embedding_sharding.sharded_table``), pooling with per-id weights if ``weighted``.

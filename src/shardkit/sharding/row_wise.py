@@ -33,7 +33,7 @@ from shardkit.sharding.dist_data import (
 from shardkit.sharding.embedding_lookup import ShardedGroupedLookup, group_shards, received_keys
 from shardkit.sharding.embedding_sharding import (
     ColumnBlock,
-    EmbeddingSharding,
+    EmbeddingShardingImpl,
     MappedAwaitable,
     ShardingContext,
     TableShard,
@@ -49,7 +49,7 @@ from shardkit.sharding.variable_batch import (
 from shardkit.sparse import KeyedJaggedTensor
 
 
-class RowBucketRouting(EmbeddingSharding):
+class RowBucketRouting(EmbeddingShardingImpl):
     """Shardings whose shards are row blocks: each id goes to the one block holding its row.
 
     A table's blocks span all its columns, or (grid sharding) the columns of one column block.
@@ -82,12 +82,12 @@ class RowBucketRouting(EmbeddingSharding):
                     first = first_feature[id(table)]
                     sent += [(first + j, shard.row_start, r) for j in range(len(table.config.feature_names))]
         self._sent_feature = [i for i, _, _ in sent]
-        self._sent_names = [f"{self.feature_names[i]}@{r}" for i, _, r in sent]
+        self._sent_names = [f"{self._feature_names[i]}@{r}" for i, _, r in sent]
         self._splits = [sum(1 for _, _, r in sent if r == rank) for rank in range(self.world_size)]
         # per input feature: its blocks' first rows (ascending) and the sent key of each block
         self._block_starts: List[List[int]] = []
         self._block_keys: List[List[int]] = []
-        for i in range(len(self.feature_names)):
+        for i in range(len(self._feature_names)):
             blocks = sorted((row, k) for k, (j, row, _) in enumerate(sent) if j == i)
             self._block_starts.append([row for row, _ in blocks])
             self._block_keys.append([k for _, k in blocks])
@@ -264,7 +264,7 @@ class RwPooledEmbeddingSharding(RowBucketRouting):
         dist = VariableBatchPooledEmbeddingsReduceScatter(self.pg, codecs)
         awaitable = dist(send, bags_per_rank_per_feature(bags, self.world_size), widths)
         mine = [b[self.rank] for b in bags]
-        position = {f: i for i, f in enumerate(self.feature_names)}
+        position = {f: i for i, f in enumerate(self._feature_names)}
         features = [position[f] for f, _, _ in keys]
         return MappedAwaitable(
             awaitable, lambda flat: expand_blocks(flat, widths, mine, ctx.inverse_indices, features)
@@ -301,7 +301,7 @@ class RwSequenceEmbeddingSharding(RowBucketRouting):
     def output_dist(
         self, ctx: ShardingContext, local_out: torch.Tensor
     ) -> Awaitable[Dict[str, torch.Tensor]]:
-        keys = [(f, 0, self._dims[f]) for f in self.feature_names]
+        keys = [(f, 0, self._dims[f]) for f in self._feature_names]
         return self.sequence_output_dist(
             ctx, local_out, self._splits, ctx.input_counts, keys, self._dims, ctx.unbucketize
         )

@@ -2,7 +2,7 @@
 
 - the plan: every table placed (``sharded_table``), checked on every rank and agreed between ranks
   before anything else communicates, so a bad or diverging plan is a ``ValueError`` on every rank;
-- one ``EmbeddingSharding`` per (sharding type, compute kernel), in ``ShardingType`` order, each with
+- one ``EmbeddingShardingImpl`` per (sharding type, compute kernel), in ``ShardingType`` order, each with
   its lookup (the rank's shards, initialized from the unsharded module's tables);
 - the forward's input side: the cross-rank input check and the split of the input by sharding;
   ``input_dist`` starts every sharding's KJT all-to-all and returns ``Awaitable[Awaitable[KJTList]]``;
@@ -33,7 +33,7 @@ from shardkit.modules.offloaded_lookup import sum_cache_stats
 from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding, DpSequenceEmbeddingSharding
 from shardkit.sharding.embedding_lookup import ShardedGroupedLookup
 from shardkit.sharding.embedding_sharding import (
-    EmbeddingSharding,
+    EmbeddingShardingImpl,
     ShardedTable,
     ShardingContext,
     sharded_table,
@@ -64,7 +64,7 @@ _FUSED_KERNELS = tuple(
 )
 
 
-class EmbeddingShardingContext:
+class EmbeddingModuleContext:
     """One forward's context: a ``ShardingContext`` per sharding, in the module's sharding order, and
     (sequence modules) the input ``features``, whose lengths the output keeps."""
 
@@ -355,11 +355,11 @@ class ShardedEmbeddingModule(ShardedModule):
         plan: table name -> ``ParameterSharding``; every table must be in it.
         env: the world.
         pooled: EmbeddingBagCollection (True) or EmbeddingCollection (False).
-        sharding_classes: ``ShardingType`` value -> the ``EmbeddingSharding`` class for it.
+        sharding_classes: ``ShardingType`` value -> the ``EmbeddingShardingImpl`` class for it.
         fused_optimizer: the unsharded module's (used by FUSED-kernel tables).
         table_weight: ``name -> [rows, cols]`` full table to copy the shards from (None: initialize
             each shard from its config).
-        device, qcomm_codecs_registry, weighted: see ``EmbeddingSharding``.
+        device, qcomm_codecs_registry, weighted: see ``EmbeddingShardingImpl``.
 
     Subclasses set ``table_key``: the state-dict name of the tables' module in the unsharded module
     (table ``t``'s key is ``<table_key>.t.weight``).
@@ -375,7 +375,7 @@ class ShardedEmbeddingModule(ShardedModule):
         plan: EmbeddingModuleShardingPlan,
         env: ShardingEnv,
         pooled: bool,
-        sharding_classes: Dict[str, Type[EmbeddingSharding]],
+        sharding_classes: Dict[str, Type[EmbeddingShardingImpl]],
         fused_optimizer: Optional[FusedOptimizerConfig],
         table_weight,
         device: Optional[torch.device] = None,
@@ -407,7 +407,7 @@ class ShardedEmbeddingModule(ShardedModule):
         order = {t.value: i for i, t in enumerate(ShardingType)}
         for table in sorted(placed, key=lambda t: order[t.sharding_type]):
             by_kind.setdefault((table.sharding_type, table.compute_kernel), []).append(table)
-        self._shardings: List[EmbeddingSharding] = []
+        self._shardings: List[EmbeddingShardingImpl] = []
         for (kind, kernel), members in by_kind.items():
             fused = kernel in _FUSED_KERNELS
             if fused and fused_optimizer is None:
@@ -430,8 +430,8 @@ class ShardedEmbeddingModule(ShardedModule):
         if table_weight is not None:
             for lookup in self.lookups:
                 lookup.load_tables(table_weight)
-        self._input_order = [f for s in self._shardings for f in s.feature_names]
-        self._input_sizes = [len(s.feature_names) for s in self._shardings]
+        self._input_order = [f for s in self._shardings for f in s.feature_names()]
+        self._input_sizes = [len(s.feature_names()) for s in self._shardings]
         self._permutations: Dict[Tuple[str, ...], Optional[List[int]]] = {}
         self._states = TableStates(placed, plan, env.world_size, env.rank, list(self.lookups))
         grouped = [lk for lookup in self.lookups for lk in lookup.lookups if lk.optimizer is not None]
@@ -486,8 +486,8 @@ class ShardedEmbeddingModule(ShardedModule):
             for name, _ in lookup.named_parameters(f"{prefix}{'.' if prefix else ''}lookups.{i}"):
                 yield name
 
-    def create_context(self) -> EmbeddingShardingContext:
-        return EmbeddingShardingContext(len(self._shardings))
+    def create_context(self) -> EmbeddingModuleContext:
+        return EmbeddingModuleContext(len(self._shardings))
 
     def prefetch(self, dist_input: KJTList, forward_stream: Optional[Any] = None, ctx: Any = None) -> None:
         """Load the rows the coming forward of ``dist_input`` (this module's received input) reads into
@@ -505,7 +505,7 @@ class ShardedEmbeddingModule(ShardedModule):
         )
 
     def input_dist(
-        self, ctx: EmbeddingShardingContext, features: KeyedJaggedTensor
+        self, ctx: EmbeddingModuleContext, features: KeyedJaggedTensor
     ) -> Awaitable[Awaitable[KJTList]]:
         """Check the input on every rank, split it by sharding and start each sharding's input dist."""
         check_input(
@@ -532,7 +532,7 @@ class ShardedEmbeddingModule(ShardedModule):
             [s.input_dist(c, part) for s, c, part in zip(self._shardings, ctx.sharding_contexts, parts)]
         )
 
-    def _compute_and_start(self, ctx: EmbeddingShardingContext, dist_input: KJTList) -> List[Awaitable]:
+    def _compute_and_start(self, ctx: EmbeddingModuleContext, dist_input: KJTList) -> List[Awaitable]:
         """Each sharding's lookup, its output dist started right after it."""
         return [
             s.output_dist(c, s.compute(c, lookup, kjt))
@@ -611,7 +611,7 @@ class BaseEmbeddingSharder(FusedParamsSharder[M]):
 
 __all__ = [
     "BaseEmbeddingSharder",
-    "EmbeddingShardingContext",
+    "EmbeddingModuleContext",
     "ShardedEmbeddingModule",
     "check_input",
     "place_tables",

@@ -25,7 +25,7 @@ from shardkit.sharding.dist_data import (
 from shardkit.sharding.embedding_lookup import ShardedGroupedLookup, received_keys
 from shardkit.sharding.embedding_sharding import (
     ColumnBlock,
-    EmbeddingSharding,
+    EmbeddingShardingImpl,
     MappedAwaitable,
     ShardingContext,
     record_input,
@@ -40,7 +40,7 @@ from shardkit.sharding.variable_batch import (
 from shardkit.sparse import KeyedJaggedTensor
 
 
-class PermuteRouting(EmbeddingSharding):
+class PermuteRouting(EmbeddingShardingImpl):
     """Shardings whose shards take whole features: every id of a feature goes to each shard of its table.
 
     Builds, from the shards' placements, each rank's received keys, the permutation of the input
@@ -55,9 +55,9 @@ class PermuteRouting(EmbeddingSharding):
         ]
         self._local_shards = per_rank[self.rank]
         self._keys_per_rank: List[List[ColumnBlock]] = [received_keys(shards) for shards in per_rank]
-        position = {f: i for i, f in enumerate(self.feature_names)}
+        position = {f: i for i, f in enumerate(self._feature_names)}
         self._permute = [position[f] for keys in self._keys_per_rank for f, _, _ in keys]
-        self._identity = self._permute == list(range(len(self.feature_names)))
+        self._identity = self._permute == list(range(len(self._feature_names)))
         self._splits = [len(keys) for keys in self._keys_per_rank]
         self._sent_keys: List[ColumnBlock] = [key for keys in self._keys_per_rank for key in keys]
         self._dims = {f: t.config.embedding_dim for t in self.tables for f in t.config.feature_names}

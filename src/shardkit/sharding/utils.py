@@ -173,6 +173,22 @@ def _fill_memo(module: nn.Module, current: torch.device, to: torch.device, memo:
             _fill_memo(child, current, to, memo)
 
 
+@torch.no_grad()
+def init_parameters(module: nn.Module, device: torch.device) -> None:
+    """Allocate on ``device`` every parameter and buffer of ``module`` still on the meta device and let
+    its submodule initialize it (``reset_parameters``, where the submodule has one).
+
+    Submodules whose tensors are all materialized keep their values and device (torchrec's version
+    also moves and re-initializes those when any parameter is elsewhere); DistributedModelParallel
+    calls this for ``init_parameters=True``."""
+    for sub in module.modules():
+        own = [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]
+        if any(t.device.type == "meta" for t in own):
+            sub.to_empty(device=device, recurse=False)
+            if hasattr(sub, "reset_parameters"):
+                sub.reset_parameters()
+
+
 def get_unsharded_module_names(model: nn.Module) -> List[str]:
     """Names of ``model``'s direct children that hold no ``ShardedModule`` (the data-parallel part)."""
     return [
@@ -191,6 +207,7 @@ __all__ = [
     "copy_to_device",
     "filter_state_dict",
     "get_unsharded_module_names",
+    "init_parameters",
     "merge_fused_params",
     "none_throws",
     "optimizer_type_to_emb_opt_type",
