@@ -29,6 +29,14 @@ import torch
 from torch import nn
 
 from shardkit.distributed.dist_data import KJTAllToAll, PooledEmbeddingsAllToAll
+from shardkit.distributed.embedding import (
+    EmbeddingCollectionAwaitable,
+    EmbeddingCollectionContext,
+    create_embedding_sharding,
+)
+from shardkit.distributed.embedding import (
+    create_sharding_infos_by_sharding as create_ec_sharding_infos_by_sharding,
+)
 from shardkit.distributed.embedding_lookup import embeddings_cat_empty_rank_handle, fx_wrap_tensor_view2d
 from shardkit.distributed.embedding_sharding import (
     BaseEmbeddingDist,
@@ -52,6 +60,7 @@ from shardkit.distributed.embeddingbag import (
     create_sharding_infos_by_sharding,
 )
 from shardkit.distributed.model_parallel import DistributedModelParallel
+from shardkit.distributed.sharding.sequence_sharding import SequenceShardingContext
 from shardkit.distributed.sharding_plan import (
     column_wise,
     construct_module_sharding_plan,
@@ -67,8 +76,8 @@ from shardkit.distributed.types import (
     ShardingEnv,
     ShardingPlan,
 )
-from shardkit.modules.embedding_configs import EmbeddingBagConfig
-from shardkit.modules.embedding_modules import EmbeddingBagCollection
+from shardkit.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from shardkit.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from shardkit.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from shardkit.testing import run_world
 
@@ -505,3 +514,76 @@ def _missing_context_worker() -> str:
 def test_builtin_output_dist_without_its_input_context_is_a_clear_error():
     for message in run_world(_missing_context_worker, 2):
         assert "KJTListSplitsAwaitable" in message, message
+
+
+# ---- sequence shardings through the interface ----------------------------------------------------
+
+EC_TABLES = [("e0", 12, 4, ["f0"]), ("e1", 10, 4, ["f1", "f2"])]
+
+
+class UserShardedEC(nn.Module):
+    """A user's sequence module: built-in sequence shardings, chained as torchrec's EC does."""
+
+    def __init__(self, module: EmbeddingCollection, params, env: ShardingEnv) -> None:
+        super().__init__()
+        infos = create_ec_sharding_infos_by_sharding(module, params, None)
+        self.shardings = [create_embedding_sharding(kind, i, env) for kind, i in infos.items()]
+        self.input_dists = nn.ModuleList(s.create_input_dist() for s in self.shardings)
+        self.lookups = nn.ModuleList(s.create_lookup() for s in self.shardings)
+        self.output_dists = nn.ModuleList(s.create_output_dist() for s in self.shardings)
+
+    def forward(self, features: KeyedJaggedTensor):
+        ctx = EmbeddingCollectionContext(
+            sharding_contexts=[SequenceShardingContext() for _ in self.shardings]
+        )
+        inputs = [select(features, s.feature_names()) for s in self.shardings]
+        parts = [dist(x) for dist, x in zip(self.input_dists, inputs)]
+        dist_input = KJTListSplitsAwaitable(parts, ctx).wait().wait()
+        embs = [lookup(kjt) for lookup, kjt in zip(self.lookups, dist_input)]
+        out = [dist(e, c) for dist, e, c in zip(self.output_dists, embs, ctx.sharding_contexts)]
+        names = [s.embedding_names() for s in self.shardings]
+        return EmbeddingCollectionAwaitable(out, inputs, names, ctx).wait()
+
+
+def _sequence_worker(kind: str) -> list:
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(2)
+    configs = [
+        EmbeddingConfig(num_embeddings=n, embedding_dim=d, name=t, feature_names=fs)
+        for t, n, d, fs in EC_TABLES
+    ]
+    ec = EmbeddingCollection(tables=configs)
+    generators = {
+        "table_wise": lambda i: table_wise(rank=i % world),
+        "row_wise": lambda i: row_wise(),
+        "data_parallel": lambda i: data_parallel(),
+        "mixed": lambda i: [row_wise(), table_wise(rank=1)][i],
+    }[kind]
+    params = construct_module_sharding_plan(
+        ec, {t: generators(i) for i, (t, *_) in enumerate(EC_TABLES)}, world_size=world
+    )
+    user = UserShardedEC(ec, params, ShardingEnv.from_process_group(torch.distributed.group.WORLD))
+    g = torch.Generator().manual_seed(3)
+    diffs = []
+    for _ in range(2):
+        per_rank = []
+        for _ in range(world):
+            lengths = torch.randint(0, 3, (3, BATCH), generator=g)
+            values = torch.cat([torch.randint(0, 10, (int(n),), generator=g) for n in lengths.sum(1)])
+            per_rank.append(KeyedJaggedTensor(["f0", "f1", "f2"], values, lengths=lengths.flatten()))
+        out, expected = user(per_rank[rank]), ec(per_rank[rank])
+        diffs.append(float(sorted(out) != sorted(expected)))
+        for key in expected:
+            diffs.append(
+                (out[key].values() - expected[key].values()).abs().max().item()
+                if expected[key].values().numel()
+                else 0.0
+            )
+            diffs.append(float(not torch.equal(out[key].lengths(), expected[key].lengths())))
+    return diffs
+
+
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "data_parallel", "mixed"])
+def test_builtin_sequence_shardings_through_the_extension_interface(kind):
+    for rank, diffs in enumerate(run_world(_sequence_worker, 2, kind)):
+        assert max(diffs) < 1e-6, (rank, diffs)
