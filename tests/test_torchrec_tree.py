@@ -64,17 +64,19 @@ TREE = {
     ),
     "torchrec.distributed.embedding_sharding": (
         "BaseEmbeddingDist BaseSparseFeaturesDist EmbeddingSharding EmbeddingShardingContext "
-        "EmbeddingShardingInfo KJTListAwaitable KJTListSplitsAwaitable bucketize_kjt_before_all2all "
-        "group_tables"
+        "EmbeddingShardingInfo KJTListAwaitable KJTListSplitsAwaitable ListOfKJTListAwaitable "
+        "ListOfKJTListSplitsAwaitable bucketize_kjt_before_all2all group_tables"
     ),
     "torchrec.distributed.embedding_types": (
         "BaseEmbeddingLookup BaseEmbeddingSharder BaseGroupedFeatureProcessor BaseQuantEmbeddingSharder "
         "EmbeddingAttributes EmbeddingComputeKernel FeatureShardingMixIn GroupedEmbeddingConfig KJTList "
+        "ListOfKJTList "
         "ModuleShardingMixIn OptimType ShardedConfig ShardedEmbeddingModule ShardedEmbeddingTable "
         "ShardedMetaConfig compute_kernel_to_embedding_location"
     ),
     "torchrec.distributed.embeddingbag": (
-        "EmbeddingBagCollectionAwaitable EmbeddingBagCollectionContext EmbeddingBagCollectionSharder "
+        "EmbeddingAwaitable EmbeddingBagCollectionAwaitable EmbeddingBagCollectionContext "
+        "EmbeddingBagCollectionSharder "
         "EmbeddingBagSharder ShardedEmbeddingBag ShardedEmbeddingBagCollection construct_output_kt "
         "create_embedding_bag_sharding create_sharding_infos_by_sharding replace_placement_with_meta_device"
     ),
@@ -226,12 +228,8 @@ ABSENT = {
         "InferGroupedLookupMixin InferGroupedPooledEmbeddingsLookup MetaInferGroupedEmbeddingsLookup "
         "MetaInferGroupedPooledEmbeddingsLookup"
     ),
-    "torchrec.distributed.embedding_sharding": (
-        "FusedKJTListSplitsAwaitable KJTSplitsAllToAllMeta ListOfKJTListAwaitable "
-        "ListOfKJTListSplitsAwaitable"
-    ),
-    "torchrec.distributed.embedding_types": "ListOfKJTList",
-    "torchrec.distributed.embeddingbag": "EmbeddingAwaitable VariableBatchEmbeddingBagCollectionAwaitable",
+    "torchrec.distributed.embedding_sharding": "FusedKJTListSplitsAwaitable KJTSplitsAllToAllMeta",
+    "torchrec.distributed.embeddingbag": "VariableBatchEmbeddingBagCollectionAwaitable",
     "torchrec.distributed.grouped_position_weighted": "GroupedPositionWeightedModule",
     "torchrec.distributed.planner.proposers": "GreedyProposer GridSearchProposer UniformProposer",
     "torchrec.distributed.planner.types": (

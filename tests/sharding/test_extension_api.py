@@ -200,3 +200,17 @@ def test_init_parameters_allocates_only_meta_tensors():
     init_parameters(model, torch.device("cpu"))
     assert model[1].weight.device.type == "cpu" and torch.isfinite(model[1].weight).all()
     assert torch.equal(model[0].weight, kept)  # a materialized module keeps its values
+
+
+def test_list_of_kjt_list_awaitables_and_embedding_awaitable():
+    from shardkit.distributed.embedding_sharding import ListOfKJTListSplitsAwaitable
+    from shardkit.distributed.embedding_types import KJTList, ListOfKJTList
+    from shardkit.distributed.embeddingbag import EmbeddingAwaitable
+
+    kjt = KeyedJaggedTensor(["f"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+    lists = [KJTList([kjt]), KJTList([kjt, kjt])]
+    out = ListOfKJTListSplitsAwaitable([NoWait(NoWait(x)) for x in lists]).wait().wait()
+    assert isinstance(out, ListOfKJTList) and isinstance(out, Multistreamable)
+    assert [len(x) for x in out] == [1, 2] and out[1][0] is kjt
+    lazy = EmbeddingAwaitable(NoWait(torch.ones(2, 3)))
+    assert torch.equal(lazy + 1, torch.full((2, 3), 2.0))  # used like the tensor

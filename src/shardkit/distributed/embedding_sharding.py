@@ -6,7 +6,12 @@ shardkit (the import says where), and nothing inside shardkit imports from this 
 from shardkit.distributed.absent_names import absent
 from shardkit.modules.grouped_tables import group_tables
 from shardkit.sharding.bucketize_kjt import bucketize_kjt_before_all2all
-from shardkit.sharding.sharding_awaitables import KJTListAwaitable, KJTListSplitsAwaitable
+from shardkit.sharding.sharding_awaitables import (
+    KJTListAwaitable,
+    KJTListSplitsAwaitable,
+    ListOfKJTListAwaitable,
+    ListOfKJTListSplitsAwaitable,
+)
 from shardkit.sharding.sharding_contexts import EmbeddingShardingContext
 from shardkit.sharding.sharding_infos import EmbeddingShardingInfo
 from shardkit.sharding.sharding_interface import BaseEmbeddingDist, BaseSparseFeaturesDist, EmbeddingSharding
@@ -19,6 +24,8 @@ __all__ = [
     "EmbeddingShardingInfo",
     "KJTListAwaitable",
     "KJTListSplitsAwaitable",
+    "ListOfKJTListAwaitable",
+    "ListOfKJTListSplitsAwaitable",
     "bucketize_kjt_before_all2all",
     "group_tables",
 ]
@@ -29,7 +36,5 @@ __getattr__ = absent(
     [
         "FusedKJTListSplitsAwaitable",
         "KJTSplitsAllToAllMeta",
-        "ListOfKJTListAwaitable",
-        "ListOfKJTListSplitsAwaitable",
     ],
 )

@@ -3,10 +3,9 @@
 Re-exports only (docs/names.md, "torchrec's module tree"): each name is defined once elsewhere in
 shardkit (the import says where), and nothing inside shardkit imports from this module."""
 
-from shardkit.distributed.absent_names import absent
 from shardkit.modules.feature_processor import BaseGroupedFeatureProcessor
 from shardkit.modules.fused_optimizers import OptimType
-from shardkit.sharding.kjt_list import KJTList
+from shardkit.sharding.kjt_list import KJTList, ListOfKJTList
 from shardkit.sharding.quant_embeddingbag import BaseQuantEmbeddingSharder
 from shardkit.sharding.sharded_embedding_module import BaseEmbeddingSharder, ShardedEmbeddingModule
 from shardkit.sharding.sharded_embedding_table import (
@@ -34,6 +33,7 @@ __all__ = [
     "FeatureShardingMixIn",
     "GroupedEmbeddingConfig",
     "KJTList",
+    "ListOfKJTList",
     "ModuleShardingMixIn",
     "OptimType",
     "ShardedConfig",
@@ -42,6 +42,3 @@ __all__ = [
     "ShardedMetaConfig",
     "compute_kernel_to_embedding_location",
 ]
-
-# torchrec's names here that shardkit lacks: importing one is an ImportError naming it
-__getattr__ = absent(__name__, ["ListOfKJTList"])

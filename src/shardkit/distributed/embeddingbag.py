@@ -6,7 +6,11 @@ shardkit (the import says where), and nothing inside shardkit imports from this 
 from shardkit.distributed.absent_names import absent
 from shardkit.sharding.embedding_bag_module import EmbeddingBagSharder, ShardedEmbeddingBag
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
-from shardkit.sharding.sharding_awaitables import EmbeddingBagCollectionAwaitable, construct_output_kt
+from shardkit.sharding.sharding_awaitables import (
+    EmbeddingAwaitable,
+    EmbeddingBagCollectionAwaitable,
+    construct_output_kt,
+)
 from shardkit.sharding.sharding_contexts import EmbeddingBagCollectionContext
 from shardkit.sharding.sharding_factory import create_embedding_bag_sharding
 from shardkit.sharding.sharding_infos import (
@@ -15,6 +19,7 @@ from shardkit.sharding.sharding_infos import (
 )
 
 __all__ = [
+    "EmbeddingAwaitable",
     "EmbeddingBagCollectionAwaitable",
     "EmbeddingBagCollectionContext",
     "EmbeddingBagCollectionSharder",
@@ -30,5 +35,5 @@ __all__ = [
 # torchrec's names here that shardkit lacks: importing one is an ImportError naming it
 __getattr__ = absent(
     __name__,
-    ["EmbeddingAwaitable", "VariableBatchEmbeddingBagCollectionAwaitable"],
+    ["VariableBatchEmbeddingBagCollectionAwaitable"],
 )

@@ -19,7 +19,7 @@ from typing import Any, Dict, Generic, List, Optional, TypeVar
 import torch
 
 from shardkit.distributed.awaitable import Awaitable, LazyAwaitable
-from shardkit.sharding.kjt_list import KJTList
+from shardkit.sharding.kjt_list import KJTList, ListOfKJTList
 from shardkit.sharding.sharding_contexts import (
     EmbeddingCollectionContext,
     EmbeddingShardingContext,
@@ -113,6 +113,39 @@ class KJTListSplitsAwaitable(Awaitable[Awaitable[KJTList]], Generic[C]):
         tensors_awaitables = [w.wait() for w in self.awaitables]
         _record_intra_a2a(tensors_awaitables, self.ctx)
         return KJTListAwaitable(tensors_awaitables, self.ctx)
+
+
+class ListOfKJTListAwaitable(Awaitable[ListOfKJTList]):
+    """``wait()`` -> ``ListOfKJTList`` of each awaitable's ``KJTList`` (one per rank, in order)."""
+
+    def __init__(self, awaitables: List[Awaitable[KJTList]]) -> None:
+        super().__init__()
+        self.awaitables = list(awaitables)
+
+    def _wait_impl(self) -> ListOfKJTList:
+        return ListOfKJTList([w.wait() for w in self.awaitables])
+
+
+class ListOfKJTListSplitsAwaitable(Awaitable[Awaitable[ListOfKJTList]]):
+    """``wait()`` waits each awaitable's first phase -> ``ListOfKJTListAwaitable``."""
+
+    def __init__(self, awaitables: List[Awaitable[Awaitable[KJTList]]]) -> None:
+        super().__init__()
+        self.awaitables = list(awaitables)
+
+    def _wait_impl(self) -> ListOfKJTListAwaitable:
+        return ListOfKJTListAwaitable([w.wait() for w in self.awaitables])
+
+
+class EmbeddingAwaitable(LazyAwaitable[torch.Tensor]):
+    """A ``LazyAwaitable`` of one output dist's tensor: used like the tensor, waited on first use."""
+
+    def __init__(self, awaitable: Awaitable[torch.Tensor]) -> None:
+        super().__init__()
+        self._awaitable = awaitable
+
+    def _wait_impl(self) -> torch.Tensor:
+        return self._awaitable.wait()
 
 
 def construct_output_kt(
@@ -224,9 +257,12 @@ class EmbeddingCollectionAwaitable(LazyAwaitable[Dict[str, JaggedTensor]]):
 
 
 __all__ = [
+    "EmbeddingAwaitable",
     "EmbeddingBagCollectionAwaitable",
     "EmbeddingCollectionAwaitable",
     "KJTListAwaitable",
     "KJTListSplitsAwaitable",
+    "ListOfKJTListAwaitable",
+    "ListOfKJTListSplitsAwaitable",
     "construct_output_kt",
 ]
