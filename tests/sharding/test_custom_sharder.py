@@ -587,3 +587,33 @@ def _sequence_worker(kind: str) -> list:
 def test_builtin_sequence_shardings_through_the_extension_interface(kind):
     for rank, diffs in enumerate(run_world(_sequence_worker, 2, kind)):
         assert max(diffs) < 1e-6, (rank, diffs)
+
+
+def _disagreement_worker(case: str) -> str:
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    configs = [EmbeddingBagConfig(num_embeddings=8, embedding_dim=4, name="t", feature_names=["f", "g"])]
+    ebc = EmbeddingBagCollection(tables=configs)
+    owner = rank if case == "plan" else 0  # "plan": each rank plans the table on itself
+    params = construct_module_sharding_plan(ebc, {"t": table_wise(rank=owner)}, world_size=world)
+    env = ShardingEnv.from_process_group(torch.distributed.group.WORLD)
+    infos = create_sharding_infos_by_sharding(ebc, params, "embedding_bags.", None)
+    kind = "row_wise" if case == "type" and rank == 1 else "table_wise"  # "type": rank 1 asks for another
+    try:
+        sharding = create_embedding_bag_sharding(kind, infos["table_wise"], env)
+        keys = ["g", "f"] if case == "keys" and rank == 1 else ["f", "g"]  # "keys": rank 1's are swapped
+        kjt = KeyedJaggedTensor(keys, torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+        sharding.create_input_dist()(kjt).wait().wait()
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("case", ["plan", "type", "keys"])
+def test_a_disagreement_between_ranks_is_an_error_on_every_rank(case):
+    expected = {
+        "plan": "ranks disagree on the tables or the sharding plan",
+        "type": "rank 1: ValueError: every table needs this sharding type",
+        "keys": "rank 1: ValueError: ",
+    }[case]
+    for message in run_world(_disagreement_worker, 2, case, timeout=300):
+        assert expected in message, message

@@ -22,15 +22,16 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from shardkit.distributed.agreement import gather_objects
 from shardkit.distributed.awaitable import Awaitable
 from shardkit.distributed.codecs import QuantizedCommCodecs
 from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.modules.feature_processor import BaseGroupedFeatureProcessor
 from shardkit.sharding.embedding import SEQUENCE_SHARDINGS
-from shardkit.sharding.embedding_sharding import MappedAwaitable, ShardingContext, sharded_table
+from shardkit.sharding.embedding_sharding import MappedAwaitable, ShardingContext
 from shardkit.sharding.embeddingbag import POOLED_SHARDINGS, column_permutation
 from shardkit.sharding.fused_optimizer_config import fused_optimizer_config
-from shardkit.sharding.sharded_embedding_module import check_input, with_keys
+from shardkit.sharding.sharded_embedding_module import check_input, place_tables, with_keys
 from shardkit.sharding.sharded_embedding_table import ShardedEmbeddingTable
 from shardkit.sharding.sharding_infos import EmbeddingShardingInfo
 from shardkit.sharding.sharding_interface import (
@@ -85,13 +86,18 @@ class BuiltinSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         s = self._sharding
-        if sparse_features.keys() != s.feature_names():
-            raise ValueError(
-                f"{s.owner}: the input dist takes the keys {s.feature_names()} in this order, got "
-                f"{sparse_features.keys()}"
-            )
-        features = with_keys(sparse_features, s.lookup_keys) if s.renamed else sparse_features
-        check_input(features, s.impl.tables, s.impl.weighted, s.owner, s.impl.env)
+        keys_ok = sparse_features.keys() == s.feature_names()
+        features = with_keys(sparse_features, s.lookup_keys) if s.renamed and keys_ok else sparse_features
+
+        def keys_check(_: KeyedJaggedTensor) -> None:
+            if not keys_ok:
+                raise ValueError(
+                    f"the input dist takes the keys {s.feature_names()} in this order, got "
+                    f"{sparse_features.keys()}"
+                )
+
+        # the key check runs inside the cross-rank input check: wrong keys on one rank fail every rank
+        check_input(features, s.impl.tables, s.impl.weighted, s.owner, s.impl.env, keys_check)
         ctx = ShardingContext()
         return _SplitsWithContext(s.impl.input_dist(ctx, features), ctx)
 
@@ -158,36 +164,16 @@ class BuiltinEmbeddingSharding(EmbeddingSharding[Any, KeyedJaggedTensor, torch.T
             f"{'create_embedding_bag_sharding' if pooled else 'create_embedding_sharding'}({sharding_type!r})"
         )
         classes = POOLED_SHARDINGS if pooled else SEQUENCE_SHARDINGS
-        if sharding_type not in classes:
-            raise ValueError(f"{self.owner}: unknown sharding type; known: {list(classes)}")
-        if not sharding_infos:
-            raise ValueError(f"{self.owner}: no tables (sharding_infos is empty)")
-        names = [i.embedding_config.name for i in sharding_infos]
-        wrong = [n for n, i in zip(names, sharding_infos) if i.param_sharding.sharding_type != sharding_type]
-        kernels = {i.param_sharding.compute_kernel for i in sharding_infos}
-        weighted = {bool(i.embedding_config.is_weighted) for i in sharding_infos}
-        if wrong or len(kernels) > 1 or len(weighted) > 1:
-            raise ValueError(
-                f"{self.owner}: every table needs this sharding type, one compute kernel and one "
-                f"weightedness; "
-                f"tables {names}: other types {wrong}, kernels {sorted(kernels)}, weighted {sorted(weighted)}"
-            )
-        kernel = kernels.pop()
-        optimizer = None
-        if kernel in _FUSED:
-            settings = [
-                {k: v for k, v in (i.fused_params or {}).items() if k not in _PLAN_OPTIONS}
-                for i in sharding_infos
-            ]
-            if any(s != settings[0] for s in settings):
-                raise ValueError(
-                    f"{self.owner}: the fused tables {names} have different fused_params {settings}"
-                )
-            optimizer = fused_optimizer_config(settings[0])
-            if optimizer is None:
-                raise ValueError(
-                    f"{self.owner}: tables {names} use the {kernel} kernel but no fused_params optimizer"
-                )
+        problem, checked = None, None
+        try:
+            checked = self._check(sharding_type, sharding_infos, classes)
+        except (ValueError, TypeError, KeyError) as err:
+            problem = f"{type(err).__name__}: {err}"
+        # the ranks agree before any of them goes on to the plan's agreement (no rank left waiting)
+        problems = [f"rank {r}: {p}" for r, p in enumerate(gather_objects(problem, env.process_group)) if p]
+        if problems:
+            raise ValueError(f"{self.owner}: " + "; ".join(problems))
+        optimizer, weighted = checked
         self.pooled, self.env, self._infos = pooled, env, list(sharding_infos)
         # inside, every (table, feature) lookup has its own key: its embedding name
         configs = []
@@ -198,9 +184,11 @@ class BuiltinEmbeddingSharding(EmbeddingSharding[Any, KeyedJaggedTensor, torch.T
         self._features = [f for i in sharding_infos for f in i.embedding_config.feature_names]
         self.lookup_keys = [f for c in configs for f in c.feature_names]
         self.renamed = self.lookup_keys != self._features
-        placed = [sharded_table(c, i.param_sharding, env.world_size) for c, i in zip(configs, sharding_infos)]
+        # every rank checks the plan against the tables and the ranks agree on both (ValueError on all)
+        plan = {c.name: i.param_sharding for c, i in zip(configs, sharding_infos)}
+        placed = place_tables(configs, plan, env, optimizer)
         self.impl = classes[sharding_type](
-            placed, env, pooled, optimizer, device, qcomm_codecs_registry, weighted.pop()
+            placed, env, pooled, optimizer, device, qcomm_codecs_registry, weighted
         )
         self._permute = permute_embeddings
         self.output_permutation: Optional[List[int]] = None
@@ -210,6 +198,35 @@ class BuiltinEmbeddingSharding(EmbeddingSharding[Any, KeyedJaggedTensor, torch.T
             self._blocks = blocks
             if permute_embeddings:
                 self.output_permutation = column_permutation(blocks, self.lookup_keys, dims)
+
+    def _check(self, sharding_type: str, sharding_infos: List[EmbeddingShardingInfo], classes) -> tuple:
+        """(fused optimizer config or None, weighted) of the infos; ``ValueError`` naming what is wrong."""
+        if sharding_type not in classes:
+            raise ValueError(f"unknown sharding type; known: {list(classes)}")
+        if not sharding_infos:
+            raise ValueError("no tables (sharding_infos is empty)")
+        names = [i.embedding_config.name for i in sharding_infos]
+        wrong = [n for n, i in zip(names, sharding_infos) if i.param_sharding.sharding_type != sharding_type]
+        kernels = {i.param_sharding.compute_kernel for i in sharding_infos}
+        weighted = {bool(i.embedding_config.is_weighted) for i in sharding_infos}
+        if wrong or len(kernels) > 1 or len(weighted) > 1:
+            raise ValueError(
+                "every table needs this sharding type, one compute kernel and one weightedness; tables "
+                f"{names}: other types {wrong}, kernels {sorted(kernels)}, weighted {sorted(weighted)}"
+            )
+        kernel = kernels.pop()
+        if kernel not in _FUSED:
+            return None, weighted.pop()
+        settings = [
+            {k: v for k, v in (i.fused_params or {}).items() if k not in _PLAN_OPTIONS}
+            for i in sharding_infos
+        ]
+        if any(s != settings[0] for s in settings):
+            raise ValueError(f"the fused tables {names} have different fused_params {settings}")
+        optimizer = fused_optimizer_config(settings[0])
+        if optimizer is None:
+            raise ValueError(f"tables {names} use the {kernel} kernel but no fused_params optimizer")
+        return optimizer, weighted.pop()
 
     # -- the three modules
     def create_input_dist(self, device: Optional[torch.device] = None) -> BuiltinSparseFeaturesDist:
