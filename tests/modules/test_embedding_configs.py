@@ -15,7 +15,7 @@ from shardkit.modules import (
     EmbeddingConfig,
     PoolingType,
     data_type_to_dtype,
-    group_tables,
+    group_table_configs,
 )
 
 
@@ -77,5 +77,7 @@ def test_tables_group_by_dim_and_dtype_in_order_of_appearance():
     def table(name, dim, data_type="FP32"):
         return EmbeddingBagConfig(num_embeddings=3, embedding_dim=dim, name=name, data_type=data_type)
 
-    groups = group_tables([table("a", 4), table("b", 8), table("c", 4, "FP16"), table("d", 4), table("e", 8)])
+    groups = group_table_configs(
+        [table("a", 4), table("b", 8), table("c", 4, "FP16"), table("d", 4), table("e", 8)]
+    )
     assert [[t.name for t in g] for g in groups] == [["a", "d"], ["b", "e"], ["c"]]

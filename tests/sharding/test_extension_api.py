@@ -214,3 +214,40 @@ def test_list_of_kjt_list_awaitables_and_embedding_awaitable():
     assert [len(x) for x in out] == [1, 2] and out[1][0] is kjt
     lazy = EmbeddingAwaitable(NoWait(torch.ones(2, 3)))
     assert torch.equal(lazy + 1, torch.full((2, 3), 2.0))  # used like the tensor
+
+
+def test_group_tables_per_rank():
+    from shardkit.distributed.embedding_sharding import group_tables
+    from shardkit.modules.embedding_configs import DataType
+
+    def table(name, kernel="dense", data_type=DataType.FP32, fused=None, rows=10, dim=4):
+        return ShardedEmbeddingTable(
+            num_embeddings=rows,
+            embedding_dim=dim,
+            name=name,
+            feature_names=[f"{name}_f"],
+            data_type=data_type,
+            compute_kernel=EmbeddingComputeKernel(kernel),
+            local_rows=rows,
+            local_cols=dim,
+            fused_params=fused,
+        )
+
+    cache = {"optimizer": "sgd", "cache_load_factor": 0.2}
+    rank0 = [
+        table("a"),
+        table("b", "fused", fused={"optimizer": "sgd"}),
+        table("c", dim=8),  # other widths join the dense group (one group per kernel, not per width)
+        table("d", "fused_uvm_caching", fused=cache, rows=30),
+        table("e", data_type=DataType.FP16),
+        table("f", "fused_uvm_caching", fused={"optimizer": "sgd", "cache_load_factor": 0.6}, rows=10),
+    ]
+    groups0, groups1 = group_tables([rank0, []])
+    assert groups1 == []
+    assert [g.table_names() for g in groups0] == [["a", "c"], ["b", "d", "f"], ["e"]]
+    assert groups0[1].compute_kernel is EmbeddingComputeKernel.FUSED  # the UVM caching kernel's base
+    assert groups0[1].fused_params == {"optimizer": "sgd", "cache_load_factor": pytest.approx(0.3)}
+    weighted = table("w")
+    weighted.is_weighted = True
+    with pytest.raises(ValueError, match=r"tables \['w'\] are weighted"):
+        group_tables([[table("a")], [weighted]])

@@ -4,8 +4,8 @@ Re-exports only (docs/names.md, "torchrec's module tree"): each name is defined 
 shardkit (the import says where), and nothing inside shardkit imports from this module."""
 
 from shardkit.distributed.absent_names import absent
-from shardkit.modules.grouped_tables import group_tables
 from shardkit.sharding.bucketize_kjt import bucketize_kjt_before_all2all
+from shardkit.sharding.sharded_embedding_table import group_tables
 from shardkit.sharding.sharding_awaitables import (
     KJTListAwaitable,
     KJTListSplitsAwaitable,

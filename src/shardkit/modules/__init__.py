@@ -24,7 +24,7 @@ from shardkit.modules.fp_embedding_bag_collection import FeatureProcessedEmbeddi
 from shardkit.modules.fused_optimizer_state import FusedOptimizer
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig, OptimType, SparseRowOptimizer
 from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup, ShardSpec
-from shardkit.modules.grouped_tables import group_tables
+from shardkit.modules.grouped_tables import group_table_configs
 from shardkit.modules.mc_collection import ManagedCollisionCollection
 from shardkit.modules.mc_embedding_modules import (
     ManagedCollisionEmbeddingBagCollection,
@@ -75,5 +75,5 @@ __all__ = [
     "average_threshold_filter",
     "data_type_to_dtype",
     "dynamic_threshold_filter",
-    "group_tables",
+    "group_table_configs",
 ]

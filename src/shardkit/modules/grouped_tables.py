@@ -28,7 +28,7 @@ from shardkit.modules.tracing import refuse_script
 from shardkit.sparse import KeyedJaggedTensor
 
 
-def group_tables(tables: Sequence[BaseEmbeddingConfig]) -> List[List[BaseEmbeddingConfig]]:
+def group_table_configs(tables: Sequence[BaseEmbeddingConfig]) -> List[List[BaseEmbeddingConfig]]:
     """Tables grouped by (embedding_dim, data_type), groups and members in order of first appearance
     (the data type decides the dtype, and a quantized module's storage)."""
     groups: Dict[Tuple[int, DataType], List[BaseEmbeddingConfig]] = {}
@@ -74,7 +74,7 @@ class GroupedTablesModule(nn.Module):
         self._state_prefix = state_prefix
         self.lookups = nn.ModuleList(
             self.lookup_class([ShardSpec(t) for t in group], pooled, device, fused_optimizer)
-            for group in group_tables(self._tables)
+            for group in group_table_configs(self._tables)
         )
         # where each table lives: (group index, shard index)
         self._table_location = {

@@ -92,6 +92,62 @@ class GroupedEmbeddingConfig:
         return [t.local_metadata for t in self.embedding_tables for _ in t.feature_names]
 
 
+# fused_params that do not split groups: the cache size is averaged over a group (torchrec's rule)
+_CACHE_LOAD_FACTOR = "cache_load_factor"
+_NOT_GROUPING = (_CACHE_LOAD_FACTOR, "_batch_key", "use_one_tbe_per_table")
+_KERNEL_TYPE = {
+    EmbeddingComputeKernel.FUSED_UVM: EmbeddingComputeKernel.FUSED,
+    EmbeddingComputeKernel.FUSED_UVM_CACHING: EmbeddingComputeKernel.FUSED,
+    EmbeddingComputeKernel.QUANT_UVM: EmbeddingComputeKernel.QUANT,
+    EmbeddingComputeKernel.QUANT_UVM_CACHING: EmbeddingComputeKernel.QUANT,
+}
+
+
+def _group_one_rank(tables: List[ShardedEmbeddingTable], weighted: bool) -> List[GroupedEmbeddingConfig]:
+    groups: Dict[tuple, List[ShardedEmbeddingTable]] = {}
+    for t in tables:
+        kernel = EmbeddingComputeKernel(t.compute_kernel)
+        params = tuple(sorted((k, v) for k, v in (t.fused_params or {}).items() if k not in _NOT_GROUPING))
+        key = (
+            DataType(t.data_type),
+            PoolingType(t.pooling),
+            t.has_feature_processor,
+            params,
+            _KERNEL_TYPE.get(kernel, kernel),
+        )
+        groups.setdefault(key, []).append(t)
+    out = []
+    for (data_type, pooling, has_fp, params, kernel), members in groups.items():
+        fused = dict(params)
+        cached = [
+            t
+            for t in members
+            if _CACHE_LOAD_FACTOR in (t.fused_params or {})
+            and EmbeddingComputeKernel(t.compute_kernel) is EmbeddingComputeKernel.FUSED_UVM_CACHING
+        ]
+        if cached:  # weighted by the tables' rows
+            rows = sum(t.num_embeddings for t in cached)
+            fused[_CACHE_LOAD_FACTOR] = (
+                sum(t.fused_params[_CACHE_LOAD_FACTOR] * t.num_embeddings for t in cached) / rows
+            )
+        out.append(GroupedEmbeddingConfig(data_type, pooling, weighted, has_fp, kernel, members, fused))
+    return out
+
+
+def group_tables(tables_per_rank: List[List[ShardedEmbeddingTable]]) -> List[List[GroupedEmbeddingConfig]]:
+    """Each rank's tables grouped by data type, pooling, feature processing, fused parameters and compute
+    kernel (the UVM variants with their base kernel), groups and members in order of first appearance;
+    a group's ``cache_load_factor`` is its UVM-caching tables' average weighted by rows. All tables must
+    agree on ``is_weighted`` (``ValueError`` otherwise). torchrec's ``embedding_sharding.group_tables``;
+    shardkit's collections group their configs with ``shardkit.modules.group_table_configs``."""
+    flags = {bool(t.is_weighted) for tables in tables_per_rank for t in tables}
+    if len(flags) > 1:
+        names = [t.name for tables in tables_per_rank for t in tables if t.is_weighted]
+        raise ValueError(f"group_tables: tables {names} are weighted and the others are not")
+    weighted = flags.pop() if flags else False
+    return [_group_one_rank(tables, weighted) for tables in tables_per_rank]
+
+
 class EmbeddingLocation(enum.IntEnum):
     """Where a fused lookup keeps a table (fbgemm's ``EmbeddingLocation``): device memory, unified
     (managed) memory, unified memory with a device cache, or host memory. On CPU every location is
@@ -135,4 +191,5 @@ __all__ = [
     "ShardedEmbeddingTable",
     "ShardedMetaConfig",
     "compute_kernel_to_embedding_location",
+    "group_tables",
 ]
