@@ -25,7 +25,7 @@ def test_features_are_permuted_into_rank_order():
         for c in configs
     ]
     sharding = TwPooledEmbeddingSharding(tables, ShardingEnv.from_local(2, 0), True)
-    assert sharding.feature_names == ["x1", "x2", "y1", "z1"]
+    assert sharding.feature_names() == ["x1", "x2", "y1", "z1"]
     assert sharding._splits == [1, 3]
     assert sharding._permute == [2, 0, 1, 3]
     assert sharding.output_layout() == [("y1", 0, 3), ("x1", 0, 2), ("x2", 0, 2), ("z1", 0, 2)]
