@@ -57,7 +57,8 @@ TREE = {
     ),
     "torchrec.distributed.embedding": (
         "EmbeddingCollectionAwaitable EmbeddingCollectionContext EmbeddingCollectionSharder "
-        "ShardedEmbeddingCollection create_embedding_sharding create_sharding_infos_by_sharding"
+        "ShardedEmbeddingCollection create_embedding_sharding create_sharding_infos_by_sharding "
+        "get_ec_index_dedup set_ec_index_dedup"
     ),
     "torchrec.distributed.embedding_lookup": (
         "CommOpGradientScaling embeddings_cat_empty_rank_handle fx_wrap_tensor_view2d"
@@ -222,7 +223,6 @@ ABSENT = {
         "ReduceScatter_Wait Variable_Batch_All2All_Pooled_Req Variable_Batch_All2All_Pooled_Wait"
     ),
     "torchrec.distributed.dist_data": "SplitsAllToAllAwaitable",
-    "torchrec.distributed.embedding": "get_ec_index_dedup set_ec_index_dedup",
     "torchrec.distributed.embedding_lookup": (
         "GroupedEmbeddingsLookup GroupedPooledEmbeddingsLookup InferGroupedEmbeddingsLookup "
         "InferGroupedLookupMixin InferGroupedPooledEmbeddingsLookup MetaInferGroupedEmbeddingsLookup "

@@ -3,7 +3,7 @@
 Re-exports only (docs/names.md, "torchrec's module tree"): each name is defined once elsewhere in
 shardkit (the import says where), and nothing inside shardkit imports from this module."""
 
-from shardkit.distributed.absent_names import absent
+from shardkit.sharding.ec_index_dedup import get_ec_index_dedup, set_ec_index_dedup
 from shardkit.sharding.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
 from shardkit.sharding.sharding_awaitables import EmbeddingCollectionAwaitable
 from shardkit.sharding.sharding_contexts import EmbeddingCollectionContext
@@ -19,7 +19,6 @@ __all__ = [
     "ShardedEmbeddingCollection",
     "create_embedding_sharding",
     "create_sharding_infos_by_sharding",
+    "get_ec_index_dedup",
+    "set_ec_index_dedup",
 ]
-
-# torchrec's names here that shardkit lacks: importing one is an ImportError naming it
-__getattr__ = absent(__name__, ["get_ec_index_dedup", "set_ec_index_dedup"])

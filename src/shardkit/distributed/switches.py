@@ -10,10 +10,21 @@ naming the switch and each rank's value.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence
 
 from shardkit.distributed.comm_ops.request import get_gradient_division
 from shardkit.distributed.validation import validation_enabled
+
+
+# switches defined in higher layers (e.g. shardkit.sharding's set_ec_index_dedup), registered when
+# their module is imported; the sharded modules import them before they compare, so every rank has
+# the same names in the same order
+_REGISTERED: Dict[str, Callable[[], bool]] = {}
+
+
+def register_switch(name: str, getter: Callable[[], bool]) -> None:
+    """Add a process-wide switch (``getter()`` is this process's value) to :func:`result_switches`."""
+    _REGISTERED[name] = getter
 
 
 def result_switches() -> Dict[str, bool]:
@@ -21,6 +32,7 @@ def result_switches() -> Dict[str, bool]:
     return {
         "validation (set_validation / SHARDKIT_VALIDATE)": validation_enabled(),
         "gradient division (set_gradient_division)": get_gradient_division(),
+        **{name: bool(getter()) for name, getter in _REGISTERED.items()},
     }
 
 
@@ -34,4 +46,4 @@ def switch_disagreements(per_rank: Sequence[Dict[str, bool]]) -> List[str]:
     return lines
 
 
-__all__ = ["result_switches", "switch_disagreements"]
+__all__ = ["register_switch", "result_switches", "switch_disagreements"]

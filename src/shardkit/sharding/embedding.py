@@ -12,6 +12,7 @@ from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.modules import EmbeddingCollection, FusedOptimizerConfig
 from shardkit.sharding.column_wise import CwSequenceEmbeddingSharding
 from shardkit.sharding.data_parallel import DpSequenceEmbeddingSharding
+from shardkit.sharding.ec_index_dedup import expand_rows, get_ec_index_dedup
 from shardkit.sharding.fused_optimizer_config import resolve_fused_optimizer
 from shardkit.sharding.kjt_list import KJTList
 from shardkit.sharding.row_wise import RwSequenceEmbeddingSharding
@@ -49,15 +50,18 @@ class _SequenceOutputAwaitable(LazyAwaitable[Dict[str, JaggedTensor]]):
         names: List[str],
         need_indices: bool,
         source_feature: Dict[str, str],
+        index_dedup: Optional[Dict[str, torch.Tensor]] = None,
     ):
         super().__init__()
         self._parts, self._features, self._names, self._need_indices = parts, features, names, need_indices
-        self._source = source_feature
+        self._source, self._index_dedup = source_feature, index_dedup
 
     def _wait_impl(self) -> Dict[str, JaggedTensor]:
         rows: Dict[str, torch.Tensor] = {}
         for aw in self._parts:
             rows.update(aw.wait())
+        if self._index_dedup is not None:  # rows of distinct ids -> a row per id of the input
+            rows = {name: expand_rows(r, self._index_dedup[name]) for name, r in rows.items()}
         out = {}
         for name in self._names:
             jt = self._features[self._source[name]]
@@ -102,6 +106,8 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule):
         )
         self._names = [f for t in self._tables for f in t.config.feature_names]  # feature@table if shared
         self._need_indices = module.need_indices()
+        # torchrec reads the switch when the module is sharded (set_ec_index_dedup)
+        self._index_dedup = get_ec_index_dedup()
 
     def input_dist(
         self, ctx: EmbeddingModuleContext, features: KeyedJaggedTensor
@@ -120,7 +126,7 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule):
     ) -> LazyAwaitable[Dict[str, JaggedTensor]]:
         parts = [s.output_dist(c, out) for s, c, out in zip(self._shardings, ctx.sharding_contexts, output)]
         return _SequenceOutputAwaitable(
-            parts, ctx.features, self._names, self._need_indices, self._source_feature
+            parts, ctx.features, self._names, self._need_indices, self._source_feature, ctx.index_dedup
         )
 
     def compute_and_output_dist(
@@ -132,6 +138,7 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule):
             self._names,
             self._need_indices,
             self._source_feature,
+            ctx.index_dedup,
         )
 
 

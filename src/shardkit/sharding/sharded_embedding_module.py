@@ -31,6 +31,7 @@ from shardkit.modules.embedding_configs import BaseEmbeddingConfig, embedding_na
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig
 from shardkit.modules.offloaded_lookup import sum_cache_stats
 from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding, DpSequenceEmbeddingSharding
+from shardkit.sharding.ec_index_dedup import dedup_features  # also registers its switch
 from shardkit.sharding.embedding_lookup import ShardedGroupedLookup
 from shardkit.sharding.embedding_sharding import (
     EmbeddingShardingImpl,
@@ -66,11 +67,13 @@ _FUSED_KERNELS = tuple(
 
 class EmbeddingModuleContext:
     """One forward's context: a ``ShardingContext`` per sharding, in the module's sharding order, and
-    (sequence modules) the input ``features``, whose lengths the output keeps."""
+    (sequence modules) the input ``features``, whose lengths the output keeps; with index
+    deduplication (``ec_index_dedup``) ``index_dedup``: per lookup key, each id's distinct-id position."""
 
     def __init__(self, num_shardings: int) -> None:
         self.sharding_contexts = [ShardingContext() for _ in range(num_shardings)]
         self.features: Optional[KeyedJaggedTensor] = None
+        self.index_dedup: Optional[Dict[str, torch.Tensor]] = None
 
     def record_stream(self, stream: torch.Stream) -> None:
         for ctx in self.sharding_contexts:
@@ -387,6 +390,8 @@ class ShardedEmbeddingModule(ShardedModule):
         # more input checks of a subclass, run inside check_input so that every rank hears of a failure
         self._extra_input_check: Optional[Callable[[KeyedJaggedTensor], None]] = None
         self._weighted = weighted
+        # send each distinct id once per key (ShardedEmbeddingCollection under set_ec_index_dedup)
+        self._index_dedup = False
         self._owner = type(self).__name__
         tables, self._source_feature = one_name_per_lookup(tables)
         self._renamed = any(name != f for name, f in self._source_feature.items())
@@ -527,6 +532,8 @@ class ShardedEmbeddingModule(ShardedModule):
             features = features.permute(permute)
         if self._renamed:  # a feature of several tables: one key per lookup (repeated by the permute)
             features = with_keys(features, self._input_order)
+        if self._index_dedup:  # after the checks, on the lookup keys: the output expands per key
+            features, ctx.index_dedup = dedup_features(features)
         parts = features.split(self._input_sizes) if len(self._shardings) > 1 else [features]
         return _InputDistAwaitable(
             [s.input_dist(c, part) for s, c, part in zip(self._shardings, ctx.sharding_contexts, parts)]
