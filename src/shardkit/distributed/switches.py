@@ -15,7 +15,6 @@ from typing import Callable, Dict, List, Sequence
 from shardkit.distributed.comm_ops.request import get_gradient_division
 from shardkit.distributed.validation import validation_enabled
 
-
 # switches defined in higher layers (e.g. shardkit.sharding's set_ec_index_dedup), registered when
 # their module is imported; the sharded modules import them before they compare, so every rank has
 # the same names in the same order
