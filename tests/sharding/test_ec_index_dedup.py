@@ -144,7 +144,10 @@ def _check(optimizer: OptimType, division: bool, empty) -> None:
                 assert torch.equal(b.values(), a.values()), f"rank {rank} step {step} {name}: rows differ"
             else:
                 torch.testing.assert_close(
-                    b.values(), a.values(), **TOL, msg=lambda m: f"{name} {optimizer} step {step}: {m}"
+                    b.values(),
+                    a.values(),
+                    **TOL,
+                    msg=lambda m, where=f"{name} {optimizer} step {step}": f"{where}: {m}",
                 )
             torch.testing.assert_close(b.values(), jt.values()[mine].detach(), **TOL)
             assert torch.equal(b.weights(), local_kjt[source].values())  # need_indices: the ids
