@@ -243,3 +243,42 @@ def _disagree() -> bool:
 
 def test_ranks_disagreeing_on_the_switch_fail_on_every_rank():
     assert all(run_world(_disagree, 2))
+
+
+def _quant_worker() -> bool:
+    """The quantized collection (a ShardedEmbeddingCollection) deduplicates too: rows bitwise equal."""
+    from shardkit.quant import QuantEmbeddingCollection
+    from shardkit.sharding.quant_embedding import QuantEmbeddingCollectionSharder
+    from shardkit.sharding.sharding_plan import column_wise, table_wise
+
+    rank, world_size, _ = case.world()
+    torch.manual_seed(0)
+    tables = [("q_tw", 11, ["a"]), ("q_rw", 13, ["b", "c"]), ("q_cw", 9, ["d"])]
+    quantized = QuantEmbeddingCollection.from_float(
+        EmbeddingCollection([EmbeddingConfig(n, 8, name=t, feature_names=f) for t, n, f in tables])
+    )
+    gens = {
+        "q_tw": table_wise(rank=world_size - 1, compute_kernel="quant"),
+        "q_rw": row_wise(compute_kernel="quant"),
+        "q_cw": column_wise(ranks=[0, world_size - 1], compute_kernel="quant"),
+    }
+    plan = construct_module_sharding_plan(quantized, gens, world_size, world_size)
+    env = ShardingEnv.from_process_group(None)
+    plain = QuantEmbeddingCollectionSharder().shard(copy.deepcopy(quantized), plan, env)
+    set_ec_index_dedup(True)
+    try:
+        deduped = QuantEmbeddingCollectionSharder().shard(copy.deepcopy(quantized), plan, env)
+    finally:
+        set_ec_index_dedup(False)
+    features = [("a", 11), ("b", 13), ("c", 13), ("d", 9)]
+    kjt = case.to_kjt(_zipf_bags(0, rank, case.batch_size(rank), features))
+    assert _ids_sent(deduped, kjt) < _ids_sent(plain, kjt)
+    a, b = plain(kjt).wait(), deduped(kjt).wait()
+    assert list(a) == list(b)
+    for name in a:
+        assert torch.equal(a[name].values(), b[name].values()), name
+    return True
+
+
+def test_quantized_collection_dedups_bitwise():
+    assert all(run_world(_quant_worker, 2))
