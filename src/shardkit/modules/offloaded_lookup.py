@@ -41,6 +41,8 @@ INIT_CHUNK_BYTES = 16 << 20
 # the pages after each chunk: a read maps the kernel's fault-around window (64 KiB by default), so one
 # chunk maps at most ~IO_CHUNK_ROWS x 64 KiB (16 MiB) whatever the number of misses
 IO_CHUNK_ROWS = 256
+# with positioned I/O (a backing file: nothing is mapped) the chunk only bounds the staging buffer
+IO_BUFFER_BYTES = 16 << 20
 
 
 class _OffloadedRowOptimizer(SparseRowOptimizer):
@@ -193,13 +195,20 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
         if self.offload.kind == "caching" or self.compute_device.type == "cuda":
             backing = {"weight": self.store.tensors["weight"]}
             backing.update({f"state.{n}": t for n, t in state.items()})
+            # a backing file: misses / victims move by preadv / pwritev (no page faults, no pages
+            # mapped, nothing to unmap); host memory: through the tensors
+            row_io = self.store.row_io()
+            row_bytes = sum(t[0].numel() * t.element_size() for t in backing.values() if t.numel())
             self.cache = RowCache(
                 backing,
                 self.offload.cache_rows(rows),
                 self.offload.algorithm,
                 self.compute_device,
-                io_chunk_rows=IO_CHUNK_ROWS,
-                after_io=self.store.drop_resident,
+                io_chunk_rows=IO_CHUNK_ROWS
+                if row_io is None
+                else max(1, IO_BUFFER_BYTES // max(row_bytes, 1)),
+                after_io=self.store.drop_resident if row_io is None else None,
+                row_io=row_io,
             )
         self._prefetched: List[_Ticket] = []
         # uvm: what the kernel read from / wrote to the backing file (the caching tier counts its own)

@@ -37,6 +37,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from shardkit.kernels.offload.row_io import FileRowIO
+
 MAGIC = b"SKOFF001"
 HEADER_BYTES = 4096
 _ALIGN = 4096
@@ -150,7 +152,14 @@ class BackingStore:
     or :meth:`in_host_memory`. ``tensors[name]`` is the field as a tensor; writes go to the tier.
     """
 
-    def __init__(self, tensors: Dict[str, torch.Tensor], path: Optional[str], mapping: Optional[mmap.mmap]):
+    def __init__(
+        self,
+        tensors: Dict[str, torch.Tensor],
+        path: Optional[str],
+        mapping: Optional[mmap.mmap],
+        fd: Optional[int] = None,
+        fields: Optional[Mapping[str, FieldSpec]] = None,
+    ):
         self.tensors = tensors
         self.path = path
         self._mapping = mapping
@@ -161,6 +170,11 @@ class BackingStore:
             self._base = ctypes.addressof(probe)
             del probe  # releases the buffer export again
             _live_stores.add(self)
+        # a descriptor kept open for positioned row I/O (:meth:`row_io`), closed with the store
+        self._fd = fd
+        self._fields = dict(fields) if fields is not None else None
+        if fd is not None:
+            weakref.finalize(self, _close_quietly, fd)
         if path is not None:
             # the mapping stays valid after the unlink: the tensors never dangle, the file goes at exit
             self._finalizer = weakref.finalize(self, _remove_quietly, path)
@@ -198,8 +212,7 @@ class BackingStore:
             os.close(fd)
             _remove_quietly(path)
             raise
-        os.close(fd)
-        return cls(_map_fields(mapping, fields), path, mapping)
+        return cls(_map_fields(mapping, fields), path, mapping, fd, fields)
 
     @classmethod
     def open(cls, path: str, fields: Mapping[str, FieldSpec], identity: Mapping[str, object]) -> BackingStore:
@@ -215,9 +228,10 @@ class BackingStore:
         fd = os.open(path, os.O_RDWR)
         try:
             mapping = _mapped(fd, header["size"])
-        finally:
+        except BaseException:
             os.close(fd)
-        store = cls(_map_fields(mapping, fields), None, mapping)
+            raise
+        store = cls(_map_fields(mapping, fields), None, mapping, fd, fields)
         store.path = path  # opened, not created: the caller owns the file
         return store
 
@@ -258,6 +272,14 @@ class BackingStore:
             self._mapping, dtype=tensor.dtype, count=tensor.numel(), offset=tensor.data_ptr() - self._base
         )
         return flat.view(tensor.shape)
+
+    def row_io(self) -> Optional[FileRowIO]:
+        """Positioned reads / writes of whole rows of this file's fields (None for host memory)."""
+        if self._fd is None or self._fields is None:
+            return None
+        offsets, _ = layout(self._fields)
+        regions = {n: (offsets[n], tuple(s), d) for n, (s, d) in self._fields.items()}
+        return FileRowIO(self._fd, regions, self.path or "?")
 
     def drop_resident(self) -> None:
         """Unmap the pages this process touched (they stay in the page cache, dirty ones reach the file)."""
@@ -352,6 +374,13 @@ def _map_fields(mapping: mmap.mmap, fields: Mapping[str, FieldSpec]) -> Dict[str
         flat = torch.frombuffer(mapping, dtype=dtype, count=count, offset=offsets[name])
         tensors[name] = flat.view(shape)
     return tensors
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def _remove_quietly(path: str) -> None:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -115,6 +115,12 @@ class RowCache:
             ``io_chunk_rows`` at a time (None: all at once), ``after_io()`` called after each chunk. A
             mapped file's store passes its ``drop_resident`` here, so that the pages one batch's misses
             map stay bounded by the chunk, not by the misses.
+        row_io: optional positioned I/O of the backing store's rows (a
+            :class:`~shardkit.kernels.offload.row_io.FileRowIO` with ``read_fields(rows)`` and
+            ``write_fields(rows, values)``, over the same fields as ``backing``, on the host): misses are
+            read and victims written through it (``preadv`` / ``pwritev``) instead of through the
+            ``backing`` tensors, so a mapped file's pages are never faulted in (``after_io`` is then
+            not needed).
 
     Attributes:
         tensors: field name -> fast-tier buffer ``[size, *width]``, the backing field's dtype, contiguous,
@@ -133,6 +139,7 @@ class RowCache:
         device: Optional[Union[torch.device, str]] = None,
         io_chunk_rows: Optional[int] = None,
         after_io: Optional[Callable[[], None]] = None,
+        row_io: Optional[Any] = None,
     ) -> None:
         if not isinstance(backing, dict) or not backing:
             raise ValueError("RowCache: backing must be a non-empty dict of field name -> tensor [R, *width]")
@@ -162,6 +169,7 @@ class RowCache:
             raise ValueError(f"RowCache: io_chunk_rows must be an int >= 1 or None, got {io_chunk_rows!r}")
         self.io_chunk_rows = io_chunk_rows
         self._after_io = after_io
+        self._row_io = row_io
         self.algorithm = _algorithm_name(algorithm)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.backing = backing
@@ -334,11 +342,13 @@ class RowCache:
         if evictable.numel() < needed:
             # the pinned working set exceeds the capacity: grow so the whole request fits
             self._grow(self.size + needed - evictable.numel())
-            victims = evictable
-        else:
-            victims = self._victims(evictable, needed)
+            self._evict(evictable)
+            return (self.row_of_slot < 0).nonzero().flatten()[:count]
+        victims = self._victims(evictable, needed)
         self._evict(victims)
-        return (self.row_of_slot < 0).nonzero().flatten()[:count]
+        # the free slots now are exactly the old free ones and the victims (count of them): no second
+        # scan of the slot map, the same ascending slots
+        return torch.cat([free, victims]).sort().values
 
     def _victims(self, candidates: torch.Tensor, count: int) -> torch.Tensor:
         """The ``count`` slots among ``candidates`` (int64 [n]) to evict first under the algorithm."""
@@ -367,11 +377,12 @@ class RowCache:
         rows = self.row_of_slot[victims]
         dirty = self._dirty[victims]
         self._write_back(rows[dirty], victims[dirty])
-        self.slot_of_row[rows] = -1
-        self.row_of_slot[victims] = -1
-        self._dirty[victims] = False
-        self._stamp[victims] = 0
-        self._freq[victims] = 0
+        # index_fill_ rather than indexed assignment: the same values, no index_put_ machinery
+        self.slot_of_row.index_fill_(0, rows, -1)
+        self.row_of_slot.index_fill_(0, victims, -1)
+        self._dirty.index_fill_(0, victims, False)
+        self._stamp.index_fill_(0, victims, 0)
+        self._freq.index_fill_(0, victims, 0)
         self.counters.evictions += victims.numel()
 
     def _write_back(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
@@ -383,6 +394,10 @@ class RowCache:
         slots = slots[order]
         for start, stop in self._io_chunks(count):
             cache_slots = slots[start:stop].to(self.device)
+            if self._row_io is not None:
+                values = {n: t.index_select(0, cache_slots).cpu() for n, t in self.tensors.items()}
+                self._row_io.write_fields(rows[start:stop], values)
+                continue
             for name, store in self.backing.items():
                 values = self.tensors[name].index_select(0, cache_slots).to(store.device)
                 store.index_copy_(0, rows[start:stop].to(store.device), values)
@@ -395,6 +410,10 @@ class RowCache:
         """Copy backing rows ``rows`` (ascending int64 [n], host) into free slots ``slots`` (int64 [n])."""
         for start, stop in self._io_chunks(rows.numel()):
             cache_slots = slots[start:stop].to(self.device)
+            if self._row_io is not None:
+                for name, values in self._row_io.read_fields(rows[start:stop]).items():
+                    self.tensors[name].index_copy_(0, cache_slots, values.to(self.device))
+                continue
             for name, store in self.backing.items():
                 values = store.index_select(0, rows[start:stop].to(store.device)).to(self.device)
                 self.tensors[name].index_copy_(0, cache_slots, values)

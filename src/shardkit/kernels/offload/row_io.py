@@ -1,0 +1,110 @@
+"""Positioned reads and writes of whole rows of a backing file's fields (``preadv`` / ``pwritev``).
+
+Why not the mapping: a row read through the mapped file costs a page fault per scattered row (and per
+field), maps the fault-around window of pages around it, and those pages must be unmapped again
+(``madvise``) to keep the resident set bounded. A positioned read copies the row's bytes straight from
+the page cache into a buffer of this process: one system call per *run* of consecutive rows (adjacent
+rows are coalesced into one call), nothing mapped, nothing to drop. Both views of the file share the
+page cache, so what one writes the other reads (Linux: the page cache is unified).
+
+:class:`FileRowIO` reads ``rows`` (ascending int64 ``[n]``, host) of a field into a new host tensor
+``[n, *width]`` and writes such a tensor back; bytes are copied verbatim, so values are bitwise those of
+the mapped tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Dict, List, Mapping, Tuple
+
+import torch
+
+# (byte offset of the field's region, shape [R, *width], dtype)
+FieldRegion = Tuple[int, Tuple[int, ...], torch.dtype]
+
+
+def row_runs(rows: torch.Tensor) -> Tuple[List[int], List[int], List[int]]:
+    """Runs of consecutive rows in ascending ``rows`` (int64 ``[n]``, host).
+
+    Returns three lists of equal length: the position in ``rows`` where each run starts, its length,
+    and its first row. ``rows = [3, 4, 5, 9, 11, 12]`` -> ``[0, 3, 4], [3, 1, 2], [3, 9, 11]``.
+    """
+    n = rows.numel()
+    if n == 0:
+        return [], [], []
+    breaks = (rows[1:] != rows[:-1] + 1).nonzero().flatten() + 1
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])
+    lengths = torch.cat([starts[1:], torch.tensor([n])]) - starts
+    return starts.tolist(), lengths.tolist(), rows.index_select(0, starts).tolist()
+
+
+class FileRowIO:
+    """Row reads / writes of the fields of one backing file, by file descriptor.
+
+    Args:
+        fd: an open read-write descriptor of the file (owned by the caller, kept open while in use).
+        regions: field name -> (byte offset, shape ``[R, *width]``, dtype).
+        path: the file's name, for error messages.
+    """
+
+    def __init__(self, fd: int, regions: Mapping[str, FieldRegion], path: str = "?") -> None:
+        self.fd = fd
+        self.path = path
+        self.regions: Dict[str, FieldRegion] = dict(regions)
+        self._row_bytes = {
+            name: math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
+            for name, (_, shape, dtype) in self.regions.items()
+        }
+
+    def read_fields(self, rows: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Every field's ``rows`` (ascending int64 ``[n]``, host): name -> new tensor ``[n, *width]``."""
+        runs = row_runs(rows)
+        return {name: self._read(name, rows.numel(), runs) for name in self.regions}
+
+    def write_fields(self, rows: torch.Tensor, values: Mapping[str, torch.Tensor]) -> None:
+        """Write ``values[name]`` (``[n, *width]`` of the field's dtype, host) to ``rows`` (ascending)."""
+        runs = row_runs(rows)
+        for name, tensor in values.items():
+            self._write(name, tensor, runs)
+
+    def _read(self, name: str, count: int, runs) -> torch.Tensor:
+        offset, shape, dtype = self.regions[name]
+        row_bytes = self._row_bytes[name]
+        if count == 0 or row_bytes == 0:
+            return torch.empty((count, *shape[1:]), dtype=dtype)
+        buffer = bytearray(count * row_bytes)
+        view = memoryview(buffer)
+        fd, preadv = self.fd, os.preadv
+        for at, length, row in zip(*runs):
+            want = length * row_bytes
+            got = preadv(fd, [view[at * row_bytes : at * row_bytes + want]], offset + row * row_bytes)
+            if got != want:
+                raise OSError(
+                    f"backing file {self.path!r}: short read of field {name!r} rows {row}..{row + length - 1}"
+                    f" ({got} of {want} bytes): the file was truncated or damaged"
+                )
+        return torch.frombuffer(buffer, dtype=dtype).view(count, *shape[1:])
+
+    def _write(self, name: str, values: torch.Tensor, runs) -> None:
+        offset, shape, dtype = self.regions[name]
+        row_bytes = self._row_bytes[name]
+        count = values.size(0)
+        if count == 0 or row_bytes == 0:
+            return
+        buffer = bytearray(count * row_bytes)
+        torch.frombuffer(buffer, dtype=dtype).view(values.shape).copy_(values)
+        view = memoryview(buffer)
+        fd, pwritev = self.fd, os.pwritev
+        for at, length, row in zip(*runs):
+            want = length * row_bytes
+            done = pwritev(fd, [view[at * row_bytes : at * row_bytes + want]], offset + row * row_bytes)
+            if done != want:
+                raise OSError(
+                    f"backing file {self.path!r}: short write of field {name!r} "
+                    f"rows {row}..{row + length - 1}"
+                    f" ({done} of {want} bytes): is the disk full?"
+                )
+
+
+__all__ = ["FileRowIO", "row_runs"]
