@@ -160,23 +160,29 @@ def step_rows(args, offload_dir: str) -> List[Dict[str, Any]]:
         if kernel == "fused_uvm_caching":
             warm(module, args.rows, args)
     times: List[List[float]] = [[] for _ in modules]
+    cpu_times: List[List[float]] = [[] for _ in modules]
     for i, kjt in enumerate(inputs):
         if i == args.warmup:
             for module, (kernel, _) in zip(modules, configs):
                 if kernel != "fused":  # counters of the measured (steady) steps only
                     module.lookups[0].lookups[0].reset_cache_stats()
-        for module, spent in zip(modules, times):
-            start = time.perf_counter()
+        for module, spent, cpu_spent in zip(modules, times, cpu_times):
+            start, cpu_start = time.perf_counter(), time.process_time()
             step(module, kjt)
             if i >= args.warmup:
                 spent.append(time.perf_counter() - start)
+                cpu_spent.append(time.process_time() - cpu_start)
     medians = [sorted(t)[len(t) // 2] for t in times]
+    cpu_medians = [sorted(t)[len(t) // 2] for t in cpu_times]
     rows = []
-    for (kernel, load_factor), module, seconds in zip(configs, modules, medians):
+    for (kernel, load_factor), module, seconds, cpu in zip(configs, modules, medians, cpu_medians):
         name = kernel if kernel != "fused_uvm_caching" else f"{kernel} lf={load_factor}"
         row: Dict[str, Any] = {"name": name, "rows": args.rows, "steps/s": 1.0 / seconds}
         row["ms/step"] = seconds * 1e3
         row["vs_fused"] = medians[0] / seconds
+        # CPU time of the process (all threads): on a shared, loaded machine the steadier measure
+        row["cpu_ms/step"] = cpu * 1e3
+        row["cpu_vs_fused"] = cpu_medians[0] / cpu if cpu > 0 else float("nan")
         if kernel != "fused":
             stats = module.cache_stats()["t"]
             row["hit_rate"] = float(stats["hit_rate"])
