@@ -88,3 +88,31 @@ def test_cache_with_row_io_matches_cache_on_tensors(tmp_path, algorithm):
     assert caches[0].counters == caches[1].counters
     for name in FIELDS:
         assert torch.equal(a.tensors[name], b.tensors[name])
+
+
+@pytest.mark.parametrize("window_bytes, chunk_windows", [(64 << 10, 256), (64, 1), (64, 3)])
+def test_dense_rows_read_through_mapping_equal_preadv(tmp_path, monkeypatch, window_bytes, chunk_windows):
+    """Rows sharing fault-around windows go through the mapping (pages dropped every chunk of
+    windows); the values equal the positioned reads'."""
+    import shardkit.kernels.offload.row_io as row_io
+
+    store = _store(tmp_path)
+    drops = []
+    io = row_io.FileRowIO(
+        store.row_io().fd, store.row_io().regions, "f", store.tensors, lambda: drops.append(1)
+    )
+    plain = store.row_io()
+    plain.mapped = {}  # positioned reads only
+    monkeypatch.setattr(row_io, "FAULT_AROUND_BYTES", window_bytes)
+    monkeypatch.setattr(row_io, "MAPPED_WINDOWS", chunk_windows)
+    rows = torch.arange(0, 40, 2)  # 20 runs of one row
+    mapped_fields = [n for n in FIELDS if io._faults_are_cheaper(n, rows, 20)]
+    assert mapped_fields, "no field chose the mapping: the dense path is not exercised"
+    got, expected = io.read_fields(rows), plain.read_fields(rows)
+    for name in FIELDS:
+        assert torch.equal(got[name], expected[name])
+        assert torch.equal(got[name], store.tensors[name].index_select(0, rows))
+    windows = sum(
+        -(-io._windows(n, rows).numel() // chunk_windows) for n in mapped_fields
+    )  # one drop per chunk of windows
+    assert len(drops) == windows

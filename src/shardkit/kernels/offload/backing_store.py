@@ -279,7 +279,7 @@ class BackingStore:
             return None
         offsets, _ = layout(self._fields)
         regions = {n: (offsets[n], tuple(s), d) for n, (s, d) in self._fields.items()}
-        return FileRowIO(self._fd, regions, self.path or "?")
+        return FileRowIO(self._fd, regions, self.path or "?", self.tensors, self.drop_resident)
 
     def drop_resident(self) -> None:
         """Unmap the pages this process touched (they stay in the page cache, dirty ones reach the file)."""
