@@ -19,7 +19,10 @@
 #      (LOSSES_BENCH_TIMEOUT, 200). liger-kernel comes from the environment, or from .device_deps/
 #      of the checkout (`pip install --no-deps --target .device_deps liger-kernel` on a machine with
 #      the registry; carried to a GPU machine that has none).
-# Not yet here: offloaded tables (issue 24 builds them).
+# Offloaded tables (issue 24): their CUDA tier (pinned host memory, device cache, Triton kernels on the
+# cache) runs in step 1's cuda-marked tests (tests/model_parallel/test_world1_on_device.py::
+# test_offloaded_tables, tests/kernels/offload/test_row_cache.py, the Triton case
+# "offloaded-cache-equals-in-memory"); no GPU benchmark of them yet.
 # $OUT/summary.txt gets one line per step. Without a CUDA device every step still runs (the benchmarks
 # say so and exit 0, the CUDA tests skip) and the script exits 0: that is how it is checked on CPU.
 # Exit status: 1 if a step failed or timed out, else 0.
