@@ -59,6 +59,7 @@ QUICK_ARGS: Dict[str, List[str]] = {
     ],
     "quant_lookup": ["--rows", "1000", "--dim", "16", "--batch", "64", "--pooling", "4", "--repeats", "1"],
     "offload": ["--quick"],
+    "ec_dedup": ["--batch", "64"],
     "serving": ["--tables", "2", "--max-rows", "100", "--batch-sizes", "1", "4", "--repeats", "3"],
     "pipeline": [
         *("--tables", "2", "--rows", "1000", "--dim", "8", "--batch", "32", "--pooling", "2"),
