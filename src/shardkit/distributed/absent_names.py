@@ -25,9 +25,9 @@ def absent(module: str, names: Iterable[str]) -> Callable[[str], NoReturn]:
     def __getattr__(name: str) -> NoReturn:  # noqa: N807 - a module's __getattr__
         if name in missing:
             raise ImportError(
-                f"{module}.{name}: torchrec's {torchrec_path}.{name} is not in shardkit yet; "
+                f"{module}.{name}: torchrec's {torchrec_path}.{name} is not in shardkit; "
                 f"{NAMES_DOC} lists what shardkit has in its place, docs/spec_names.md every "
-                "specification name",
+                "specification name (and why this one is absent)",
                 name=module,
             )
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
