@@ -23,7 +23,12 @@ from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.modules import EmbeddingConfig
 from shardkit.quant import QuantEmbeddingCollection
 from shardkit.sharding.embedding import ShardedEmbeddingCollection
-from shardkit.sharding.quant_embeddingbag import QUANT_KERNELS, BaseQuantEmbeddingSharder
+from shardkit.sharding.quant_embeddingbag import (
+    QUANT_KERNELS,
+    BaseQuantEmbeddingSharder,
+    QuantServing,
+    check_quantized_module,
+)
 from shardkit.sharding.quant_sharding import INFER_SEQUENCE_SHARDINGS
 from shardkit.sharding.types import EmbeddingModuleShardingPlan
 from shardkit.sparse import JaggedTensor
@@ -45,7 +50,7 @@ class _ConvertedSequences(LazyAwaitable[Dict[str, JaggedTensor]]):
         }
 
 
-class ShardedQuantEmbeddingCollection(ShardedEmbeddingCollection):
+class ShardedQuantEmbeddingCollection(QuantServing, ShardedEmbeddingCollection):
     """A :class:`~shardkit.quant.QuantEmbeddingCollection` whose tables are placed by a plan.
 
     Args:
@@ -71,21 +76,9 @@ class ShardedQuantEmbeddingCollection(ShardedEmbeddingCollection):
         device: Optional[torch.device] = None,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
     ) -> None:
-        if not isinstance(module, QuantEmbeddingCollection):
-            raise TypeError(
-                f"{type(self).__name__} shards a QuantEmbeddingCollection, got {type(module).__name__}; "
-                "quantize the trained module first (QuantEmbeddingCollection.from_float)"
-            )
-        if fused_params:
-            raise ValueError(
-                f"{type(self).__name__} serves inference: fused_params {fused_params} do not apply"
-            )
+        check_quantized_module(type(self).__name__, module, QuantEmbeddingCollection, fused_params)
         super().__init__(module, table_name_to_parameter_sharding, env, device, qcomm_codecs_registry)
         self._output_dtype = module.output_dtype
-
-    @property
-    def output_dtype(self) -> torch.dtype:
-        return self._output_dtype
 
     def embedding_configs(self) -> List[EmbeddingConfig]:
         return [t.config for t in self._tables]
@@ -94,13 +87,6 @@ class ShardedQuantEmbeddingCollection(ShardedEmbeddingCollection):
         with torch.no_grad():
             out = super().forward(*input, **kwargs)
         return out if self._output_dtype == torch.float32 else _ConvertedSequences(out, self._output_dtype)
-
-    def state_dict(self, *args, **kwargs):
-        """Not supported, as for the sharded quantized bag collection (docs/quant.md)."""
-        raise ValueError(
-            f"{type(self).__name__} has no state dict: save the trained float model (DCP / "
-            "shardkit.checkpoint) and quantize it again, or read this rank's stored rows with local_shards()"
-        )
 
 
 class QuantEmbeddingCollectionSharder(BaseQuantEmbeddingSharder[QuantEmbeddingCollection]):

@@ -62,7 +62,41 @@ class _Converted(LazyAwaitable[KeyedTensor]):
         return KeyedTensor(out.keys(), out.length_per_key(), out.values().to(self._dtype))
 
 
-class ShardedQuantEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+def check_quantized_module(
+    owner: str, module: Any, quant_type: type, fused_params: Optional[Dict[str, Any]]
+) -> None:
+    """TypeError unless ``module`` is a ``quant_type`` (naming ``from_float``), ValueError for
+    ``fused_params`` (a sharded quantized module serves inference)."""
+    if not isinstance(module, quant_type):
+        raise TypeError(
+            f"{owner} shards a {quant_type.__name__}, got {type(module).__name__}; "
+            f"quantize the trained module first ({quant_type.__name__}.from_float)"
+        )
+    if fused_params:
+        raise ValueError(f"{owner} serves inference: fused_params {fused_params} do not apply")
+
+
+class QuantServing:
+    """What the sharded quantized collections share: the unsharded module's ``output_dtype``
+    (``_output_dtype``, set by the subclass) and no state dict."""
+
+    _output_dtype: torch.dtype
+
+    @property
+    def output_dtype(self) -> torch.dtype:
+        return self._output_dtype
+
+    def state_dict(self, *args, **kwargs):
+        """Not supported: a shard holds stored rows (a column block with its own copy of each row's
+        scale and bias), which no table-shaped DTensor describes. ``ValueError`` saying what to do."""
+        raise ValueError(
+            f"{type(self).__name__} has no state dict: save the trained float model (DCP / "
+            "shardkit.checkpoint) and convert it (shardkit.sharding.quant_convert.quantize_sharded, "
+            "docs/quant.md), or read this rank's stored rows with local_shards()"
+        )
+
+
+class ShardedQuantEmbeddingBagCollection(QuantServing, ShardedEmbeddingBagCollection):
     """A :class:`~shardkit.quant.QuantEmbeddingBagCollection` whose tables are placed by a plan.
 
     Args:
@@ -89,21 +123,9 @@ class ShardedQuantEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         device: Optional[torch.device] = None,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
     ) -> None:
-        if not isinstance(module, QuantEmbeddingBagCollection):
-            raise TypeError(
-                f"{type(self).__name__} shards a QuantEmbeddingBagCollection, got {type(module).__name__}; "
-                "quantize the trained module first (QuantEmbeddingBagCollection.from_float)"
-            )
-        if fused_params:
-            raise ValueError(
-                f"{type(self).__name__} serves inference: fused_params {fused_params} do not apply"
-            )
+        check_quantized_module(type(self).__name__, module, QuantEmbeddingBagCollection, fused_params)
         super().__init__(module, table_name_to_parameter_sharding, env, device, qcomm_codecs_registry)
         self._output_dtype = module.output_dtype
-
-    @property
-    def output_dtype(self) -> torch.dtype:
-        return self._output_dtype
 
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
         return [t.config for t in self._tables]
@@ -111,15 +133,6 @@ class ShardedQuantEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def forward(self, *input, **kwargs) -> LazyAwaitable[KeyedTensor]:
         with torch.no_grad():
             return super().forward(*input, **kwargs)
-
-    def state_dict(self, *args, **kwargs):
-        """Not supported: a shard holds stored rows (a column block with its own copy of each row's
-        scale and bias), which no table-shaped DTensor describes. ``ValueError`` saying what to do."""
-        raise ValueError(
-            f"{type(self).__name__} has no state dict: save the trained float model (DCP / "
-            "shardkit.checkpoint) and convert it (shardkit.sharding.quant_convert.quantize_sharded, "
-            "docs/quant.md), or read this rank's stored rows with local_shards()"
-        )
 
     def _assemble(self, parts) -> LazyAwaitable[KeyedTensor]:
         out = super()._assemble(parts)
