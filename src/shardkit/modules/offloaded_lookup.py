@@ -122,6 +122,31 @@ class _CachedFusedLookup(torch.autograd.Function):
         return None, None, None, psw_grad, None, None, None, None, None
 
 
+def shard_store(
+    shards: Sequence[ShardSpec],
+    fields: dict,
+    device: torch.device,
+    offload: OffloadSpec,
+    identity: Optional[dict],
+) -> BackingStore:
+    """The slow tier of a group of shards: pinned host memory under a CUDA cache (the kernels read device
+    memory only, so "uvm" there is a cache of the rows in flight), else a new backing file whose header
+    records the shards' tables and ranges plus ``identity``."""
+    if device.type == "cuda":
+        return BackingStore.in_host_memory(fields)
+    header = {"tables": [[s.table_name, s.row_start, s.row_end, s.col_start, s.col_end] for s in shards]}
+    header.update(identity or {})
+    return BackingStore.create(fields, header, offload.directory, "-".join(s.table_name for s in shards))
+
+
+def buffer_rows(ids: torch.Tensor, offsets: torch.Tensor, bag_shift: Optional[torch.Tensor]) -> torch.Tensor:
+    """int64 ``[N]``: each id's row of the group's buffer (``ids + bag_shift[bag of the id]``)."""
+    rows = ids.to(torch.int64)
+    if bag_shift is not None:
+        rows = rows + torch.repeat_interleave(bag_shift, offsets.diff(), output_size=rows.numel())
+    return rows
+
+
 def sum_cache_stats(per_table: Sequence[dict]) -> dict:
     """``{table: counters}`` dicts (of several lookups or ranks) summed per table, hit rate recomputed."""
     out: dict = {}
@@ -177,14 +202,7 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
         state_shapes = _state_shapes(fused_optimizer.optimizer, rows, dim)
         self.state_names = list(state_shapes)
         fields = field_specs((rows, dim), self.weight.dtype, state_shapes)
-        header = {"tables": [[s.table_name, s.row_start, s.row_end, s.col_start, s.col_end] for s in shards]}
-        header.update(identity or {})
-        if device.type == "cuda":
-            # the slow tier is pinned host memory, the cache lives on the device; "uvm" is a cache that
-            # keeps only the rows of the batches in flight (the kernels read device memory only)
-            self.store = BackingStore.in_host_memory(fields)
-        else:
-            self.store = BackingStore.create(fields, header, self.offload.directory, "-".join(names))
+        self.store = shard_store(shards, fields, device, self.offload, identity)
         self.compute_device = torch.device("cpu") if device.type == "meta" else device
         weight = torch.nn.Parameter(self.store.tensors["weight"])
         weight._in_backward_optimizers = [fused_optimizer]
@@ -272,24 +290,18 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
 
     # ---- the lookup ---------------------------------------------------------------------------
 
-    def _buffer_rows(self, ids: torch.Tensor, offsets: torch.Tensor, bag_shift: Optional[torch.Tensor]):
-        rows = ids.to(torch.int64)
-        if bag_shift is not None:
-            rows = rows + torch.repeat_interleave(bag_shift, offsets.diff(), output_size=rows.numel())
-        return rows
-
     def prefetch(self, ids: torch.Tensor, offsets: torch.Tensor, bags_per_feature: Sequence[int]) -> None:
         """Load the rows a coming forward will read (``ids`` / ``offsets`` as :meth:`forward` takes them)
         into the cache now and pin them until that forward has taken them over. No-op for ``uvm``."""
         if self.cache is None or ids.numel() == 0:
             return
         bag_shift = self._bag_shift(ids.device, bags_per_feature) if any(self._shifts) else None
-        rows = torch.unique(self._buffer_rows(ids, offsets.to(torch.int64), bag_shift))
+        rows = torch.unique(buffer_rows(ids, offsets.to(torch.int64), bag_shift))
         ticket, _ = self.cache.acquire(rows)
         self._prefetched.append(_Ticket(self.cache, ticket))
 
     def _count_uvm(self, ids, offsets, bag_shift) -> None:
-        rows = int(torch.unique(self._buffer_rows(ids, offsets, bag_shift)).numel())
+        rows = int(torch.unique(buffer_rows(ids, offsets, bag_shift)).numel())
         c = self._uvm_counters
         c.lookups += rows
         c.misses += rows
@@ -316,7 +328,7 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
                 self.optimizer,
                 batch_major,
             )
-        unique, inverse = torch.unique(self._buffer_rows(ids, offsets, bag_shift), return_inverse=True)
+        unique, inverse = torch.unique(buffer_rows(ids, offsets, bag_shift), return_inverse=True)
         handle, slots = self.cache.acquire(unique)
         ticket = _Ticket(self.cache, handle)
         for old in self._prefetched:  # this forward pinned its own rows: the prefetch pins can go
@@ -342,4 +354,4 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
         return out
 
 
-__all__ = ["INIT_CHUNK_BYTES", "OffloadedEmbeddingLookup", "sum_cache_stats"]
+__all__ = ["INIT_CHUNK_BYTES", "OffloadedEmbeddingLookup", "buffer_rows", "shard_store", "sum_cache_stats"]

@@ -18,12 +18,12 @@ from typing import Optional, Sequence
 import torch
 
 from shardkit.kernels.offload import OffloadSpec
-from shardkit.kernels.offload.backing_store import BackingStore
 from shardkit.kernels.offload.row_cache import CacheCounters, RowCache
 from shardkit.kernels.quant_embedding import quant_embedding_forward
 from shardkit.kernels.quant_rows import row_bytes
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig
 from shardkit.modules.grouped_lookup import ShardSpec
+from shardkit.modules.offloaded_lookup import buffer_rows, shard_store
 from shardkit.quant.quant_lookup import QuantGroupedEmbeddingLookup
 
 
@@ -51,12 +51,7 @@ class OffloadedQuantEmbeddingLookup(QuantGroupedEmbeddingLookup):
         self.offload = offload or OffloadSpec()
         rows = self.row_offsets[-1]
         fields = {"weight": ((rows, row_bytes(self.embedding_dim, self.storage)), torch.uint8)}
-        header = {"tables": [[s.table_name, s.row_start, s.row_end, s.col_start, s.col_end] for s in shards]}
-        header.update(identity or {})
-        if device.type == "cuda":
-            self.store = BackingStore.in_host_memory(fields)
-        else:
-            self.store = BackingStore.create(fields, header, self.offload.directory, "-".join(names))
+        self.store = shard_store(shards, fields, device, self.offload, identity)
         del self.weight
         self.register_buffer("weight", self.store.tensors["weight"])
         self.compute_device = torch.device("cpu") if device.type == "meta" else device
@@ -90,10 +85,7 @@ class OffloadedQuantEmbeddingLookup(QuantGroupedEmbeddingLookup):
 
     def _run_kernel(self, ids, offsets, bag_shift, weights, bag_scale, batch_major) -> torch.Tensor:
         self.store.drop_resident()
-        rows = ids.to(torch.int64)
-        if bag_shift is not None:
-            rows = rows + torch.repeat_interleave(bag_shift, offsets.diff(), output_size=rows.numel())
-        unique, inverse = torch.unique(rows, return_inverse=True)
+        unique, inverse = torch.unique(buffer_rows(ids, offsets, bag_shift), return_inverse=True)
         if self.cache is None:
             c = self._uvm_counters
             c.lookups += unique.numel()
