@@ -5,9 +5,10 @@ shardkit (the import says where), and nothing inside shardkit imports from this 
 
 from shardkit.modules.feature_processor import BaseGroupedFeatureProcessor
 from shardkit.modules.fused_optimizers import OptimType
+from shardkit.sharding.embedding_sharder import BaseEmbeddingSharder
 from shardkit.sharding.kjt_list import KJTList, ListOfKJTList
 from shardkit.sharding.quant_embeddingbag import BaseQuantEmbeddingSharder
-from shardkit.sharding.sharded_embedding_module import BaseEmbeddingSharder, ShardedEmbeddingModule
+from shardkit.sharding.sharded_embedding_module import ShardedEmbeddingModule
 from shardkit.sharding.sharded_embedding_table import (
     EmbeddingAttributes,
     GroupedEmbeddingConfig,

@@ -26,6 +26,7 @@ from shardkit.sharding.column_wise import CwPooledEmbeddingSharding, CwSequenceE
 from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding, DpSequenceEmbeddingSharding
 from shardkit.sharding.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
 from shardkit.sharding.embedding_bag_module import EmbeddingBagSharder, ShardedEmbeddingBag
+from shardkit.sharding.embedding_sharder import BaseEmbeddingSharder
 from shardkit.sharding.embedding_sharding import EmbeddingShardingImpl, ShardingContext
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
 from shardkit.sharding.fp_embeddingbag import (
@@ -53,7 +54,6 @@ from shardkit.sharding.mc_modules import (
 )
 from shardkit.sharding.row_wise import RwPooledEmbeddingSharding, RwSequenceEmbeddingSharding
 from shardkit.sharding.sharded_embedding_module import (
-    BaseEmbeddingSharder,
     EmbeddingModuleContext,
     ShardedEmbeddingModule,
 )

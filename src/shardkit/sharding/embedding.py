@@ -13,11 +13,11 @@ from shardkit.modules import EmbeddingCollection, FusedOptimizerConfig
 from shardkit.sharding.column_wise import CwSequenceEmbeddingSharding
 from shardkit.sharding.data_parallel import DpSequenceEmbeddingSharding
 from shardkit.sharding.ec_index_dedup import expand_rows, get_ec_index_dedup
+from shardkit.sharding.embedding_sharder import BaseEmbeddingSharder
 from shardkit.sharding.fused_optimizer_config import resolve_fused_optimizer
 from shardkit.sharding.kjt_list import KJTList
 from shardkit.sharding.row_wise import RwSequenceEmbeddingSharding
 from shardkit.sharding.sharded_embedding_module import (
-    BaseEmbeddingSharder,
     EmbeddingModuleContext,
     ShardedEmbeddingModule,
 )

@@ -18,13 +18,13 @@ from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.modules import EmbeddingBagCollection, FusedOptimizerConfig
 from shardkit.sharding.column_wise import CwPooledEmbeddingSharding
 from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding
+from shardkit.sharding.embedding_sharder import BaseEmbeddingSharder
 from shardkit.sharding.embedding_sharding import ColumnBlock
 from shardkit.sharding.fused_optimizer_config import resolve_fused_optimizer
 from shardkit.sharding.grid_sharding import GridPooledEmbeddingSharding
 from shardkit.sharding.kjt_list import KJTList
 from shardkit.sharding.row_wise import RwPooledEmbeddingSharding
 from shardkit.sharding.sharded_embedding_module import (
-    BaseEmbeddingSharder,
     EmbeddingModuleContext,
     ShardedEmbeddingModule,
 )
