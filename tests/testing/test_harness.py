@@ -104,6 +104,37 @@ def test_process_group_set_up_failure_is_retried_then_reported(monkeypatch, capf
     assert len(run_world(_pid, 2)) == 2  # the pool recovered
 
 
+_GLOO_CONNECT_FAILURE = (
+    "Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer [127.0.0.1]:26293"
+)
+
+
+def _sub_group_connection_fails_once(marker):
+    # what gloo raises, rarely, when a test's new_group cannot connect its local processes
+    if dist.get_rank() == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        raise RuntimeError(_GLOO_CONNECT_FAILURE)
+    dist.barrier()
+    return dist.get_rank()
+
+
+def test_a_sub_group_connection_failure_is_retried(tmp_path, capfd):
+    assert run_world(_sub_group_connection_fails_once, 2, str(tmp_path / "failed-once")) == [0, 1]
+    assert capfd.readouterr().err.count("retrying") == 1
+
+
+def _connection_failure_beside_a_real_failure():
+    if dist.get_rank() == 0:
+        raise ValueError("a real failure on rank 0")
+    raise RuntimeError(_GLOO_CONNECT_FAILURE)
+
+
+def test_a_connection_failure_beside_a_real_failure_is_not_retried(capfd):
+    with pytest.raises(WorldError, match="a real failure on rank 0"):
+        run_world(_connection_failure_beside_a_real_failure, 2)
+    assert "retrying" not in capfd.readouterr().err
+
+
 def _import_checkpoint_after_init():
     # torch keeps the default group alive after destroy_process_group when torch.distributed.checkpoint
     # is first imported after init_process_group; its gloo threads then abort a finalizing interpreter

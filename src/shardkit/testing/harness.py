@@ -32,6 +32,11 @@ FAILURE_GRACE_S = 5.0
 # How often a task whose process group could not be set up is run again (see WorkerPool.run).
 INIT_RETRIES = 2
 _INIT_ERROR = "process group set-up failed:\n"
+# What gloo raises when the connections of a group (the default one or a sub-group made by the test
+# with new_group) could not be set up between local processes: the machine, not the code under test.
+_GLOO_CONNECT_ERROR = "Gloo connectFullMesh failed"
+_KILLED_AFTER_FAILURE = "did not finish after another rank failed"
+_PEER_CLOSED = "Connection closed by peer"
 _NO_MAIN_GUARD = "no __main__ guard:\n"
 # Exit code of a worker that found run_world called while it imported the user's script (no
 # ``if __name__ == "__main__":`` guard); the parent turns it into one line instead of N tracebacks.
@@ -40,6 +45,22 @@ NO_MAIN_GUARD_MESSAGE = (
     'run_world needs an `if __name__ == "__main__":` guard around the code of your script that calls '
     "it: its worker processes are started with spawn and import the script (docs/testing.md)"
 )
+
+
+def _connection_set_up_failures(errors: Mapping[int, str]) -> list[int]:
+    """The ranks whose group connections could not be set up, when that is all that went wrong.
+
+    A task is only worth running again when every other rank that failed did so as a consequence:
+    killed after the failure, or cut off by the failed rank's closed connections. A rank that failed
+    for any other reason is a real failure, and the task is reported as it is.
+    """
+    set_up = [r for r, body in errors.items() if body.startswith(_INIT_ERROR) or _GLOO_CONNECT_ERROR in body]
+    consequences = [
+        r
+        for r, body in errors.items()
+        if r not in set_up and (body.startswith(_KILLED_AFTER_FAILURE) or _PEER_CLOSED in body)
+    ]
+    return set_up if len(set_up) + len(consequences) == len(errors) else []
 
 
 class WorldError(AssertionError):
@@ -121,12 +142,12 @@ class WorkerPool:
             if errors:
                 for rank in range(world_size):
                     self._replace(rank)  # a failed task may leave a worker in any state
-            init_failed = [r for r, body in errors.items() if body.startswith(_INIT_ERROR)]
-            if not init_failed or attempt == INIT_RETRIES:
+            set_up_failed = _connection_set_up_failures(errors)
+            if not set_up_failed or attempt == INIT_RETRIES:
                 break
             # Rarely, gloo's connection set-up between local processes fails ("Connection closed
-            # by peer") before any test code ran: that is the machine, not the test, so run it again.
-            print(f"run_world: process group set-up failed on ranks {init_failed}; retrying", file=sys.stderr)
+            # by peer"), at init or in a new_group: that is the machine, not the test, so run it again.
+            print(f"run_world: group set-up failed on ranks {set_up_failed}; retrying", file=sys.stderr)
         if errors:
             report = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
             raise WorldError(f"{len(errors)} of {world_size} ranks failed:\n{report}")
@@ -204,8 +225,9 @@ class WorkerPool:
                         first_error = time.monotonic()
                     errors[rank] = body
         for rank in conns.values():
-            why = "after another rank failed" if len(errors) else f"within the {timeout:.0f} s timeout"
-            errors[rank] = f"did not finish {why}; worker killed\n"
+            late = f"did not finish within the {timeout:.0f} s timeout"
+            why = _KILLED_AFTER_FAILURE if len(errors) else late
+            errors[rank] = f"{why}; worker killed\n"
         return results, errors
 
     def shutdown_workers(self) -> None:
