@@ -9,7 +9,7 @@ import torch
 
 from shardkit import checkpoint
 from shardkit.modules import LFU_EvictionPolicy, MCHManagedCollisionModule
-from shardkit.modules.mc_modules import WINDOW_KEY
+from shardkit.modules.mc_state import WINDOW_KEY
 from shardkit.sparse import JaggedTensor
 from shardkit.testing import run_world
 from tests.sharding import _sharded_case as case

@@ -42,7 +42,8 @@ from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.distributed.topology import get_local_size
 from shardkit.distributed.validation import validation_enabled
 from shardkit.modules.mc_collection import ManagedCollisionCollection, in_feature_order, replace_values
-from shardkit.modules.mc_modules import WINDOW_KEY, MCHManagedCollisionModule
+from shardkit.modules.mc_modules import MCHManagedCollisionModule
+from shardkit.modules.mc_state import WINDOW_KEY
 from shardkit.sharding.embedding_sharding import ShardedTable, sharded_table
 from shardkit.sharding.kjt_list import KJTList
 from shardkit.sharding.sharded_state import load_state_value, to_state_value
