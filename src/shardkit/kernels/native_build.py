@@ -25,7 +25,7 @@ from typing import Any, List, Optional
 
 import torch
 
-_SOURCES = ["embedding.cpp", "bucketize.cpp", "jagged.cpp", "quant_embedding.cpp"]
+_SOURCES = ["embedding.cpp", "bucketize.cpp", "jagged.cpp", "quant_embedding.cpp", "row_io.cpp"]
 _LOCK = threading.Lock()
 _loaded: Optional[Any] = None
 _tried = False

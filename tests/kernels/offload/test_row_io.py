@@ -116,3 +116,144 @@ def test_dense_rows_read_through_mapping_equal_preadv(tmp_path, monkeypatch, win
         -(-io._windows(n, rows).numel() // chunk_windows) for n in mapped_fields
     )  # one drop per chunk of windows
     assert len(drops) == windows
+
+
+# ---- read_into / write_from: the native C++ loop and the pure-Python path, bitwise alike
+
+
+def _backends():
+    from shardkit.kernels import native_enabled_by_env, native_ops
+
+    # where the native kernels are expected (a compiler, not switched off) they must really run here
+    return ["torch"] + (["native"] if native_enabled_by_env() and native_ops() is not None else [])
+
+
+def test_native_row_io_builds_on_this_machine():
+    from shardkit.kernels import native_enabled_by_env, native_ops
+
+    if native_enabled_by_env():
+        assert hasattr(native_ops(), "file_read_rows") and hasattr(native_ops(), "file_write_rows")
+
+
+def _buffers(capacity, fill=0):
+    return {
+        n: torch.full((capacity, *s[1:]), fill, dtype=d)
+        if d != torch.uint8
+        else torch.full((capacity, *s[1:]), 7, dtype=d)
+        for n, (s, d) in FIELDS.items()
+    }
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize(
+    "rows", [[0, 1, 2, 7, 8, 20, 39], [39, 3, 4, 5, 0, 17], [5], [], list(range(40)), list(range(39, -1, -1))]
+)
+def test_read_into_equals_mapped_tensors(tmp_path, backend, rows):
+    store = _store(tmp_path)
+    index = torch.tensor(rows, dtype=torch.int64)
+    slots = torch.randperm(50, generator=torch.Generator().manual_seed(len(rows)))[: len(rows)]
+    buffers = _buffers(50)
+    untouched = torch.ones(50, dtype=torch.bool)
+    untouched[slots] = False
+    store.row_io().read_into(index, buffers, slots, backend=backend)
+    for name, tensor in store.tensors.items():
+        assert torch.equal(buffers[name].index_select(0, slots), tensor.index_select(0, index))
+        assert torch.equal(buffers[name][untouched], _buffers(50)[name][untouched])  # nothing else written
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_write_from_lands_in_mapped_tensors(tmp_path, backend):
+    store = _store(tmp_path)
+    expected = {n: t.clone() for n, t in store.tensors.items()}
+    index = torch.tensor([31, 1, 2, 3, 10, 30], dtype=torch.int64)
+    slots = torch.tensor([4, 0, 7, 2, 5, 1])
+    gen = torch.Generator().manual_seed(2)
+    buffers = {
+        "weight": torch.randn(8, 5, generator=gen),
+        "state.m": torch.rand(8, generator=gen),
+        "q": torch.randint(0, 255, (8, 3), generator=gen, dtype=torch.uint8),
+    }
+    store.row_io().write_from(index, buffers, slots, backend=backend)
+    for name in FIELDS:
+        expected[name].index_copy_(0, index, buffers[name].index_select(0, slots))
+        assert torch.equal(store.tensors[name], expected[name])
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_adjacent_rows_take_one_call_per_run_and_field(tmp_path, backend):
+    store = _store(tmp_path)
+    rows = torch.tensor([0, 1, 2, 7, 8, 20])  # runs 0..2, 7..8, 20 -> 3 runs x 3 fields
+    slots = torch.tensor([5, 2, 9, 0, 1, 3])  # any slots: the destination need not be contiguous
+    io = store.row_io()
+    assert io.read_into(rows, _buffers(10), slots, backend=backend) == 9
+    assert io.write_from(rows, _buffers(10), slots, backend=backend) == 9
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_read_into_short_read_is_an_oserror_naming_the_file(tmp_path, backend):
+    store = _store(tmp_path)
+    io = store.row_io()
+    offset, shape, dtype = io.regions["q"]
+    io.regions["q"] = (offset + 10**9, shape, dtype)  # beyond the end of the file
+    with pytest.raises(
+        OSError, match=r"short read.*" if backend == "native" else "short read of field 'q'"
+    ) as e:
+        io.read_into(torch.tensor([0]), _buffers(2), torch.tensor([1]), backend=backend)
+    assert store.path in str(e.value)
+
+
+def test_read_into_rejects_mismatched_arguments(tmp_path):
+    io = _store(tmp_path).row_io()
+    with pytest.raises(ValueError, match="2 rows but 1 slots"):
+        io.read_into(torch.tensor([0, 1]), _buffers(2), torch.tensor([0]))
+    with pytest.raises(ValueError, match="buffers for fields"):
+        io.read_into(torch.tensor([0]), {"weight": torch.zeros(2, 5)}, torch.tensor([0]))
+    if "native" in _backends():
+        with pytest.raises(OSError, match="slot 5 at position 0 outside buffer"):
+            io.read_into(torch.tensor([0]), _buffers(2), torch.tensor([5]), backend="native")
+
+
+def test_kernel_backend_torch_switches_the_native_row_io_off(tmp_path, monkeypatch):
+    from shardkit.kernels import kernel_backend
+
+    io = _store(tmp_path).row_io()
+    assert io._native(_buffers(1), "auto") is (
+        None if _backends() == ["torch"] else io._native(_buffers(1), "native")
+    )
+    with kernel_backend("torch"):
+        assert io._native(_buffers(1), "auto") is None
+
+
+@pytest.mark.parametrize("algorithm", ["lru", "lfu"])
+def test_cache_native_and_torch_row_io_leave_identical_files(tmp_path, algorithm):
+    """The same training-like sequence through a cache whose misses move by the native loop and one
+    whose misses move by the pure-Python path: bitwise equal files, buffers and counters."""
+    from shardkit.kernels import kernel_backend
+
+    backends = _backends()
+    if len(backends) < 2:
+        pytest.skip("the native kernels are not built here: nothing to compare the pure path with")
+    stores, caches = [], []
+    for name in backends:
+        (tmp_path / name).mkdir()
+        store = _store(tmp_path / name)
+        stores.append(store)
+        caches.append(RowCache(dict(store.tensors), 6, algorithm, row_io=store.row_io()))
+    gen = torch.Generator().manual_seed(1)
+    for step in range(25):
+        rows = torch.randperm(40, generator=gen)[: 1 + step % 9]
+        for backend, cache in zip(backends, caches):
+            with kernel_backend(backend):
+                ticket, slots = cache.acquire(rows)
+                cache.tensors["weight"].index_add_(0, slots, torch.full((slots.numel(), 5), 0.5))
+                cache.tensors["state.m"].index_add_(0, slots, torch.full((slots.numel(),), 0.25))
+                cache.release(ticket, dirty=True)
+        assert torch.equal(caches[0].row_of_slot, caches[1].row_of_slot)
+        for name in FIELDS:
+            assert torch.equal(caches[0].tensors[name], caches[1].tensors[name])
+    for backend, cache in zip(backends, caches):
+        with kernel_backend(backend):
+            cache.flush()
+    assert caches[0].counters == caches[1].counters
+    for name in FIELDS:
+        assert torch.equal(stores[0].tensors[name], stores[1].tensors[name])

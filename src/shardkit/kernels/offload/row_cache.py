@@ -116,9 +116,10 @@ class RowCache:
             mapped file's store passes its ``drop_resident`` here, so that the pages one batch's misses
             map stay bounded by the chunk, not by the misses.
         row_io: optional positioned I/O of the backing store's rows (a
-            :class:`~shardkit.kernels.offload.row_io.FileRowIO` with ``read_fields(rows)`` and
-            ``write_fields(rows, values)``, over the same fields as ``backing``, on the host): misses are
-            read and victims written through it (``preadv`` / ``pwritev``) instead of through the
+            :class:`~shardkit.kernels.offload.row_io.FileRowIO` with ``read_into(rows, buffers, slots)``
+            and ``write_from(rows, buffers, slots)``, over the same fields as ``backing``, on the host):
+            misses are read straight into their slots and victims written straight from theirs through it
+            (``preadv`` / ``pwritev``, native C++ when built) instead of through the
             ``backing`` tensors, so a mapped file's pages are never faulted in (``after_io`` is then
             not needed).
 
@@ -395,8 +396,7 @@ class RowCache:
         for start, stop in self._io_chunks(count):
             cache_slots = slots[start:stop].to(self.device)
             if self._row_io is not None:
-                values = {n: t.index_select(0, cache_slots).cpu() for n, t in self.tensors.items()}
-                self._row_io.write_fields(rows[start:stop], values)
+                self._row_io.write_from(rows[start:stop], self.tensors, cache_slots)
                 continue
             for name, store in self.backing.items():
                 values = self.tensors[name].index_select(0, cache_slots).to(store.device)
@@ -411,8 +411,7 @@ class RowCache:
         for start, stop in self._io_chunks(rows.numel()):
             cache_slots = slots[start:stop].to(self.device)
             if self._row_io is not None:
-                for name, values in self._row_io.read_fields(rows[start:stop]).items():
-                    self.tensors[name].index_copy_(0, cache_slots, values.to(self.device))
+                self._row_io.read_into(rows[start:stop], self.tensors, cache_slots)
                 continue
             for name, store in self.backing.items():
                 values = store.index_select(0, rows[start:stop].to(store.device)).to(self.device)

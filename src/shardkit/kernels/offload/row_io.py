@@ -17,6 +17,13 @@ row, or a large share of a small table) one fault serves many rows and beats one
 the mapped tensors, :meth:`FileRowIO.read_fields` counts per field the windows the rows touch and reads
 through the mapping when that is under half the runs, at most ``MAPPED_WINDOWS`` windows between
 calls of ``drop`` (which unmaps them): the resident set stays bounded as before.
+
+:meth:`FileRowIO.read_into` / :meth:`FileRowIO.write_from` move rows straight between the file and
+given slots of the cache's buffers. With the native kernels built (``csrc/row_io.cpp``) that is one C++
+loop of ``preadv`` / ``pwritev`` calls (one per run of adjacent rows and field, any slots), the GIL
+released, no Python per run and no temporary buffer; otherwise (``SHARDKIT_NATIVE=0``, no compiler,
+``kernel_backend("torch")``) the pure-Python path above, at most ``PIECE_BYTES`` of rows at a time into
+a temporary then ``index_copy_``. Both leave bitwise the same bytes.
 """
 
 from __future__ import annotations
@@ -27,10 +34,14 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
+from shardkit.kernels.embedding import native_for
+
 # the kernel's default fault-around window: what one page fault on a cached file maps
 FAULT_AROUND_BYTES = 64 << 10
 # windows read through the mapping between two drops (16 MiB mapped at most)
 MAPPED_WINDOWS = 256
+# the pure-Python read_into / write_from move at most this many bytes of rows through one temporary
+PIECE_BYTES = 4 << 20
 
 # (byte offset of the field's region, shape [R, *width], dtype)
 FieldRegion = Tuple[int, Tuple[int, ...], torch.dtype]
@@ -75,6 +86,8 @@ class FileRowIO:
         self.mapped = dict(mapped) if mapped is not None and drop is not None else {}
         self.drop = drop
         self.path = path
+        # read_into / write_from's default path: "auto", "native" or "torch"
+        self.backend = "auto"
         self.regions: Dict[str, FieldRegion] = dict(regions)
         self._row_bytes = {
             name: math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
@@ -122,6 +135,83 @@ class FileRowIO:
         runs = row_runs(rows)
         for name, tensor in values.items():
             self._write(name, tensor, runs)
+
+    def read_into(
+        self,
+        rows: torch.Tensor,
+        buffers: Mapping[str, torch.Tensor],
+        slots: torch.Tensor,
+        backend: Optional[str] = None,
+    ) -> int:
+        """Read file rows ``rows`` (int64 ``[n]``, host, any order, ascending is fastest) of every field
+        into rows ``slots`` (int64 ``[n]``) of ``buffers[name]`` (``[C, *width]`` of the field's dtype,
+        contiguous; on the host for the native path). ``backend``: ``"auto"`` (native when built, on the
+        host and not switched off by :func:`~shardkit.kernels.kernel_backend`), ``"native"``, ``"torch"``;
+        None: :attr:`backend` (``"auto"`` unless set, e.g. by a benchmark comparing the two paths).
+        Returns the number of runs of adjacent file bytes moved (runs of adjacent rows x fields; the
+        native path makes one ``preadv`` per run)."""
+        return self._move(rows, buffers, slots, backend, write=False)
+
+    def write_from(
+        self,
+        rows: torch.Tensor,
+        buffers: Mapping[str, torch.Tensor],
+        slots: torch.Tensor,
+        backend: Optional[str] = None,
+    ) -> int:
+        """Write rows ``slots`` of ``buffers[name]`` to file rows ``rows`` of every field (the inverse of
+        :meth:`read_into`, same arguments). Returns the number of runs moved, as :meth:`read_into`."""
+        return self._move(rows, buffers, slots, backend, write=True)
+
+    def _native(self, buffers: Mapping[str, torch.Tensor], backend: str):
+        if backend not in ("auto", "native", "torch"):
+            raise ValueError(f"FileRowIO: unknown backend {backend!r}; expected 'auto', 'native' or 'torch'")
+        native = None if backend == "torch" else native_for(torch.device("cpu"))
+        ok = native is not None and hasattr(native, "file_read_rows")
+        ok = ok and all(b.device.type == "cpu" and b.is_contiguous() for b in buffers.values())
+        if backend == "native" and not ok:
+            raise RuntimeError("FileRowIO: the native row I/O kernel is not available for these buffers")
+        return native if ok else None
+
+    def _move(self, rows, buffers, slots, backend: Optional[str], write: bool) -> int:
+        backend = self.backend if backend is None else backend
+        names = list(self.regions)
+        if set(buffers) != set(names):
+            raise ValueError(f"FileRowIO: buffers for fields {sorted(buffers)}, the file has {sorted(names)}")
+        rows = rows.to(device="cpu", dtype=torch.int64).contiguous()
+        slots = slots.to(device="cpu", dtype=torch.int64).contiguous()
+        if rows.numel() != slots.numel():
+            raise ValueError(f"FileRowIO: {rows.numel()} rows but {slots.numel()} slots")
+        if rows.numel() == 0:
+            return 0
+        native = self._native(buffers, backend)
+        if native is not None:
+            op = native.file_write_rows if write else native.file_read_rows
+            offsets = [self.regions[n][0] for n in names]
+            strides = [self._row_bytes[n] for n in names]
+            try:
+                return int(op(self.fd, rows, slots, [buffers[n] for n in names], offsets, strides))
+            except RuntimeError as e:
+                raise OSError(f"backing file {self.path!r}: {e}".splitlines()[0]) from None
+        # pure Python (today's read_fields / write_fields, dense reads through the mapping): fixed-size
+        # pieces through a temporary, so the resident set stays bounded whatever the number of rows
+        step = max(1, PIECE_BYTES // max(1, sum(self._row_bytes.values())))
+        extents = 0
+        for start in range(0, rows.numel(), step):
+            part, where = rows[start : start + step], slots[start : start + step]
+            if part.numel() > 1 and not bool((part[1:] > part[:-1]).all()):
+                part, order = part.sort()
+                where = where.index_select(0, order)
+            extents += len(row_runs(part)[0]) * sum(1 for n in names if self._row_bytes[n])
+            if write:
+                self.write_fields(
+                    part, {n: buffers[n].index_select(0, where.to(buffers[n].device)).cpu() for n in names}
+                )
+            else:
+                for name, values in self.read_fields(part).items():
+                    buffer = buffers[name]
+                    buffer.index_copy_(0, where.to(buffer.device), values.to(buffer.device))
+        return extents
 
     def _read(self, name: str, count: int, runs) -> torch.Tensor:
         offset, shape, dtype = self.regions[name]
