@@ -37,6 +37,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from shardkit.kernels.offload.malloc_bound import fix_malloc_thresholds
 from shardkit.kernels.offload.row_io import FileRowIO
 
 MAGIC = b"SKOFF001"
@@ -196,6 +197,7 @@ class BackingStore:
         directory = directory or default_offload_dir()
         size = bytes_needed(fields)
         check_directory(directory, size)
+        fix_malloc_thresholds()  # the process's resident set is then what is live (malloc_bound.py)
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:80]
         path = os.path.join(directory, f"{safe}-{os.getpid()}-{uuid.uuid4().hex[:12]}.skoff")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -225,6 +227,7 @@ class BackingStore:
                 raise ValueError(
                     f"backing file {path!r} holds {key} {header.get(key)!r}, expected {expected[key]!r}"
                 )
+        fix_malloc_thresholds()
         fd = os.open(path, os.O_RDWR)
         try:
             mapping = _mapped(fd, header["size"])
