@@ -222,7 +222,16 @@ def bandwidth_rows(args, offload_dir: str) -> List[Dict[str, Any]]:
         row_io.read_fields(distinct)
 
     seconds = _best(positioned, args.repeats)
-    out.append(_bw_row("file: cache miss path (preadv, FileRowIO)", distinct.numel() * row_bytes, seconds))
+    out.append(_bw_row("file: pure-Python miss path (os.preadv)", distinct.numel() * row_bytes, seconds))
+    into = {"weight": torch.empty(distinct.numel(), args.dim)}
+    slots = torch.arange(distinct.numel())
+    if row_io._native(into, "auto") is not None:
+
+        def native() -> None:
+            row_io.read_into(distinct, into, slots)
+
+        seconds = _best(native, args.repeats)
+        out.append(_bw_row("file: cache miss path (native read_into)", distinct.numel() * row_bytes, seconds))
     size = os.path.getsize(store.path)
     fd = os.open(store.path, os.O_RDONLY)
     try:
