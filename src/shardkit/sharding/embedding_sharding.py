@@ -26,6 +26,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -208,10 +209,15 @@ def start_kjt_all_to_all(
         ctx.input_splits = tensors.input_splits["values"]
         ctx.output_splits = tensors.output_splits["values"]
 
+        # keep runs inside tensors.wait(), so a weak reference is alive then; a strong one made a cycle
+        # (tensors -> its callbacks -> keep -> tensors) that kept ctx and the received KJT (the batch's
+        # ids) alive until Python's garbage collector ran (docs/offload.md, "Memory")
+        awaited = weakref.ref(tensors)
+
         def keep(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
             ctx.received = kjt
             if need_recat:
-                ctx.recat = tensors.recat
+                ctx.recat = awaited().recat
             return kjt
 
         tensors.callbacks.append(keep)
