@@ -38,8 +38,9 @@ from shardkit.kernels.embedding import native_for
 
 # the kernel's default fault-around window: what one page fault on a cached file maps
 FAULT_AROUND_BYTES = 64 << 10
-# windows read through the mapping between two drops (16 MiB mapped at most)
-MAPPED_WINDOWS = 256
+# windows read through the mapping between two drops (4 MiB mapped at most: the 10x-budget run of
+# benchmarks.offload peaked 10 MiB higher at 256 windows, over its budget; 5-10% more CPU per step)
+MAPPED_WINDOWS = 64
 # the pure-Python read_into / write_from move at most this many bytes of rows through one temporary
 PIECE_BYTES = 4 << 20
 
