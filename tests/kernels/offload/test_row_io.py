@@ -257,3 +257,38 @@ def test_cache_native_and_torch_row_io_leave_identical_files(tmp_path, algorithm
     assert caches[0].counters == caches[1].counters
     for name in FIELDS:
         assert torch.equal(stores[0].tensors[name], stores[1].tensors[name])
+
+
+def test_native_op_reads_and_writes_one_record_per_row(tmp_path):
+    """The native op's other layout: each row one record of all its fields (field f of row r at
+    ``offsets[f] + r * stride``): a run of adjacent rows is one call for all fields together."""
+    import os
+
+    from shardkit.kernels import native_ops
+
+    if "native" not in _backends():
+        pytest.skip("the native kernels are not built here")
+    rows_in_file, header = 30, 64
+    record = torch.randn(rows_in_file, 6, generator=torch.Generator().manual_seed(5))  # 5 weights + 1 state
+    path = tmp_path / "records"
+    path.write_bytes(b"\0" * header + record.numpy().tobytes())
+    fd = os.open(path, os.O_RDWR)
+    try:
+        rows = torch.tensor([4, 5, 6, 20, 2])
+        slots = torch.tensor([0, 3, 1, 2, 4])
+        weight, state = torch.zeros(5, 5), torch.zeros(5)
+        calls = native_ops().file_read_rows(fd, rows, slots, [weight, state], [header, header + 20], [24, 24])
+        assert calls == 3  # runs 4..6, 20, 2: both fields in one call each
+        assert torch.equal(weight[slots], record[rows, :5]) and torch.equal(state[slots], record[rows, 5])
+        weight.add_(1.0)
+        state.sub_(2.0)
+        native_ops().file_write_rows(fd, rows, slots, [weight, state], [header, header + 20], [24, 24])
+        expected = record.clone()
+        expected[rows, :5] = weight[slots]
+        expected[rows, 5] = state[slots]
+        written = torch.frombuffer(bytearray(path.read_bytes()[header:]), dtype=torch.float32).view(
+            rows_in_file, 6
+        )
+        assert torch.equal(written, expected)
+    finally:
+        os.close(fd)
