@@ -9,7 +9,7 @@ returns the default ``CostModel`` of the device with the measured constants repl
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from shardkit.distributed.agreement import group_size
 from shardkit.distributed.topology import get_local_size
+from shardkit.planner.calibration_steps import measure_step_overheads
 from shardkit.planner.cost_model import CostModel
 
 
@@ -69,6 +70,7 @@ def calibrate(
     pg: Optional[dist.ProcessGroup] = None,
     measure_comm: bool = True,
     base: Optional[CostModel] = None,
+    measure_steps: bool = True,
     **sizes: int,
 ) -> CostModel:
     """A ``CostModel`` with this machine's lookup bandwidth and (on a group of > 1 rank) collective bandwidth.
@@ -77,13 +79,18 @@ def calibrate(
         compute_device: ``"cuda"`` or ``"cpu"`` (default: cuda when available).
         pg: the group to time the all-to-all on (default group when None and torch.distributed is
             initialized). Collective when it runs: every rank of the group must call ``calibrate``.
-        measure_comm: False skips the communication measurement.
+        measure_comm: False skips the communication measurement (and the step overheads, which need it).
+        measure_steps: False skips timing training steps of tiny sharded tables, which fits the fixed
+            costs (``step_overhead_s``, ``group_overhead_s``, ``shard_overhead_s``,
+            ``replica_grad_passes``; :mod:`shardkit.planner.calibration_steps`). Collective too.
         base: the constants not measured (default ``CostModel.default(compute_device)``).
         sizes: ``rows``, ``dim``, ``batch``, ``pooling`` of the timed lookup (smaller is faster and
             noisier).
 
     The lookup bandwidth replaces ``hbm_lookup_bw`` on CUDA and ``ddr_lookup_bw`` on CPU; the
     all-to-all bandwidth replaces ``intra_node_bw`` when the group is one node, else ``cross_node_bw``.
+    All ranks measure at the same time, so ranks sharing cores are measured sharing them (a machine
+    running more ranks than cores gets the slower figures it will train at).
     """
     compute_device = compute_device or ("cuda" if torch.cuda.is_available() else "cpu")
     device = (
@@ -91,13 +98,17 @@ def calibrate(
     )
     model = base or CostModel.default(compute_device)
     lookup_field = "hbm_lookup_bw" if compute_device == "cuda" else "ddr_lookup_bw"
-    measured = {lookup_field: measure_lookup_bw(device, **sizes)}
-    distributed = dist.is_available() and dist.is_initialized()
-    if measure_comm and distributed and group_size(pg) > 1:
+    distributed = dist.is_available() and dist.is_initialized() and group_size(pg) > 1
+    if distributed:
+        # all ranks measure at once: ranks that share cores (or memory bandwidth) are measured sharing them
+        dist.barrier(group=pg)
+    measured: Dict[str, Any] = {lookup_field: measure_lookup_bw(device, **sizes)}
+    comm_field = None
+    if measure_comm and distributed:
         world = group_size(pg)
         comm_field = "intra_node_bw" if get_local_size(world) == world else "cross_node_bw"
         measured[comm_field] = measure_all_to_all_bw(pg, device)
-    if distributed and group_size(pg) > 1:
+    if distributed:
         # every rank must plan with the same constants: keep the slowest rank's figures
         names = sorted(measured)
         values = torch.tensor([measured[n] for n in names], dtype=torch.float64)
@@ -105,6 +116,8 @@ def calibrate(
             values = values.to(device)
         dist.all_reduce(values, op=dist.ReduceOp.MIN, group=pg)
         measured = dict(zip(names, values.tolist()))
+    if measure_steps and comm_field is not None:
+        measured.update(measure_step_overheads(pg, device, measured[lookup_field], measured[comm_field]))
     return model.replace(**measured)
 
 

@@ -9,7 +9,7 @@ node with gloo); :func:`shardkit.planner.calibrate` measures this machine's figu
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict
+from typing import Any, Dict, Mapping
 
 GB = 1e9
 
@@ -30,6 +30,17 @@ class CostModel:
             ``CacheParams`` carry no ``CacheStatistics`` (with statistics: ``1 - expected_miss_rate``).
         disk_lookup_bw: bytes of rows per second an offloading kernel reads from its CPU backing
             file (the slow tier on CPU: random rows from the offload directory's disk or page cache).
+        step_overhead_s: fixed seconds of every training step of the sharded modules, whatever the plan
+            (the forward / backward plumbing common to all shardings), charged to every rank.
+        group_overhead_s: sharding type -> fixed seconds per step that the type's group costs once a
+            plan uses it at all (its input and output dists: collective launches and latencies, the
+            splits exchange), charged to every rank, whether it holds a shard of the type or not.
+        shard_overhead_s: sharding type -> fixed seconds per step of one shard of that type on the
+            rank holding it (its lookup call, its share of the features' permutes and of the output
+            dist's per-table work); a type not named costs ``lookup_overhead_s``.
+        replica_grad_passes: passes over a data-parallel replica's whole table per step at
+            ``ddr_lookup_bw`` / ``hbm_lookup_bw`` (its dense gradient buffer is zeroed, concatenated,
+            all-reduced and read back), beside the all-reduce itself.
     """
 
     hbm_lookup_bw: float
@@ -41,17 +52,38 @@ class CostModel:
     lookup_overhead_s: float = 10e-6
     cache_hit_rate: float = 0.9
     disk_lookup_bw: float = 1 * GB
+    step_overhead_s: float = 0.0
+    group_overhead_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    shard_overhead_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    replica_grad_passes: float = 0.0
 
     def __post_init__(self) -> None:
         bandwidths = ("hbm_lookup_bw", "ddr_lookup_bw", "uvm_lookup_bw", "intra_node_bw", "cross_node_bw")
         for name in (*bandwidths, "disk_lookup_bw"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"CostModel.{name} must be positive, got {getattr(self, name)}")
-        for name in ("bwd_compute_factor", "lookup_overhead_s"):
+        for name in ("bwd_compute_factor", "lookup_overhead_s", "step_overhead_s", "replica_grad_passes"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"CostModel.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("group_overhead_s", "shard_overhead_s"):
+            for sharding_type, seconds in getattr(self, name).items():
+                if not seconds >= 0:
+                    raise ValueError(f"CostModel.{name}[{sharding_type!r}] must be >= 0, got {seconds}")
         if not 0.0 <= self.cache_hit_rate <= 1.0:
             raise ValueError(f"CostModel.cache_hit_rate must be in [0, 1], got {self.cache_hit_rate}")
+        # frozen: keep private copies, so that a caller's dict changed later cannot change the model
+        object.__setattr__(self, "group_overhead_s", dict(self.group_overhead_s))
+        object.__setattr__(self, "shard_overhead_s", dict(self.shard_overhead_s))
+
+    def shard_overhead(self, sharding_type: str) -> float:
+        """Fixed seconds per step of one shard of ``sharding_type`` (``shard_overhead_s``, else
+        ``lookup_overhead_s``)."""
+        return self.shard_overhead_s.get(sharding_type, self.lookup_overhead_s)
+
+    def plan_overhead(self, sharding_types) -> float:
+        """Fixed seconds per step every rank pays for a plan using ``sharding_types``: the step's own
+        overhead plus each type's group overhead (once per type)."""
+        return self.step_overhead_s + sum(self.group_overhead_s.get(t, 0.0) for t in set(sharding_types))
 
     @classmethod
     def default(cls, compute_device: str) -> CostModel:

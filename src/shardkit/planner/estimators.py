@@ -146,9 +146,10 @@ class EmbeddingStorageEstimator:
 class EmbeddingPerfEstimator:
     """Seconds per training step per shard, split into compute and communication.
 
-    compute = (1 + bwd_compute_factor) * (ids x c x e) / lookup_bw + lookup_overhead_s
+    compute = (1 + bwd_compute_factor) * (ids x c x e) / lookup_bw + shard_overhead(type)
               (+ 3 x weights / lookup_bw for the DENSE kernel: the optimizer reads and writes the
-              whole table and its dense gradient)
+              whole table and its dense gradient; + replica_grad_passes x weights / lookup_bw for a
+              fused data-parallel replica: its dense gradient buffer)
     comm    = input dist (ids x 8 B / bw; 12 B with per-id weights)
               + output dist forward and backward, by sharding type:
               TABLE_WISE, COLUMN_WISE, TABLE_COLUMN_WISE: all-to-all of the shard's output values;
@@ -198,10 +199,13 @@ class EmbeddingPerfEstimator:
             ids = _ids(o, world)
             ids_x_c: Linear = (ids[1], 0.0, ids[3], 0.0)
             compute = _add(
-                _scale(ids_x_c, (1.0 + cm.bwd_compute_factor) * e / bw), (0, 0, 0, cm.lookup_overhead_s)
+                _scale(ids_x_c, (1.0 + cm.bwd_compute_factor) * e / bw),
+                (0, 0, 0, cm.shard_overhead(o.sharding_type)),
             )
             if o.compute_kernel == _K.DENSE.value:
                 compute = _add(compute, (3.0 * e / bw, 0.0, 0.0, 0.0))
+            elif o.sharding_type == _DP:  # a fused replica's dense gradient buffer, whole-table passes
+                compute = _add(compute, (cm.replica_grad_passes * e / bw, 0.0, 0.0, 0.0))
             out_bytes = _scale(_output_values(o, world), e)
             input_dist = _scale(ids, t.bytes_per_id / coll)
             st = o.sharding_type

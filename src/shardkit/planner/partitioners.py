@@ -116,9 +116,12 @@ class GreedyPerfPartitioner:
                 disk[r] -= s.disk[k]
                 disk_used[r] += s.disk[k]
             placed[i] = o.placed(ranks)
+        # what every rank pays once per step for the plan as a whole (the same on every rank, so it
+        # does not change where shards go, but it does make a plan mixing more sharding types slower)
+        overhead = topology.cost_model.plan_overhead(o.sharding_type for o in proposal)
         return Partition(
             options=[o for o in placed if o is not None],
-            load=load,
+            load=[x + overhead for x in load],
             hbm_used=[f - h for f, h in zip(hbm_free, hbm)],
             ddr_used=[f - d for f, d in zip(ddr_free, ddr)],
             unplaced=unplaced,

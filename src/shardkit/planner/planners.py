@@ -24,6 +24,7 @@ from shardkit.planner.enumerators import EmbeddingEnumerator
 from shardkit.planner.errors import PlannerError, format_bytes
 from shardkit.planner.estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
 from shardkit.planner.partitioners import GreedyPerfPartitioner, Partition
+from shardkit.planner.plan_estimate import placed_partition, plan_options
 from shardkit.planner.proposers import GreedyThresholdProposer
 from shardkit.planner.report import PlanReport
 from shardkit.planner.storage_reservation import HeuristicalStorageReservation
@@ -169,6 +170,23 @@ class EmbeddingShardingPlanner(ShardingPlanner):
                 misses += 1
         elapsed = time.perf_counter() - start
         return self._to_plan(best[1]), PlanReport.build(best[1], topology, hbm_free, ddr_free, count, elapsed)
+
+    def estimate(
+        self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]], plan: ShardingPlan
+    ) -> PlanReport:
+        """The cost model's report of a given ``plan`` of ``module`` (e.g. a hand-written one), on the
+        same scale as the planner's own: per-table and per-rank time and memory, the slowest rank's
+        time (``max_time_s``). ``KeyError`` naming a table the plan does not cover."""
+        start = time.perf_counter()
+        hbm_free, ddr_free = self.storage_reservation.reserve(self.topology, module, sharders)
+        tables = [t for t, _ in self.enumerator.tables(module, sharders)]
+        options = plan_options(tables, plan, self.topology)
+        self.storage_estimator.estimate(options, self.topology)
+        self.perf_estimator.estimate(options, self.topology)
+        partition = placed_partition(options, self.topology, hbm_free, ddr_free)
+        return PlanReport.build(
+            partition, self.topology, hbm_free, ddr_free, 0, time.perf_counter() - start
+        )
 
     def _to_plan(self, partition: Partition) -> ShardingPlan:
         t = self.topology

@@ -1,0 +1,273 @@
+"""Plan quality: does the planner pick the fastest plan, and how close are its estimates to measured steps?
+
+Run from the repository root: ``python -m benchmarks.plan_quality [--quick]``.
+
+For three table sets (``demo``: the 8 tables of ``shardkit demo``; ``many_small``: many small tables at
+a small batch; ``few_large``: a few large tables at a large batch) on 2 and 4 CPU ranks (gloo), every
+rank builds, on the same model:
+
+- ``planner``: the planner's plan with the cost model's default CPU constants;
+- ``planner+cal``: the planner's plan after ``calibrate()`` (measured on these ranks, so a machine whose
+  ranks share cores is measured as such);
+- one uniform plan per sharding type (data-parallel, table-wise, row-wise, column-wise): the planner
+  restricted to that type (table-wise tables placed by it). Table-row-wise needs several nodes: on one
+  host it is row-wise's layout with a costlier exchange, and the planner does not offer it.
+
+and measures the training step of each (forward, backward with the fused SGD update, through
+``DistributedModelParallel``; every rank its own batch of uniform random ids) in alternating rounds:
+every round runs ``--steps`` steps of every plan in turn, after ``--warmup`` steps each; a plan's
+figure is the median over its rounds of the slowest rank's mean step time in the round. Next to each
+measured time the table prints the planner's estimate of that plan (``EmbeddingShardingPlanner.estimate``,
+the slowest rank's estimated time) with the default and the calibrated constants, the ranks by
+calibrated estimate and by measurement, and whether the planner's calibrated plan is within 10% of the
+fastest measured plan. Absolute times on a shared machine are noise; the ranks and ratios are the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from benchmarks.common import write_results
+from shardkit.distributed.validation import set_validation
+from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig
+from shardkit.sparse import KeyedJaggedTensor
+
+LR = 0.01
+UNIFORM = ["data_parallel", "table_wise", "row_wise", "column_wise"]
+_ABBREV = {"data_parallel": "DP", "table_wise": "TW", "row_wise": "RW", "column_wise": "CW"}
+# the demo's tables (shardkit.cli.demo_dlrm._TABLE_SHAPES): (rows, dim, mean ids per bag)
+_DEMO = [
+    (100_000, 16, 1.0),
+    (2_000, 16, 3.0),
+    (20_000, 32, 1.0),
+    (50, 16, 1.0),
+    (10_000, 16, 2.0),
+    (500, 64, 4.0),
+    (50_000, 16, 1.0),
+    (5_000, 32, 2.0),
+]
+
+
+def table_sets(quick: bool) -> Dict[str, Tuple[List[Tuple[int, int, float]], int]]:
+    """name -> (tables as (rows, dim, pooling), batch per rank)."""
+    many = 48 if quick else 128
+    small = [(1000 * (1 + i % 10), (8, 16, 32)[i % 3], float(1 + i % 3)) for i in range(many)]
+    large = [(200_000 if quick else 500_000, 128, 20.0)] * 4
+    return {"demo": (_DEMO, 256), "many_small": (small, 64), "few_large": (large, 1024 if quick else 2048)}
+
+
+class _Model(nn.Module):
+    def __init__(self, tables: List[Tuple[int, int, float]], device: torch.device) -> None:
+        super().__init__()
+        configs = [
+            EmbeddingBagConfig(rows, dim, name=f"t{i}", feature_names=[f"f{i}"])
+            for i, (rows, dim, _) in enumerate(tables)
+        ]
+        self.ebc = EmbeddingBagCollection(
+            configs, device=device, fused_optimizer=FusedOptimizerConfig("SGD", lr=LR)
+        )
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        return self.ebc(features).values().sum()
+
+
+def _batch(tables, batch: int, seed: int) -> KeyedJaggedTensor:
+    """Bags of uniform random ids, lengths uniform in [0, 2 * pooling] (mean ``pooling``)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.cat([torch.randint(0, int(2 * p) + 1, (batch,), generator=gen) for (_, _, p) in tables])
+    per_table = lengths.view(len(tables), batch).sum(1).tolist()
+    values = torch.cat(
+        [torch.randint(0, rows, (n,), generator=gen) for (rows, _, _), n in zip(tables, per_table)]
+    )
+    return KeyedJaggedTensor([f"f{i}" for i in range(len(tables))], values, lengths=lengths)
+
+
+def _planner(tables, batch: int, world: int, cost_model, sharding_type: Optional[str]):
+    from shardkit.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
+    types = None if sharding_type is None else [sharding_type]
+    # min_partition 8: column-wise is an option for the 16-column tables too
+    constraints = {
+        f"t{i}": ParameterConstraints(sharding_types=types, pooling_factors=[p], min_partition=8)
+        for i, (_, _, p) in enumerate(tables)
+    }
+    topology = Topology(world_size=world, compute_device="cpu", cost_model=cost_model)
+    return EmbeddingShardingPlanner(topology=topology, batch_size=batch, constraints=constraints)
+
+
+def _describe(plan) -> str:
+    counts: Dict[str, int] = {}
+    for module_plan in plan.plan.values():
+        for ps in module_plan.values():
+            counts[ps.sharding_type] = counts.get(ps.sharding_type, 0) + 1
+    return " ".join(f"{_ABBREV.get(t, t)}{n}" for t, n in sorted(counts.items()))
+
+
+def _key(plan) -> str:
+    return repr(
+        sorted((m, t, ps.sharding_type, ps.ranks) for m, mp in plan.plan.items() for t, ps in mp.items())
+    )
+
+
+def case_worker(set_name: str, quick: bool, rounds: int, steps: int, warmup: int) -> Dict[str, Any]:
+    """On every rank: calibrate, plan, build every plan's DMP, time them in alternating rounds."""
+    from shardkit.model_parallel import DistributedModelParallel
+    from shardkit.planner import CostModel, calibrate
+    from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
+
+    torch.set_num_threads(1)
+    set_validation(False)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tables, batch = table_sets(quick)[set_name]
+    start = time.perf_counter()
+    calibrated = calibrate("cpu")
+    calibrate_s = time.perf_counter() - start
+    default = CostModel.default("cpu")
+    sharders = [EmbeddingBagCollectionSharder()]
+    meta = _Model(tables, torch.device("meta"))
+
+    candidates: List[Tuple[str, Any]] = [
+        ("planner", _planner(tables, batch, world, default, None).plan(meta, sharders)),
+        ("planner+cal", _planner(tables, batch, world, calibrated, None).plan(meta, sharders)),
+    ]
+    for st in UNIFORM:
+        try:
+            candidates.append(
+                (f"all {st}", _planner(tables, batch, world, calibrated, st).plan(meta, sharders))
+            )
+        except ValueError:  # PlannerError: not valid for these tables
+            continue
+    plans: Dict[str, Any] = {}
+    labels: Dict[str, List[str]] = {}
+    for label, plan in candidates:
+        key = _key(plan)
+        plans.setdefault(key, plan)
+        labels.setdefault(key, []).append(label)
+    rows = []
+    for key, plan in plans.items():
+        est = {
+            name: _planner(tables, batch, world, cm, None).estimate(meta, sharders, plan).max_time_s
+            for name, cm in (("default", default), ("calibrated", calibrated))
+        }
+        rows.append({"key": key, "labels": labels[key], "types": _describe(plan), "est": est})
+
+    features = _batch(tables, batch, seed=rank)
+    models = []
+    for key in plans:
+        torch.manual_seed(0)
+        models.append(
+            DistributedModelParallel(_Model(tables, torch.device("cpu")), plan=plans[key], sharders=sharders)
+        )
+    for m in models:
+        for _ in range(warmup):
+            m(features).backward()
+    per_round: List[List[float]] = [[] for _ in models]
+    for _ in range(rounds):
+        for i, m in enumerate(models):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                m(features).backward()
+            per_round[i].append((time.perf_counter() - t0) / steps)
+    # the slowest rank's time per round
+    mine = torch.tensor(per_round, dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    for row, times in zip(rows, mine.tolist()):
+        row["measured_s"] = statistics.median(times)
+        row["rounds_s"] = times
+    return {"rows": rows, "calibrated": calibrated.to_dict(), "calibrate_s": calibrate_s}
+
+
+def _rank(values: List[float]) -> List[int]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0] * len(values)
+    for position, i in enumerate(order):
+        ranks[i] = position + 1
+    return ranks
+
+
+def summarize(
+    set_name: str, world: int, result: Dict[str, Any]
+) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
+    """The printed rows of one case and its verdicts (planner within 10%, estimates within 25%, order)."""
+    rows = result["rows"]
+    measured = [r["measured_s"] for r in rows]
+    cal = [r["est"]["calibrated"] for r in rows]
+    by_est, by_meas = _rank(cal), _rank(measured)
+    fastest = min(measured)
+    out = []
+    planner_ratio = None
+    for r, re_, rm in zip(rows, by_est, by_meas):
+        ratio = r["measured_s"] / fastest
+        if "planner+cal" in r["labels"]:
+            planner_ratio = ratio
+        out.append(
+            {
+                "name": f"{set_name} W{world}: {'/'.join(r['labels'])}",
+                "types": r["types"],
+                "est_default_ms": r["est"]["default"] * 1e3,
+                "est_cal_ms": r["est"]["calibrated"] * 1e3,
+                "measured_ms": r["measured_s"] * 1e3,
+                "cal_err": r["est"]["calibrated"] / r["measured_s"] - 1.0,
+                "rank_est": re_,
+                "rank_meas": rm,
+                "vs_fastest": ratio,
+            }
+        )
+    verdict = {
+        "case": f"{set_name} W{world}",
+        "planner_vs_fastest": planner_ratio,
+        "planner_within_10pct": planner_ratio is not None and planner_ratio <= 1.10,
+        "max_abs_cal_err": max(abs(o["cal_err"]) for o in out),
+        "estimates_within_25pct": all(abs(o["cal_err"]) <= 0.25 for o in out),
+        "same_order": by_est == by_meas,
+        "calibrate_s": result["calibrate_s"],
+    }
+    return out, verdict
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    # the workers unpickle functions by module name, which must not be __main__
+    from benchmarks.common import print_table
+    from benchmarks.plan_quality import case_worker as worker
+    from shardkit.testing import run_world
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller table sets and fewer rounds (~3 min)")
+    parser.add_argument("--sets", nargs="+", default=["demo", "many_small", "few_large"])
+    parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--rounds", type=int, help="alternating rounds (default 5, --quick 3)")
+    parser.add_argument("--steps", type=int, help="steps per plan and round (default 5, --quick 3)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", help="JSON directory (default: a new one outside the checkout)")
+    args = parser.parse_args(argv)
+    rounds = args.rounds or (3 if args.quick else 5)
+    steps = args.steps or (3 if args.quick else 5)
+    rows, verdicts, calibrations = [], [], {}
+    for world in args.worlds:
+        for set_name in args.sets:
+            result = run_world(worker, world, set_name, args.quick, rounds, steps, args.warmup, timeout=900)[
+                0
+            ]
+            case_rows, verdict = summarize(set_name, world, result)
+            print_table(case_rows)
+            print(verdict, flush=True)
+            rows += case_rows
+            verdicts.append(verdict)
+            calibrations[f"{set_name} W{world}"] = result["calibrated"]
+    print()
+    print_table(verdicts)
+    config = {k: v for k, v in vars(args).items() if k != "out"}
+    config.update(rounds=rounds, steps=steps, verdicts=verdicts, calibrated=calibrations, backend="gloo")
+    write_results("plan_quality", config, rows, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""EmbeddingShardingPlanner.estimate: the cost model's figures for a given plan, and the fixed
+per-step costs (step, sharding group, shard) that make a plan mixing sharding types cost more."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardkit.modules import EmbeddingBagConfig
+from shardkit.planner import CostModel, EmbeddingShardingPlanner, ParameterConstraints, Topology
+from shardkit.sharding.sharding_plan import construct_module_sharding_plan, data_parallel, table_wise
+from shardkit.sharding.types import ShardingPlan
+from tests.planner._sharder import ebc_sharder, meta_ebc, random_tables
+
+# what calibrate() measured on a 2-core machine with 2 gloo ranks (shared, loaded), rounded: the group
+# and step costs are milliseconds, far above the bandwidth terms of small tables
+MEASURED_LIKE = CostModel.default("cpu").replace(
+    step_overhead_s=0.5e-3,
+    group_overhead_s={"table_wise": 5e-3, "row_wise": 4e-3, "column_wise": 5e-3, "data_parallel": 2e-3},
+    shard_overhead_s={
+        "table_wise": 0.1e-3,
+        "row_wise": 0.1e-3,
+        "column_wise": 0.3e-3,
+        "data_parallel": 0.3e-3,
+    },
+)
+
+
+def _tables(n: int = 6, rows: int = 1000, dim: int = 16):
+    return [EmbeddingBagConfig(rows, dim, name=f"t{i}", feature_names=[f"f{i}"]) for i in range(n)]
+
+
+def _planner(cost_model: CostModel, world: int = 2, **kwargs) -> EmbeddingShardingPlanner:
+    return EmbeddingShardingPlanner(
+        Topology(world_size=world, compute_device="cpu", cost_model=cost_model), batch_size=64, **kwargs
+    )
+
+
+def _plan(ebc, generators, world: int = 2) -> ShardingPlan:
+    return ShardingPlan(
+        {"": construct_module_sharding_plan(ebc, generators, world_size=world, local_size=world)}
+    )
+
+
+def test_estimate_of_the_planners_own_plan_is_its_report():
+    ebc = meta_ebc(random_tables(12, seed=3, max_rows=10**5))
+    for cost_model in (CostModel.default("cpu"), MEASURED_LIKE):
+        planner = _planner(cost_model, world=4)
+        plan = planner.plan(ebc, [ebc_sharder()])
+        report = planner.estimate(ebc, [ebc_sharder()], plan)
+        assert report.max_time_s == pytest.approx(planner.last_report.max_time_s, rel=1e-12)
+        assert [r["time_s"] for r in report.ranks] == pytest.approx(
+            [r["time_s"] for r in planner.last_report.ranks]
+        )
+
+
+def test_mixing_sharding_types_pays_each_types_group():
+    """Measured (benchmarks/plan_quality.py, demo tables, 2 ranks): one data-parallel table beside
+    table-wise ones made the step ~2x slower than all table-wise; the bytes-only model ranked the mixed
+    plan faster. With group overheads the mixed plan costs the data-parallel group on top."""
+    ebc = meta_ebc(_tables())
+    uniform = _plan(ebc, {f"t{i}": table_wise(rank=i % 2) for i in range(6)})
+    mixed = _plan(ebc, {**{f"t{i}": table_wise(rank=i % 2) for i in range(5)}, "t5": data_parallel("fused")})
+    planner = _planner(MEASURED_LIKE)
+    t_uniform = planner.estimate(ebc, [ebc_sharder()], uniform).max_time_s
+    t_mixed = planner.estimate(ebc, [ebc_sharder()], mixed).max_time_s
+    assert t_mixed > t_uniform + 1.5e-3  # the data-parallel group's 2 ms, less one table-wise shard
+    assert t_uniform == pytest.approx(
+        0.5e-3 + 5e-3 + 3 * 0.1e-3 + _bytes_terms(planner, ebc, uniform), rel=1e-9
+    )
+
+
+def _bytes_terms(planner, ebc, plan) -> float:
+    """The slowest rank's time without the fixed costs (the same plan under a model without them)."""
+    bare = planner.topology.cost_model.replace(
+        step_overhead_s=0.0, group_overhead_s={}, shard_overhead_s={}, lookup_overhead_s=0.0
+    )
+    return _planner(bare).estimate(ebc, [ebc_sharder()], plan).max_time_s
+
+
+def test_the_planner_keeps_to_one_type_when_groups_are_costly():
+    """Uniform costs per table but a 5 ms group each: the planner's plan uses one sharding type."""
+    ebc = meta_ebc(_tables(8))
+    planner = _planner(MEASURED_LIKE)
+    plan = planner.plan(ebc, [ebc_sharder()])
+    assert len({ps.sharding_type for ps in plan.plan[""].values()}) == 1
+
+
+def test_known_large_difference_is_ordered():
+    """Four 1M x 128 tables at a batch of 64: replicating them (a 512 MB gradient all-reduce per step
+    on gloo) is far slower than table-wise, under the default and the measured-like constants."""
+    ebc = meta_ebc(_tables(4, rows=1_000_000, dim=128))
+    tw = _plan(ebc, {f"t{i}": table_wise(rank=i % 2) for i in range(4)})
+    dp = _plan(ebc, {f"t{i}": data_parallel("fused") for i in range(4)})
+    for cost_model in (CostModel.default("cpu"), MEASURED_LIKE.replace(replica_grad_passes=4.0)):
+        planner = _planner(cost_model)
+        assert (
+            planner.estimate(ebc, [ebc_sharder()], dp).max_time_s
+            > 10 * planner.estimate(ebc, [ebc_sharder()], tw).max_time_s
+        )
+
+
+def test_estimate_names_a_table_the_plan_leaves_out():
+    ebc = meta_ebc(_tables(3))
+    plan = _plan(ebc, {"t0": table_wise(rank=0), "t1": table_wise(rank=1)})
+    with pytest.raises(KeyError, match="t2"):
+        _planner(CostModel.default("cpu")).estimate(ebc, [ebc_sharder()], plan)
+
+
+def test_negative_fixed_costs_are_refused():
+    with pytest.raises(ValueError, match="group_overhead_s.*row_wise"):
+        CostModel.default("cpu").replace(group_overhead_s={"row_wise": -1e-3})
+    with pytest.raises(ValueError, match="step_overhead_s"):
+        CostModel.default("cpu").replace(step_overhead_s=-1.0)
+
+
+def test_constraints_forcing_one_type_and_estimate_agree():
+    """A uniform plan made by the planner under constraints is estimated at the planner's own figure."""
+    ebc = meta_ebc(_tables(5))
+    constraints = {f"t{i}": ParameterConstraints(sharding_types=["row_wise"]) for i in range(5)}
+    planner = _planner(MEASURED_LIKE, constraints=constraints)
+    plan = planner.plan(ebc, [ebc_sharder()])
+    free = _planner(MEASURED_LIKE)
+    assert free.estimate(ebc, [ebc_sharder()], plan).max_time_s == pytest.approx(
+        planner.last_report.max_time_s
+    )
