@@ -7,8 +7,8 @@ a small batch; ``few_large``: a few large tables at a large batch) on 2 and 4 CP
 rank builds, on the same model:
 
 - ``planner``: the planner's plan with the cost model's default CPU constants;
-- ``planner+cal``: the planner's plan after ``calibrate()`` (measured on these ranks, so a machine whose
-  ranks share cores is measured as such);
+- ``planner+cal``: the planner's plan after ``calibrate()`` (run once per world size on these ranks, so a
+  machine whose ranks share cores is measured as such);
 - one uniform plan per sharding type (data-parallel, table-wise, row-wise, column-wise): the planner
   restricted to that type (table-wise tables placed by it). Table-row-wise needs several nodes: on one
   host it is row-wise's layout with a costlier exchange, and the planner does not offer it.
@@ -16,7 +16,9 @@ rank builds, on the same model:
 and measures the training step of each (forward, backward with the fused SGD update, through
 ``DistributedModelParallel``; every rank its own batch of uniform random ids) in alternating rounds:
 every round runs ``--steps`` steps of every plan in turn, after ``--warmup`` steps each; a plan's
-figure is the median over its rounds of the slowest rank's mean step time in the round. Next to each
+figure is the median over its rounds of the slowest rank's mean step time in the round (a plan whose
+last warm-up step takes ``SLOW_FACTOR`` x the fastest's is clearly not the fastest and is timed in one
+round of one step; ``rounds`` says how many it got). Next to each
 measured time the table prints the planner's estimate of that plan (``EmbeddingShardingPlanner.estimate``,
 the slowest rank's estimated time) with the default and the calibrated constants, the ranks by
 calibrated estimate and by measurement, and whether the planner's calibrated plan is within 10% of the
@@ -40,6 +42,7 @@ from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOp
 from shardkit.sparse import KeyedJaggedTensor
 
 LR = 0.01
+SLOW_FACTOR = 4.0
 UNIFORM = ["data_parallel", "table_wise", "row_wise", "column_wise"]
 _ABBREV = {"data_parallel": "DP", "table_wise": "TW", "row_wise": "RW", "column_wise": "CW"}
 # the demo's tables (shardkit.cli.demo_dlrm._TABLE_SHAPES): (rows, dim, mean ids per bag)
@@ -116,19 +119,30 @@ def _key(plan) -> str:
     )
 
 
-def case_worker(set_name: str, quick: bool, rounds: int, steps: int, warmup: int) -> Dict[str, Any]:
-    """On every rank: calibrate, plan, build every plan's DMP, time them in alternating rounds."""
+def calibrate_worker() -> Dict[str, Any]:
+    """On every rank: ``calibrate()`` (collective); its constants and how long it took."""
+    from shardkit.planner import calibrate
+
+    torch.set_num_threads(1)
+    set_validation(False)
+    start = time.perf_counter()
+    calibrated = calibrate("cpu")
+    return {"constants": calibrated.to_dict(), "seconds": time.perf_counter() - start}
+
+
+def case_worker(
+    set_name: str, quick: bool, rounds: int, steps: int, warmup: int, constants: Dict[str, Any]
+) -> Dict[str, Any]:
+    """On every rank: plan, build every plan's DMP, time them in alternating rounds."""
     from shardkit.model_parallel import DistributedModelParallel
-    from shardkit.planner import CostModel, calibrate
+    from shardkit.planner import CostModel
     from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
 
     torch.set_num_threads(1)
     set_validation(False)
     world, rank = dist.get_world_size(), dist.get_rank()
     tables, batch = table_sets(quick)[set_name]
-    start = time.perf_counter()
-    calibrated = calibrate("cpu")
-    calibrate_s = time.perf_counter() - start
+    calibrated = CostModel(**constants)
     default = CostModel.default("cpu")
     sharders = [EmbeddingBagCollectionSharder()]
     meta = _Model(tables, torch.device("meta"))
@@ -165,24 +179,36 @@ def case_worker(set_name: str, quick: bool, rounds: int, steps: int, warmup: int
         models.append(
             DistributedModelParallel(_Model(tables, torch.device("cpu")), plan=plans[key], sharders=sharders)
         )
+    # warm-up; a plan whose warm-up step is SLOW_FACTOR x the fastest's is clearly not the fastest:
+    # it is timed in one round of one step (its row says so), which keeps --quick within minutes
+    first = []
     for m in models:
-        for _ in range(warmup):
+        for _ in range(warmup - 1):
             m(features).backward()
+        t0 = time.perf_counter()  # the last warm-up step: the first one pays one-time costs
+        m(features).backward()
+        first.append(time.perf_counter() - t0)
+    first_t = torch.tensor(first, dtype=torch.float64)
+    dist.all_reduce(first_t, op=dist.ReduceOp.MAX)
+    slow = [t > SLOW_FACTOR * float(first_t.min()) for t in first_t.tolist()]
     per_round: List[List[float]] = [[] for _ in models]
-    for _ in range(rounds):
+    for r in range(rounds):
         for i, m in enumerate(models):
+            if slow[i] and r > 0:
+                continue
+            n = 1 if slow[i] else steps
             dist.barrier()
             t0 = time.perf_counter()
-            for _ in range(steps):
+            for _ in range(n):
                 m(features).backward()
-            per_round[i].append((time.perf_counter() - t0) / steps)
+            per_round[i].append((time.perf_counter() - t0) / n)
     # the slowest rank's time per round
-    mine = torch.tensor(per_round, dtype=torch.float64)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    for row, times in zip(rows, mine.tolist()):
-        row["measured_s"] = statistics.median(times)
-        row["rounds_s"] = times
-    return {"rows": rows, "calibrated": calibrated.to_dict(), "calibrate_s": calibrate_s}
+    for row, times in zip(rows, per_round):
+        mine = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        row["measured_s"] = statistics.median(mine.tolist())
+        row["rounds_s"] = mine.tolist()
+    return {"rows": rows}
 
 
 def _rank(values: List[float]) -> List[int]:
@@ -219,6 +245,7 @@ def summarize(
                 "rank_est": re_,
                 "rank_meas": rm,
                 "vs_fastest": ratio,
+                "rounds": len(r["rounds_s"]),
             }
         )
     verdict = {
@@ -236,6 +263,7 @@ def summarize(
 def main(argv: Optional[List[str]] = None) -> None:
     # the workers unpickle functions by module name, which must not be __main__
     from benchmarks.common import print_table
+    from benchmarks.plan_quality import calibrate_worker
     from benchmarks.plan_quality import case_worker as worker
     from shardkit.testing import run_world
 
@@ -243,25 +271,36 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--quick", action="store_true", help="smaller table sets and fewer rounds (~3 min)")
     parser.add_argument("--sets", nargs="+", default=["demo", "many_small", "few_large"])
     parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
-    parser.add_argument("--rounds", type=int, help="alternating rounds (default 5, --quick 3)")
-    parser.add_argument("--steps", type=int, help="steps per plan and round (default 5, --quick 3)")
+    parser.add_argument("--rounds", type=int, help="alternating rounds (default 7, --quick 5)")
+    parser.add_argument("--steps", type=int, help="steps per plan and round (default 4, --quick 2)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", help="JSON directory (default: a new one outside the checkout)")
     args = parser.parse_args(argv)
-    rounds = args.rounds or (3 if args.quick else 5)
-    steps = args.steps or (3 if args.quick else 5)
+    rounds = args.rounds or (5 if args.quick else 7)
+    steps = args.steps or (2 if args.quick else 4)
     rows, verdicts, calibrations = [], [], {}
     for world in args.worlds:
+        # the machine and the number of ranks, not the tables, set the constants: once per world size
+        calibration = run_world(calibrate_worker, world, timeout=600)[0]
+        calibrations[f"W{world}"] = calibration
         for set_name in args.sets:
-            result = run_world(worker, world, set_name, args.quick, rounds, steps, args.warmup, timeout=900)[
-                0
-            ]
+            result = run_world(
+                worker,
+                world,
+                set_name,
+                args.quick,
+                rounds,
+                steps,
+                args.warmup,
+                calibration["constants"],
+                timeout=900,
+            )[0]
+            result["calibrate_s"] = calibration["seconds"]
             case_rows, verdict = summarize(set_name, world, result)
             print_table(case_rows)
             print(verdict, flush=True)
             rows += case_rows
             verdicts.append(verdict)
-            calibrations[f"{set_name} W{world}"] = result["calibrated"]
     print()
     print_table(verdicts)
     config = {k: v for k, v in vars(args).items() if k != "out"}

@@ -117,7 +117,9 @@ def calibrate(
         dist.all_reduce(values, op=dist.ReduceOp.MIN, group=pg)
         measured = dict(zip(names, values.tolist()))
     if measure_steps and comm_field is not None:
-        measured.update(measure_step_overheads(pg, device, measured[lookup_field], measured[comm_field]))
+        fitted = measure_step_overheads(pg, device, model.replace(**measured))
+        measured[lookup_field] = fitted.pop("lookup_bw")
+        measured.update(fitted)
     return model.replace(**measured)
 
 

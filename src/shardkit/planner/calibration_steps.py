@@ -13,14 +13,18 @@ share cores are measured sharing them), and fits:
   with ``intercept_T = base + group_T`` gives the common ``base`` (the step's own overhead) and each
   type's ``group_T`` (what a plan pays once for using the type at all);
 - a data-parallel table of ``BIG_ROWS`` rows against a tiny one: the extra time beyond its gradient's
-  all-reduce, in passes over the table at the lookup bandwidth (``replica_grad_passes``).
+  all-reduce, in passes over the table at the lookup bandwidth (``replica_grad_passes``);
+- one large table-wise table per rank read at a large batch against a tiny one: the extra time beyond
+  the dists' bytes is the lookup, forward and backward (gradient scatter + fused update): with the
+  model's ``bwd_compute_factor`` it gives the lookup bandwidth of a training step, which replaces the
+  lone ``embedding_bag``'s (it is timed in the same rounds as the rest, under the same load).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,6 +32,9 @@ import torch.distributed as dist
 from shardkit.distributed.agreement import group_size
 from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig
+from shardkit.planner.constraints import ParameterConstraints
+from shardkit.planner.cost_model import CostModel
+from shardkit.planner.topology import Topology
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
 from shardkit.sharding.sharding_plan import (
     column_wise,
@@ -36,15 +43,22 @@ from shardkit.sharding.sharding_plan import (
     row_wise,
     table_wise,
 )
+from shardkit.sharding.types import EmbeddingModuleShardingPlan, ShardingPlan
 from shardkit.sparse import KeyedJaggedTensor
 
 TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel")
-COUNTS = (1, 6)  # shards of one type per rank in the two steps the per-shard cost is fitted from
+COUNTS = (1, 8)  # shards of one type per rank in the two steps the per-shard cost is fitted from
 ROUNDS = 5  # alternating rounds of the timed steps
-STEPS_PER_ROUND = 3
+STEPS_PER_ROUND = 2
 DIM = 8  # columns per rank's shard (a column-wise table has DIM x world columns)
 BATCH = 32  # bags per rank, one id each: the bytes terms stay negligible
 BIG_ROWS = 1 << 16  # rows of the data-parallel table whose whole-table passes are measured
+# the large table-wise lookup that measures the backward's cost: as calibrate()'s timed lookup
+BIG_DIM, BIG_BATCH, BIG_POOLING = 64, 1024, 20
+BIG_LOOKUP_ROWS = 1 << 18  # 64 MiB at BIG_DIM: larger than the caches, as real tables
+BIG_TYPES = ("table_wise", "row_wise", "column_wise")
+# the big lookup's share of its step that is at least its lookup (noise must not make it free)
+MIN_LOOKUP_SHARE = 0.1
 
 
 def _generator(sharding_type: str, index: int, world: int):
@@ -57,19 +71,13 @@ def _generator(sharding_type: str, index: int, world: int):
     return data_parallel(compute_kernel="fused")
 
 
-def training_step(
-    types: Sequence[str],
-    pg: Optional[dist.ProcessGroup],
-    device: torch.device,
-    rows: Optional[Sequence[int]] = None,
-) -> Callable[[], None]:
-    """A training step of one tiny table per entry of ``types`` (that sharding), sharded on ``pg``
-    (collective: every rank of ``pg`` builds it with the same arguments)."""
-    world = group_size(pg)
-    rows = list(rows) if rows is not None else [64 * world] * len(types)
+def _module_and_plan(
+    types: Sequence[str], rows: Sequence[int], dim: int, world: int, device: torch.device
+) -> Tuple[EmbeddingBagCollection, EmbeddingModuleShardingPlan]:
+    """One table per entry of ``types`` and its plan (a column-wise table has ``dim`` x world columns)."""
     configs = [
         EmbeddingBagConfig(
-            r, DIM * world if t == "column_wise" else DIM, name=f"c{i}", feature_names=[f"c{i}"]
+            r, dim * world if t == "column_wise" else dim, name=f"c{i}", feature_names=[f"c{i}"]
         )
         for i, (t, r) in enumerate(zip(types, rows))
     ]
@@ -84,19 +92,57 @@ def training_step(
     plan = construct_module_sharding_plan(
         module, generators, world_size=world, local_size=world, device_type=device.type
     )
+    return module, plan
+
+
+def training_step(
+    types: Sequence[str],
+    pg: Optional[dist.ProcessGroup],
+    device: torch.device,
+    rows: Optional[Sequence[int]] = None,
+    dim: int = DIM,
+    batch: int = BATCH,
+    pooling: int = 1,
+) -> Callable[[], None]:
+    """A training step of one table per entry of ``types`` (that sharding; ``rows`` each, default
+    64 x world; ``dim`` columns per shard) on ``batch`` bags of ``pooling`` uniform random ids per rank,
+    sharded on ``pg`` (collective: every rank of ``pg`` builds it with the same arguments)."""
+    world = group_size(pg)
+    rows = list(rows) if rows is not None else [64 * world] * len(types)
+    module, plan = _module_and_plan(types, rows, dim, world, device)
     sharded = EmbeddingBagCollectionSharder().shard(module, plan, ShardingEnv.from_process_group(pg), device)
     gen = torch.Generator().manual_seed(dist.get_rank())
-    values = torch.cat([torch.randint(0, r, (BATCH,), generator=gen) for r in rows]).to(device)
+    values = torch.cat([torch.randint(0, r, (batch * pooling,), generator=gen) for r in rows]).to(device)
     features = KeyedJaggedTensor(
         [f"c{i}" for i in range(len(types))],
         values,
-        lengths=torch.ones(len(types) * BATCH, dtype=torch.int64),
+        lengths=torch.full((len(types) * batch,), pooling, dtype=torch.int64),
     )
 
     def step() -> None:
         sharded(features).values().sum().backward()
 
     return step
+
+
+def estimated_seconds(
+    types: Sequence[str],
+    rows: Sequence[int],
+    dim: int,
+    batch: int,
+    pooling: int,
+    world: int,
+    model: CostModel,
+) -> float:
+    """The cost model's step time of the same configuration as :func:`training_step` (the slowest rank's)."""
+    from shardkit.planner.planners import EmbeddingShardingPlanner  # the planner uses calibrate's results
+
+    module, plan = _module_and_plan(types, rows, dim, world, torch.device("meta"))
+    constraints = {f"c{i}": ParameterConstraints(pooling_factors=[float(pooling)]) for i in range(len(types))}
+    planner = EmbeddingShardingPlanner(
+        Topology(world_size=world, compute_device="cpu", cost_model=model), batch, constraints
+    )
+    return planner.estimate(module, [EmbeddingBagCollectionSharder()], ShardingPlan({"": plan})).max_time_s
 
 
 def alternating_seconds(
@@ -147,29 +193,75 @@ def fit_overheads(
 
 
 def measure_step_overheads(
-    pg: Optional[dist.ProcessGroup], device: torch.device, lookup_bw: float, collective_bw: float
+    pg: Optional[dist.ProcessGroup], device: torch.device, model: CostModel
 ) -> Dict[str, object]:
     """The fitted constants (module doc) from the slowest rank's step times: the same on every rank.
-    ``lookup_bw`` / ``collective_bw``: the calibrated bandwidths (already agreed by the ranks)."""
+    ``model``: the constants so far (the calibrated collective bandwidth, the backward factor); the
+    result replaces its fixed costs, ``lookup_bw`` (the training step's lookup bandwidth, for the
+    device's lookup field) and ``id_overhead_s``."""
     world = group_size(pg)
     configs = [[t] * (k * world if t == "table_wise" else k) for t in TYPES for k in COUNTS]
     configs.append(["table_wise"] * world + [t for t in TYPES if t != "table_wise"])  # mixed
     steps = [training_step(types, pg, device) for types in configs]
     steps.append(training_step(["data_parallel"], pg, device, rows=[BIG_ROWS]))
+    # world tables of one type read at a large batch (a table-wise one per rank; a row-wise or
+    # column-wise table has a shard on every rank): per id and per byte costs
+    big = [[t] * world for t in BIG_TYPES]
+    big_rows = [BIG_LOOKUP_ROWS] * world
+    for types in big:
+        steps.append(training_step(types, pg, device, big_rows, BIG_DIM, BIG_BATCH, BIG_POOLING))
     times = alternating_seconds(steps, pg, device)
     agreed = torch.tensor(times, dtype=torch.float64)
     if dist.get_backend(pg) == "nccl":
         agreed = agreed.to(device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=pg)
     times = agreed.tolist()
+    n = len(TYPES) * len(COUNTS)
     single = {t: times[i * len(COUNTS) : (i + 1) * len(COUNTS)] for i, t in enumerate(TYPES)}
-    mixed, big = times[-2], times[-1]
+    mixed, big_replica, big_times = times[n], times[n + 1], dict(zip(BIG_TYPES, times[n + 2 :]))
     fitted = fit_overheads(single, mixed)
+    fixed = model.replace(**fitted, lookup_overhead_s=0.0, id_overhead_s={})
+
+    def bytes_only(types, bw: float, **extra) -> float:
+        """The model's time of a big configuration beyond its fixed costs, at lookup bandwidth ``bw``."""
+        m = fixed.replace(
+            ddr_lookup_bw=bw,
+            hbm_lookup_bw=bw,
+            step_overhead_s=0.0,
+            group_overhead_s={},
+            shard_overhead_s={},
+            **extra,
+        )
+        return estimated_seconds(types, big_rows, BIG_DIM, BIG_BATCH, BIG_POOLING, world, m)
+
+    def fixed_part(t: str) -> float:
+        return fixed.plan_overhead([t]) + fixed.shard_overhead(t) * (1 if t == "table_wise" else world)
+
+    # table-wise: its lookups' bytes (forward + backward) give the training step's lookup bandwidth;
+    # the model is a + b / bw in it (a: the dists' bytes)
+    a = bytes_only(big[0], 1e30)
+    b = bytes_only(big[0], 1.0) - a
+    extra = max(
+        big_times["table_wise"] - fixed_part("table_wise") - a, MIN_LOOKUP_SHARE * big_times["table_wise"]
+    )
+    lookup_bw = b / extra
+    # the other types: what their step costs beyond bytes, per id their shards look up (routing work)
+    ids_per_rank = {
+        "row_wise": world * BIG_BATCH * BIG_POOLING,
+        "column_wise": world * world * BIG_BATCH * BIG_POOLING,
+    }
+    id_overhead = {"table_wise": 0.0}
+    for t in BIG_TYPES[1:]:
+        rest = big_times[t] - fixed_part(t) - bytes_only([t] * world, lookup_bw)
+        id_overhead[t] = max(0.0, rest / ids_per_rank[t])
+    fitted["lookup_bw"] = lookup_bw
+    fitted["id_overhead_s"] = id_overhead
     # a fused replica's backward: its gradient's all-reduce (in the bandwidth terms) + whole-table passes
+    # at the step's lookup bandwidth (the one the estimator divides them by)
     table_bytes = (BIG_ROWS - 64 * world) * DIM * 4
-    all_reduce = 2.0 * (world - 1) / world * table_bytes / collective_bw
-    small = single["data_parallel"][0]
-    fitted["replica_grad_passes"] = max(0.0, (big - small - all_reduce) * lookup_bw / table_bytes)
+    all_reduce = 2.0 * (world - 1) / world * table_bytes / model.intra_node_bw
+    rest = big_replica - single["data_parallel"][0] - all_reduce
+    fitted["replica_grad_passes"] = max(0.0, rest * lookup_bw / table_bytes)
     return fitted
 
 

@@ -41,6 +41,9 @@ class CostModel:
         replica_grad_passes: passes over a data-parallel replica's whole table per step at
             ``ddr_lookup_bw`` / ``hbm_lookup_bw`` (its dense gradient buffer is zeroed, concatenated,
             all-reduced and read back), beside the all-reduce itself.
+        id_overhead_s: sharding type -> seconds per id a shard of that type looks up, beside the bytes
+            terms (routing work per id: bucketizing, permuting, the input dist's per-id bookkeeping);
+            a type not named costs nothing per id.
     """
 
     hbm_lookup_bw: float
@@ -56,6 +59,7 @@ class CostModel:
     group_overhead_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
     shard_overhead_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
     replica_grad_passes: float = 0.0
+    id_overhead_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         bandwidths = ("hbm_lookup_bw", "ddr_lookup_bw", "uvm_lookup_bw", "intra_node_bw", "cross_node_bw")
@@ -65,7 +69,7 @@ class CostModel:
         for name in ("bwd_compute_factor", "lookup_overhead_s", "step_overhead_s", "replica_grad_passes"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"CostModel.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("group_overhead_s", "shard_overhead_s"):
+        for name in ("group_overhead_s", "shard_overhead_s", "id_overhead_s"):
             for sharding_type, seconds in getattr(self, name).items():
                 if not seconds >= 0:
                     raise ValueError(f"CostModel.{name}[{sharding_type!r}] must be >= 0, got {seconds}")
@@ -74,6 +78,7 @@ class CostModel:
         # frozen: keep private copies, so that a caller's dict changed later cannot change the model
         object.__setattr__(self, "group_overhead_s", dict(self.group_overhead_s))
         object.__setattr__(self, "shard_overhead_s", dict(self.shard_overhead_s))
+        object.__setattr__(self, "id_overhead_s", dict(self.id_overhead_s))
 
     def shard_overhead(self, sharding_type: str) -> float:
         """Fixed seconds per step of one shard of ``sharding_type`` (``shard_overhead_s``, else

@@ -147,6 +147,7 @@ class EmbeddingPerfEstimator:
     """Seconds per training step per shard, split into compute and communication.
 
     compute = (1 + bwd_compute_factor) * (ids x c x e) / lookup_bw + shard_overhead(type)
+              + ids x id_overhead_s[type]
               (+ 3 x weights / lookup_bw for the DENSE kernel: the optimizer reads and writes the
               whole table and its dense gradient; + replica_grad_passes x weights / lookup_bw for a
               fused data-parallel replica: its dense gradient buffer)
@@ -202,6 +203,7 @@ class EmbeddingPerfEstimator:
                 _scale(ids_x_c, (1.0 + cm.bwd_compute_factor) * e / bw),
                 (0, 0, 0, cm.shard_overhead(o.sharding_type)),
             )
+            compute = _add(compute, _scale(ids, cm.id_overhead_s.get(o.sharding_type, 0.0)))
             if o.compute_kernel == _K.DENSE.value:
                 compute = _add(compute, (3.0 * e / bw, 0.0, 0.0, 0.0))
             elif o.sharding_type == _DP:  # a fused replica's dense gradient buffer, whole-table passes
