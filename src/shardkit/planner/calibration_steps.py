@@ -7,11 +7,11 @@ step's own plumbing. ``measure_step_overheads`` times training steps (forward, b
 SGD update) of tiny sharded ``EmbeddingBagCollection`` s on the group, all ranks at once (so ranks that
 share cores are measured sharing them), and fits:
 
-- per sharding type ``T``: ``t_T(k) = intercept_T + k x per_shard_T`` from steps whose every rank holds
-  ``k`` = 1 and ``k`` = ``COUNTS[1]`` shards of type ``T`` only;
-- one step mixing one shard per rank of every type: ``t_mix = base + sum_T group_T + sum_T per_shard_T``
-  with ``intercept_T = base + group_T`` gives the common ``base`` (the step's own overhead) and each
-  type's ``group_T`` (what a plan pays once for using the type at all);
+- ``t = base + sum over the types T used of (group_T + k_T x per_shard_T)``, ``k_T`` the shards of type
+  ``T`` per rank, by non-negative least squares over tiny configurations (``fixed_cost_configs``): each
+  type alone at ``k`` = 1 and ``COUNTS[1]``, table-wise with each other type, all four together. ``base``
+  is the step's own overhead, ``group_T`` what a plan pays once for using type ``T`` at all (its
+  collectives), ``per_shard_T`` each shard's;
 - a data-parallel table of ``BIG_ROWS`` rows against a tiny one: the extra time beyond its gradient's
   all-reduce, in passes over the table at the lookup bandwidth (``replica_grad_passes``);
 - one large table-wise table per rank read at a large batch against a tiny one: the extra time beyond
@@ -172,23 +172,48 @@ def alternating_seconds(
     return [statistics.median(t) for t in times]
 
 
-def fit_overheads(
-    single: Dict[str, Sequence[float]], mixed: float, counts: Sequence[int] = COUNTS
-) -> Dict[str, object]:
-    """The constants from the step times: ``single[T]`` at ``counts`` shards per rank, ``mixed`` with
-    one shard per rank of every type. Returns ``step_overhead_s``, ``group_overhead_s`` and
-    ``shard_overhead_s`` (every figure clamped at 0: noise must not make a cost negative)."""
-    low, high = counts
-    per_shard = {t: max(0.0, (v[1] - v[0]) / (high - low)) for t, v in single.items()}
-    intercept = {t: max(0.0, single[t][0] - low * per_shard[t]) for t in single}
-    # intercept_T = base + group_T; mixed = base + sum(group_T) + sum(per_shard_T)
-    n = len(single)
-    shared = sum(intercept.values()) - (mixed - sum(per_shard.values()))
-    base = min(max(0.0, shared / (n - 1)), min(intercept.values())) if n > 1 else 0.0
+def fixed_cost_configs(world: int) -> List[List[str]]:
+    """The tiny configurations the fixed costs are fitted from (one sharding type per table): each
+    type alone at ``COUNTS`` shards per rank, table-wise with each other type, and all types together."""
+    tw = ["table_wise"] * world  # one table-wise table per rank
+    configs = [[t] * (k * world if t == "table_wise" else k) for t in TYPES for k in COUNTS]
+    configs += [tw + [t] for t in TYPES if t != "table_wise"]
+    configs.append(tw + [t for t in TYPES if t != "table_wise"])
+    return configs
+
+
+def shards_per_rank(types: Sequence[str], world: int) -> Dict[str, float]:
+    """Shards of each type a rank holds in a configuration (table-wise tables spread over the ranks)."""
+    counts = {t: float(sum(1 for x in types if x == t)) for t in TYPES}
+    counts["table_wise"] /= world
+    return counts
+
+
+def fit_overheads(configs: Sequence[Sequence[str]], times: Sequence[float], world: int) -> Dict[str, object]:
+    """Least squares fit of ``time = step + sum over the types used of (group_T + shards_T x shard_T)``
+    to the configurations' step times, every constant >= 0 (a constant the unconstrained fit makes
+    negative is fixed at 0 and the rest refitted: noise must not make a cost negative). Returns
+    ``step_overhead_s``, ``group_overhead_s`` and ``shard_overhead_s``."""
+    rows = []
+    for types in configs:
+        counts = shards_per_rank(types, world)
+        rows.append([1.0] + [1.0 if counts[t] else 0.0 for t in TYPES] + [counts[t] for t in TYPES])
+    a = torch.tensor(rows, dtype=torch.float64)
+    y = torch.tensor(list(times), dtype=torch.float64)
+    free = list(range(a.shape[1]))
+    x = torch.zeros(a.shape[1], dtype=torch.float64)
+    while free:
+        solution = torch.linalg.lstsq(a[:, free], y[:, None]).solution[:, 0]
+        if bool((solution >= 0).all()):
+            x[free] = solution
+            break
+        free = [j for j, v in zip(free, solution.tolist()) if v > 0]  # drop the negative ones, refit
+    n = len(TYPES)
+    values = x.tolist()
     return {
-        "step_overhead_s": base,
-        "group_overhead_s": {t: intercept[t] - base for t in single},
-        "shard_overhead_s": per_shard,
+        "step_overhead_s": values[0],
+        "group_overhead_s": dict(zip(TYPES, values[1 : 1 + n])),
+        "shard_overhead_s": dict(zip(TYPES, values[1 + n :])),
     }
 
 
@@ -200,8 +225,7 @@ def measure_step_overheads(
     result replaces its fixed costs, ``lookup_bw`` (the training step's lookup bandwidth, for the
     device's lookup field) and ``id_overhead_s``."""
     world = group_size(pg)
-    configs = [[t] * (k * world if t == "table_wise" else k) for t in TYPES for k in COUNTS]
-    configs.append(["table_wise"] * world + [t for t in TYPES if t != "table_wise"])  # mixed
+    configs = fixed_cost_configs(world)
     steps = [training_step(types, pg, device) for types in configs]
     steps.append(training_step(["data_parallel"], pg, device, rows=[BIG_ROWS]))
     # world tables of one type read at a large batch (a table-wise one per rank; a row-wise or
@@ -216,10 +240,9 @@ def measure_step_overheads(
         agreed = agreed.to(device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=pg)
     times = agreed.tolist()
-    n = len(TYPES) * len(COUNTS)
-    single = {t: times[i * len(COUNTS) : (i + 1) * len(COUNTS)] for i, t in enumerate(TYPES)}
-    mixed, big_replica, big_times = times[n], times[n + 1], dict(zip(BIG_TYPES, times[n + 2 :]))
-    fitted = fit_overheads(single, mixed)
+    n = len(configs)
+    big_replica, big_times = times[n], dict(zip(BIG_TYPES, times[n + 1 :]))
+    fitted = fit_overheads(configs, times[:n], world)
     fixed = model.replace(**fitted, lookup_overhead_s=0.0, id_overhead_s={})
 
     def bytes_only(types, bw: float, **extra) -> float:
@@ -260,9 +283,17 @@ def measure_step_overheads(
     # at the step's lookup bandwidth (the one the estimator divides them by)
     table_bytes = (BIG_ROWS - 64 * world) * DIM * 4
     all_reduce = 2.0 * (world - 1) / world * table_bytes / model.intra_node_bw
-    rest = big_replica - single["data_parallel"][0] - all_reduce
+    rest = (
+        big_replica
+        - fixed.plan_overhead(["data_parallel"])
+        - fixed.shard_overhead("data_parallel")
+        - all_reduce
+    )
     fitted["replica_grad_passes"] = max(0.0, rest * lookup_bw / table_bytes)
-    return fitted
+    # the same inputs fitted on every rank can differ in the last bits (LAPACK): rank 0's for all
+    shared = [fitted]
+    dist.broadcast_object_list(shared, src=dist.get_global_rank(pg, 0) if pg is not None else 0, group=pg)
+    return shared[0]
 
 
 __all__ = [
@@ -270,6 +301,8 @@ __all__ = [
     "TYPES",
     "alternating_seconds",
     "fit_overheads",
+    "fixed_cost_configs",
+    "shards_per_rank",
     "measure_step_overheads",
     "training_step",
 ]
