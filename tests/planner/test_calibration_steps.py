@@ -75,7 +75,8 @@ def test_calibrate_fits_the_measured_step_times_on_every_rank(run_world):
     model = CostModel(**got)
     rows = [cs.BIG_LOOKUP_ROWS] * 2
     for i, t in enumerate(cs.BIG_TYPES):
-        estimate = cs.estimated_seconds([t] * 2, rows, cs.BIG_DIM, cs.BIG_BATCH, cs.BIG_POOLING, 2, model)
+        dim = cs.big_dim(t, 2)
+        estimate = cs.estimated_seconds([t] * 2, rows, dim, cs.BIG_BATCH, cs.BIG_POOLING, 2, model)
         assert estimate == pytest.approx(slowest[n + 1 + i], rel=1e-6), t
     replica = cs.estimated_seconds(["data_parallel"], [cs.BIG_ROWS], cs.DIM, cs.BATCH, 1, 2, model)
     assert replica == pytest.approx(slowest[n], rel=0.02)  # its 32 ids' bytes are not in the fit

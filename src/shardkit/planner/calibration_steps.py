@@ -55,7 +55,14 @@ BATCH = 32  # bags per rank, one id each: the bytes terms stay negligible
 BIG_ROWS = 1 << 16  # rows of the data-parallel table whose whole-table passes are measured
 # the large table-wise lookup that measures the backward's cost: as calibrate()'s timed lookup
 BIG_DIM, BIG_BATCH, BIG_POOLING = 64, 1024, 20
-BIG_LOOKUP_ROWS = 1 << 18  # 64 MiB at BIG_DIM: larger than the caches, as real tables
+BIG_LOOKUP_ROWS = 1 << 17  # 32 MiB at BIG_DIM: larger than the caches, as real tables
+
+
+def big_dim(sharding_type: str, world: int) -> int:
+    """Columns per shard of the big configurations: a column-wise table has BIG_DIM in all."""
+    return max(1, BIG_DIM // world) if sharding_type == "column_wise" else BIG_DIM
+
+
 BIG_TYPES = ("table_wise", "row_wise", "column_wise")
 # the big lookup's share of its step that is at least its lookup (noise must not make it free)
 MIN_LOOKUP_SHARE = 0.1
@@ -233,7 +240,8 @@ def measure_step_overheads(
     big = [[t] * world for t in BIG_TYPES]
     big_rows = [BIG_LOOKUP_ROWS] * world
     for types in big:
-        steps.append(training_step(types, pg, device, big_rows, BIG_DIM, BIG_BATCH, BIG_POOLING))
+        dim = big_dim(types[0], world)
+        steps.append(training_step(types, pg, device, big_rows, dim, BIG_BATCH, BIG_POOLING))
     times = alternating_seconds(steps, pg, device)
     agreed = torch.tensor(times, dtype=torch.float64)
     if dist.get_backend(pg) == "nccl":
@@ -255,7 +263,8 @@ def measure_step_overheads(
             shard_overhead_s={},
             **extra,
         )
-        return estimated_seconds(types, big_rows, BIG_DIM, BIG_BATCH, BIG_POOLING, world, m)
+        dim = big_dim(types[0], world)
+        return estimated_seconds(types, big_rows, dim, BIG_BATCH, BIG_POOLING, world, m)
 
     def fixed_part(t: str) -> float:
         return fixed.plan_overhead([t]) + fixed.shard_overhead(t) * (1 if t == "table_wise" else world)
