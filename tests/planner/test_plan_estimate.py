@@ -123,3 +123,23 @@ def test_constraints_forcing_one_type_and_estimate_agree():
     assert free.estimate(ebc, [ebc_sharder()], plan).max_time_s == pytest.approx(
         planner.last_report.max_time_s
     )
+
+
+def test_the_planner_proposes_uniform_plans():
+    """Per table, data-parallel is cheapest for the tiny tables and table-wise for the large ones, but
+    the data-parallel group costs 20 ms per step: all table-wise is faster, and the planner, which
+    proposes every table in one type too, finds it (per-table choices and refinement alone did not)."""
+    model = CostModel.default("cpu").replace(
+        group_overhead_s={"table_wise": 0.5e-3, "data_parallel": 20e-3},
+        shard_overhead_s={"table_wise": 1e-3, "data_parallel": 0.05e-3},
+    )
+    tables = _tables(4, rows=1_000_000, dim=64) + [
+        EmbeddingBagConfig(10, 8, name=f"s{i}", feature_names=[f"g{i}"]) for i in range(4)
+    ]
+    ebc = meta_ebc(tables)
+    types = ParameterConstraints(sharding_types=["table_wise", "data_parallel"])
+    planner = _planner(model, constraints={t.name: types for t in tables})
+    plan = planner.plan(ebc, [ebc_sharder()])
+    assert {ps.sharding_type for ps in plan.plan[""].values()} == {"table_wise"}
+    uniform = _plan(ebc, {t.name: table_wise(rank=i % 2) for i, t in enumerate(tables)})
+    assert planner.last_report.max_time_s <= planner.estimate(ebc, [ebc_sharder()], uniform).max_time_s

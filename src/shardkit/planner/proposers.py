@@ -6,7 +6,9 @@ time however the others are placed, and a table whose shard does not fit a rank'
 placed at all. The proposer therefore offers a family of proposals, each picking per table the
 cheapest option whose largest shard stays under a time threshold (``alpha`` x the perfect per-rank
 time) and a memory threshold (``beta`` x a rank's free memory), for a ladder of thresholds from
-"anything" to "very fine-grained"; the planner partitions each and keeps the best. It then refines
+"anything" to "very fine-grained", and one proposal per sharding type every table allows (all tables
+of that type: a plan pays a fixed cost per type it uses, which no per-table choice sees); the planner
+partitions each and keeps the best. It then refines
 the best by feedback (:meth:`GreedyThresholdProposer.refine`): the table that weighs most on the
 slowest rank gets a finer option; the change is kept when it makes the plan faster.
 """
@@ -57,6 +59,22 @@ class GreedyThresholdProposer:
                 if key not in seen:
                     seen.add(key)
                     yield proposal
+        # every table one sharding type (each type all tables offer): a plan pays a fixed cost per
+        # sharding type it uses (CostModel.group_overhead_s), which per-table choices cannot see
+        common = (
+            set.intersection(*(set(o.sharding_type for o in opts) for opts in ranked)) if ranked else set()
+        )
+        for sharding_type in sorted(common):
+            proposal = [
+                self._pick(
+                    [o for o in opts if o.sharding_type == sharding_type], float("inf"), hbm_cap, ddr_cap
+                )
+                for opts in ranked
+            ]
+            key = tuple(map(id, proposal))
+            if key not in seen:
+                seen.add(key)
+                yield proposal
         # last resort for memory: each table's smallest-footprint option
         proposal = [min(opts, key=lambda o: (o.max_storage, o.total_perf)) for opts in ranked]
         if tuple(map(id, proposal)) not in seen:
