@@ -119,6 +119,35 @@ def _key(plan) -> str:
     )
 
 
+def _plans_and_estimates(tables, batch, world, default, calibrated, meta, sharders):
+    """The distinct plans (key -> plan) and one row per plan: its labels, types and estimates."""
+    candidates: List[Tuple[str, Any]] = [
+        ("planner", _planner(tables, batch, world, default, None).plan(meta, sharders)),
+        ("planner+cal", _planner(tables, batch, world, calibrated, None).plan(meta, sharders)),
+    ]
+    for st in UNIFORM:
+        try:
+            candidates.append(
+                (f"all {st}", _planner(tables, batch, world, calibrated, st).plan(meta, sharders))
+            )
+        except ValueError:  # PlannerError: not valid for these tables
+            continue
+    plans: Dict[str, Any] = {}
+    labels: Dict[str, List[str]] = {}
+    for label, plan in candidates:
+        key = _key(plan)
+        plans.setdefault(key, plan)
+        labels.setdefault(key, []).append(label)
+    rows = []
+    for key, plan in plans.items():
+        est = {
+            name: _planner(tables, batch, world, cm, None).estimate(meta, sharders, plan).max_time_s
+            for name, cm in (("default", default), ("calibrated", calibrated))
+        }
+        rows.append({"key": key, "labels": labels[key], "types": _describe(plan), "est": est})
+    return plans, rows
+
+
 def calibrate_worker() -> Dict[str, Any]:
     """On every rank: ``calibrate()`` (collective); its constants and how long it took."""
     from shardkit.planner import calibrate
@@ -147,30 +176,12 @@ def case_worker(
     sharders = [EmbeddingBagCollectionSharder()]
     meta = _Model(tables, torch.device("meta"))
 
-    candidates: List[Tuple[str, Any]] = [
-        ("planner", _planner(tables, batch, world, default, None).plan(meta, sharders)),
-        ("planner+cal", _planner(tables, batch, world, calibrated, None).plan(meta, sharders)),
+    # rank 0 plans and estimates, every rank shards with its plans (the ranks must agree exactly)
+    shared: List[Any] = [
+        _plans_and_estimates(tables, batch, world, default, calibrated, meta, sharders) if rank == 0 else None
     ]
-    for st in UNIFORM:
-        try:
-            candidates.append(
-                (f"all {st}", _planner(tables, batch, world, calibrated, st).plan(meta, sharders))
-            )
-        except ValueError:  # PlannerError: not valid for these tables
-            continue
-    plans: Dict[str, Any] = {}
-    labels: Dict[str, List[str]] = {}
-    for label, plan in candidates:
-        key = _key(plan)
-        plans.setdefault(key, plan)
-        labels.setdefault(key, []).append(label)
-    rows = []
-    for key, plan in plans.items():
-        est = {
-            name: _planner(tables, batch, world, cm, None).estimate(meta, sharders, plan).max_time_s
-            for name, cm in (("default", default), ("calibrated", calibrated))
-        }
-        rows.append({"key": key, "labels": labels[key], "types": _describe(plan), "est": est})
+    dist.broadcast_object_list(shared, src=0)
+    plans, rows = shared[0]
 
     features = _batch(tables, batch, seed=rank)
     models = []

@@ -48,14 +48,14 @@ from shardkit.sparse import KeyedJaggedTensor
 
 TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel")
 COUNTS = (1, 8)  # shards of one type per rank in the two steps the per-shard cost is fitted from
-ROUNDS = 5  # alternating rounds of the timed steps
+ROUNDS = 4  # alternating rounds of the timed steps
 STEPS_PER_ROUND = 2
 DIM = 8  # columns per rank's shard (a column-wise table has DIM x world columns)
 BATCH = 32  # bags per rank, one id each: the bytes terms stay negligible
 BIG_ROWS = 1 << 16  # rows of the data-parallel table whose whole-table passes are measured
 # the large table-wise lookup that measures the backward's cost: as calibrate()'s timed lookup
-BIG_DIM, BIG_BATCH, BIG_POOLING = 64, 1024, 20
-BIG_LOOKUP_ROWS = 1 << 17  # 32 MiB at BIG_DIM: larger than the caches, as real tables
+BIG_DIM, BIG_BATCH, BIG_POOLING = 64, 512, 20
+BIG_LOOKUP_ROWS = 1 << 16  # 16 MiB at BIG_DIM (a few seconds of set-up less than real sizes)
 
 
 def big_dim(sharding_type: str, world: int) -> int:
