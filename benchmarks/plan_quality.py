@@ -22,7 +22,10 @@ fastest: it is timed in one round of one step (``rounds`` says how many a plan g
 measured time the table prints the planner's estimate of that plan (``EmbeddingShardingPlanner.estimate``,
 the slowest rank's estimated time) with the default and the calibrated constants, the ranks by
 calibrated estimate and by measurement, and whether the planner's calibrated plan is within 10% of the
-fastest measured plan. Absolute times on a shared machine are noise; the ranks and ratios are the result.
+fastest measured plan; per case, whether all estimates are within 25%, whether the orders agree
+exactly, and ``misordered_pairs``: of the pairs of plans measured more than 10% apart, how many
+the estimates order the other way. Absolute times on a shared machine are noise; the ranks and
+ratios are the result.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from shardkit.sparse import KeyedJaggedTensor
 
 LR = 0.01
 SLOW_FACTOR = 4.0
+DISTINCT = 0.10  # measured times this far apart are ordered; closer ones are within the noise
 UNIFORM = ["data_parallel", "table_wise", "row_wise", "column_wise"]
 _ABBREV = {"data_parallel": "DP", "table_wise": "TW", "row_wise": "RW", "column_wise": "CW"}
 # the demo's tables (shardkit.cli.demo_dlrm._TABLE_SHAPES): (rows, dim, mean ids per bag)
@@ -232,6 +236,18 @@ def _rank(values: List[float]) -> List[int]:
     return ranks
 
 
+def _misordered(estimates: List[float], measured: List[float], margin: float = DISTINCT) -> str:
+    """``"k/n"``: of the ``n`` pairs of plans whose measured times differ by more than ``margin``
+    (noise cannot swap them), the ``k`` the estimates order the other way."""
+    pairs = wrong = 0
+    for i in range(len(measured)):
+        for j in range(len(measured)):
+            if measured[i] * (1.0 + margin) < measured[j]:  # i clearly faster than j
+                pairs += 1
+                wrong += estimates[i] > estimates[j]
+    return f"{wrong}/{pairs}"
+
+
 def summarize(
     set_name: str, world: int, result: Dict[str, Any]
 ) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
@@ -268,6 +284,7 @@ def summarize(
         "max_abs_cal_err": max(abs(o["cal_err"]) for o in out),
         "estimates_within_25pct": all(abs(o["cal_err"]) <= 0.25 for o in out),
         "same_order": by_est == by_meas,
+        "misordered_pairs": _misordered(cal, measured),
         "calibrate_s": result["calibrate_s"],
     }
     return out, verdict
