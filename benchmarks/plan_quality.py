@@ -66,7 +66,7 @@ def table_sets(quick: bool) -> Dict[str, Tuple[List[Tuple[int, int, float]], int
     """name -> (tables as (rows, dim, pooling), batch per rank)."""
     many = 48 if quick else 128
     small = [(1000 * (1 + i % 10), (8, 16, 32)[i % 3], float(1 + i % 3)) for i in range(many)]
-    large = [(200_000 if quick else 500_000, 128, 20.0)] * 4
+    large = [(200_000 if quick else 300_000, 128, 20.0)] * 4
     return {"demo": (_DEMO, 256), "many_small": (small, 64), "few_large": (large, 1024 if quick else 2048)}
 
 
