@@ -22,6 +22,7 @@ share cores are measured sharing them), and fits:
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -243,6 +244,10 @@ def measure_step_overheads(
         dim = big_dim(types[0], world)
         steps.append(training_step(types, pg, device, big_rows, dim, BIG_BATCH, BIG_POOLING))
     times = alternating_seconds(steps, pg, device)
+    # the sharded modules hold the group (through reference cycles of modules, hooks and autograd
+    # state): free them now, or the group outlives destroy_process_group (docs/running.md)
+    del steps
+    gc.collect()
     agreed = torch.tensor(times, dtype=torch.float64)
     if dist.get_backend(pg) == "nccl":
         agreed = agreed.to(device)
