@@ -14,10 +14,16 @@ share cores are measured sharing them), and fits:
   collectives), ``per_shard_T`` each shard's;
 - a data-parallel table of ``BIG_ROWS`` rows against a tiny one: the extra time beyond its gradient's
   all-reduce, in passes over the table at the lookup bandwidth (``replica_grad_passes``);
-- one large table-wise table per rank read at a large batch against a tiny one: the extra time beyond
-  the dists' bytes is the lookup, forward and backward (gradient scatter + fused update): with the
-  model's ``bwd_compute_factor`` it gives the lookup bandwidth of a training step, which replaces the
-  lone ``embedding_bag``'s (it is timed in the same rounds as the rest, under the same load).
+- one large table-wise table per rank read at a large batch against its fixed costs: the extra time
+  beyond the dists' bytes is the lookup, forward and backward (gradient scatter + fused update): with
+  the model's ``bwd_compute_factor`` it gives the lookup bandwidth of a training step, which replaces
+  the lone ``embedding_bag``'s (it is timed in the same rounds as the rest, under the same load);
+- the same tables row-wise and column-wise: their time beyond fixed costs and bytes, per id their
+  shards look up (``id_overhead_s``: routing work).
+
+The model with the fitted constants reproduces the large configurations' measured times
+(tests/planner/test_calibration_steps.py). Measured at ``BATCH`` bags per rank: how the fixed costs
+grow with the batch is not measured.
 """
 
 from __future__ import annotations
