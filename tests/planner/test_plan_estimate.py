@@ -143,3 +143,19 @@ def test_the_planner_proposes_uniform_plans():
     assert {ps.sharding_type for ps in plan.plan[""].values()} == {"table_wise"}
     uniform = _plan(ebc, {t.name: table_wise(rank=i % 2) for i, t in enumerate(tables)})
     assert planner.last_report.max_time_s <= planner.estimate(ebc, [ebc_sharder()], uniform).max_time_s
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_default_cpu_constants_keep_the_demos_tables_to_one_type(world):
+    """With no fixed costs, the default CPU planner gave the demo's 8 tables a data-parallel table
+    beside table-wise ones (and a column-wise one at 4 ranks): measured 1.4-2.3x slower than all
+    table-wise (benchmarks/plan_quality.py, docs/planner.md). The CPU defaults charge each type's group."""
+    from shardkit.cli.demo_dlrm import demo_tables
+
+    specs = demo_tables(8)
+    ebc = meta_ebc([EmbeddingBagConfig(t.rows, t.dim, name=t.name, feature_names=[t.name]) for t in specs])
+    constraints = {t.name: ParameterConstraints(pooling_factors=[t.pooling]) for t in specs}
+    topology = Topology(world_size=world, compute_device="cpu")
+    planner = EmbeddingShardingPlanner(topology, batch_size=256, constraints=constraints)  # the demo's
+    plan = planner.plan(ebc, [ebc_sharder()])
+    assert len({ps.sharding_type for ps in plan.plan[""].values()}) == 1, str(planner.last_report)

@@ -12,6 +12,16 @@ import dataclasses
 from typing import Any, Dict, Mapping
 
 GB = 1e9
+# ShardingType values (the planner layer's cost model names them as strings, as plans do)
+_SHARDING_TYPES = (
+    "data_parallel",
+    "table_wise",
+    "row_wise",
+    "column_wise",
+    "table_row_wise",
+    "table_column_wise",
+    "grid_shard",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +111,9 @@ class CostModel:
                 intra_node_bw=2 * GB,  # gloo over loopback TCP
                 cross_node_bw=1.25 * GB,  # 10 Gb/s ethernet
                 lookup_overhead_s=20e-6,
+                # a sharding type's group runs 4 gloo collectives per step (splits, ids, pooled rows
+                # forward and backward), about 0.5 ms each on loopback: a plan mixing types pays each
+                group_overhead_s={t: 2e-3 for t in _SHARDING_TYPES},
             )
         return cls(
             hbm_lookup_bw=1000 * GB,  # about a third of H100 peak: random rows, not streaming
