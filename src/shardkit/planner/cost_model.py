@@ -112,8 +112,8 @@ class CostModel:
                 cross_node_bw=1.25 * GB,  # 10 Gb/s ethernet
                 lookup_overhead_s=20e-6,
                 # a sharding type's group runs its own gloo collectives every step (splits, ids, pooled
-                # rows forward and backward): calibrate() measured 1.3-16 ms per type on a loaded 2-core
-                # machine (2 and 4 ranks); 2 ms is a round figure at its low end
+                # rows forward and backward): calibrate() fitted 0-16 ms per type (most 2-15) on a loaded
+                # 2-core machine (2 and 4 ranks); 2 ms is a round figure at the low end
                 group_overhead_s={t: 2e-3 for t in _SHARDING_TYPES},
             )
         return cls(
