@@ -31,6 +31,16 @@ Because growth and shrinking reallocate the buffers, a caller must read :attr:`R
 after every :meth:`~RowCache.acquire` and :meth:`~RowCache.release` (:attr:`RowCache.buffers_version`
 counts reallocations); a reference kept across them may point at a dropped buffer.
 
+Threads: a background thread may :meth:`~RowCache.acquire` (a prefetch) while the main thread runs a
+kernel on the slots of a pinned ticket and then releases it. Every operation on the bookkeeping (the slot
+map, pins, dirty flags, recency and frequency, counters) holds one lock, so one thread at a time touches
+it. :meth:`~RowCache.release` never waits for that lock: while another thread holds it, the release is
+queued and applied (in order) by the next operation that takes the lock; until then its rows stay pinned,
+so a queued release can delay an eviction but never lose a dirty row. A kernel that reads or writes
+:attr:`~RowCache.tensors` outside the cache's methods holds :meth:`~RowCache.buffers_in_use`, which the
+reallocations (growth, shrinking) wait for, so an in-place update never lands in a dropped buffer; a
+concurrent acquire writes only free or evicted (unpinned) slots, never the rows of a pinned ticket.
+
 Bookkeeping lives on the host: ``slot_of_row`` int32 ``[R]`` (4 bytes per row of the table; -1 = not
 cached) and per-slot ``row_of_slot`` int64, recency stamp int64, frequency int64, pin count int32 and
 dirty flag, all ``[C]``. Every operation is vectorized (sort, topk, index_select / index_copy_); misses
@@ -39,9 +49,11 @@ are read and victims written back in ascending row order (sequential access on a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -192,6 +204,14 @@ class RowCache:
         self._clock = 0
         self._tickets: Dict[int, torch.Tensor] = {}  # ticket -> its slots, int64 [U] on the host
         self._next_ticket = 0
+        # one thread at a time in the bookkeeping (a background prefetch acquires while the main thread
+        # releases); releases that found it taken wait in _deferred, applied by the next holder
+        self._lock = threading.Lock()
+        self._deferred: List[Tuple[int, bool]] = []
+        self._deferred_lock = threading.Lock()  # guards _deferred only (never held with another lock)
+        # held by kernels using the buffers in place and by the reallocations (reentrant: a release in
+        # such a block may shrink; the caller then re-reads tensors, as after any release)
+        self._buffers_lock = threading.RLock()
 
     # ------------------------------------------------------------------ public interface
 
@@ -202,8 +222,31 @@ class RowCache:
 
     @property
     def pinned_tickets(self) -> Tuple[int, ...]:
-        """The tickets acquired and not yet released."""
-        return tuple(self._tickets)
+        """The tickets acquired and not yet released (waits for an acquire in another thread)."""
+        with self._locked():
+            return tuple(self._tickets)
+
+    @contextlib.contextmanager
+    def buffers_in_use(self) -> Iterator[None]:
+        """Hold while a kernel reads or writes :attr:`tensors` in place (the slots of a pinned ticket):
+        growth or shrinking in another thread waits until the block ends. Read :attr:`tensors` inside."""
+        with self._buffers_lock:
+            yield
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The bookkeeping lock, with the releases queued while another thread held it applied first."""
+        with self._lock:
+            self._apply_deferred()
+            yield
+
+    def _apply_deferred(self) -> None:
+        while True:
+            with self._deferred_lock:
+                if not self._deferred:
+                    return
+                ticket, dirty = self._deferred.pop(0)
+            self._release(ticket, dirty)
 
     def acquire(self, rows: torch.Tensor) -> Tuple[int, torch.Tensor]:
         """Make ``rows`` resident and pin them until :meth:`release` of the returned ticket.
@@ -218,10 +261,14 @@ class RowCache:
             RowOutOfRange (an IndexError) for a row outside ``[0, R)``; ValueError for a repeated row;
             TypeError / ValueError for a tensor that is not a 1-D integer tensor.
         """
+        rows, ascending = self._checked_rows(rows)
+        with self._locked():
+            return self._acquire(rows, ascending)
+
+    def _acquire(self, rows: torch.Tensor, ascending: bool) -> Tuple[int, torch.Tensor]:
         # index_select / index_add_ / index_copy_ rather than advanced indexing: the same values (the
         # slots are distinct), several times faster on CPU, and no parallel section that a loaded
         # machine stretches to a scheduler time slice
-        rows, ascending = self._checked_rows(rows)
         slots = self.slot_of_row.index_select(0, rows).long()
         hit = slots >= 0
         hit_slots = slots[hit]
@@ -255,17 +302,34 @@ class RowCache:
         """Unpin the slots of ``ticket``; ``dirty``: the caller updated their rows in place.
 
         When no ticket is left pinned and the cache grew beyond ``capacity``, it shrinks back (evicting
-        by the algorithm, writing dirty rows back; :attr:`tensors` are reallocated).
+        by the algorithm, writing dirty rows back; :attr:`tensors` are reallocated). While another
+        thread is in the cache (an acquire), the release is queued instead of waiting: the next
+        operation applies it, and the ticket's rows stay pinned until then.
         Raises ValueError for a ticket never issued or already released.
         """
+        if not self._lock.acquire(blocking=False):
+            with self._deferred_lock:  # checked and queued at once: a second release is an error now
+                if ticket not in self._tickets or any(t == ticket for t, _ in self._deferred):
+                    self._raise_bad_ticket(ticket)
+                self._deferred.append((ticket, dirty))
+            return
+        try:
+            self._apply_deferred()
+            self._release(ticket, dirty)
+        finally:
+            self._lock.release()
+
+    def _raise_bad_ticket(self, ticket: object) -> None:
+        if isinstance(ticket, int) and 0 <= ticket < self._next_ticket:
+            raise ValueError(f"RowCache.release: ticket {ticket} was already released")
+        raise ValueError(
+            f"RowCache.release: unknown ticket {ticket!r} (tickets issued so far: 0..{self._next_ticket - 1})"
+        )
+
+    def _release(self, ticket: int, dirty: bool) -> None:
         slots = self._tickets.pop(ticket, None)
         if slots is None:
-            if isinstance(ticket, int) and 0 <= ticket < self._next_ticket:
-                raise ValueError(f"RowCache.release: ticket {ticket} was already released")
-            raise ValueError(
-                f"RowCache.release: unknown ticket {ticket!r} "
-                f"(tickets issued so far: 0..{self._next_ticket - 1})"
-            )
+            self._raise_bad_ticket(ticket)
         if dirty:
             self._dirty.index_fill_(0, slots, True)
         self._pins.index_add_(0, slots, _ones(slots.numel(), -1))
@@ -277,6 +341,10 @@ class RowCache:
 
         Rows of a pinned ticket count as dirty only once released with ``dirty=True``.
         """
+        with self._locked():
+            self._flush()
+
+    def _flush(self) -> None:
         slots = self._dirty.nonzero().flatten()
         self._write_back(self.row_of_slot[slots], slots)
         self._dirty[slots] = False
@@ -286,11 +354,15 @@ class RowCache:
 
         Raises RuntimeError while a ticket is pinned (its slots are in use).
         """
+        with self._locked():
+            self._invalidate()
+
+    def _invalidate(self) -> None:
         if self._tickets:
             raise RuntimeError(
                 f"RowCache.invalidate: tickets {sorted(self._tickets)} are still pinned; release them first"
             )
-        self.flush()
+        self._flush()
         resident = self.row_of_slot >= 0
         self.slot_of_row[self.row_of_slot[resident]] = -1
         self.row_of_slot.fill_(-1)
@@ -299,7 +371,8 @@ class RowCache:
 
     def resident_rows(self) -> torch.Tensor:
         """The rows cached now, ascending, int64 ``[n]`` on the host (``n <= size``)."""
-        return self.row_of_slot[self.row_of_slot >= 0].sort().values
+        with self._locked():
+            return self.row_of_slot[self.row_of_slot >= 0].sort().values
 
     # ------------------------------------------------------------------ internals
 
@@ -436,6 +509,10 @@ class RowCache:
         """Reallocate every buffer with ``size`` slots; the existing slots keep their rows and state."""
         if size >= 2**31:
             raise RuntimeError(f"RowCache: {size} slots do not fit the int32 slot map")
+        with self._buffers_lock:  # a kernel updating pinned rows in place finishes first
+            self._grow_buffers(size)
+
+    def _grow_buffers(self, size: int) -> None:
         old = self.size
         extra = size - old
         for name, buffer in self.tensors.items():
@@ -451,6 +528,10 @@ class RowCache:
 
     def _shrink(self) -> None:
         """Back to ``capacity`` slots (no ticket pinned): evict the excess by the algorithm, then compact."""
+        with self._buffers_lock:
+            self._shrink_buffers()
+
+    def _shrink_buffers(self) -> None:
         resident = (self.row_of_slot >= 0).nonzero().flatten()
         self._evict(self._victims(resident, max(resident.numel() - self.capacity, 0)))
         kept = (self.row_of_slot >= 0).nonzero().flatten()  # ascending slots, at most capacity of them
