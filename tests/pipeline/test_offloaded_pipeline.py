@@ -6,13 +6,15 @@ run the same batches (random sizes, zero included) through the same pipeline typ
 step's output and, at the end, every shard's weights and optimizer state are *equal*. With
 ``prefetch_pipeline`` set and PrefetchTrainPipelineSparseDist, no forward loads a row itself (all its
 misses were loaded by the prefetch a step earlier, under eviction pressure, with the batch in flight
-pinned); without it, the forwards load their misses.
+pinned), on the background prefetch thread at worlds 1 and 2 (the backward of batch i updating its
+cached rows while the thread fills other slots); without it, the forwards load their misses.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -59,11 +61,12 @@ def _pipeline(dmp, pipeline_type):
 
 
 def _count_forward_misses(dmp) -> list:
-    """Wrap each offloaded lookup's kernel call to add the misses it loads itself to the returned cell."""
-    cell = [0]
+    """Wrap each offloaded lookup's kernel call to add the misses it loads itself to the returned
+    cell[0], and its acquisitions to count those made on the background prefetch thread (cell[1])."""
+    cell = [0, 0]
     for module in dmp.modules():
         if isinstance(module, OffloadedEmbeddingLookup):
-            run = module._run_kernel
+            run, acquire = module._run_kernel, module._acquire_rows
 
             def counted(*args, _run=run, _cache=module.cache):
                 before = _cache.counters.misses
@@ -71,11 +74,15 @@ def _count_forward_misses(dmp) -> list:
                 cell[0] += _cache.counters.misses - before
                 return out
 
-            module._run_kernel = counted
+            def acquired(*args, _acquire=acquire):
+                cell[1] += threading.current_thread().name.startswith("shardkit-offload-prefetch")
+                return _acquire(*args)
+
+            module._run_kernel, module._acquire_rows = counted, acquired
     return cell
 
 
-def _worker(prefetch: bool) -> int:
+def _worker(prefetch: bool) -> list:
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     reference = base._ebc()
     pipeline_type = PrefetchTrainPipelineSparseDist if prefetch else TrainPipelineSparseDist
@@ -95,16 +102,18 @@ def _worker(prefetch: bool) -> int:
         assert torch.equal(got.local_shards()[key], weight), key
     stats = got.cache_stats()
     assert stats and all(s["misses"] > 0 and s["evictions"] > 0 for s in stats.values()), stats
-    return forward_misses[0]
+    return forward_misses
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_offloaded_pipeline_equals_in_memory(prefetch):
-    forward_misses = run_world(_worker, 2, prefetch, timeout=300)
+@pytest.mark.parametrize("prefetch, world_size", [(True, 1), (True, 2), (False, 2)])
+def test_offloaded_pipeline_equals_in_memory(prefetch, world_size):
+    counts = run_world(_worker, world_size, prefetch, timeout=300)
     if prefetch:
-        assert forward_misses == [0, 0]
+        # every batch's misses loaded by its prefetch, on the background thread (asynchronous prefetch)
+        assert [misses for misses, _ in counts] == [0] * world_size
+        assert all(background > 0 for _, background in counts), counts
     else:
-        assert all(n > 0 for n in forward_misses)
+        assert all(misses > 0 and background == 0 for misses, background in counts), counts
 
 
 def test_optimizer_state_equal_after_prefetch_pipeline():

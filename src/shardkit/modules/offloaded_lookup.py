@@ -13,6 +13,10 @@ on CPU), never an in-memory buffer:
 The kernels see the same rows and gradients as for an in-memory buffer, only at other positions, and a
 row's update does not depend on its position: training is bitwise that of ``fused``.
 
+With ``prefetch`` (``PrefetchTrainPipelineSparseDist``, cache params ``prefetch_pipeline``) a batch's rows
+are acquired a step early, on a background thread (:mod:`~shardkit.modules.offload_prefetch`); its
+forward takes them over (pinned rows, slots, the ``unique`` inverse) instead of acquiring again.
+
 ``weight`` (and each optimizer state buffer) is the backing field itself, so everything that reads or
 writes a table through :meth:`shard_rows` / ``optimizer.state_slices`` (state dicts, checkpoints, loads,
 re-initialization) works unchanged: those calls first write the cache back and empty it
@@ -22,8 +26,9 @@ re-initialization) works unchanged: those calls first write the cache back and e
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -34,6 +39,7 @@ from shardkit.kernels.offload.row_cache import CacheCounters, RowCache
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig, SparseRowOptimizer, _state_shapes
 from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup, ShardSpec
 from shardkit.modules.lookup_kernels import lookup as run_lookup
+from shardkit.modules.offload_prefetch import PrefetchedRows, background_prefetch_default
 
 # initialize (and load) an offloaded buffer this many bytes at a time, dropping the pages after each
 INIT_CHUNK_BYTES = 16 << 20
@@ -93,8 +99,9 @@ class _CachedFusedLookup(torch.autograd.Function):
         ctx.owner, ctx.ticket = owner, ticket
         ctx.pooled, ctx.batch_major = pooled, batch_major
         ctx.save_for_backward(slot_ids, offsets, weights, bag_scale)
-        table = owner.cache.tensors["weight"]
-        return embedding_forward(table, slot_ids, offsets, None, weights, bag_scale, pooled, batch_major)
+        with owner.cache.buffers_in_use():
+            table = owner.cache.tensors["weight"]
+            return embedding_forward(table, slot_ids, offsets, None, weights, bag_scale, pooled, batch_major)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -102,22 +109,24 @@ class _CachedFusedLookup(torch.autograd.Function):
         owner: OffloadedEmbeddingLookup = ctx.owner
         cache = owner.cache
         args = owner.optimizer.step_args()
-        args = dataclasses.replace(args, state=tuple(cache.tensors[f"state.{n}"] for n in owner.state_names))
         want_psw_grad = weights is not None and ctx.needs_input_grad[3]
-        psw_grad = embedding_fused_backward(
-            cache.tensors["weight"],
-            slot_ids,
-            offsets,
-            None,
-            weights,
-            bag_scale,
-            grad_out,
-            ctx.pooled,
-            args,
-            want_psw_grad,
-            ctx.batch_major,
-        )
-        ctx.ticket.release(dirty=True)
+        # a prefetch in the background may grow (reallocate) the buffers: not while they are updated
+        with cache.buffers_in_use():
+            state = tuple(cache.tensors[f"state.{n}"] for n in owner.state_names)
+            psw_grad = embedding_fused_backward(
+                cache.tensors["weight"],
+                slot_ids,
+                offsets,
+                None,
+                weights,
+                bag_scale,
+                grad_out,
+                ctx.pooled,
+                dataclasses.replace(args, state=state),
+                want_psw_grad,
+                ctx.batch_major,
+            )
+        ctx.ticket.release(dirty=True)  # queued, not waited for, while a prefetch holds the cache
         psw_grad = None if psw_grad is None else psw_grad.to(weights.dtype)
         return None, None, None, psw_grad, None, None, None, None, None
 
@@ -228,7 +237,9 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
                 after_io=self.store.drop_resident if row_io is None else None,
                 row_io=row_io,
             )
-        self._prefetched: List[_Ticket] = []
+        self._prefetched: List[PrefetchedRows] = []
+        # prefetches run on the worker thread (a CPU cache only: CUDA copies stay on the caller's stream)
+        self.background_prefetch = background_prefetch_default() and self.compute_device.type == "cpu"
         # uvm: what the kernel read from / wrote to the backing file (the caching tier counts its own)
         self._uvm_counters = CacheCounters()
         self._row_bytes = sum(
@@ -246,9 +257,8 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
         flush while a forward's rows await their backward)."""
         if self.cache is None:
             return
-        for ticket in self._prefetched:
-            ticket.release(dirty=False)
-        self._prefetched.clear()
+        self._settle_prefetches()
+        self._drop_prefetches()
         try:
             self.cache.invalidate()
         except RuntimeError:  # a forward awaits its backward: its rows stay cached, values are current
@@ -278,6 +288,7 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
         summed), hits, misses, evictions, rows and bytes read from / written to the backing file, hit
         rate, calls and ids looked up. ``uvm`` has no cache: every row is a miss read from the file (and
         written back by a training step)."""
+        self.wait_for_prefetch()  # counted once the background acquire is done
         counters = self._uvm_counters if self.cache is None else self.cache.counters
         stats = counters.as_dict()
         stats.update(calls=self.calls, ids=self.ids_looked_up)
@@ -285,6 +296,7 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
 
     def reset_cache_stats(self) -> None:
         """Zero the counters of :meth:`cache_stats`."""
+        self.wait_for_prefetch()
         (self._uvm_counters if self.cache is None else self.cache.counters).reset()
         self.calls = self.ids_looked_up = 0
 
@@ -292,13 +304,80 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
 
     def prefetch(self, ids: torch.Tensor, offsets: torch.Tensor, bags_per_feature: Sequence[int]) -> None:
         """Load the rows a coming forward will read (``ids`` / ``offsets`` as :meth:`forward` takes them)
-        into the cache now and pin them until that forward has taken them over. No-op for ``uvm``."""
+        into the cache and pin them until that forward has taken them over. On a CPU cache this runs in
+        the background (:attr:`background_prefetch`): the forward of these ids waits for it; an exception
+        there is raised by the next forward. No-op for ``uvm``."""
         if self.cache is None or ids.numel() == 0:
             return
+        offsets = offsets.to(torch.int64)
         bag_shift = self._bag_shift(ids.device, bags_per_feature) if any(self._shifts) else None
-        rows = torch.unique(buffer_rows(ids, offsets.to(torch.int64), bag_shift))
-        ticket, _ = self.cache.acquire(rows)
-        self._prefetched.append(_Ticket(self.cache, ticket))
+        job = functools.partial(self._acquire_rows, ids, offsets, bag_shift)
+        self._prefetched.append(PrefetchedRows(ids, offsets, bag_shift, job, self.background_prefetch))
+
+    def wait_for_prefetch(self) -> None:
+        """Block until the prefetches in flight are done (their exceptions stay for the next forward)."""
+        for record in self._prefetched:
+            record.wait()
+
+    def _acquire_rows(self, ids, offsets, bag_shift) -> Tuple[_Ticket, torch.Tensor, torch.Tensor]:
+        """Pin the distinct buffer rows of ``ids`` in the cache: (ticket, slots [U], inverse [N]), the
+        slot of ``ids[k]`` being ``slots[inverse[k]]``. Runs in the prefetch thread or the forward's."""
+        unique, inverse = torch.unique(buffer_rows(ids, offsets, bag_shift), return_inverse=True)
+        handle, slots = self.cache.acquire(unique)
+        return _Ticket(self.cache, handle), slots, inverse
+
+    def _settle_prefetches(self) -> None:
+        """Wait for the prefetches in flight; raise the first one's exception (dropping them all), but
+        an ``IndexError`` (an id outside the shard) is left to the forward of those ids, which raises
+        it naming the feature (:meth:`_take_prefetched`)."""
+        self.wait_for_prefetch()
+        for record in self._prefetched:
+            if record.error is not None and not isinstance(record.error, IndexError):
+                self._drop_prefetches()
+                raise record.error
+
+    def _drop_prefetches(self) -> None:
+        for record in self._prefetched:
+            if record.outcome is not None:
+                record.outcome[0].release(dirty=False)
+        self._prefetched.clear()
+
+    def _take_prefetched(self, ids, offsets, bag_shift) -> Optional[tuple]:
+        """The settled prefetch of exactly these ids, whose pinned rows this forward takes over (None:
+        none, or it failed on an id out of range, which this forward's own acquire raises again). The
+        other prefetches are released; a failure of one of them is raised."""
+        records, match = self._prefetched, None
+        self._prefetched = []
+        for record in records:
+            if match is None and record.matches(ids, offsets, bag_shift):
+                match = record
+            elif record.outcome is not None:
+                record.outcome[0].release(dirty=False)
+        failed = [r for r in records if r.error is not None and r is not match]
+        if failed:
+            if match is not None and match.outcome is not None:
+                match.outcome[0].release(dirty=False)
+            raise failed[0].error
+        return None if match is None else match.outcome
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        bags_per_feature: Sequence[int],
+        weights: Optional[torch.Tensor] = None,
+        sample_major: bool = False,
+    ) -> torch.Tensor:
+        """As :meth:`GroupedEmbeddingLookup.forward`, after waiting for the prefetches in flight (whose
+        exception, if any, is raised here, before this forward's own checks). A forward that raises
+        releases the prefetched rows it did not take over."""
+        if self._prefetched:
+            self._settle_prefetches()
+        try:
+            return super().forward(ids, offsets, bags_per_feature, weights, sample_major)
+        except BaseException:
+            self._drop_prefetches()
+            raise
 
     def _count_uvm(self, ids, offsets, bag_shift) -> None:
         rows = int(torch.unique(buffer_rows(ids, offsets, bag_shift)).numel())
@@ -328,28 +407,25 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
                 self.optimizer,
                 batch_major,
             )
-        unique, inverse = torch.unique(buffer_rows(ids, offsets, bag_shift), return_inverse=True)
-        handle, slots = self.cache.acquire(unique)
-        ticket = _Ticket(self.cache, handle)
-        for old in self._prefetched:  # this forward pinned its own rows: the prefetch pins can go
-            old.release(dirty=False)
-        self._prefetched.clear()
+        taken = self._take_prefetched(ids, offsets, bag_shift) if self._prefetched else None
+        ticket, slots, inverse = taken if taken is not None else self._acquire_rows(ids, offsets, bag_shift)
         slot_ids = slots.index_select(0, inverse.flatten()).view(inverse.shape)
         train = torch.is_grad_enabled() and self.weight.requires_grad
         if train:
             return _CachedFusedLookup.apply(
                 self.weight, slot_ids, offsets, weights, bag_scale, self.pooled, batch_major, self, ticket
             )
-        table = self.cache.tensors["weight"]
-        if torch.is_grad_enabled() and weights is not None and weights.requires_grad:
-            # frozen table, trained per-sample weights: the differentiable path over the cached rows
-            out = embedding_torch.embedding_forward(
-                table, slot_ids, offsets, None, weights, bag_scale, self.pooled, batch_major
-            )
-        else:
-            out = embedding_forward(
-                table, slot_ids, offsets, None, weights, bag_scale, self.pooled, batch_major
-            )
+        with self.cache.buffers_in_use():
+            table = self.cache.tensors["weight"]
+            if torch.is_grad_enabled() and weights is not None and weights.requires_grad:
+                # frozen table, trained per-sample weights: the differentiable path over the cached rows
+                out = embedding_torch.embedding_forward(
+                    table, slot_ids, offsets, None, weights, bag_scale, self.pooled, batch_major
+                )
+            else:
+                out = embedding_forward(
+                    table, slot_ids, offsets, None, weights, bag_scale, self.pooled, batch_major
+                )
         ticket.release(dirty=False)
         return out
 

@@ -1,0 +1,176 @@
+"""Prefetch of an offloaded lookup (modules/offloaded_lookup.py, modules/offload_prefetch.py), driven as
+PrefetchTrainPipelineSparseDist drives it: forward of batch i, prefetch of batch i+1, backward of batch
+i (the fused optimizer updates batch i's cached rows while the prefetch fills other slots), forward of
+batch i+1 (which takes the prefetched rows over).
+
+- with a cache of 4 of 40 rows (every step evicts dirty rows, the buffers grow for two batches), the
+  lookup trains bitwise like the in-memory one, with the prefetch on the background thread and inline;
+  the forwards acquire nothing themselves;
+- an exception in the background prefetch is raised, with its message, by the next forward (or by
+  ``sync_storage`` when no forward comes), and the lookup works again afterwards;
+- a forward of other ids than prefetched acquires its own and releases the prefetch's pins; an id out of
+  range in a prefetch gives the forward's error naming the feature.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from shardkit.distributed.validation import set_validation, validation_enabled
+from shardkit.kernels.offload import OffloadSpec
+from shardkit.modules import EmbeddingBagConfig, FusedOptimizerConfig, OptimType
+from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup, ShardSpec
+from shardkit.modules.offloaded_lookup import OffloadedEmbeddingLookup
+
+ROWS, DIM, BAGS = 20, 4, 6
+
+
+def _lookups(background: bool):
+    tables = [EmbeddingBagConfig(ROWS, DIM, name=f"t{i}", feature_names=[f"f{i}"]) for i in range(2)]
+    config = FusedOptimizerConfig(OptimType.ROWWISE_ADAGRAD, lr=0.1)
+    shards = [ShardSpec(t) for t in tables]
+    torch.manual_seed(0)
+    memory = GroupedEmbeddingLookup(shards, True, "cpu", config)
+    offloaded = OffloadedEmbeddingLookup(
+        shards, True, "cpu", config, OffloadSpec("caching", 0.1, prefetch=True)
+    )
+    offloaded.background_prefetch = background
+    with torch.no_grad():
+        offloaded.weight.copy_(memory.weight)
+    return memory, offloaded
+
+
+def _batch(step: int):
+    gen = torch.Generator().manual_seed(step)
+    lengths = torch.randint(0, 4, (2 * BAGS,), generator=gen)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    ids = torch.randint(0, ROWS, (int(lengths.sum()),), generator=gen)
+    return ids, offsets
+
+
+def _record_acquires(lookup: OffloadedEmbeddingLookup) -> list:
+    """Wrap the lookup's acquisition to record the name of the thread each one ran on."""
+    threads = []
+    acquire = lookup._acquire_rows
+
+    def recorded(*args):
+        threads.append(threading.current_thread().name)
+        return acquire(*args)
+
+    lookup._acquire_rows = recorded
+    return threads
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_prefetched_training_equals_in_memory(background):
+    memory, offloaded = _lookups(background)
+    threads = _record_acquires(offloaded)
+    steps = 12
+    loss_weight = torch.arange(1.0, DIM + 1)
+    pending = None
+    for step in range(steps):
+        ids, offsets = _batch(step)
+        outs = [lk(ids, offsets, [BAGS, BAGS]) for lk in (memory, offloaded)]
+        assert torch.equal(outs[1], outs[0]), f"step {step}"
+        if step + 1 < steps:  # the pipeline's prefetch of the next batch, before this backward
+            offloaded.prefetch(*_batch(step + 1), [BAGS, BAGS])
+        for out in outs:
+            out.mul(loss_weight).sum().backward()
+        pending = offloaded._prefetched
+    assert not pending
+    offloaded.sync_storage()
+    assert torch.equal(offloaded.weight, memory.weight)
+    for name, value in memory.optimizer.state_slices(0, 2 * ROWS).items():
+        assert torch.equal(offloaded.optimizer.state_slices(0, 2 * ROWS)[name], value), name
+    # one acquisition a batch: the first batch's by its forward, every other one by its prefetch
+    main = threading.current_thread().name
+    assert threads[0] == main and len(threads) == steps
+    worker = [name.startswith("shardkit-offload-prefetch") for name in threads[1:]]
+    assert all(worker) if background else not any(worker), threads
+    stats = offloaded.cache_stats()["t0+t1"]
+    assert stats["evictions"] > 0 and stats["rows_written"] > 0, stats
+
+
+def _failing_load(cache, message: str):
+    """Make the cache's next load on the prefetch thread raise OSError(message)."""
+    load = cache._load
+
+    def failing(rows, slots):
+        if threading.current_thread().name.startswith("shardkit-offload-prefetch"):
+            cache._load = load
+            raise OSError(5, message)
+        return load(rows, slots)
+
+    cache._load = failing
+
+
+def test_an_exception_in_the_background_prefetch_is_raised_by_the_next_forward():
+    memory, offloaded = _lookups(True)
+    ids, offsets = _batch(0)
+    offloaded(ids, offsets, [BAGS, BAGS]).sum().backward()
+    memory(ids, offsets, [BAGS, BAGS]).sum().backward()
+    next_ids, next_offsets = _batch(1)
+    _failing_load(offloaded.cache, "injected read failure")
+    offloaded.prefetch(next_ids, next_offsets, [BAGS, BAGS])  # fails in the background: not raised here
+    with pytest.raises(OSError, match="injected read failure"):
+        offloaded(next_ids, next_offsets, [BAGS, BAGS])
+    assert offloaded.cache.pinned_tickets == ()  # nothing left pinned by the failed prefetch
+    # the next try reads the rows itself and trains on as the in-memory lookup does
+    outs = [lk(next_ids, next_offsets, [BAGS, BAGS]) for lk in (memory, offloaded)]
+    assert torch.equal(outs[1], outs[0])
+    for out in outs:
+        out.sum().backward()
+    offloaded.sync_storage()
+    assert torch.equal(offloaded.weight, memory.weight)
+
+
+def test_a_failed_prefetch_without_a_forward_is_raised_by_sync_storage():
+    _, offloaded = _lookups(True)
+    _failing_load(offloaded.cache, "injected read failure")
+    offloaded.prefetch(*_batch(1), [BAGS, BAGS])
+    with pytest.raises(OSError, match="injected read failure"):
+        offloaded.sync_storage()
+    offloaded.sync_storage()  # raised once; the cache is consistent
+    assert offloaded.cache.pinned_tickets == ()
+
+
+def test_a_forward_of_other_ids_acquires_its_own_and_releases_the_prefetch():
+    memory, offloaded = _lookups(True)
+    offloaded.prefetch(*_batch(1), [BAGS, BAGS])
+    ids, offsets = _batch(2)
+    outs = [lk(ids, offsets, [BAGS, BAGS]) for lk in (memory, offloaded)]
+    assert torch.equal(outs[1], outs[0])
+    assert len(offloaded.cache.pinned_tickets) == 1  # the forward's, awaiting its backward
+    for out in outs:
+        out.sum().backward()
+    assert offloaded.cache.pinned_tickets == ()
+
+
+@pytest.mark.parametrize("validate, position", [(True, 0), (True, -1), (False, 0)])
+def test_an_id_out_of_range_in_a_prefetch_gives_the_forwards_error(validate, position):
+    previous = validation_enabled()
+    set_validation(validate)
+    try:
+        _check_out_of_range(position)
+    finally:
+        set_validation(previous)
+
+
+def _check_out_of_range(position: int) -> None:
+    ids, offsets = _batch(3)
+    # -1 for f0: a row before the buffer (the prefetch fails); for f1: t0's last row (the prefetch
+    # loads it, the forward's check refuses the id; without the check it would be a valid row)
+    ids[position] = -1
+    _, plain = _lookups(True)
+    with pytest.raises(IndexError) as without_prefetch:
+        plain(ids, offsets, [BAGS, BAGS])
+    _, offloaded = _lookups(True)
+    offloaded.prefetch(ids, offsets, [BAGS, BAGS])
+    with pytest.raises(IndexError) as with_prefetch:
+        offloaded(ids, offsets, [BAGS, BAGS])
+    assert f"f{0 if position == 0 else 1}" in str(with_prefetch.value)
+    assert str(with_prefetch.value) == str(without_prefetch.value)
+    assert offloaded.cache.pinned_tickets == ()
