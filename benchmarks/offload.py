@@ -12,6 +12,9 @@ spread over the table by a random permutation):
   backing file per step, measured in the steady state: each cache is first warmed by forward-only
   passes over ids of the same distribution (``--warm-batches`` x ``--warm-scale``; a cold cache misses
   every row seen for the first time), then ``--warmup`` training steps precede the measured ones;
+- the same table trained through ``PrefetchTrainPipelineSparseDist``: in memory, and offloaded with
+  ``prefetch_pipeline`` at ``--pipeline-load-factors`` (default 0.2), the prefetch of batch i+1 run
+  synchronously and on the background thread (``benchmarks/offload_pipeline.py``);
 - the backing file's read bandwidth: the cache's miss path (rows gathered from the mapped file, pages
   unmapped after) next to a sequential read and a random 4 KiB ``pread`` of the same file: the physical
   limits (page cache; the file was just written, so these measure memory, not the disk);
@@ -41,6 +44,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from benchmarks.common import write_results
+from benchmarks.offload_pipeline import add_arguments as add_pipeline_arguments
+from benchmarks.offload_pipeline import pipeline_rows
 
 LOAD_FACTORS = (0.01, 0.05, 0.2, 1.0)
 
@@ -96,8 +101,11 @@ def zipf_sampler(num_rows: int, exponent: float, seed: int):
     return sample
 
 
-def sharded_table(kernel: str, rows: int, dim: int, load_factor: float, offload_dir: str, meta: bool):
-    """One table, sharded table-wise on a world of one with ``kernel`` (row-wise Adagrad, fused)."""
+def sharded_table(
+    kernel: str, rows: int, dim: int, load_factor: float, offload_dir: str, meta: bool, prefetch: bool = False
+):
+    """One table, sharded table-wise on a world of one with ``kernel`` (row-wise Adagrad, fused);
+    ``prefetch``: its cache params set ``prefetch_pipeline`` (for PrefetchTrainPipelineSparseDist)."""
     from shardkit.distributed.sharding_env import ShardingEnv
     from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig, OptimType
     from shardkit.sharding.cache_params import CacheParams
@@ -110,7 +118,9 @@ def sharded_table(kernel: str, rows: int, dim: int, load_factor: float, offload_
     ebc = EmbeddingBagCollection([config], device=device, fused_optimizer=fused)
     plan = construct_module_sharding_plan(ebc, {"t": table_wise(rank=0)}, 1, 1)
     if kernel != "fused":
-        cache = CacheParams(load_factor=load_factor, algorithm="lru", offload_dir=offload_dir)
+        cache = CacheParams(
+            load_factor=load_factor, algorithm="lru", offload_dir=offload_dir, prefetch_pipeline=prefetch
+        )
         plan = {k: dataclasses.replace(v, compute_kernel=kernel, cache_params=cache) for k, v in plan.items()}
     return EmbeddingBagCollectionSharder().shard(ebc, plan, ShardingEnv.from_local(1, 0))
 
@@ -394,11 +404,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes: runs in seconds")
     parser.add_argument("--out", default=None, help="directory for offload.json")
     parser.add_argument("--child-big", action="store_true", help=argparse.SUPPRESS)
+    add_pipeline_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.rows, args.batch, args.pooling = 50_000, 128, 8
         args.steps, args.warmup, args.repeats, args.budget_mb = 2, 1, 1, 4.0
         args.warm_batches, args.warm_scale = 2, 2
+        args.pipeline_steps, args.pipeline_block = 4, 2
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.child_big:
@@ -408,6 +420,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     with tempfile.TemporaryDirectory(prefix="shardkit-bench-offload-", dir=args.offload_dir) as offload_dir:
         rows = step_rows(args, offload_dir)
+        if args.pipeline_load_factors:
+            rows += pipeline_rows(args, offload_dir)
         rows += bandwidth_rows(args, offload_dir)
         rows += big_rows(args, offload_dir)
     config = {k: v for k, v in vars(args).items() if k not in ("out", "child_big", "offload_dir")}
@@ -418,6 +432,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     big = [v for k, v in goals.items() if "x the budget" in k]
     if lf02 is not None:
         print(f"goal: load factor 0.2 >= 0.8x in memory: {lf02:.2f}x {'met' if lf02 >= 0.8 else 'NOT met'}")
+    piped = goals.get("pipeline fused_uvm_caching lf=0.2 prefetch async")
+    if piped is not None:
+        print(
+            f"goal, through PrefetchTrainPipelineSparseDist (async prefetch): load factor 0.2 >= 0.8x "
+            f"in memory: {piped:.2f}x {'met' if piped >= 0.8 else 'NOT met'}"
+        )
     if big:
         print(
             f"goal: {args.big_factor:g}x-budget table >= 0.5x in memory: {big[0]:.2f}x "
