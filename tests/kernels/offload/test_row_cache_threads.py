@@ -73,6 +73,7 @@ def test_release_during_a_background_acquire_is_queued_and_keeps_its_rows_pinned
     with cache.buffers_in_use():  # batch i's backward: update its rows in place
         cache.tensors["weight"].index_fill_(0, slots, 7.0)
     cache.gate.clear()
+    cache.loading.clear()  # set by the acquire above
     worker = _in_thread(lambda: cache.acquire(torch.tensor([2, 3])))  # batch i+1's prefetch
     assert cache.loading.wait(JOIN_S)
     # the worker holds the cache (its read is slow): the release must not wait for it
