@@ -228,6 +228,24 @@ def test_random_sequences_match_the_model_and_a_reference_table(capacity, algori
         _run_random_sequence(capacity, algorithm, seed, "cpu", steps=160)
 
 
+@pytest.mark.parametrize("capacity", [1, 4, 10])
+def test_lru_queue_rebuilt_often_still_matches_the_model(capacity, monkeypatch):
+    # the LRU victims come from a recency queue rebuilt from the stamps when it grows: rebuild it after
+    # a few acquires, so that the sequences cross many rebuilds (and shrinks, which rebuild it too)
+    monkeypatch.setattr(RowCache, "LRU_REBUILD_MIN_ENTRIES", 2)
+    rebuilds = [0]
+    rebuild = RowCache._rebuild_lru
+
+    def counted(self):
+        rebuilds[0] += 1
+        rebuild(self)
+
+    monkeypatch.setattr(RowCache, "_rebuild_lru", counted)
+    for seed in range(3, 6):
+        _run_random_sequence(capacity, "lru", seed, "cpu", steps=300)
+    assert rebuilds[0] > 10, rebuilds
+
+
 @pytest.mark.parametrize("algorithm", ["lru", "lfu"])
 @pytest.mark.parametrize("capacity", [0, 4, 40])
 @pytest.mark.cuda

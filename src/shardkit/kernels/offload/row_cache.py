@@ -144,6 +144,10 @@ class RowCache:
         row_bytes: bytes of one row over all fields.
     """
 
+    # the LRU queue is rebuilt from the stamps once it holds 3x this many entries or 3x the slots (its
+    # stale entries are otherwise dropped only when they reach the front)
+    LRU_REBUILD_MIN_ENTRIES = 1024
+
     def __init__(
         self,
         backing: Dict[str, torch.Tensor],
@@ -201,7 +205,11 @@ class RowCache:
         self._pins = torch.zeros(self.capacity, dtype=torch.int32)
         self._stamp = torch.zeros(self.capacity, dtype=torch.int64)  # recency: larger = acquired later
         self._freq = torch.zeros(self.capacity, dtype=torch.int64)  # acquisitions since loaded
-        self._clock = 0
+        self._clock = 1  # stamps start at 1: 0 marks a slot never stamped since loaded / freed
+        # LRU: (slots, their stamps) of every acquire, in stamp order; a slot's entry is current while
+        # its stamp is unchanged (see _lru_victims)
+        self._lru: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self._lru_entries = 0
         self._tickets: Dict[int, torch.Tensor] = {}  # ticket -> its slots, int64 [U] on the host
         self._next_ticket = 0
         # one thread at a time in the bookkeeping (a background prefetch acquires while the main thread
@@ -286,8 +294,14 @@ class RowCache:
             self._pins.index_add_(0, hit_slots, _ones(hit_slots.numel(), -1))
             raise
         count = rows.numel()
-        self._stamp.index_copy_(0, slots, self._clock + torch.arange(count, dtype=torch.int64))
+        stamps = self._clock + torch.arange(count, dtype=torch.int64)
+        self._stamp.index_copy_(0, slots, stamps)
         self._clock += count
+        if self.algorithm == "lru" and count:
+            self._lru.append((slots, stamps))
+            self._lru_entries += count
+            if self._lru_entries > 3 * max(self.size, self.LRU_REBUILD_MIN_ENTRIES):
+                self._rebuild_lru()
         self._freq.index_add_(0, slots, torch.ones(count, dtype=torch.int64))
         misses = int(miss_rows.numel())
         self.counters.lookups += count
@@ -368,6 +382,7 @@ class RowCache:
         self.row_of_slot.fill_(-1)
         self._stamp.zero_()
         self._freq.zero_()
+        self._lru, self._lru_entries = [], 0
 
     def resident_rows(self) -> torch.Tensor:
         """The rows cached now, ascending, int64 ``[n]`` on the host (``n <= size``)."""
@@ -412,17 +427,71 @@ class RowCache:
         if free.numel() >= count:
             return free[:count]
         needed = count - free.numel()
-        evictable = ((self.row_of_slot >= 0) & (self._pins == 0)).nonzero().flatten()
-        if evictable.numel() < needed:
-            # the pinned working set exceeds the capacity: grow so the whole request fits
-            self._grow(self.size + needed - evictable.numel())
-            self._evict(evictable)
-            return (self.row_of_slot < 0).nonzero().flatten()[:count]
-        victims = self._victims(evictable, needed)
+        evictable_mask = (self.row_of_slot >= 0) & (self._pins == 0)
+        if self.algorithm == "lru" and int(evictable_mask.sum()) >= needed:
+            # the common case: the least recent from the front of the recency queue, no scan or selection
+            # over the whole cache
+            victims = self._lru_victims(needed)
+        else:
+            evictable = evictable_mask.nonzero().flatten()
+            if evictable.numel() < needed:
+                # the pinned working set exceeds the capacity: grow so the whole request fits
+                self._grow(self.size + needed - evictable.numel())
+                self._evict(evictable)
+                return (self.row_of_slot < 0).nonzero().flatten()[:count]
+            victims = self._victims(evictable, needed)
         self._evict(victims)
         # the free slots now are exactly the old free ones and the victims (count of them): no second
         # scan of the slot map, the same ascending slots
         return torch.cat([free, victims]).sort().values
+
+    def _lru_victims(self, count: int) -> torch.Tensor:
+        """The ``count`` least recently acquired unpinned resident slots (as :meth:`_victims` chooses
+        them), taken from the front of the recency queue; the caller checked that there are enough.
+
+        Every acquire appends its slots with their new stamps, so the queue is in stamp order, and each
+        resident slot has exactly one *current* entry (the one whose stamp it still has: stamps never
+        repeat, and an evicted slot's stamp is reset). Entries that are no longer current are dropped as
+        the front is scanned; current pinned entries stay, in their place. Should the queue run out (a
+        row left resident without a stamp by an acquire that failed halfway), it is rebuilt from the
+        stamps and the choice made again.
+        """
+        victims = self._take_lru(count)
+        if victims is None:
+            self._rebuild_lru()
+            victims = self._take_lru(count)
+        if victims is None:
+            raise RuntimeError(f"RowCache: fewer than {count} evictable rows in the LRU queue")
+        return victims
+
+    def _take_lru(self, count: int) -> Optional[torch.Tensor]:
+        taken: List[torch.Tensor] = []
+        got, index = 0, 0
+        while got < count:
+            if index >= len(self._lru):
+                return None
+            slots, stamps = self._lru[index]
+            current = self._stamp.index_select(0, slots) == stamps
+            free_to_take = current & (self._pins.index_select(0, slots) == 0)
+            positions = free_to_take.nonzero().flatten()[: count - got]
+            taken.append(slots.index_select(0, positions))
+            got += positions.numel()
+            current.index_fill_(0, positions, False)  # what stays: current entries not taken
+            kept = current.nonzero().flatten()
+            self._lru_entries -= slots.numel() - kept.numel()
+            if kept.numel():
+                self._lru[index] = (slots.index_select(0, kept), stamps.index_select(0, kept))
+                index += 1
+            else:
+                del self._lru[index]
+        return torch.cat(taken) if len(taken) > 1 else taken[0]
+
+    def _rebuild_lru(self) -> None:
+        """The recency queue from the stamps: one entry per resident slot, in stamp order."""
+        resident = (self.row_of_slot >= 0).nonzero().flatten()
+        stamps, order = self._stamp.index_select(0, resident).sort()
+        self._lru = [(resident.index_select(0, order), stamps)] if resident.numel() else []
+        self._lru_entries = resident.numel()
 
     def _victims(self, candidates: torch.Tensor, count: int) -> torch.Tensor:
         """The ``count`` slots among ``candidates`` (int64 [n]) to evict first under the algorithm."""
@@ -559,3 +628,5 @@ class RowCache:
         self._pins = torch.zeros(self.capacity, dtype=torch.int32)
         self.slot_of_row[self.row_of_slot[:count]] = torch.arange(count, dtype=torch.int32)
         self.buffers_version += 1
+        if self.algorithm == "lru":  # the slots moved
+            self._rebuild_lru()
