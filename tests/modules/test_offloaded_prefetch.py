@@ -149,21 +149,25 @@ def test_a_forward_of_other_ids_acquires_its_own_and_releases_the_prefetch():
     assert offloaded.cache.pinned_tickets == ()
 
 
-@pytest.mark.parametrize("validate, position", [(True, 0), (True, -1), (False, 0)])
-def test_an_id_out_of_range_in_a_prefetch_gives_the_forwards_error(validate, position):
+# -1 for f0: a row before the buffer (the prefetch fails); for f1: t0's last row (the prefetch loads it,
+# the forward's check refuses the id; without the check it would be a valid row); 2**32 + 1: a row that
+# int32 would wrap to 1 (the prefetch deduplicates int32 rows only when every row is in range)
+CASES = [(True, 0, -1), (True, -1, -1), (False, 0, -1), (False, 0, 2**32 + 1), (True, -1, 2**32 + 1)]
+
+
+@pytest.mark.parametrize("validate, position, value", CASES)
+def test_an_id_out_of_range_in_a_prefetch_gives_the_forwards_error(validate, position, value):
     previous = validation_enabled()
     set_validation(validate)
     try:
-        _check_out_of_range(position)
+        _check_out_of_range(position, value)
     finally:
         set_validation(previous)
 
 
-def _check_out_of_range(position: int) -> None:
+def _check_out_of_range(position: int, value: int) -> None:
     ids, offsets = _batch(3)
-    # -1 for f0: a row before the buffer (the prefetch fails); for f1: t0's last row (the prefetch
-    # loads it, the forward's check refuses the id; without the check it would be a valid row)
-    ids[position] = -1
+    ids[position] = value
     _, plain = _lookups(True)
     with pytest.raises(IndexError) as without_prefetch:
         plain(ids, offsets, [BAGS, BAGS])
