@@ -62,11 +62,18 @@ def _pipeline(dmp, pipeline_type):
 
 def _count_forward_misses(dmp) -> list:
     """Wrap each offloaded lookup's kernel call to add the misses it loads itself to the returned
-    cell[0], and its acquisitions to count those made on the background prefetch thread (cell[1])."""
-    cell = [0, 0]
+    cell[0], and its acquisitions to count those made on the background prefetch thread (cell[1]);
+    cell[2] counts evicted slots that were pinned (a row of a batch in flight: must stay 0)."""
+    cell = [0, 0, 0]
     for module in dmp.modules():
         if isinstance(module, OffloadedEmbeddingLookup):
-            run, acquire = module._run_kernel, module._acquire_rows
+            run, acquire, evict = module._run_kernel, module._acquire_rows, module.cache._evict
+
+            def evicting(victims, _evict=evict, _cache=module.cache):
+                cell[2] += int((_cache._pins.index_select(0, victims) > 0).sum())
+                return _evict(victims)
+
+            module.cache._evict = evicting
 
             def counted(*args, _run=run, _cache=module.cache):
                 before = _cache.counters.misses
@@ -108,12 +115,13 @@ def _worker(prefetch: bool) -> list:
 @pytest.mark.parametrize("prefetch, world_size", [(True, 1), (True, 2), (False, 2)])
 def test_offloaded_pipeline_equals_in_memory(prefetch, world_size):
     counts = run_world(_worker, world_size, prefetch, timeout=300)
+    assert all(pinned == 0 for _, _, pinned in counts), counts
     if prefetch:
         # every batch's misses loaded by its prefetch, on the background thread (asynchronous prefetch)
-        assert [misses for misses, _ in counts] == [0] * world_size
-        assert all(background > 0 for _, background in counts), counts
+        assert [misses for misses, _, _ in counts] == [0] * world_size
+        assert all(background > 0 for _, background, _ in counts), counts
     else:
-        assert all(misses > 0 and background == 0 for misses, background in counts), counts
+        assert all(misses > 0 and background == 0 for misses, background, _ in counts), counts
 
 
 def test_optimizer_state_equal_after_prefetch_pipeline():
