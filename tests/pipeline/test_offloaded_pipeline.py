@@ -162,3 +162,37 @@ def _with_optimizer(reference, optimizer: OptimType):
     return EmbeddingBagCollection(
         reference.embedding_bag_configs(), fused_optimizer=FusedOptimizerConfig(optimizer, lr=base.LR)
     )
+
+
+def _failing_worker() -> str:
+    """Train at world 1; make the first cache load on the prefetch thread after step k fail, where batch
+    k+1 has samples: step k still returns, step k+1 raises that error, and the other steps ran."""
+    reference = base._ebc()
+    offloaded = _dmp(reference, "fused_uvm_caching", True, 1)
+    pipeline = _pipeline(offloaded, PrefetchTrainPipelineSparseDist)
+    data = base._Data(0, 1, STEPS)
+    k = next(step for step in range(2, STEPS - 1) if base._sizes(step + 1, 1)[0] > 0)
+    armed = [False]
+    lookups = [m for m in offloaded.modules() if isinstance(m, OffloadedEmbeddingLookup)]
+    for module in lookups:
+
+        def failing(rows, slots, _load=module.cache._load):
+            if armed[0] and threading.current_thread().name.startswith("shardkit-offload-prefetch"):
+                armed[0] = False
+                raise OSError(5, "injected read failure")
+            return _load(rows, slots)
+
+        module.cache._load = failing
+    for _ in range(k):
+        pipeline.progress(data)
+    for module in lookups:  # batch k's prefetch (asked for during step k - 1) must not be the one failing
+        module.wait_for_prefetch()
+    armed[0] = True
+    pipeline.progress(data)  # step k: batch k+1's prefetch fails in the background
+    with pytest.raises(OSError, match="injected read failure"):
+        pipeline.progress(data)  # step k+1: its forward raises the worker's error
+    return "raised at the next step"
+
+
+def test_an_exception_in_the_prefetch_thread_is_raised_by_the_next_step():
+    assert run_world(_failing_worker, 1, timeout=300) == ["raised at the next step"]

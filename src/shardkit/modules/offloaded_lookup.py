@@ -360,7 +360,12 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
                 match = record
             elif record.outcome is not None:
                 record.outcome[0].release(dirty=False)
-        failed = [r for r in records if r.error is not None and r is not match]
+        # raised: any failure but the IndexError of the matching prefetch (this forward raises that)
+        failed = [
+            r
+            for r in records
+            if r.error is not None and (r is not match or not isinstance(r.error, IndexError))
+        ]
         if failed:
             if match is not None and match.outcome is not None:
                 match.outcome[0].release(dirty=False)
