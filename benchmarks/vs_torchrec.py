@@ -24,9 +24,11 @@ import importlib.util
 import logging
 import os
 import re
+import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -45,6 +47,37 @@ TORCHREC_DEPS = "tensordict==0.15.3 torchmetrics==1.0.3 pyre-extensions==0.0.32"
 def missing_peers() -> List[str]:
     """The import names of the peer packages this Python lacks (``torchrec``, ``fbgemm_gpu``)."""
     return [name for name in ("torchrec", "fbgemm_gpu") if importlib.util.find_spec(name) is None]
+
+
+def peer_python() -> Optional[str]:
+    """A Python that has torchrec: ``$SHARDKIT_TORCHREC_PYTHON``, else ``~/peers/torchrec/bin/python``
+    (what ``../shared/peers/setup.sh`` builds) if it exists; None inside such a re-run or without one."""
+    if os.environ.get("_SHARDKIT_PEER_RERUN"):
+        return None
+    chosen = os.environ.get("SHARDKIT_TORCHREC_PYTHON") or os.path.expanduser("~/peers/torchrec/bin/python")
+    # venv pythons are links to one interpreter: compare the paths as given, not resolved
+    if not os.path.isfile(chosen) or os.path.abspath(chosen) == os.path.abspath(sys.executable):
+        return None
+    return chosen
+
+
+def run_under_peer_python(module: str, argv: Optional[List[str]]) -> bool:
+    """Re-run ``python -m module argv`` under :func:`peer_python` with THIS checkout's shardkit first on
+    the path (so ``./dev bench`` measures the working tree); False when there is no such Python. Exits
+    with the re-run's exit code when it fails."""
+    python = peer_python()
+    if python is None:
+        return False
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join(filter(None, [str(root / "src"), str(root), os.environ.get("PYTHONPATH")]))
+    argv = sys.argv[1:] if argv is None else argv
+    print(f"{module}: torchrec is not installed here; running under {python} (shardkit from {root / 'src'})")
+    sys.stdout.flush()
+    env = {**os.environ, "PYTHONPATH": path, "_SHARDKIT_PEER_RERUN": "1"}
+    done = subprocess.run([python, "-m", module, *argv], cwd=root, env=env)
+    if done.returncode != 0:
+        sys.exit(done.returncode)
+    return True
 
 
 def missing_peer_message(missing: List[str]) -> str:
@@ -67,23 +100,36 @@ def missing_peer_message(missing: List[str]) -> str:
 SHARDING_TYPES = ["table_wise", "row_wise", "column_wise", "data_parallel"]
 # grid_shard runs with one rank per node (a column block per rank, its rows on that rank): torchrec cuts
 # 128-column blocks and needs one per node, so its --dim must be 128 x --world
-OPTIONAL_TYPES = ["grid_shard"]
+OPTIONAL_TYPES = ["grid_shard", "table_row_wise"]
+OPTIMIZERS = ["sgd", "adagrad", "rowwise_adagrad"]
 LR = 0.01
 
 
+def table_rows(args: Dict[str, Any]) -> List[int]:
+    """Rows of each table: ``args["table_rows"]`` (the sweep's mixed sizes), else ``args["rows"]`` each."""
+    return list(args.get("table_rows") or [args["rows"]] * args["tables"])
+
+
 def _batches(args: Dict[str, Any], rank: int, count: int = 4) -> List[tuple]:
+    """``count`` batches ``(values int64, lengths int64 [tables * batch])``, feature-major like a KJT."""
     gen = torch.Generator().manual_seed(1000 + rank)
+    rows = torch.tensor(table_rows(args), dtype=torch.float64).repeat_interleave(args["batch"])
     out = []
     for _ in range(count):
         lengths = torch.randint(1, 2 * args["pooling"], (args["tables"] * args["batch"],), generator=gen)
-        out.append((torch.randint(0, args["rows"], (int(lengths.sum()),), generator=gen), lengths))
+        # uniform ids in [0, rows of the bag's table)
+        limit = rows.repeat_interleave(lengths)
+        values = (torch.rand(limit.numel(), generator=gen, dtype=torch.float64) * limit).long()
+        out.append((values, lengths))
     return out
 
 
 def _full_tables(args: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(12345)
-    shape = (args["rows"], args["dim"])
-    return {f"t{i}": torch.empty(shape).uniform_(-0.01, 0.01, generator=gen) for i in range(args["tables"])}
+    return {
+        f"t{i}": torch.empty(rows, args["dim"]).uniform_(-0.01, 0.01, generator=gen)
+        for i, rows in enumerate(table_rows(args))
+    }
 
 
 def _reference(args: Dict[str, Any], tables: Dict[str, torch.Tensor], values, lengths) -> List[torch.Tensor]:
@@ -135,13 +181,17 @@ def _build_torchrec(args: Dict[str, Any], kind: str):
 
     # torchrec caches its node groups per process; a pooled worker runs several worlds in turn
     torchrec_comm._INTRA_PG = torchrec_comm._CROSS_PG = None
-    fused = {"sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD}[args["optimizer"]]
+    fused = {
+        "sgd": EmbOptimType.EXACT_SGD,
+        "adagrad": EmbOptimType.EXACT_ADAGRAD,
+        "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    }[args["optimizer"]]
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": fused, "learning_rate": LR})
     configs = [
         EmbeddingBagConfig(
-            name=f"t{i}", embedding_dim=args["dim"], num_embeddings=args["rows"], feature_names=[f"f{i}"]
+            name=f"t{i}", embedding_dim=args["dim"], num_embeddings=rows, feature_names=[f"f{i}"]
         )
-        for i in range(args["tables"])
+        for i, rows in enumerate(table_rows(args))
     ]
     module = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
     plan = construct_module_sharding_plan(
@@ -162,7 +212,7 @@ def _build_torchrec(args: Dict[str, Any], kind: str):
     dense = dict(in_backward_optimizer_filter(model.named_parameters()))
     optimizers = [("fused", model.fused_optimizer)]
     if dense:
-        dense_cls = _dense_optimizer(args)
+        dense_cls = _dense_optimizer(args, "torchrec")
         optimizers.append(("dense", KeyedOptimizerWrapper(dense, lambda params: dense_cls(params, lr=LR))))
     keys = [f"f{i}" for i in range(args["tables"])]
     return model, CombinedOptimizer(optimizers), lambda v, n: KeyedJaggedTensor.from_lengths_sync(keys, v, n)
@@ -180,10 +230,11 @@ def _build_shardkit(args: Dict[str, Any], kind: str):
 
     set_validation(False)  # as torchrec, which does not compare the ranks' inputs either
     configs = [
-        EmbeddingBagConfig(args["rows"], args["dim"], name=f"t{i}", feature_names=[f"f{i}"])
-        for i in range(args["tables"])
+        EmbeddingBagConfig(rows, args["dim"], name=f"t{i}", feature_names=[f"f{i}"])
+        for i, rows in enumerate(table_rows(args))
     ]
-    fused = FusedOptimizerConfig({"sgd": "SGD", "adagrad": "ADAGRAD"}[args["optimizer"]], lr=LR)
+    names = {"sgd": "SGD", "adagrad": "ADAGRAD", "rowwise_adagrad": "ROWWISE_ADAGRAD"}
+    fused = FusedOptimizerConfig(names[args["optimizer"]], lr=LR)
     module = EmbeddingBagCollection(configs, fused_optimizer=fused, device=torch.device("meta"))
     plan = construct_module_sharding_plan(
         module,
@@ -199,7 +250,7 @@ def _build_shardkit(args: Dict[str, Any], kind: str):
         sharders=[EmbeddingBagCollectionSharder()],
     )
     dense = [p for p in model.parameters() if p.requires_grad]
-    dense_optimizer = _dense_optimizer(args)(dense, lr=LR) if dense else None
+    dense_optimizer = _dense_optimizer(args, "shardkit")(dense, lr=LR) if dense else None
     keys = [f"f{i}" for i in range(args["tables"])]
     return (
         model,
@@ -230,7 +281,14 @@ class _Optimizers:
             optimizer.step()
 
 
-def _dense_optimizer(args: Dict[str, Any]):
+def _dense_optimizer(args: Dict[str, Any], lib: str):
+    """The optimizer of data-parallel (dense) tables: torch.optim's; each library's own row-wise Adagrad."""
+    if args["optimizer"] == "rowwise_adagrad":
+        if lib == "torchrec":
+            from torchrec.optim import RowWiseAdagrad
+        else:
+            from shardkit.optim import RowWiseAdagrad
+        return RowWiseAdagrad
     return {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}[args["optimizer"]]
 
 
@@ -249,24 +307,23 @@ def _generators(kind: str, lib: str, tables: int, kernel: Optional[str] = None) 
         "table_wise": lambda i: plans.table_wise(rank=i % world, **extra),
         "row_wise": lambda i: plans.row_wise(**extra),
         "column_wise": lambda i: plans.column_wise(ranks=list(range(world)), **extra),
+        # torchrec's table_row_wise takes no kernel: its sharder's default (FUSED)
+        "table_row_wise": lambda i: plans.table_row_wise(host_index=i % (world // _local_size())),
         # DENSE in both libraries (torchrec's only data-parallel kernel; shardkit's default for a fused
         # collection is FUSED since issue 23), each trained by the same torch.optim optimizer
-        "data_parallel": lambda i: plans.data_parallel(compute_kernel="dense"),
+        "data_parallel": lambda i: plans.data_parallel(
+            **({} if lib == "torchrec" else {"compute_kernel": "dense"})
+        ),
         "grid_shard": lambda i: plans.grid_shard(host_indexes=list(range(world // _local_size()))),
     }[kind]
     return {f"t{i}": make(i) for i in range(tables)}
 
 
-def step_worker(lib: str, kind: str, args: Dict[str, Any]) -> Dict[str, float]:
-    """Build ``lib``'s sharded model, check its forward, time ``args['iters']`` training steps."""
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
-    torch.set_num_threads(1)
-    rank = dist.get_rank()
+def prepare(lib: str, kind: str, args: Dict[str, Any], tables: Dict[str, torch.Tensor], raw: List[tuple]):
+    """Build ``lib``'s sharded model with ``tables``' weights; ``(step, fwd_max_abs_diff)`` where
+    ``step(i)`` runs one training step on batch ``i % len(raw)`` of this rank."""
     model, optimizer, make_kjt = (_build_torchrec if lib == "torchrec" else _build_shardkit)(args, kind)
-    raw = _batches(args, rank)
     features = [make_kjt(v, n) for v, n in raw]
-    tables = _full_tables(args)
     _load_tables(model.state_dict(), tables)
     with torch.no_grad():
         out = model(features[0])
@@ -274,30 +331,49 @@ def step_worker(lib: str, kind: str, args: Dict[str, Any]) -> Dict[str, float]:
         pooled = out.to_dict()
     expected = _reference(args, tables, *raw[0])
     diff = max(float((pooled[f"f{i}"] - expected[i]).abs().max()) for i in range(args["tables"]))
-    del tables
 
-    def step(kjt) -> None:
+    def step(i: int) -> None:
         optimizer.zero_grad()
-        out = model(kjt)
+        out = model(features[i % len(features)])
         out = out.wait() if hasattr(out, "wait") else out
         out.values().pow(2).mean().backward()
         optimizer.step()
 
-    for i in range(args["warmup"]):
-        step(features[i % len(features)])
+    return step, diff
+
+
+def timed(step, iters: int) -> tuple:
+    """Run ``iters`` steps between barriers: ``(slowest rank's wall s, busiest rank's main-thread CPU s)``."""
     dist.barrier()
     wall, cpu = time.perf_counter(), time.thread_time()
-    for i in range(args["iters"]):
-        step(features[i % len(features)])
+    for i in range(iters):
+        step(i)
     cpu = time.thread_time() - cpu
     dist.barrier()
     wall = time.perf_counter() - wall
-    per_rank: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, (wall, cpu, diff))
+    both = torch.tensor([wall, cpu], dtype=torch.float64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return float(both[0]), float(both[1])
+
+
+def step_worker(lib: str, kind: str, args: Dict[str, Any]) -> Dict[str, float]:
+    """Build ``lib``'s sharded model, check its forward, time ``args['iters']`` training steps."""
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    torch.set_num_threads(1)
+    raw = _batches(args, dist.get_rank())
+    tables = _full_tables(args)
+    step, diff = prepare(lib, kind, args, tables, raw)
+    del tables
+    for i in range(args["warmup"]):
+        step(i)
+    wall, cpu = timed(step, args["iters"])
+    diffs: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(diffs, diff)
     return {
-        "steps_per_s": args["iters"] / max(r[0] for r in per_rank),
-        "cpu_ms_per_step": 1e3 * max(r[1] for r in per_rank) / args["iters"],
-        "fwd_max_abs_diff": max(r[2] for r in per_rank),
+        "steps_per_s": args["iters"] / wall,
+        "cpu_ms_per_step": 1e3 * cpu / args["iters"],
+        "fwd_max_abs_diff": max(diffs),
     }
 
 
@@ -312,12 +388,25 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2, help="alternate the libraries this many times")
-    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adagrad"])
+    parser.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS)
     parser.add_argument("--types", nargs="+", default=SHARDING_TYPES, choices=SHARDING_TYPES + OPTIONAL_TYPES)
     parser.add_argument("--out", help="JSON directory (default: a new one outside the checkout)")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="the grid of shapes instead (benchmarks.vs_torchrec_sweep; its options follow, e.g. --quick)",
+    )
+    args_list = sys.argv[1:] if argv is None else list(argv)
+    if "--sweep" in args_list:
+        from benchmarks.vs_torchrec_sweep import main as sweep_main
+
+        sweep_main([a for a in args_list if a != "--sweep"])
+        return
     parsed = parser.parse_args(argv)
     missing = missing_peers()
     if missing:
+        if run_under_peer_python("benchmarks.vs_torchrec", argv):
+            return
         print(missing_peer_message(missing))
         write_results("vs_torchrec", {"skipped": f"not installed: {', '.join(missing)}"}, [], parsed.out)
         return
