@@ -21,8 +21,9 @@ appears. Table sizes: the ``T`` tables of a row have rows spaced geometrically f
 fits 2**27 fp32 values (512 MiB; 2**23 = 32 MiB for data_parallel, whose tables are replicated and get dense
 gradients): 8 tables at dim 16 or 64 reach 1e6, 256 tables at dim 128 reach ~1.6e4. Mean ids per bag
 (bag lengths uniform in [1, 2 * pooling - 1]): 20 for 8 tables, 4 for 64, 2 for 256, so that a sample
-has 160 - 512 ids. ``--quick``: the 9 rows with ``k == (i + 2 * j) % 5`` (each batch x tables cell
-once, each sharding type at least once).
+has 160 - 512 ids. ``--quick``: the 9 rows with ``k == (i + 2 * j + 1) % 5`` (each batch x tables cell
+once, each sharding type at least once, every dim and optimizer; its batch-2048 x 256-table row has dim
+16: at dim 128 that row's pooled output alone is 256 MiB per rank and the step is gloo-bound, ~10 s).
 
 Each row runs in a fresh pair of processes (2 gloo ranks, 1 torch thread each, one node) that build
 both libraries' models on the same weights (forward checked against ``F.embedding_bag``), warm both up,
@@ -64,9 +65,19 @@ POOLING = {8: 20, 64: 4, 256: 2}
 MIN_ROWS, MAX_ROWS = 1_000, 1_000_000
 BUDGET = {"data_parallel": 2**23}  # fp32 values of the whole table set
 DEFAULT_BUDGET = 2**27
-# seconds per row on the idle 2-core machine beyond the timed rounds (processes, build, checks,
-# warm-up): for the duration printed at the start
-SETUP_S = 9.0
+# the duration printed at the start (a rough model of the idle 2-core machine): per row, SETUP_S for
+# processes, build and checks, plus 2 x (warm-up + probe + rounds x iters) steps of about
+# STEP_S + (pooled output bytes per rank) / OUTPUT_BYTES_PER_S seconds each
+SETUP_S = 8.0
+STEP_S = 0.005
+OUTPUT_BYTES_PER_S = 60e6
+
+
+def expected_seconds(config: Dict[str, Any], rounds: int, round_s: float, warmup: int) -> float:
+    """Rough seconds one row takes (see SETUP_S)."""
+    step = STEP_S + 4 * config["batch"] * config["tables"] * config["dim"] / OUTPUT_BYTES_PER_S
+    iters = min(200, max(3, round(round_s / step)))
+    return SETUP_S + 2 * step * (warmup + 2 + rounds * iters)
 
 
 def sizes(tables: int, dim: int, kind: str) -> List[int]:
@@ -93,7 +104,7 @@ def grid(quick: bool = False) -> List[Dict[str, Any]]:
     for i, batch in enumerate(BATCHES):
         for j, tables in enumerate(TABLE_COUNTS):
             for k, kind in enumerate(TYPES):
-                if quick and k != (i + 2 * j) % len(TYPES):
+                if quick and k != (i + 2 * j + 1) % len(TYPES):
                     continue
                 dim = DIMS[(i + j + k) % 3]
                 rows.append(
@@ -177,11 +188,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     numbered = list(enumerate(configs, 1))
     if parsed.only:
         numbered = [(n, c) for n, c in numbered if n in parsed.only]
-    expected = len(numbered) * (SETUP_S + 2 * parsed.rounds * round_s)
+    expected = sum(expected_seconds(c, parsed.rounds, round_s, parsed.warmup) for _, c in numbered)
     print(
-        f"vs_torchrec_sweep: {len(numbered)} rows, expected ~{expected / 60:.0f} min on an idle 2-core "
-        "machine "
-        f"({SETUP_S:.0f} s set-up + {2 * parsed.rounds} rounds x {round_s} s per row)",
+        f"vs_torchrec_sweep: {len(numbered)} rows, expected ~{expected / 60:.1f} min on an idle 2-core "
+        f"machine (more when loaded); {parsed.rounds} alternating rounds of ~{round_s} s per library",
         flush=True,
     )
     print("  #  config" + " " * 40 + "shardkit/s  torchrec/s  ratio  cpu-ratio", flush=True)
