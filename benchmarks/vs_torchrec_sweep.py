@@ -27,9 +27,12 @@ once, each sharding type at least once, every dim and optimizer; its batch-2048 
 
 Each row runs in a fresh pair of processes (2 gloo ranks, 1 torch thread each, one node) that build
 both libraries' models on the same weights (forward checked against ``F.embedding_bag``), warm both up,
-pick one step count for both (about ``--round-s`` seconds per round), then alternate the libraries for
-``--rounds`` rounds. Reported: best round's steps per second (slowest rank), the best round's
-main-thread CPU ms per step (busiest rank), and the ratios shardkit/torchrec (> 1: shardkit is faster).
+pick one step count for both (about ``--round-s`` seconds per round, at least 2 steps), then alternate
+the libraries for ``--rounds`` rounds (fewer, down to 2, where one round of 2 steps is longer than
+``--round-s``: the timed part of a row stays near ``rounds x round-s`` per library). Many short
+rounds, best of each, because on a shared machine a load spike then costs one round, not the row.
+Reported: the best round's steps per second (slowest rank), the least main-thread CPU ms per step
+(busiest rank) over the rounds, and the ratios shardkit/torchrec of both (> 1: shardkit is faster).
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ OUTPUT_BYTES_PER_S = 60e6
 def expected_seconds(config: Dict[str, Any], rounds: int, round_s: float, warmup: int) -> float:
     """Rough seconds one row takes (see SETUP_S)."""
     step = STEP_S + 4 * config["batch"] * config["tables"] * config["dim"] / OUTPUT_BYTES_PER_S
-    iters = min(200, max(3, round(round_s / step)))
+    iters = min(200, max(2, round(round_s / step)))
+    rounds = max(2, min(rounds, int(rounds * round_s / (iters * step))))
     return SETUP_S + 2 * step * (warmup + 2 + rounds * iters)
 
 
@@ -137,7 +141,9 @@ def sweep_worker(config: Dict[str, Any], rounds: int, round_s: float, warmup: in
         for i in range(warmup):
             steps[lib](i)
     probe = max(timed(steps[lib], 2)[0] / 2 for lib in steps)
-    iters = int(min(200, max(3, round(round_s / probe))))
+    iters = int(min(200, max(2, round(round_s / probe))))
+    # a row whose step is longer than a round gets fewer rounds (at least 2), not a longer run
+    rounds = max(2, min(rounds, int(rounds * round_s / (iters * probe))))
     best: Dict[str, List[float]] = {lib: [math.inf, math.inf] for lib in steps}
     for r in range(rounds):
         for lib in ("torchrec", "shardkit") if r % 2 == 0 else ("shardkit", "torchrec"):
@@ -147,6 +153,7 @@ def sweep_worker(config: Dict[str, Any], rounds: int, round_s: float, warmup: in
     dist.all_gather_object(gathered, diffs)
     return {
         "iters": iters,
+        "rounds": rounds,
         **{f"{lib}_steps_per_s": iters / best[lib][0] for lib in steps},
         **{f"{lib}_cpu_ms": 1e3 * best[lib][1] / iters for lib in steps},
         **{f"{lib}_fwd_diff": max(g[lib] for g in gathered) for lib in steps},
@@ -166,8 +173,10 @@ def label(config: Dict[str, Any]) -> str:
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the 9-row subset (< 3 min idle)")
-    parser.add_argument("--rounds", type=int, default=2, help="alternate the libraries this many times")
-    parser.add_argument("--round-s", type=float, default=None, help="seconds per round (1.0; quick 0.5)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="alternate the libraries this many times (6; quick 4)"
+    )
+    parser.add_argument("--round-s", type=float, default=None, help="seconds per round (0.5; quick 0.25)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per library")
     parser.add_argument("--only", nargs="+", type=int, help="run only these row numbers (1-based)")
     parser.add_argument("--out", help="JSON directory (default: a new one outside the checkout)")
@@ -183,7 +192,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     from benchmarks.vs_torchrec_sweep import sweep_worker as worker  # workers unpickle it by module name
     from shardkit.testing import WorldError, run_world, shutdown_workers
 
-    round_s = parsed.round_s or (0.5 if parsed.quick else 1.0)
+    # many short alternating rounds, best of each: a load spike on a shared machine costs one round
+    round_s = parsed.round_s or (0.25 if parsed.quick else 0.5)
+    parsed.rounds = parsed.rounds or (4 if parsed.quick else 6)
     configs = grid(parsed.quick)
     numbered = list(enumerate(configs, 1))
     if parsed.only:
