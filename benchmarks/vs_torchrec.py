@@ -50,15 +50,16 @@ def missing_peers() -> List[str]:
 
 
 def peer_python() -> Optional[str]:
-    """A Python that has torchrec: ``$SHARDKIT_TORCHREC_PYTHON``, else ``~/peers/torchrec/bin/python``
-    (what ``../shared/peers/setup.sh`` builds) if it exists; None inside such a re-run or without one."""
-    if os.environ.get("_SHARDKIT_PEER_RERUN"):
+    """A Python that has torchrec, named by ``$SHARDKIT_TORCHREC_PYTHON`` (e.g. the venv that
+    ``../shared/peers/setup.sh`` builds, ``~/peers/torchrec/bin/python``); None when unset, inside such
+    a re-run, or when it is this Python. Raises ``FileNotFoundError`` when it names no file."""
+    chosen = os.environ.get("SHARDKIT_TORCHREC_PYTHON")
+    if not chosen or os.environ.get("_SHARDKIT_PEER_RERUN"):
         return None
-    chosen = os.environ.get("SHARDKIT_TORCHREC_PYTHON") or os.path.expanduser("~/peers/torchrec/bin/python")
+    if not os.path.isfile(chosen):
+        raise FileNotFoundError(f"SHARDKIT_TORCHREC_PYTHON={chosen}: no such file")
     # venv pythons are links to one interpreter: compare the paths as given, not resolved
-    if not os.path.isfile(chosen) or os.path.abspath(chosen) == os.path.abspath(sys.executable):
-        return None
-    return chosen
+    return None if os.path.abspath(chosen) == os.path.abspath(sys.executable) else chosen
 
 
 def run_under_peer_python(module: str, argv: Optional[List[str]]) -> bool:

@@ -1,9 +1,9 @@
 """shardkit vs torchrec over a grid of shapes: the sharded EmbeddingBagCollection training step.
 
 ``python -m benchmarks.vs_torchrec_sweep [--quick]`` (also ``python -m benchmarks.vs_torchrec --sweep``,
-``./dev bench vs_torchrec_sweep [--quick]``). Needs torchrec 1.8 + fbgemm-gpu next to shardkit; a Python
-without them re-runs this under ``$SHARDKIT_TORCHREC_PYTHON`` or ``~/peers/torchrec/bin/python`` when
-one exists (see :mod:`benchmarks.vs_torchrec`).
+``SHARDKIT_TORCHREC_PYTHON=~/peers/torchrec/bin/python ./dev bench vs_torchrec_sweep [--quick]``). Needs
+torchrec 1.8 + fbgemm-gpu next to shardkit; a Python without them re-runs this under
+``$SHARDKIT_TORCHREC_PYTHON`` when set, with this checkout's shardkit first on the path.
 
 The grid. Axes: batch per rank 32 / 256 / 2048 (index ``i``); tables 8 / 64 / 256 (``j``); sharding
 type table_wise / row_wise / column_wise / table_row_wise / data_parallel (``k``; grid_shard is left out:

@@ -137,9 +137,10 @@ def test_the_default_output_is_never_the_committed_results(monkeypatch):
     assert bench.default_out_dir() == bench.Path("/some/chosen/dir")
 
 
-def test_a_missing_torchrec_is_explained_with_the_packages_to_install(tmp_path, capsys):
+def test_a_missing_torchrec_is_explained_with_the_packages_to_install(tmp_path, capsys, monkeypatch):
     from benchmarks import vs_torchrec
 
+    monkeypatch.delenv("SHARDKIT_TORCHREC_PYTHON", raising=False)  # no re-run under a peer's Python
     message = vs_torchrec.missing_peer_message(["torchrec", "fbgemm_gpu"])
     for package in ("torchrec==1.8.0", "fbgemm-gpu==1.8.0", "fbgemm-gpu-cpu==1.8.0", "pip install"):
         assert package in message

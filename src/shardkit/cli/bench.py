@@ -54,6 +54,8 @@ QUICK_ARGS: Dict[str, List[str]] = {
         *("--tables", "2", "--rows", "1000", "--dim", "8", "--batch", "32", "--pooling", "2"),
         *("--iters", "2", "--warmup", "1", "--rounds", "1", "--types", "table_wise"),
     ],
+    # the sweep's 9-row subset: real figures, under 3 minutes on the idle 2-core machine
+    "vs_torchrec_sweep": ["--quick"],
     "managed_collision": [
         *("--slots", "1000", "--batch", "10000", "--rows", "1000", "--dim", "8"),
         *("--step-batch", "64", "--pooling", "2", "--repeats", "1"),
