@@ -27,9 +27,9 @@ once, each sharding type at least once, every dim and optimizer; its batch-2048 
 
 Each row runs in a fresh pair of processes (2 gloo ranks, 1 torch thread each, one node) that build
 both libraries' models on the same weights (forward checked against ``F.embedding_bag``), warm both up,
-pick one step count for both (about ``--round-s`` seconds per round, at least 2 steps), then alternate
-the libraries for ``--rounds`` rounds (fewer, down to 2, where one round of 2 steps is longer than
-``--round-s``: the timed part of a row stays near ``rounds x round-s`` per library). Many short
+time one more step of each and pick one step count for both (about ``--round-s`` seconds per round, at
+least 1 step), then alternate the libraries for ``--rounds`` rounds (fewer, down to 2, where one step is
+longer than a round: the timed part of a row stays near ``rounds x round-s`` per library). Many short
 rounds, best of each, because on a shared machine a load spike then costs one round, not the row.
 Reported: the best round's steps per second (slowest rank), the least main-thread CPU ms per step
 (busiest rank) over the rounds, and the ratios shardkit/torchrec of both (> 1: shardkit is faster).
@@ -69,7 +69,7 @@ MIN_ROWS, MAX_ROWS = 1_000, 1_000_000
 BUDGET = {"data_parallel": 2**23}  # fp32 values of the whole table set
 DEFAULT_BUDGET = 2**27
 # the duration printed at the start (a rough model of the idle 2-core machine): per row, SETUP_S for
-# processes, build and checks, plus 2 x (warm-up + probe + rounds x iters) steps of about
+# processes, build and checks, plus 2 x (warm-up + 1 probe + rounds x iters) steps of about
 # STEP_S + (pooled output bytes per rank) / OUTPUT_BYTES_PER_S seconds each
 SETUP_S = 8.0
 STEP_S = 0.005
@@ -79,9 +79,9 @@ OUTPUT_BYTES_PER_S = 60e6
 def expected_seconds(config: Dict[str, Any], rounds: int, round_s: float, warmup: int) -> float:
     """Rough seconds one row takes (see SETUP_S)."""
     step = STEP_S + 4 * config["batch"] * config["tables"] * config["dim"] / OUTPUT_BYTES_PER_S
-    iters = min(200, max(2, round(round_s / step)))
+    iters = min(200, max(1, round(round_s / step)))
     rounds = max(2, min(rounds, int(rounds * round_s / (iters * step))))
-    return SETUP_S + 2 * step * (warmup + 2 + rounds * iters)
+    return SETUP_S + 2 * step * (warmup + 1 + rounds * iters)
 
 
 def sizes(tables: int, dim: int, kind: str) -> List[int]:
@@ -140,8 +140,8 @@ def sweep_worker(config: Dict[str, Any], rounds: int, round_s: float, warmup: in
     for lib in steps:
         for i in range(warmup):
             steps[lib](i)
-    probe = max(timed(steps[lib], 2)[0] / 2 for lib in steps)
-    iters = int(min(200, max(2, round(round_s / probe))))
+    probe = max(timed(steps[lib], 1)[0] for lib in steps)  # one more untimed step each
+    iters = int(min(200, max(1, round(round_s / probe))))
     # a row whose step is longer than a round gets fewer rounds (at least 2), not a longer run
     rounds = max(2, min(rounds, int(rounds * round_s / (iters * probe))))
     best: Dict[str, List[float]] = {lib: [math.inf, math.inf] for lib in steps}
@@ -177,7 +177,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         "--rounds", type=int, default=None, help="alternate the libraries this many times (6; quick 4)"
     )
     parser.add_argument("--round-s", type=float, default=None, help="seconds per round (0.5; quick 0.25)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per library")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per library (+1 probe)")
     parser.add_argument("--only", nargs="+", type=int, help="run only these row numbers (1-based)")
     parser.add_argument("--out", help="JSON directory (default: a new one outside the checkout)")
     parsed = parser.parse_args(argv)
