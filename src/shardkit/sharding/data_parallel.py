@@ -65,7 +65,8 @@ class _DataParallel(EmbeddingShardingImpl):
         self, ctx: ShardingContext, features: KeyedJaggedTensor
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         record_input(ctx, features)
-        ctx.sent_lengths_per_key = [features.length_per_key()[i] for i in self._permute]
+        per_key = features.length_per_key()  # a new list per call: read once, not once per feature
+        ctx.sent_lengths_per_key = [per_key[i] for i in self._permute]
         local = features if self._permute == sorted(self._permute) else features.permute(self._permute)
         weights = local.weights_or_none()
         if weights is not None and weights.requires_grad and get_gradient_division() and self.world_size > 1:
@@ -74,7 +75,6 @@ class _DataParallel(EmbeddingShardingImpl):
             local = with_weights(local, CommOpGradientScaling.apply(weights, 1.0 / self.world_size))
         ctx.sent_batches = local.stride_per_key()
         return NoWait(NoWait(local))
-
 
     def _lookup(self, *args, **kwargs) -> ShardedGroupedLookup:
         """The DENSE kernel's lookup, or the FUSED one's whose update is all-reduced first."""
