@@ -203,6 +203,11 @@ def _build_torchrec(args: Dict[str, Any], kind: str):
         world_size=dist.get_world_size(),
         device_type="cpu",
     )
+    if kind == "table_row_wise":
+        # torchrec's table_row_wise generator takes no kernel and gives DENSE (full-table gradients and
+        # the dense optimizer); the other types run FUSED, and so must this one
+        for sharding in plan.values():
+            sharding.compute_kernel = EmbeddingComputeKernel.FUSED.value
     model = DistributedModelParallel(
         _Wrapper(module),
         env=ShardingEnv.from_process_group(dist.group.WORLD),
@@ -308,7 +313,7 @@ def _generators(kind: str, lib: str, tables: int, kernel: Optional[str] = None) 
         "table_wise": lambda i: plans.table_wise(rank=i % world, **extra),
         "row_wise": lambda i: plans.row_wise(**extra),
         "column_wise": lambda i: plans.column_wise(ranks=list(range(world)), **extra),
-        # torchrec's table_row_wise takes no kernel: its sharder's default (FUSED)
+        # torchrec's table_row_wise takes no kernel (set to FUSED in _build_torchrec)
         "table_row_wise": lambda i: plans.table_row_wise(host_index=i % (world // _local_size())),
         # DENSE in both libraries (torchrec's only data-parallel kernel; shardkit's default for a fused
         # collection is FUSED since issue 23), each trained by the same torch.optim optimizer
