@@ -7,7 +7,8 @@ Without them it says which package to install and exits 0.
 Both libraries get the same tables (``--tables`` x ``--rows`` x ``--dim`` fp32, SUM pooling), the same
 forced plan per sharding type, the same batches (``--batch`` samples per rank, bag lengths uniform in
 ``[1, 2 * pooling - 1]``, uniform ids), the same weights, and a fused optimizer applied in backward
-(``--optimizer sgd|adagrad``; dense tables under data_parallel get the same optimizer in torch.optim).
+(``--optimizer sgd|adagrad|rowwise_adagrad``; dense tables under data_parallel get the same rule as a
+dense optimizer: torch.optim's, or each library's own ``RowWiseAdagrad``).
 The step is ``loss = pooled.pow(2).mean(); loss.backward(); optimizer.step()``, 1 torch thread per rank,
 gloo. Before timing, each library's forward is checked against ``F.embedding_bag`` on the same weights
 (``fwd_max_abs_diff``). The libraries alternate for ``--rounds`` rounds and each keeps its best round.
@@ -15,6 +16,9 @@ gloo. Before timing, each library's forward is checked against ``F.embedding_bag
 Columns: steps per second (the slowest rank's wall time), main-thread CPU milliseconds per step (the
 busiest rank; less sensitive than wall time to other load on a shared machine) and the ratios
 shardkit/torchrec of both (> 1 means shardkit is faster).
+
+``--sweep`` runs :mod:`benchmarks.vs_torchrec_sweep` (a grid of shapes) instead; its options follow.
+Without torchrec here and with ``$SHARDKIT_TORCHREC_PYTHON`` set, the script re-runs under that Python.
 """
 
 from __future__ import annotations
