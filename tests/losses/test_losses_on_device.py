@@ -1,6 +1,7 @@
 """The vocab-parallel losses on one device without a group, against PyTorch's functions on the CPU.
 
-Runs on ``cpu`` in the normal suite and on ``cuda`` where a GPU exists (marked ``cuda``;
+Runs on ``cpu`` (default, native C++ kernels forced, pure-torch blocks forced) in the normal suite
+and on ``cuda`` where a GPU exists (marked ``cuda``;
 ``tools/device_check.sh`` runs them on a GPU machine). On CUDA the plain loss runs the Triton
 cross-entropy kernels by default: the ``triton`` case forces them (an error if they cannot run the
 call) and the ``auto`` case checks the default glue; the smoothed loss takes the torch blocks there.
@@ -29,6 +30,9 @@ CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reas
 # (device, backend forced or None)
 PATHS = [
     pytest.param("cpu", None, id="cpu"),
+    # the native C++ kernels (fp32 / bf16 on CPU; built on this machine) and the pure-torch blocks
+    pytest.param("cpu", "native", id="cpu-native"),
+    pytest.param("cpu", "torch", id="cpu-torch"),
     pytest.param("cuda", None, id="cuda-auto", marks=CUDA),
     pytest.param("cuda", "triton", id="cuda-triton", marks=CUDA),
     pytest.param("cuda", "torch", id="cuda-torch", marks=CUDA),

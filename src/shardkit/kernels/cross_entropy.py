@@ -3,20 +3,28 @@
 ``shardkit.losses`` computes per-token statistics of a ``[T, V/tp]`` shard in forward and the softmax
 gradient in backward. On CUDA, when ``triton`` imports, the plain loss (no soft-capping, temperature 1,
 no label smoothing, no z-loss) runs each pass as one Triton kernel (:mod:`shardkit.kernels.triton_ce`:
-one read of the shard per pass); every other case, and every CPU tensor, runs the pure-torch blocks of
+one read of the shard per pass). On CPU, fp32 / bf16 logits without soft-capping run the native C++
+kernels of ``csrc/cross_entropy.cpp`` (:func:`native_ce_kernels`: one read of the shard for the
+statistics, one read and one write for the gradient) when they build on this machine; every other
+case (fp16 / fp64, soft-capping, ``SHARDKIT_NATIVE=0``, no compiler) runs the pure-torch blocks of
 ``shardkit.losses.statistics``. :func:`shardkit.kernels.kernel_backend` forces the choice, as for the
-embedding ops ("torch" and "native" both mean the pure-torch blocks here: there is no C++ CE kernel).
+embedding ops ("torch": the pure-torch blocks; "native": the C++ kernels, or a RuntimeError saying why
+they cannot run the call).
 """
 
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from shardkit.kernels.embedding import forced_backend
+from shardkit.kernels.native_build import native_ops
+
+# the dtypes csrc/cross_entropy.cpp reads (fp64 keeps the torch path: gradcheck wants fp64 work)
+NATIVE_CE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _triton_ce() -> Optional[ModuleType]:
@@ -47,4 +55,29 @@ def triton_ce_kernels(logits2d: torch.Tensor, unsupported: Optional[str]) -> Opt
     return kernels if runnable and unsupported is None else None
 
 
-__all__ = ["triton_ce_kernels"]
+def native_ce_kernels(logits2d: torch.Tensor, unsupported: Optional[str]) -> Optional[Any]:
+    """``torch.ops.shardkit_native`` when its CE kernels run this CPU shard, else None (torch blocks).
+
+    ``logits2d``: ``[T, V/tp]``. ``unsupported``: what the call needs that the native kernels lack
+    (soft-capping), or None. Under ``kernel_backend("native")`` a call they cannot run raises
+    RuntimeError saying why; under ``kernel_backend("torch")`` (or "triton") they are not used.
+    """
+    forced = forced_backend()
+    if forced not in (None, "native") or logits2d.device.type != "cpu":
+        return None
+    problem = unsupported
+    if problem is None and logits2d.dtype not in NATIVE_CE_DTYPES:
+        problem = f"{logits2d.dtype} logits (native: {', '.join(map(str, NATIVE_CE_DTYPES))})"
+    if problem is None and logits2d.dim() == 2 and logits2d.size(1) > 1 and logits2d.stride(1) != 1:
+        problem = "logits whose rows are not contiguous"
+    ops = native_ops() if problem is None else None
+    if problem is None and ops is None:
+        problem = "the native kernels are not built (see shardkit.kernels.native_failure())"
+    if problem is not None:
+        if forced == "native":
+            raise RuntimeError(f"the native cross-entropy kernels cannot run this call: {problem}")
+        return None
+    return ops
+
+
+__all__ = ["NATIVE_CE_DTYPES", "native_ce_kernels", "triton_ce_kernels"]

@@ -25,7 +25,14 @@ from typing import Any, List, Optional
 
 import torch
 
-_SOURCES = ["embedding.cpp", "bucketize.cpp", "jagged.cpp", "quant_embedding.cpp", "row_io.cpp"]
+_SOURCES = [
+    "embedding.cpp",
+    "bucketize.cpp",
+    "jagged.cpp",
+    "quant_embedding.cpp",
+    "row_io.cpp",
+    "cross_entropy.cpp",
+]
 _LOCK = threading.Lock()
 _loaded: Optional[Any] = None
 _tried = False

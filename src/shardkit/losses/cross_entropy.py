@@ -27,13 +27,15 @@ numbers over ``dp_group``. Backward: none.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from shardkit.kernels.cross_entropy import triton_ce_kernels
+from shardkit.kernels.cpu_cache import cache_sizes, columns_in_cache
+from shardkit.kernels.cross_entropy import native_ce_kernels, triton_ce_kernels
 from shardkit.losses import statistics as st
 from shardkit.losses.checks import option_problems, validate_call
 from shardkit.losses.dtensor import plain_tensor, resolve_vocab_shard
@@ -122,8 +124,9 @@ def prepare_cross_entropy(
 
 
 def _flat(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # reshape is a view for contiguous logits; a non-contiguous input is copied once (documented)
-    return logits.reshape(-1, logits.size(-1)), target.reshape(-1)
+    # reshape is a view for contiguous logits; a non-contiguous input is copied once (documented). The
+    # row count is explicit: -1 is ambiguous for a rank whose shard has no columns
+    return logits.reshape(math.prod(logits.shape[:-1]), logits.size(-1)), target.reshape(-1)
 
 
 # a target id no call can have: the Triton kernels' "ignore" value when nothing is ignored
@@ -184,10 +187,47 @@ def cross_entropy_forward(
         _, _, active = st.local_target_index(target1d, opts.shard, opts.ignore_index)
         stats = triton_statistics(kernels, logits2d, target1d, opts)
         return loss_from_statistics(stats, active, target.shape, opts)
+    native = native_kernels(logits2d, opts)
+    if native is not None:  # CPU fp32 / bf16: one read of the shard
+        index, owned, active = st.local_target_index(target1d, opts.shard, opts.ignore_index)
+        stats = native_statistics(native, logits2d, index, owned, opts)
+        return loss_from_statistics(stats, active, target.shape, opts)
     # cache-sized blocks: the statistics read each block of logits once and reuse one small buffer
-    rows = st.cache_rows(opts.shard.width, opts.rows, logits.device)
+    rows = st.cache_rows(opts.shard.width, opts.rows, logits.device, logits.element_size())
     source = lambda i0, i1: logits2d[i0:i1]  # noqa: E731
     return loss_from_source(source, logits2d.dtype, target1d, target.shape, opts, rows=rows)
+
+
+def native_kernels(logits2d: torch.Tensor, opts: CrossEntropyOptions):
+    """The native CPU CE kernels when they run this call (fp32 / bf16, no soft-capping), else None."""
+    return native_ce_kernels(logits2d, "soft-capping" if opts.transform.softcap is not None else None)
+
+
+def native_statistics(ops, logits2d, index, owned, opts: CrossEntropyOptions) -> torch.Tensor:
+    """This shard's ``[T, 3]`` (``[T, 4]`` with label smoothing) fp32 statistics of ``logits2d``
+    ``[T, w]`` by the native kernel: each row is read once, in chunks sized to this CPU's L1d
+    (``shardkit.kernels.cpu_cache``) so that the chunk's exp-sum re-reads it from L1."""
+    chunk = columns_in_cache(logits2d.element_size(), cache_sizes().l1d)
+    return ops.ce_statistics(
+        logits2d, index, owned, opts.shard.real_width, 1.0 / opts.transform.temperature,
+        opts.label_smoothing > 0.0, chunk,
+    )  # fmt: skip
+
+
+def native_gradient(ops, logits2d, out, lse, coefficients, opts: CrossEntropyOptions) -> torch.Tensor:
+    """``out`` ``[T, w]`` (the logits' dtype or fp32; may be ``logits2d``) = the gradient of
+    ``softmax_gradient_blocks`` with the ``coefficients`` of :func:`gradient_coefficients`, written by
+    the native kernel in one pass (one read of the logits, one write of ``out``)."""
+    index, owned, active, coef_p, coef_target, coef_uniform = coefficients
+    scale = 1.0 / opts.transform.temperature
+    # d z / d x = 1 / temperature folded into the coefficients; contiguous fp32 [T] each
+    minus_target = torch.where(owned, -coef_target, torch.zeros_like(coef_target)) * scale
+    coef_p = (coef_p * scale).float().contiguous()
+    coef_uniform = None if coef_uniform is None else (coef_uniform * scale).float().contiguous()
+    return ops.ce_gradient(
+        logits2d, out, lse.float().contiguous(), coef_p, minus_target.float().contiguous(), coef_uniform,
+        index.contiguous(), active.contiguous(), opts.shard.real_width, scale,
+    )  # fmt: skip
 
 
 def loss_from_source(
@@ -205,6 +245,14 @@ def loss_from_source(
     num_rows = target1d.numel()
     index, owned, active = st.local_target_index(target1d, opts.shard, opts.ignore_index)
     smoothing = opts.label_smoothing > 0.0
+    native = native_kernels(torch.empty(0, opts.shard.width, dtype=dtype, device=target1d.device), opts)
+    if native is not None:  # CPU fp32 / bf16: each block of logits read once by the native kernel
+        blocks = st.row_blocks(num_rows, opts.rows if rows is None else rows)
+        parts = [
+            native_statistics(native, source(i0, i1), index[i0:i1], owned[i0:i1], opts) for i0, i1 in blocks
+        ]
+        stats = torch.cat(parts) if parts else torch.zeros(0, 4 if smoothing else 3, device=target1d.device)
+        return loss_from_statistics(stats, active, out_shape, opts)
     stats = st.shard_statistics(
         source,
         num_rows,
@@ -302,9 +350,13 @@ def cross_entropy_backward(
     if kernels is not None:
         g = per_token_grad(grad_output, opts.reduction, count, target1d.numel(), lse.dtype)
         return triton_gradient(kernels, logits2d, target1d, lse, g, opts, out=grad).view(logits.shape)
+    native = native_kernels(logits2d, opts)
+    if native is not None:  # CPU fp32 / bf16: one read of the logits, one write of the gradient
+        coefficients = gradient_coefficients(grad_output, target1d, lse, count, vocab, opts)
+        return native_gradient(native, logits2d, grad, lse, coefficients, opts).view(logits.shape)
     # cache-sized blocks written straight into the gradient: one read of the logits, one write of the
     # gradient, instead of one memory pass per step (the blocks are within the chunk_size bound)
-    rows = st.cache_rows(opts.shard.width, opts.rows, logits.device)
+    rows = st.cache_rows(opts.shard.width, opts.rows, logits.device, logits.element_size())
     source = lambda i0, i1: logits2d[i0:i1]  # noqa: E731
     for _ in gradient_blocks(source, grad_output, target1d, lse, count, vocab, opts, out=grad, rows=rows):
         pass

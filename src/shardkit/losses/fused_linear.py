@@ -33,6 +33,7 @@ callers that reduce it themselves (e.g. fused into a sequence-parallel reduce-sc
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -47,6 +48,9 @@ from shardkit.losses.cross_entropy import (
     loss_coefficients,
     loss_from_source,
     loss_from_statistics,
+    native_gradient,
+    native_kernels,
+    native_statistics,
     per_token_grad,
     reduce_tokens,
     token_loss,
@@ -107,10 +111,14 @@ class _FusedLinearLoss(torch.autograd.Function):
         weight_t = weight.t()
         column_logits = lambda c0, c1: hidden2d @ weight_t[:, c0:c1]  # noqa: E731
         kernels = triton_kernels(hidden2d.new_empty(0, width), opts)
+        native = native_kernels(hidden2d.new_empty(0, width), opts)
         if kernels is not None:  # CUDA, the plain loss: one Triton gradient pass per column block
             blocks = _triton_column_blocks(
                 kernels, column_logits, width, columns, target1d, lse, coef_p, opts
             )
+        elif native is not None:  # CPU fp32 / bf16: one native pass over each column block
+            coefficients = (index, owned, active, coef_p, coef_target, coef_uniform)
+            blocks = _native_column_blocks(native, column_logits, width, columns, lse, coefficients, opts)
         else:
             blocks = st.softmax_gradient_column_blocks(
                 column_logits,
@@ -148,6 +156,24 @@ def _triton_column_blocks(kernels, column_logits, width, columns, target1d, lse,
         yield c0, c1, triton_gradient(kernels, logits, target1d, lse, coef_p, opts, out=logits, c0=c0)
 
 
+def _native_column_blocks(ops, column_logits, width, columns, lse, coefficients, opts: CrossEntropyOptions):
+    """Yield ``(c0, c1, gradient of the logits' columns [c0, c1))`` ``[T, c1 - c0]`` in the input
+    dtype, each written over its recomputed logits by the native gradient kernel."""
+    index, owned, active, coef_p, coef_target, coef_uniform = coefficients
+    shard = opts.shard
+    for c0 in range(0, width, columns):
+        c1 = min(width, c0 + columns)
+        logits = column_logits(c0, c1)
+        # these columns as a shard of their own: their real columns, and the targets that fall in them
+        block = st.VocabShard(shard.start + c0, shard.start + c1, max(0, min(shard.real_width, c1) - c0))
+        here = owned & (index >= c0) & (index < c1)
+        local = torch.where(here, index - c0, torch.zeros_like(index))
+        sub = dataclasses.replace(opts, shard=block)
+        yield c0, c1, native_gradient(
+            ops, logits, logits, lse, (local, here, active, coef_p, coef_target, coef_uniform), sub
+        )
+
+
 def _loss_and_gradients(hidden2d, weight, target1d, opts: CrossEntropyOptions, want_hidden, want_weight):
     """The loss of a scalar reduction and its gradients for an incoming gradient of 1, in one pass.
 
@@ -168,12 +194,15 @@ def _loss_and_gradients(hidden2d, weight, target1d, opts: CrossEntropyOptions, w
     weight_t = weight.t()
     pieces = st.cache_rows(shard.width, opts.rows, hidden2d.device)
     kernels = triton_kernels(hidden2d.new_empty(0, shard.width), opts)
+    native = native_kernels(hidden2d.new_empty(0, shard.width), opts)
     for i0, i1 in st.row_blocks(num_rows, opts.rows):
         logits = hidden2d[i0:i1] @ weight_t  # [c, V/tp], the work dtype (fp32 / fp64 inputs only)
         block = lambda a, b, logits=logits: logits[a:b]  # noqa: E731
         rows = slice(i0, i1)
         if kernels is not None:  # CUDA, the plain loss: one Triton pass per step
             stats = triton_statistics(kernels, logits, target1d[rows], opts)
+        elif native is not None:  # CPU: one native read of the block
+            stats = native_statistics(native, logits, index[rows], owned[rows], opts)
         else:
             stats = st.shard_statistics(
                 block, i1 - i0, shard, transform, index[rows], owned[rows], pieces,
@@ -184,6 +213,10 @@ def _loss_and_gradients(hidden2d, weight, target1d, opts: CrossEntropyOptions, w
         # the gradient overwrites the logits (no second [c, V/tp] buffer)
         if kernels is not None:
             triton_gradient(kernels, logits, target1d[rows], lse, ones[rows], opts, out=logits)
+        elif native is not None:  # CPU: one native pass, written over the logits
+            coefs = loss_coefficients(ones[rows], lse, vocab, opts)
+            coefficients = (index[rows], owned[rows], active[rows], *coefs)
+            native_gradient(native, logits, logits, lse, coefficients, opts)
         else:
             coef_p, coef_target, coef_uniform = loss_coefficients(ones[rows], lse, vocab, opts)
             for _ in st.softmax_gradient_blocks(

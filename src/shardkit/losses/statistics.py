@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.distributed.agreement import all_gather_flat, group_size
+from shardkit.kernels.cpu_cache import cache_sizes, rows_in_cache
 
 Source = Callable[[int, int], torch.Tensor]
 
@@ -132,19 +133,18 @@ def aligned(n: int) -> int:
     return -(-max(1, n) // GEMM_ALIGNMENT) * GEMM_ALIGNMENT
 
 
-# a backward block of this many elements (4 MiB of fp32) stays in cache between the in-place steps,
-# and is large enough that the per-block cost of the torch calls stays small (measured on CPU:
-# blocks of 1 to 16 rows of 64000 columns run alike, 131 rows is 20% slower)
-CACHE_BLOCK_ELEMENTS = 1 << 20
-
-
-def cache_rows(width: int, limit: int, device: torch.device) -> int:
-    """Rows per block: on CPU as many as fit ``CACHE_BLOCK_ELEMENTS`` (at least 1, at most ``limit``);
-    elsewhere ``limit``, because each block costs a few kernel launches (16-row blocks of a 64000-wide
-    shard made a GPU's cross-entropy 60x slower than ``F.cross_entropy``, measured on an H100)."""
+def cache_rows(width: int, limit: int, device: torch.device, item_bytes: int = 4, work_bytes: int = 4) -> int:
+    """Rows per block: on CPU as many as keep one block's working set (the source rows, ``item_bytes``
+    per element, and the work rows, ``work_bytes``) within half of this CPU's L2
+    (:func:`shardkit.kernels.cpu_cache.rows_in_cache`), at least 1, at most ``limit``: the in-place
+    steps between (sub, exp, mul, scatter) then re-read the block from L2, not from memory. The L2 size
+    is read from the machine (a constant 4 MiB block, tuned where it sat in L3, made the backward 1.7x
+    slower on a CPU with a 2 MiB L2 per core). Elsewhere ``limit``, because each block costs a few
+    kernel launches (16-row blocks of a 64000-wide shard made a GPU's cross-entropy 60x slower than
+    ``F.cross_entropy``, measured on an H100)."""
     if device.type != "cpu":
         return max(1, limit)
-    return max(1, min(limit, CACHE_BLOCK_ELEMENTS // max(1, width)))
+    return rows_in_cache(max(1, width) * (item_bytes + work_bytes), cache_sizes().l2, limit)
 
 
 def row_blocks(num_rows: int, rows: int) -> Iterator[tuple[int, int]]:
@@ -293,8 +293,9 @@ def _plain_statistics(
             buffer = torch.empty((i1 - i0, real), dtype=dtype, device=x.device)
         work = buffer[: i1 - i0]
         if inv_t != 1.0:
-            torch.mul(xr, inv_t, out=work)
-            work.sub_(shift[:, None])
+            # convert first, then scale in the work dtype (torch.mul(bf16, t, out=fp32) would round the
+            # product to bf16: losses off by 2% at temperature 0.7)
+            work.copy_(xr).mul_(inv_t).sub_(shift[:, None])
         else:
             torch.sub(xr, shift[:, None], out=work)
         stats[i0:i1, SUMEXP] = work.exp_().sum(1)
@@ -380,8 +381,7 @@ def softmax_gradient_blocks(
             # z - lse straight into the output rows: no fresh buffer, no copy at the end
             grad, derivative = out[i0:i1], None
             if scale is not None:
-                torch.mul(source(i0, i1), scale, out=grad)
-                grad.sub_(lse[i0:i1, None])
+                grad.copy_(source(i0, i1)).mul_(scale).sub_(lse[i0:i1, None])  # scaled in the work dtype
             else:
                 torch.sub(source(i0, i1), lse[i0:i1, None], out=grad)
             _mask_padding(grad, shard)

@@ -1,0 +1,121 @@
+"""This CPU's data-cache sizes, and the block sizes the CPU loss kernels derive from them.
+
+Block sizes of streaming kernels are chosen from the cache they must fit, read from the machine, never
+tuned to one CPU: a block tuned on one cache size (4 MiB of fp32 per block, sized on a CPU where it
+sat in L3) ran the vocab-parallel cross-entropy's backward at 0.6x Megatron's speed on a CPU with
+another cache hierarchy.
+
+Sources, in order: Linux sysfs (``/sys/devices/system/cpu/cpu0/cache/index*/{level,type,size}``), then
+``os.sysconf`` (``SC_LEVEL1_DCACHE_SIZE`` / ``SC_LEVEL2_CACHE_SIZE`` where the platform has them), then
+:data:`FALLBACK` (32 KiB L1d, 1 MiB L2: at or below the per-core caches of every x86 server CPU of the
+last decade, so a fallback block is never too large for the cache, only possibly smaller than best).
+The sizes are read once per process (:func:`cache_sizes`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+SYSFS_CACHE = "/sys/devices/system/cpu/cpu0/cache"
+
+
+@dataclass(frozen=True)
+class CacheSizes:
+    """Per-core data-cache sizes in bytes and where they came from ("sysfs", "sysconf", "fallback")."""
+
+    l1d: int
+    l2: int
+    source: str
+
+
+FALLBACK = CacheSizes(l1d=32 * 1024, l2=1024 * 1024, source="fallback")
+
+
+def parse_size(text: str) -> Optional[int]:
+    """Bytes from a sysfs size such as ``"48K"``, ``"2048K"``, ``"2M"`` or ``"512"``; None if invalid."""
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    digits = text[:-1] if text[-1:] in ("K", "M", "G") else text
+    if not digits.isdigit():
+        return None
+    value = int(digits) * scale
+    return value if value > 0 else None
+
+
+def _read(path: Path) -> Optional[str]:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def sysfs_cache_sizes(root: str = SYSFS_CACHE) -> Optional[CacheSizes]:
+    """The L1 data and L2 sizes from sysfs under ``root``, or None when either is missing or invalid."""
+    found = {}
+    base = Path(root)
+    try:
+        entries = sorted(base.glob("index*"))
+    except OSError:
+        return None
+    for entry in entries:
+        level, kind, size = (_read(entry / name) for name in ("level", "type", "size"))
+        if level is None or kind is None or size is None:
+            continue
+        level, kind, value = level.strip(), kind.strip(), parse_size(size)
+        if value is None or kind not in ("Data", "Unified"):
+            continue
+        found.setdefault(level, value)
+    if "1" not in found or "2" not in found:
+        return None
+    return CacheSizes(l1d=found["1"], l2=found["2"], source="sysfs")
+
+
+def sysconf_cache_sizes() -> Optional[CacheSizes]:
+    """The sizes from ``os.sysconf`` (glibc on some platforms), or None when unavailable or 0."""
+    try:
+        l1d = os.sysconf("SC_LEVEL1_DCACHE_SIZE")
+        l2 = os.sysconf("SC_LEVEL2_CACHE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    if l1d <= 0 or l2 <= 0:
+        return None
+    return CacheSizes(l1d=int(l1d), l2=int(l2), source="sysconf")
+
+
+@functools.cache
+def cache_sizes() -> CacheSizes:
+    """This machine's per-core L1d and L2 sizes (sysfs, then sysconf, then :data:`FALLBACK`)."""
+    return sysfs_cache_sizes() or sysconf_cache_sizes() or FALLBACK
+
+
+def rows_in_cache(row_bytes: int, cache_bytes: int, limit: int) -> int:
+    """How many rows of ``row_bytes`` of working set (all buffers a block touches per row) fit half of
+    ``cache_bytes``, at least 1 and at most ``limit``. Half: the other half holds what streams past
+    (the next block's source, the statistics, the stack), so the block is not evicted between steps.
+    """
+    rows = (cache_bytes // 2) // max(1, row_bytes)
+    return max(1, min(max(1, limit), rows))
+
+
+def columns_in_cache(item_bytes: int, cache_bytes: int, minimum: int = 256) -> int:
+    """Columns per chunk for a kernel that reads a chunk of one row twice (its max, then its exp-sum):
+    half of ``cache_bytes`` (the L1d) of ``item_bytes`` elements, at least ``minimum``, a multiple of 64.
+    """
+    columns = (cache_bytes // 2) // max(1, item_bytes)
+    return max(minimum, columns // 64 * 64)
+
+
+__all__ = [
+    "FALLBACK",
+    "CacheSizes",
+    "cache_sizes",
+    "columns_in_cache",
+    "parse_size",
+    "rows_in_cache",
+    "sysconf_cache_sizes",
+    "sysfs_cache_sizes",
+]
