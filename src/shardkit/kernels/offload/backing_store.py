@@ -37,6 +37,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from shardkit.kernels.offload import stale_dirs
 from shardkit.kernels.offload.malloc_bound import fix_malloc_thresholds
 from shardkit.kernels.offload.row_io import FileRowIO
 
@@ -68,15 +69,24 @@ def _round_up(n: int, to: int) -> int:
 
 
 def default_offload_dir() -> str:
-    """``$SHARDKIT_OFFLOAD_DIR`` if set, else a temporary directory of this process, removed at exit."""
+    """``$SHARDKIT_OFFLOAD_DIR`` if set, else a temporary directory of this process, removed at exit.
+
+    The temporary directory carries a marker naming its owner (pid and start time); creating it first
+    removes this user's default directories whose owner died without its exit clean-up (killed, out of
+    memory, crashed), saying on stderr what was removed and the bytes freed (``stale_dirs.py``). A
+    directory named by ``$SHARDKIT_OFFLOAD_DIR`` or ``offload_dir`` is never swept.
+    """
     configured = os.environ.get(OFFLOAD_DIR_ENV)
     if configured:
         return configured
     global _temp_dir
     with _temp_dir_lock:
         if _temp_dir is None or not os.path.isdir(_temp_dir):
-            _temp_dir = tempfile.mkdtemp(prefix="shardkit-offload-")
+            pid = os.getpid()
+            _temp_dir = tempfile.mkdtemp(prefix=f"{stale_dirs.DIR_PREFIX}{pid}-")
             atexit.register(shutil.rmtree, _temp_dir, True)
+            stale_dirs.write_marker(_temp_dir)
+            stale_dirs.sweep_dead(os.path.dirname(_temp_dir), keep=_temp_dir)
         return _temp_dir
 
 
