@@ -7,11 +7,19 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 
 import pytest
+import torch
 
 from shardkit.kernels.offload import stale_dirs
-from shardkit.kernels.offload.backing_store import OFFLOAD_DIR_ENV
+from shardkit.kernels.offload.backing_store import (
+    OFFLOAD_DIR_ENV,
+    BackingStore,
+    check_directory,
+    field_specs,
+    stale_backing_files,
+)
 
 pytestmark = pytest.mark.skipif(
     stale_dirs.process_start_time(os.getpid()) is None, reason="needs /proc (Linux) to tell live owners"
@@ -124,3 +132,44 @@ def test_marker_records_pid_and_start_time(tmp_path):
     assert json.loads((path / stale_dirs.MARKER).read_text()) == record
     assert record["pid"] == os.getpid() and isinstance(record["start_time"], int)
     assert not stale_dirs.owner_is_dead(record)
+
+
+def test_chosen_directory_is_never_swept_and_errors_name_stale_files(tmp_path, monkeypatch):
+    chosen = tmp_path / "chosen"
+    chosen.mkdir()
+    env = {**_env(tmp_path), OFFLOAD_DIR_ENV: str(chosen)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CREATE + "print(s.path, flush=True); import time; time.sleep(600)\n"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert child.stdout.readline().strip() == str(chosen)
+        left = child.stdout.readline().strip()
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        child.stdout.close()
+    assert os.path.dirname(left) == str(chosen)
+
+    # the next run with the same chosen directory keeps the dead run's file (it is never swept)
+    subprocess.run([sys.executable, "-c", _CREATE], capture_output=True, text=True, env=env, check=True)
+    assert os.path.exists(left)
+    monkeypatch.setenv(OFFLOAD_DIR_ENV, str(chosen))
+    live = BackingStore.create(field_specs((8, 4), torch.float32, {}), {}, None, "t")
+    assert [p for p, _ in stale_backing_files(str(chosen))] == [left]  # the live run's file is not listed
+    assert os.path.exists(left) and os.path.exists(live.path)
+
+    # an error about the directory says what the dead run left and how to remove it
+    with pytest.raises(OSError, match="1 backing file.*left by runs that were killed.*remove them") as err:
+        check_directory(str(chosen), 1 << 62)
+    assert left in str(err.value)
+
+    # an existing file is never reused (O_EXCL): the error names it and says how to remove it
+    monkeypatch.setattr(uuid, "uuid4", lambda: uuid.UUID(int=7))
+    first = BackingStore.create(field_specs((8, 4), torch.float32, {}), {}, str(chosen), "dup")
+    with pytest.raises(FileExistsError, match=f"{first.path!r} already exists.*remove it"):
+        BackingStore.create(field_specs((8, 4), torch.float32, {}), {}, str(chosen), "dup")
+    live.close()
+    first.close()

@@ -7,14 +7,16 @@ row_cache.RowCache` of hot rows (``fused_uvm_caching``).
 File layout (``*.skoff``): a 4096-byte header, then one region per field, each aligned to 4096 bytes::
 
     b"SKOFF001" | uint32 JSON length | JSON {"identity": ..., "fields": [[name, dtype, shape, offset]],
-    "size": total bytes} | zero padding
+    "size": total bytes, "owner": creating process (pid, start time, ...; stale_dirs.py)} | zero padding
 
 The file is mapped ``MAP_SHARED``: writing a field's tensor writes the file, and the kernel's page cache
 holds what was touched recently. :meth:`BackingStore.drop_resident` (``madvise(MADV_DONTNEED)``) unmaps
 those pages from this process, so its resident set stays bounded by what one step touches; dirty pages
 stay in the page cache and reach the file, nothing is lost. Files are created exclusively (never an
 existing file silently reused) and removed when the store is closed or the process exits: a backing file
-is scratch space, the durable form of a table is its checkpoint.
+is scratch space, the durable form of a table is its checkpoint. A killed process's default directory is
+removed by the next process (``stale_dirs.py``); files a killed run left in a chosen directory are only
+named in errors (:func:`stale_backing_files`), never removed automatically.
 
 On CUDA the slow tier is pinned host memory instead (:meth:`BackingStore.in_host_memory`), with the same
 interface.
@@ -118,19 +120,61 @@ def check_directory(directory: str, needed: int) -> None:
         raise OSError(
             f"offload directory {directory!r} has {free} bytes free, the offloaded tables need {needed}; "
             f"free space or choose another directory (fused_params['offload_dir'] or ${OFFLOAD_DIR_ENV})"
+            + _stale_files_hint(directory)
         )
+
+
+def stale_backing_files(directory: str) -> List[Tuple[str, int]]:
+    """(path, bytes on disk) of the backing files in ``directory`` whose creating process is certainly
+    dead (killed before its exit clean-up; the owner recorded in the header, ``stale_dirs.owner_is_dead``).
+    Files of live runs, of other hosts, or without an owner record are not listed. Nothing is removed:
+    a user-chosen directory is never swept automatically."""
+    found = []
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    for name in names:
+        path = os.path.join(directory, name)
+        if not name.endswith(".skoff") or not os.path.isfile(path) or os.path.islink(path):
+            continue
+        try:
+            owner = read_header(path).get("owner")
+            blocks = os.stat(path).st_blocks * 512
+        except (OSError, ValueError):
+            continue
+        if isinstance(owner, dict) and stale_dirs.owner_is_dead(owner):
+            found.append((path, blocks))
+    return found
+
+
+def _stale_files_hint(directory: str) -> str:
+    """What an error about ``directory`` adds on the backing files that dead runs left in it."""
+    stale = stale_backing_files(directory)
+    if not stale:
+        return ""
+    shown = " ".join(repr(p) for p, _ in stale[:3]) + (" ..." if len(stale) > 3 else "")
+    total = sum(b for _, b in stale)
+    return (
+        f"; {len(stale)} backing file(s) in it were left by runs that were killed ({total} bytes: "
+        f"{shown}); a chosen offload directory is never cleaned automatically: if no run needs them, "
+        f"remove them (rm the files; shardkit.kernels.offload.backing_store.stale_backing_files lists them)"
+    )
 
 
 def _encode_header(identity: Mapping[str, object], fields: Mapping[str, FieldSpec], size: int) -> bytes:
     offsets, _ = layout(fields)
-    body = json.dumps(
-        {
-            "identity": dict(identity),
-            "fields": [[n, _dtype_name(d), list(s), offsets[n]] for n, (s, d) in fields.items()],
-            "size": size,
-        },
-        sort_keys=True,
-    ).encode()
+    content = {
+        "identity": dict(identity),
+        "fields": [[n, _dtype_name(d), list(s), offsets[n]] for n, (s, d) in fields.items()],
+        "size": size,
+        # who created the file (pid + start time): tells a killed run's leftovers (stale_backing_files)
+        "owner": stale_dirs.owner_record(),
+    }
+    body = json.dumps(content, sort_keys=True).encode()
+    if len(body) + 12 > HEADER_BYTES:  # the owner is a hint: a header that fits without it stays valid
+        del content["owner"]
+        body = json.dumps(content, sort_keys=True).encode()
     header = MAGIC + struct.pack("<I", len(body)) + body
     if len(header) > HEADER_BYTES:
         raise ValueError(f"backing-file header of {len(header)} bytes exceeds {HEADER_BYTES}")
@@ -210,7 +254,13 @@ class BackingStore:
         fix_malloc_thresholds()  # the process's resident set is then what is live (malloc_bound.py)
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:80]
         path = os.path.join(directory, f"{safe}-{os.getpid()}-{uuid.uuid4().hex[:12]}.skoff")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise FileExistsError(
+                f"backing file {path!r} already exists (an existing backing file is never reused); if no "
+                f"run needs it, remove it" + _stale_files_hint(directory)
+            ) from None
         try:
             os.write(fd, _encode_header(identity, fields, size))
             try:

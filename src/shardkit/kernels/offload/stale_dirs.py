@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import stat
 import sys
 from typing import List, Optional, Tuple
@@ -68,6 +67,10 @@ def _pid_namespace() -> Optional[str]:
         return None
 
 
+def _host() -> str:
+    return os.uname().nodename if hasattr(os, "uname") else ""
+
+
 def owner_record(pid: Optional[int] = None) -> dict:
     """What the marker of a directory owned by process ``pid`` (default: this one) records."""
     pid = os.getpid() if pid is None else pid
@@ -75,7 +78,7 @@ def owner_record(pid: Optional[int] = None) -> dict:
         "pid": pid,
         "start_time": process_start_time(pid),
         "boot_id": _boot_id(),
-        "host": socket.gethostname(),
+        "host": _host(),
         "pid_namespace": _pid_namespace(),
     }
 
@@ -95,7 +98,7 @@ def owner_is_dead(record: dict) -> bool:
     pid, start = record.get("pid"), record.get("start_time")
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return False
-    if record.get("host") != socket.gethostname():
+    if record.get("host") != _host():
         return False  # another machine's directory: its processes are not visible from here
     boot = _boot_id()
     if boot is None:
