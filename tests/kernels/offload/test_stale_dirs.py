@@ -100,6 +100,8 @@ def test_directories_without_a_valid_marker_are_untouched(tmp_path):
     (garbled / stale_dirs.MARKER).write_text("{not json")
     other_name = _marked_dir(tmp_path, "not-shardkit", dead)  # a marker, but not a default directory's name
     other_host = _marked_dir(tmp_path, "shardkit-offload-host", {**dead, "host": "elsewhere.invalid"})
+    other_ns = _marked_dir(tmp_path, "shardkit-offload-ns", {**dead, "pid_namespace": "pid:[1]"})
+    no_proc = _marked_dir(tmp_path, "shardkit-offload-noproc", {**dead, "boot_id": None, "start_time": None})
     target = _marked_dir(tmp_path, "real-target", dead)
     link = tmp_path / "shardkit-offload-link"
     link.symlink_to(target)  # a link is never followed nor removed
@@ -107,7 +109,7 @@ def test_directories_without_a_valid_marker_are_untouched(tmp_path):
     plain_file.write_text("x")
 
     assert stale_dirs.sweep_dead(str(tmp_path)) == []
-    for path in (unmarked, garbled, other_name, other_host, link, target, plain_file):
+    for path in (unmarked, garbled, other_name, other_host, other_ns, no_proc, link, target, plain_file):
         assert os.path.lexists(path), path
     assert (unmarked / "x.skoff").read_bytes() == b"data"
 

@@ -101,8 +101,8 @@ def owner_is_dead(record: dict) -> bool:
     if record.get("host") != _host():
         return False  # another machine's directory: its processes are not visible from here
     boot = _boot_id()
-    if boot is None:
-        return False  # no /proc: cannot tell
+    if boot is None or record.get("boot_id") is None:
+        return False  # no /proc here or where the marker was written: cannot tell
     if record.get("boot_id") != boot:
         return True  # the machine rebooted since: every process of that boot is gone
     if record.get("pid_namespace") != _pid_namespace():
