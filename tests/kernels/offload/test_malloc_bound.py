@@ -64,9 +64,11 @@ def test_freed_pieces_are_not_kept_resident_after_a_larger_free(monkeypatch):
 @glibc_only
 def test_the_child_shows_the_retention_when_malloc_is_left_alone(monkeypatch):
     # what the fix is for, measured with the same child (glibc 2.x: freed pieces stay resident); if a
-    # C library stops doing this, this test says so and the fix is moot
+    # C library stops doing this, this test says so and the fix is moot. Measured: either about one
+    # piece stays resident (15.8-16 MiB: the piece less what glibc trims off the top) or most of them
+    # (~100 MiB), from run to run; with the fix, under 4 MiB (the test above)
     retained = _retained(monkeypatch, **{malloc_bound.MALLOC_THRESHOLD_ENV: "off"})
-    assert retained >= 16 << 20, f"only {retained / 2**20:.1f} MiB retained with malloc left alone"
+    assert retained >= 8 << 20, f"only {retained / 2**20:.1f} MiB retained with malloc left alone"
 
 
 def test_threshold_setting_parses_and_rejects_bad_values(monkeypatch):
