@@ -64,6 +64,10 @@ QUICK_ARGS: Dict[str, List[str]] = {
     "offload": ["--quick"],
     "ec_dedup": ["--batch", "64"],
     "serving": ["--tables", "2", "--max-rows", "100", "--batch-sizes", "1", "4", "--repeats", "3"],
+    "step_overhead": [
+        *("--tables", "4", "--rows", "100", "1000", "--dim", "8", "--batch", "8"),
+        *("--steps", "3", "--warmup", "1", "--profile-steps", "2", "--rounds", "1"),
+    ],
     "pipeline": [
         *("--tables", "2", "--rows", "1000", "--dim", "8", "--batch", "32", "--pooling", "2"),
         *("--steps", "3", "--warmup", "1", "--repeats", "1"),
