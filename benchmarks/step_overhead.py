@@ -30,9 +30,11 @@ Per library, per round (a new pair of processes each):
   library's functions, ``collectives/step`` (torch.distributed collective calls), ``host syncs/step``
   (``Tensor.item`` / ``tolist`` / ``nonzero`` calls). cProfile slows Python down: these columns compare
   the libraries with each other, not with ``steps/s``.
-The last rows give, per column, shardkit over torchrec (best round of each; > 1 on ``steps/s`` is
-shardkit faster). ``--top N`` prints each library's N most expensive functions (self time) of rank 0: its own,
-then all (torch's and C functions included).
+``--base-src DIR`` adds a third library, ``shardkit@base``: shardkit imported from ``DIR`` (another
+checkout's ``src/``), for before/after comparisons in one run.
+The last rows give, per column, shardkit over torchrec (and over shardkit@base) (best round of each;
+> 1 on ``steps/s`` is shardkit faster). ``--top N`` prints each library's N most expensive functions
+(self time) of rank 0: its own, then all (torch's and C functions included).
 """
 
 from __future__ import annotations
@@ -241,6 +243,9 @@ def _worker(rank: int, lib: str, cfg: Dict[str, Any], port: int, queue) -> None:
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
+    if lib == "shardkit@base":  # another checkout's shardkit (a before/after comparison)
+        sys.path.insert(0, cfg["base_src"])
+        lib = "shardkit"
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=cfg["ranks"])
@@ -321,6 +326,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--profile-steps", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per library")
     parser.add_argument("--libs", default=",".join(available_libs()))
+    parser.add_argument(
+        "--base-src",
+        help="also run shardkit imported from this directory (another checkout's src/) as 'shardkit@base'",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer steps and one round (~1 min)")
     parser.add_argument("--top", type=int, default=0, help="print the N costliest functions")
     parser.add_argument("--label", default="", help="suffix of the JSON name (e.g. 'before')")
@@ -328,12 +337,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.profile_steps, args.rounds = 100, 10, 30, 1
-    libs = [lib for lib in args.libs.split(",") if lib]
+    libs = [lib for lib in args.libs.split(",") if lib] + (["shardkit@base"] if args.base_src else [])
     cfg = {
         "ranks": args.ranks, "tables": args.tables, "rows_min": args.rows[0], "rows_max": args.rows[1],
         "dim": args.dim, "batch": args.batch, "pooling": args.pooling, "sharding": args.sharding,
         "model": args.model, "steps": args.steps, "warmup": args.warmup, "profile_steps": args.profile_steps,
-        "top": args.top,
+        "top": args.top, "base_src": os.path.abspath(args.base_src) if args.base_src else None,
     }  # fmt: skip
     rows: List[Dict[str, Any]] = []
     best: Dict[str, Dict[str, Any]] = {}
@@ -350,6 +359,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         shard, torch_rec = best["shardkit"], best["torchrec"]
         ratio = {k: shard[k] / torch_rec[k] for k in shard if not k.startswith("top") and torch_rec[k]}
         rows.append({"name": "shardkit/torchrec", **ratio})
+    if "shardkit@base" in best and "shardkit" in best:
+        shard, base = best["shardkit"], best["shardkit@base"]
+        rows.append(
+            {
+                "name": "shardkit/base",
+                **{k: shard[k] / base[k] for k in shard if not k.startswith("top") and base[k]},
+            }
+        )
     name = "step_overhead" + (f"_{args.label}" if args.label else "")
     write_results(name, {**cfg, "libs": libs, "rounds": args.rounds, "threads_per_rank": 1}, rows, args.out)
     for lib in best if args.top else ():
