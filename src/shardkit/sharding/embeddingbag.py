@@ -74,50 +74,70 @@ def column_runs(permutation: List[int]) -> List[Tuple[int, int]]:
     return runs
 
 
-class _PermuteColumnRuns(torch.autograd.Function):
-    """``[B, C]`` -> ``[B, C]`` with the column ranges ``runs`` (a permutation of all columns) in order.
+class ColumnBlocks:
+    """The column ranges ``runs`` (a permutation of all ``C`` columns, see :func:`column_runs`) as whole
+    blocks: the ranges are cut into blocks of the largest width that divides every range boundary (a
+    feature's dim, typically); ``order`` lists the source block of each output block, ``inverse`` the
+    reverse. Depends on the plan only: built once per device, not per forward."""
 
-    The ranges are cut into blocks of the largest width ``g`` that divides every range boundary (a
-    feature's dim, typically), and one ``index_select`` over the ``[B, C / g, g]`` view moves whole
-    blocks: a copy at memcpy speed each way. (A per-column ``index_select`` gathers element by element
-    and its backward scatters into zeros; slices + ``torch.cat`` under autograd zero a full-size
-    gradient for every range.)
+    def __init__(self, runs: List[Tuple[int, int]], device: torch.device) -> None:
+        self.width = math.gcd(*[edge for run in runs for edge in run])
+        blocks = [b for start, end in runs for b in range(start // self.width, end // self.width)]
+        self.order = torch.tensor(blocks, device=device)
+        self.inverse = torch.empty_like(self.order).index_copy_(
+            0, self.order, torch.arange(len(blocks), device=device)
+        )
+
+
+class _PermuteColumnRuns(torch.autograd.Function):
+    """``[B, C]`` -> ``[B, C]`` with the column ranges of ``blocks`` (a :class:`ColumnBlocks`) in order.
+
+    One ``index_select`` over the ``[B, C / width, width]`` view moves whole blocks: a copy at memcpy
+    speed each way. (A per-column ``index_select`` gathers element by element and its backward
+    scatters into zeros; slices + ``torch.cat`` under autograd zero a full-size gradient for every
+    range.)
     """
 
     @staticmethod
-    def forward(ctx, values: torch.Tensor, runs: List[Tuple[int, int]]) -> torch.Tensor:
-        width = math.gcd(*[edge for run in runs for edge in run])
-        blocks = [b for start, end in runs for b in range(start // width, end // width)]
-        order = torch.tensor(blocks, device=values.device)
-        ctx.inverse = torch.empty_like(order).index_copy_(
-            0, order, torch.arange(len(blocks), device=order.device)
-        )
-        ctx.width = width
+    def forward(ctx, values: torch.Tensor, blocks: ColumnBlocks) -> torch.Tensor:
+        ctx.blocks = blocks
         # explicit block count, not -1: a zero-sample batch ([0, C]) has no elements to infer it from
-        blocks_view = values.view(values.size(0), values.size(1) // width, width)
-        return blocks_view.index_select(1, order).view(values.shape)
+        blocks_view = values.view(values.size(0), values.size(1) // blocks.width, blocks.width)
+        return blocks_view.index_select(1, blocks.order).view(values.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous()
-        blocks_view = grad.view(grad.size(0), grad.size(1) // ctx.width, ctx.width)
-        return blocks_view.index_select(1, ctx.inverse).view(grad.shape), None
+        width = ctx.blocks.width
+        blocks_view = grad.view(grad.size(0), grad.size(1) // width, width)
+        return blocks_view.index_select(1, ctx.blocks.inverse).view(grad.shape), None
 
 
 class _PooledOutputAwaitable(LazyAwaitable[KeyedTensor]):
     """Waits each sharding's output dist and assembles the KeyedTensor of the unsharded module
-    (columns put in the unsharded order by :class:`_PermuteColumnRuns`)."""
+    (columns put in the unsharded order by :class:`_PermuteColumnRuns`). ``layout`` is the module's
+    ``(names, dims, offsets)``, checked once when the module was built."""
 
-    def __init__(self, parts: List[Awaitable[torch.Tensor]], names, dims, runs) -> None:
+    def __init__(
+        self,
+        parts: List[Awaitable[torch.Tensor]],
+        layout,
+        runs: Optional[List[Tuple[int, int]]],
+        blocks: Dict[torch.device, ColumnBlocks],
+    ) -> None:
         super().__init__()
-        self._parts, self._names, self._dims, self._runs = parts, names, dims, runs
+        self._parts, self._layout, self._runs, self._blocks = parts, layout, runs, blocks
 
     def _wait_impl(self) -> KeyedTensor:
         tensors = [aw.wait() for aw in self._parts]
         values = torch.cat(tensors, dim=1) if len(tensors) > 1 else tensors[0]
         if self._runs is not None:
-            values = _PermuteColumnRuns.apply(values, self._runs)
-        return KeyedTensor(self._names, self._dims, values)
+            blocks = self._blocks.get(values.device)
+            if blocks is None:  # the module's cache, one entry per device
+                blocks = self._blocks[values.device] = ColumnBlocks(self._runs, values.device)
+            values = _PermuteColumnRuns.apply(values, blocks)
+        names, dims, offsets = self._layout
+        return KeyedTensor(names, dims, values, offset_per_key=list(offsets))
 
 
 class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
@@ -164,6 +184,9 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
         blocks = [block for s in self._shardings for block in s.output_layout()]
         permutation = column_permutation(blocks, self._embedding_names, self._dims)
         self._column_runs = None if permutation is None else column_runs(permutation)
+        self._column_blocks: Dict[torch.device, ColumnBlocks] = {}
+        dims = [self._dims[f] for f in self._embedding_names]
+        self._layout = (self._embedding_names, dims, [0, *itertools.accumulate(dims)])
 
     def compute(self, ctx: EmbeddingModuleContext, dist_input: KJTList) -> List[torch.Tensor]:
         return [
@@ -183,8 +206,7 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
         return self._assemble(self._compute_and_start(ctx, input))
 
     def _assemble(self, parts: List[Awaitable[torch.Tensor]]) -> LazyAwaitable[KeyedTensor]:
-        lengths = [self._dims[f] for f in self._embedding_names]
-        return _PooledOutputAwaitable(parts, self._embedding_names, lengths, self._column_runs)
+        return _PooledOutputAwaitable(parts, self._layout, self._column_runs, self._column_blocks)
 
 
 class EmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]):

@@ -49,7 +49,7 @@ from shardkit.sharding.types import (
     ShardingType,
 )
 from shardkit.sparse import KeyedJaggedTensor
-from shardkit.sparse.validation import check_id_dtype
+from shardkit.sparse.validation import check_id_dtype, is_id_dtype
 
 _DATA_PARALLEL = (DpPooledEmbeddingSharding, DpSequenceEmbeddingSharding)
 # kernels that apply the module's fused optimizer in backward (the UVM variants behave as FUSED on CPU)
@@ -235,6 +235,20 @@ def with_keys(kjt: KeyedJaggedTensor, keys: List[str]) -> KeyedJaggedTensor:
     )
 
 
+def feature_rows(
+    tables: List[ShardedTable], source_feature: Optional[Dict[str, str]] = None
+) -> Dict[str, int]:
+    """Input feature -> the fewest rows among the tables that look it up (an id must fit each of them);
+    ``source_feature`` maps the tables' feature names to the input's. Depends on the plan only: the
+    sharded modules compute it once, not per forward."""
+    rows: Dict[str, int] = {}
+    for t in tables:
+        for f in t.config.feature_names:
+            f = f if source_feature is None else source_feature[f]
+            rows[f] = min(rows.get(f, t.config.num_embeddings), t.config.num_embeddings)
+    return rows
+
+
 def check_input(
     features: KeyedJaggedTensor,
     tables: List[ShardedTable],
@@ -243,6 +257,7 @@ def check_input(
     env: ShardingEnv,
     extra_check: Optional[Callable[[KeyedJaggedTensor], None]] = None,
     source_feature: Optional[Dict[str, str]] = None,
+    rows: Optional[Dict[str, int]] = None,
 ) -> None:
     """Raise ``ValueError`` on every rank if any rank's input is bad (``source_feature`` maps the
     tables' feature names to the input's, see ``one_name_per_lookup``): a missing or repeated feature
@@ -255,26 +270,25 @@ def check_input(
     One all-gather of a few integers (and one host sync) per forward, made whether validation is on
     or off, so that ranks set differently still make the same collectives; the error messages are
     gathered only when a rank failed. Validation off skips the content checks (lengths, id ranges)
-    and their host sync."""
+    and their host sync. ``rows`` is ``feature_rows(tables, source_feature)`` when the caller keeps it."""
     error = None
     try:
-        rows: Dict[str, int] = {}  # an input feature's ids must fit every table that looks it up
-        for t in tables:
-            for f in t.config.feature_names:
-                f = f if source_feature is None else source_feature[f]
-                rows[f] = min(rows.get(f, t.config.num_embeddings), t.config.num_embeddings)
+        if rows is None:
+            rows = feature_rows(tables, source_feature)
         keys = features.keys()
-        missing = [f for f in rows if f not in keys]
+        key_set = set(keys)  # a set: a list's ``in`` made this check quadratic in the number of features
+        missing = [f for f in rows if f not in key_set]
         if missing:
             raise KeyError(f"{owner}: input keys {keys} lack the feature(s) {missing}")
-        if len(set(keys)) != len(keys):
+        if len(key_set) != len(keys):
             raise KeyError(f"{owner}: input keys {keys} contain a repeated key")
         if features.variable_stride_per_key() and features.inverse_indices_or_none() is None:
             raise ValueError(f"{owner}: a variable batch per feature needs the input's inverse_indices")
         if weighted and features.weights_or_none() is None:
             raise ValueError(f"{owner}: a weighted module needs a KeyedJaggedTensor with weights")
         # before any input dist: a float id would be truncated (or bucketized) on its way to a shard
-        check_id_dtype(owner, features.values(), [f for f in keys if f in rows])
+        if not is_id_dtype(features.values().dtype):  # the names only for the message
+            check_id_dtype(owner, features.values(), [f for f in keys if f in rows])
         if validation_enabled():
             _check_lengths(features, owner)
             for key, ids in zip(keys, features.values().split(features.length_per_key())):
@@ -406,6 +420,7 @@ class ShardedEmbeddingModule(ShardedModule):
                 f"types {list(sharding_classes)} with the compute kernels {list(self.supported_kernels)}"
             )
         self._tables = placed
+        self._feature_rows = feature_rows(placed, self._source_feature)  # per plan, not per forward
         by_kind: Dict[Tuple[str, str], List[ShardedTable]] = {}
         order = {t.value: i for i, t in enumerate(ShardingType)}
         for table in sorted(placed, key=lambda t: order[t.sharding_type]):
@@ -519,6 +534,7 @@ class ShardedEmbeddingModule(ShardedModule):
             self._env,
             self._extra_input_check,
             self._source_feature,
+            self._feature_rows,
         )
         keys = tuple(features.keys())
         if keys not in self._permutations:

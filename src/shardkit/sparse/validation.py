@@ -34,11 +34,16 @@ def check_tensor(owner: str, name: str, tensor: torch.Tensor, integer: bool = Fa
         raise TypeError(f"{owner}: {name} must have an integer dtype, got {tensor.dtype}")
 
 
+def is_id_dtype(dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` can hold row ids (an integer dtype, not bool)."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def check_id_dtype(owner: str, ids: torch.Tensor, features: Sequence[str]) -> None:
     """``TypeError`` naming ``features`` and the dtype unless ``ids`` (the values an embedding lookup
     reads as row ids) is an integer tensor. A KeyedJaggedTensor may carry float values, but a float id
     names no row: torch's index cast would truncate 1.5 to row 1 and -0.5 to the valid row 0."""
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+    if not is_id_dtype(ids.dtype):
         raise TypeError(
             f"{owner}: the ids of feature(s) {list(features)} have dtype {ids.dtype}; ids must be an "
             "integer tensor (torch.int64 or torch.int32), a float id is never rounded to a row (convert "
