@@ -13,7 +13,7 @@ table of its own to the dists), so they reuse :class:`PermuteRouting` and these 
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -59,6 +59,7 @@ class PermuteRouting(EmbeddingShardingImpl):
         self._permute = [position[f] for keys in self._keys_per_rank for f, _, _ in keys]
         self._identity = self._permute == list(range(len(self._feature_names)))
         self._splits = [len(keys) for keys in self._keys_per_rank]
+        self._dims_per_rank: Optional[List[int]] = None
         self._sent_keys: List[ColumnBlock] = [key for keys in self._keys_per_rank for key in keys]
         self._dims = {f: t.config.embedding_dim for t in self.tables for f in t.config.feature_names}
 
@@ -93,8 +94,9 @@ class TwPooledEmbeddingSharding(PermuteRouting):
         codecs = self.codecs(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL)
         if ctx.variable_batch:
             return self._variable_batch_output_dist(ctx, local_out, codecs)
-        dims = [sum(c1 - c0 for _, c0, c1 in keys) for keys in self._keys_per_rank]
-        dist = PooledEmbeddingsAllToAll(self.pg, dims, codecs=codecs)
+        if self._dims_per_rank is None:  # per plan: summed once, not per step and table
+            self._dims_per_rank = [sum(c1 - c0 for _, c0, c1 in keys) for keys in self._keys_per_rank]
+        dist = PooledEmbeddingsAllToAll(self.pg, self._dims_per_rank, codecs=codecs)
         return dist(local_out, batch_size_per_rank=ctx.stride_per_rank)
 
     def _variable_batch_output_dist(self, ctx, local_out, codecs) -> Awaitable[torch.Tensor]:

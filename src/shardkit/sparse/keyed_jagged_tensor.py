@@ -20,6 +20,7 @@ them in its single validation sync. Everything else is asynchronous.
 
 from __future__ import annotations
 
+import operator
 from itertools import accumulate
 from typing import Dict, List, Optional, Tuple
 
@@ -356,7 +357,7 @@ class KeyedJaggedTensor(JaggedFields):
     def length_per_key(self) -> List[int]:
         """Number of values of each key; one host sync the first time, then cached."""
         offsets = self.offset_per_key()
-        return [b - a for a, b in zip(offsets, offsets[1:])]
+        return list(map(operator.sub, offsets[1:], offsets[:-1]))  # C speed: called per step and key
 
     def length_per_key_or_none(self) -> Optional[List[int]]:
         return None if self._offset_per_key is None else self.length_per_key()

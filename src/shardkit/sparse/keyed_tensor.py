@@ -47,7 +47,9 @@ class KeyedTensor:
         index_per_key: Optional[Dict[str, int]] = None,
     ) -> None:
         keys = list(keys)
-        length_per_key = [int(n) for n in length_per_key]
+        length_per_key = list(length_per_key)
+        if not set(map(type, length_per_key)) <= {int}:  # the per-key loop only when some is not an int
+            length_per_key = [int(n) for n in length_per_key]
         if not isinstance(values, torch.Tensor):
             raise TypeError(f"{_OWNER}: values must be a torch.Tensor, got {type(values).__name__}")
         if not keys and not length_per_key and values.numel() == 0:
@@ -59,7 +61,11 @@ class KeyedTensor:
             raise ValueError(
                 f"{_OWNER}: {len(keys)} keys but {len(length_per_key)} entries in length_per_key"
             )
-        negative = [(k, n) for k, n in zip(keys, length_per_key) if n < 0]
+        negative = (
+            [(k, n) for k, n in zip(keys, length_per_key) if n < 0]
+            if min(length_per_key, default=0) < 0
+            else []
+        )
         if negative:
             raise ValueError(f"{_OWNER}: negative length for key {negative[0][0]!r}: {negative[0][1]}")
         if sum(length_per_key) != values.size(key_dim):
