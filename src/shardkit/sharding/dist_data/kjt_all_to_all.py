@@ -6,9 +6,9 @@ Two phases, as chained awaitables:
    (sizes, batch size, fingerprints of keys and settings, status; see ``kjt_splits``) and returns a
    ``KJTAllToAllSplitsAwaitable``.
 2. Its ``wait()`` checks the headers (every rank raises the same ``ValueError`` on bad input or
-   disagreement), starts one all-to-all per tensor (lengths, values, weights, and per-key batch
-   sizes with a variable batch) and returns a ``KJTAllToAllTensorsAwaitable``, whose ``wait()`` gives
-   the output KeyedJaggedTensor.
+   disagreement), starts one all-to-all of all the tensors, packed (lengths, values, weights, and
+   per-key batch sizes with a variable batch) and returns a ``KJTAllToAllTensorsAwaitable``, whose
+   ``wait()`` gives the output KeyedJaggedTensor.
 
 Output on rank ``me``: the ``splits[me]`` keys assigned to it, each with the rows of every rank's
 batch concatenated in rank order (or the ``stagger`` order, see ``recat``); stride ``sum`` of the
@@ -21,6 +21,7 @@ rank's backward must reach its output weights (the sharded lookups see to that).
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Dict, List, Optional
 
 import torch
@@ -65,6 +66,68 @@ def _start_all_to_all(
         async_op=True,
     )
     return out.view(tensor.dtype), work
+
+
+class _PackedAllToAll:
+    """One uneven all-to-all for several 1-D tensors of any dtypes (one collective instead of one per tensor).
+
+    What goes to rank ``r`` is, back to back as bytes, the ``send[label][r]`` elements of each tensor
+    (its elements for the ranks before ``r`` skipped), in label order. ``wait()`` -> label -> the
+    received ``[sum(recv[label])]`` tensor of that label's dtype, the pieces of the source ranks in
+    rank order (a fresh tensor per label, so that its bytes are aligned for the dtype). The copies
+    into and out of the packed buffers cost a memcpy of the data each way; at the small batches where
+    the step is dominated by fixed costs, that is far cheaper than a collective.
+    """
+
+    def __init__(
+        self,
+        tensors: Dict[str, torch.Tensor],
+        send: Dict[str, List[int]],
+        recv: Dict[str, List[int]],
+        pg,
+    ) -> None:
+        self._tensors, self._recv = tensors, recv
+        self._work: Optional[dist.Work] = None
+        world = group_size(pg)
+        if world == 1:
+            return
+        as_bytes = {label: _flat_bytes(tensor) for label, tensor in tensors.items()}
+        items = {label: tensor.element_size() for label, tensor in tensors.items()}
+        starts = {label: [0, *accumulate(send[label])] for label in tensors}
+        pieces = [
+            as_bytes[label][starts[label][r] * items[label] : starts[label][r + 1] * items[label]]
+            for r in range(world)
+            for label in tensors
+        ]
+        send_bytes = [sum(send[label][r] * items[label] for label in tensors) for r in range(world)]
+        recv_bytes = [sum(recv[label][r] * items[label] for label in tensors) for r in range(world)]
+        device = next(iter(tensors.values())).device
+        self._out = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=device)
+        self._items = items
+        self._work = dist.all_to_all_single(
+            self._out, torch.cat(pieces), recv_bytes, send_bytes, group=pg, async_op=True
+        )
+
+    def wait(self) -> Dict[str, torch.Tensor]:
+        if self._work is None:  # one rank: what it sends is what it receives
+            return dict(self._tensors)
+        self._work.wait()
+        labels, world = list(self._tensors), len(next(iter(self._recv.values())))
+        pieces: Dict[str, List[torch.Tensor]] = {label: [] for label in labels}
+        at = 0
+        for s in range(world):
+            for label in labels:
+                n = self._recv[label][s] * self._items[label]
+                pieces[label].append(self._out[at : at + n])
+                at += n
+        return {label: torch.cat(pieces[label]).view(self._tensors[label].dtype) for label in labels}
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor's bytes (contiguous() keeps a one-element expanded tensor at stride 0, which cannot
+    be viewed as bytes)."""
+    flat = tensor.clone(memory_format=torch.contiguous_format) if tensor.stride() != (1,) else tensor
+    return flat.view(torch.uint8)
 
 
 class _WeightsAllToAll(torch.autograd.Function):
@@ -162,7 +225,8 @@ class KJTAllToAllSplitsAwaitable(Awaitable["KJTAllToAllTensorsAwaitable"]):
 
 
 class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
-    """Phase two in flight: the tensors' all-to-alls. ``wait()`` reorders them into the output KJT.
+    """Phase two in flight: the tensors' all-to-all (one, of all the tensors packed). ``wait()``
+    reorders them into the output KJT.
 
     Attributes available before ``wait()`` (the sharding code records them for the output dist):
         keys: the output's keys.
@@ -207,10 +271,10 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         # the weights' gradient path; the settings fingerprint made every rank agree on it
         self._sent_weights = tensors["weights"] if "weights" in tensors and plan.weights_grad else None
         self._pg = pg
-        self._pending = {
-            label: _start_all_to_all(tensor, self.input_splits[label], self.output_splits[label], pg)
-            for label, tensor in tensors.items()
-        }
+        # every tensor in one collective (torchrec makes one per tensor): at small batches a
+        # collective's fixed cost, not the bytes, is what the step waits for
+        self._pending = _PackedAllToAll(tensors, self.input_splits, self.output_splits, pg)
+        self._device = input.device()
         self._segment_rows: Optional[List[int]] = None
         if not plan.variable_batch:
             self._segment_rows = [b for b in batch_per_rank for _ in range(self._local)]
@@ -226,7 +290,7 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         """
         order = get_recat(self._local, self._world, self._stagger)
         rows = self._rows()
-        device = self._pending["lengths"][0].device
+        device = self._device
         if len(set(rows)) <= 1 and self.stride_per_rank is not None:
             return host_list_to_device(order, device)
         return expand_recat(order, rows, device)
@@ -237,11 +301,7 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         return self._segment_rows
 
     def _wait_impl(self) -> KeyedJaggedTensor:
-        received = {}
-        for label, (tensor, work) in self._pending.items():
-            if work is not None:
-                work.wait()
-            received[label] = tensor
+        received = self._pending.wait()
         local, world = self._local, self._world
         stride_per_key_per_rank = None
         if "strides" in received:
