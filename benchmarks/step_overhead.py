@@ -18,12 +18,14 @@ table-wise and row-wise, all with the fused kernel) so that both libraries run t
 may then differ; each run prints its plan). ``--model concat`` replaces DLRM's pairwise interaction by a
 concatenation of the pooled embeddings (with hundreds of tables the ``F^2`` dot products would be
 most of the step). shardkit's input validation is
-switched off (torchrec has none).
+switched off (torchrec has none) unless ``--validation``.
 
 Per library, per round (a new pair of processes each):
 - ``steps/s``: ``--steps`` pipeline steps after ``--warmup``, the slowest rank's wall time;
 - ``cpu ms/step``: process CPU time per step (all threads, gloo's included), mean over ranks;
-- then ``--profile-steps`` more steps under cProfile on every rank, from which, per step on rank 0:
+- then ``--profile-steps`` more steps under cProfile (timed by the main thread's CPU time, so that a
+  busy machine's preemptions are not charged to the function that waited) on every rank, from which,
+  per step on rank 0:
   ``py ms/step``: self time of the library's own Python functions (torchrec + fbgemm_gpu, or shardkit;
   time in C functions they call is not included), ``py us/table`` = that / tables,
   ``all py ms/step``: self time of every Python function (torch's included), ``calls/step`` of the
@@ -253,7 +255,7 @@ def _worker(rank: int, lib: str, cfg: Dict[str, Any], port: int, queue) -> None:
         if lib == "shardkit":
             from shardkit.distributed.validation import set_validation
 
-            set_validation(False)
+            set_validation(cfg["validation"])
         pipeline, batches, plan_summary = build(lib, cfg)
         for _ in range(cfg["warmup"]):
             pipeline.progress(batches)
@@ -262,7 +264,9 @@ def _worker(rank: int, lib: str, cfg: Dict[str, Any], port: int, queue) -> None:
         for _ in range(cfg["steps"]):
             pipeline.progress(batches)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        prof = cProfile.Profile()
+        # the main thread's CPU time, not wall time: on a loaded machine a preempted function would
+        # be charged the time it waited for a core
+        prof = cProfile.Profile(time.thread_time)
         prof.enable()
         for _ in range(cfg["profile_steps"]):
             pipeline.progress(batches)
@@ -330,6 +334,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         "--base-src",
         help="also run shardkit imported from this directory (another checkout's src/) as 'shardkit@base'",
     )
+    parser.add_argument(
+        "--validation", action="store_true", help="keep shardkit's input validation on (its default)"
+    )
     parser.add_argument("--quick", action="store_true", help="fewer steps and one round (~1 min)")
     parser.add_argument("--top", type=int, default=0, help="print the N costliest functions")
     parser.add_argument("--label", default="", help="suffix of the JSON name (e.g. 'before')")
@@ -341,7 +348,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     cfg = {
         "ranks": args.ranks, "tables": args.tables, "rows_min": args.rows[0], "rows_max": args.rows[1],
         "dim": args.dim, "batch": args.batch, "pooling": args.pooling, "sharding": args.sharding,
-        "model": args.model, "steps": args.steps, "warmup": args.warmup, "profile_steps": args.profile_steps,
+        "model": args.model, "validation": args.validation, "steps": args.steps,
+        "warmup": args.warmup, "profile_steps": args.profile_steps,
         "top": args.top, "base_src": os.path.abspath(args.base_src) if args.base_src else None,
     }  # fmt: skip
     rows: List[Dict[str, Any]] = []
