@@ -10,13 +10,15 @@ float8, older releases no bfloat16), and it lets the codec's wire dtype differ f
 Only a reduce-scatter that sums on the wire sends a real dtype.
 
 ``checked_plan`` builds an op's plan and, with validation on, exchanges every rank's verdict and
-``Layout`` (sizes sent to and expected from every rank), so that bad arguments on one rank or a
-disagreement between ranks is the same ``ValueError`` on every rank before any data moves.
+``Layout`` (sizes sent to and expected from every rank, in one fixed-size all-gather of ints), so
+that bad arguments on one rank or a disagreement between ranks is the same ``ValueError`` on every
+rank before any data moves.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Callable, Generic, Optional, Sequence, TypeVar
 
 import torch
@@ -362,10 +364,12 @@ def checked_plan(
 ) -> P:
     """``build()``, checked against the other ranks' when validation is on and the group has >1 rank.
 
-    Every rank sends its verdict (the error ``build`` raised, or its ``layout``) in one small object
-    all-gather, and every rank raises the same ``ValueError`` when any rank's arguments are invalid,
-    when ranks disagree on an ``agree`` value, or when a rank sends another a different number of
-    elements than that rank expects. With validation off, local errors still raise (on that rank).
+    Every rank sends its verdict (failed or not, a fingerprint of its ``agree`` values, its sizes) in
+    one fixed-size int all-gather; when that shows a problem, the verdicts themselves (the error
+    ``build`` raised, or the ``layout``) follow in an object all-gather, and every rank raises the
+    same ``ValueError`` when any rank's arguments are invalid, when ranks disagree on an ``agree``
+    value, or when a rank sends another a different number of elements than that rank expects. With
+    validation off, local errors still raise (on that rank).
     """
     world = world_of(group)
     try:
@@ -373,12 +377,44 @@ def checked_plan(
     except (ValueError, IndexError, TypeError) as err:
         plan, error = None, err
     if world > 1 and validation_enabled():
-        verdict = f"{type(error).__name__}: {error}" if error is not None else None
-        views = gather_objects((verdict, None if plan is None else layout(plan)), group)
-        _raise_on_disagreement(what, views, error)
+        mine = None if plan is None else layout(plan)
+        # the verdicts as one fixed-size int all-gather (one collective, no pickling); the objects
+        # (messages, agree values) travel only when it shows a problem, which every rank sees alike
+        rows = _verdict_rows(mine, world, group)
+        if not _consistent(rows, world):
+            verdict = f"{type(error).__name__}: {error}" if error is not None else None
+            _raise_on_disagreement(what, gather_objects((verdict, mine), group), error)
     if error is not None:
         raise error
     return plan
+
+
+def _verdict_rows(layout: Optional[Layout], world: int, group: Optional[ProcessGroup]) -> list:
+    """Every rank's ``[failed, fingerprint of agree, send[0..W), recv[0..W)]`` (int64, all-gathered)."""
+    if layout is None or len(layout.send) != world or len(layout.recv) != world:
+        row = [1] + [0] * (1 + 2 * world)
+    else:
+        row = [0, _fingerprint(layout.agree), *layout.send, *layout.recv]
+    device = torch.device(dist.distributed_c10d._get_object_coll_device(group))  # gather_objects' device
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    out = torch.empty(world * len(row), dtype=torch.int64, device=device)
+    all_gather_flat(out, torch.tensor(row, dtype=torch.int64, device=device), group=group)
+    return out.view(world, len(row)).tolist()
+
+
+def _consistent(rows: list, world: int) -> bool:
+    """No rank failed, all agree on the ``agree`` values, and each rank sends each what it expects."""
+    if any(row[0] for row in rows) or any(row[1] != rows[0][1] for row in rows):
+        return False
+    return all(
+        rows[src][2 + dst] == rows[dst][2 + world + src] for src in range(world) for dst in range(world)
+    )
+
+
+def _fingerprint(obj: object) -> int:
+    """A 56-bit hash of ``repr(obj)``, the same in every process (``hash()`` is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(repr(obj).encode(), digest_size=7).digest(), "little")
 
 
 def _raise_on_disagreement(what: str, views: list, error: Optional[Exception]) -> None:
