@@ -29,7 +29,7 @@ Per library, per round (a new pair of processes each):
   ``py ms/step``: self time of the library's own Python functions (torchrec + fbgemm_gpu, or shardkit;
   time in C functions they call is not included), ``py us/table`` = that / tables,
   ``all py ms/step``: self time of every Python function (torch's included), ``calls/step`` of the
-  library's functions, ``collectives/step`` (torch.distributed collective calls), ``host syncs/step``
+  library's functions, ``collectives/step`` (torch's C collectives started), ``host syncs/step``
   (``Tensor.item`` / ``tolist`` / ``nonzero`` calls). cProfile slows Python down: these columns compare
   the libraries with each other, not with ``steps/s``.
 ``--base-src DIR`` adds a third library, ``shardkit@base``: shardkit imported from ``DIR`` (another
@@ -55,10 +55,12 @@ from typing import Any, Dict, List, Optional
 
 LIBS = ("torchrec", "shardkit")
 SHARDINGS = ("table_wise", "row_wise", "column_wise", "mixed", "planner")
+# torch's C collectives (what one Python wrapper such as all_gather_object may call several of)
 COLLECTIVES = {
-    "all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "all_gather_single",
-    "all_reduce", "reduce_scatter_tensor", "reduce_scatter", "broadcast", "barrier", "all_gather_object",
-    "broadcast_object_list", "_all_gather_base", "_reduce_scatter_base", "send", "recv", "isend", "irecv",
+    "all_to_all_single", "all_gather_single", "allgather", "allreduce", "broadcast", "alltoall",
+    "alltoall_base", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced",
+    "_allgather_base", "allgather_into_tensor_coalesced", "allreduce_coalesced", "barrier",
+    "monitored_barrier", "send", "recv", "recv_anysource", "gather", "scatter", "reduce",
 }  # fmt: skip
 HOST_SYNCS = ("'item' of", "'tolist' of", "method nonzero", "'nonzero' of")
 
@@ -201,6 +203,14 @@ def _concat_train(dlrm):
     return ConcatTrain(dlrm)
 
 
+def _c_name(name: str) -> str:
+    """``all_gather_single`` of ``<built-in method torch._C._distributed_c10d.all_gather_single>`` or
+    ``allreduce`` of ``<method 'allreduce' of 'torch._C._distributed_c10d.ProcessGroup' objects>``."""
+    if name.startswith("<method '"):
+        return name.split("'")[1]
+    return name.rstrip(">").rsplit(".", 1)[-1]
+
+
 def _profile_summary(prof: cProfile.Profile, lib: str, steps: int, tables: int, top: int) -> Dict[str, Any]:
     """Per-step figures of one cProfile run (see the module docstring)."""
     stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
@@ -214,10 +224,10 @@ def _profile_summary(prof: cProfile.Profile, lib: str, steps: int, tables: int, 
         if path == "~":  # a C function
             if any(tag in name for tag in HOST_SYNCS):
                 syncs += calls
+            if "_distributed_c10d" in name and _c_name(name) in COLLECTIVES:
+                collectives += calls
             continue
         all_py += tottime
-        if path.endswith(os.path.join("torch", "distributed", "distributed_c10d.py")) and name in COLLECTIVES:
-            collectives += calls
         if any(path.startswith(root) for root in roots):
             own += tottime
             own_calls += calls
