@@ -154,3 +154,77 @@ def test_input_dist_reads_the_per_key_lengths_once_not_once_per_feature(monkeypa
     sharding.input_dist(ctx, kjt)
     assert ctx.sent_lengths_per_key == [3] * features
     assert len(calls) <= 2, f"length_per_key read {len(calls)} times for {features} features"
+
+
+def _dense_dp_tables(rows_per_table, dim=16):
+    return [
+        sharded_table(
+            EmbeddingBagConfig(rows, dim, name=f"t{i}", feature_names=[f"f{i}"]),
+            data_parallel()(f"t{i}", (rows, dim), 2, 2, "cpu"),
+            2,
+        )
+        for i, rows in enumerate(rows_per_table)
+    ]
+
+
+def test_dense_kernel_holds_its_tables_in_parameters_of_at_most_4_mib():
+    # one parameter of the whole table set made torch.optim.Adagrad's sqrt allocate a fresh temporary
+    # of its size every step (32 MiB in the vs_torchrec sweep's data-parallel row): ~1.5x its CPU time
+    # fp32 x dim 16: 2 MiB, 2 MiB, 2 MiB, 5 MiB (alone, above the cap), 64 KiB
+    tables = _dense_dp_tables([32768, 32768, 32768, 81920, 1024])
+    sharding = DpPooledEmbeddingSharding(tables, ShardingEnv.from_local(2, 0), True)
+    lookup = sharding.create_lookup()
+    params = [p for _, p in lookup.named_parameters()]
+    assert [[t.name for t, _ in group] for group in lookup.placed] == [["t0", "t1"], ["t2"], ["t3"], ["t4"]]
+    assert [p.numel() * 4 for p in params] == [4 << 20, 2 << 20, 5 << 20, 64 << 10]
+    # the received keys (the input's order and the output's columns) are the tables' order, as before
+    assert sharding.received_features() == [f"f{i}" for i in range(5)]
+    assert list(lookup.local_shards()) == [
+        (f"t{i}", 0, t.config.num_embeddings, 0, 16) for i, t in enumerate(tables)
+    ]
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_split_dense_replicas_train_exactly_like_one_group(monkeypatch, pooled):
+    # the same forward, gradients and torch.optim.Adagrad steps as one (width, dtype) group
+    import importlib
+
+    import torch
+
+    from shardkit.sharding.embedding_lookup import ShardedGroupedLookup
+    from shardkit.sparse import KeyedJaggedTensor
+
+    # the module (shardkit.sharding's data_parallel is the plan function)
+    dp = importlib.import_module("shardkit.sharding.data_parallel")
+    monkeypatch.setattr(dp, "MAX_PARAMETER_BYTES", 30 * 4 * 4)  # 30 rows of dim 4: splits these tables
+    rows = [10, 25, 40, 7, 12]
+    tables = _dense_dp_tables(rows, dim=4)
+    whole = [(t, dp.TableShard(0, 0, r, 0, 4)) for t, r in zip(tables, rows)]
+    split = dp.DenseReplicaLookup(whole, pooled)
+    one = ShardedGroupedLookup(whole, pooled)
+    assert len(split.lookups) == 4 and len(one.lookups) == 1
+    gen = torch.Generator().manual_seed(3)
+    full = {t.name: torch.randn(r, 4, generator=gen) for t, r in zip(tables, rows)}
+    split.load_tables(full.__getitem__)
+    one.load_tables(full.__getitem__)
+    opt_split = torch.optim.Adagrad(split.parameters(), lr=0.1)
+    opt_one = torch.optim.Adagrad(one.parameters(), lr=0.1)
+    for step in range(3):
+        lengths = torch.randint(0, 4, (len(rows) * 3,), generator=gen)
+        ids = torch.cat(
+            [
+                torch.randint(0, r, (int(n),), generator=gen)
+                for r, n in zip(rows, lengths.view(len(rows), 3).sum(1))
+            ]
+        )
+        kjt = KeyedJaggedTensor([f"f{i}" for i in range(len(rows))], ids, lengths=lengths)
+        outs = []
+        for lookup, opt in [(split, opt_split), (one, opt_one)]:
+            opt.zero_grad()
+            out = lookup(kjt)
+            (out * torch.arange(out.numel()).view_as(out).float()).sum().backward()
+            opt.step()
+            outs.append(out.detach())
+        assert torch.equal(outs[0], outs[1])
+        for key, shard in split.local_shards().items():
+            assert torch.equal(shard, one.local_shards()[key]), (step, key)

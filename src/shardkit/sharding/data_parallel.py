@@ -7,6 +7,11 @@
   kernel (a collection with a fused optimizer): ``ReplicatedShardedLookup``, whose backward all-reduces
   the gradient rows and then applies the fused optimizer on every replica alike (a plain fused
   lookup would update each replica from its own samples and let them drift apart);
+  The DENSE kernel's tables are held as parameters of at most ``MAX_PARAMETER_BYTES`` each (runs of
+  whole tables; a larger table alone), not one parameter per (width, dtype): the user's dense
+  optimizer (``torch.optim.Adagrad``'s ``sqrt`` of its state, ``Adam``'s, ...) makes temporaries the
+  size of each parameter every step, and one parameter of the whole table set (32 MiB in the
+  vs_torchrec sweep) meant a fresh uncached allocation per step (~1.5x the optimizer's CPU time);
 - output dist: none (the result is already this rank's samples). The gradient of input weights
   that require grad is divided by the world size here instead, as the other shardings' output dists
   divide it (while ``get_gradient_division()``).
@@ -20,7 +25,7 @@ import torch
 
 from shardkit.distributed.awaitable import Awaitable, NoWait
 from shardkit.distributed.comm_ops import get_gradient_division
-from shardkit.sharding.embedding_lookup import ShardedGroupedLookup, received_keys
+from shardkit.sharding.embedding_lookup import PlacedShard, ShardedGroupedLookup, received_keys
 from shardkit.sharding.embedding_sharding import (
     ColumnBlock,
     CommOpGradientScaling,
@@ -37,6 +42,31 @@ from shardkit.sharding.variable_batch import expand_blocks
 from shardkit.sparse import KeyedJaggedTensor
 
 _KERNELS = (EmbeddingComputeKernel.DENSE.value, EmbeddingComputeKernel.FUSED.value)
+# 4 MiB: the optimizer's per-parameter temporaries stay cache-sized and are reused by the allocator,
+# while a set of small tables still costs a few kernel calls, not one per table
+MAX_PARAMETER_BYTES = 4 << 20
+
+
+class DenseReplicaLookup(ShardedGroupedLookup):
+    """The DENSE data-parallel lookup: each (width, dtype) group split into runs of whole tables of at
+    most ``MAX_PARAMETER_BYTES`` (a larger table is a run alone), one parameter and kernel call each.
+    The same rows and results as one group; only how the optimizer sees them differs (see module doc)."""
+
+    def group(self, shards: List[PlacedShard]) -> List[List[PlacedShard]]:
+        runs: List[List[PlacedShard]] = []
+        for group in super().group(shards):
+            run: List[PlacedShard] = []
+            size = 0
+            for table, shard in group:
+                item = torch.empty((), dtype=table.config.dtype).element_size()
+                nbytes = (shard.row_end - shard.row_start) * (shard.col_end - shard.col_start) * item
+                if run and size + nbytes > MAX_PARAMETER_BYTES:
+                    runs.append(run)
+                    run, size = [], 0
+                run.append((table, shard))
+                size += nbytes
+            runs.append(run)
+        return runs
 
 
 class _DataParallel(EmbeddingShardingImpl):
@@ -79,7 +109,7 @@ class _DataParallel(EmbeddingShardingImpl):
     def _lookup(self, *args, **kwargs) -> ShardedGroupedLookup:
         """The DENSE kernel's lookup, or the FUSED one's whose update is all-reduced first."""
         if self.fused_optimizer is None:
-            return ShardedGroupedLookup(*args, None, **kwargs)
+            return DenseReplicaLookup(*args, None, **kwargs)
         lookup = ReplicatedShardedLookup(*args, self.fused_optimizer, **kwargs)
         lookup.set_group(self.pg, self.world_size)
         return lookup
@@ -121,4 +151,9 @@ class DpSequenceEmbeddingSharding(_DataParallel):
         return NoWait(split_sequence_rows(local_out, ctx.sent_lengths_per_key, self._keys, self._dims))
 
 
-__all__ = ["DpPooledEmbeddingSharding", "DpSequenceEmbeddingSharding"]
+__all__ = [
+    "DenseReplicaLookup",
+    "DpPooledEmbeddingSharding",
+    "DpSequenceEmbeddingSharding",
+    "MAX_PARAMETER_BYTES",
+]

@@ -90,13 +90,18 @@ class ShardedGroupedLookup(nn.Module):
         super().__init__()
         self.pooled, self.weighted, self.sequence_width = pooled, weighted, sequence_width
         self.dtype = dtype
-        self.placed: List[List[PlacedShard]] = group_shards(shards)
+        self.placed: List[List[PlacedShard]] = self.group(shards)
         self.lookups = nn.ModuleList(
             self._group_lookup(group, device, fused_optimizer) for group in self.placed
         )
         self.keys: List[ColumnBlock] = received_keys(shards)
         self._offloaded = any(hasattr(lookup, "offload") for lookup in self.lookups)
         self._group_sizes = [len(lookup.feature_names) for lookup in self.lookups]
+
+    def group(self, shards: List[PlacedShard]) -> List[List[PlacedShard]]:
+        """The shards of each kernel call (default ``group_shards``); a subclass may split a group
+        into consecutive runs, which keeps :attr:`keys`' order (the flattened groups')."""
+        return group_shards(shards)
 
     def _group_lookup(self, group: List[PlacedShard], device, fused_optimizer) -> nn.Module:
         specs = [t.spec(s) for t, s in group]
