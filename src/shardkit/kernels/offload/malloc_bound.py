@@ -12,7 +12,7 @@ a table 10x the memory budget kept ~40 MiB of freed batch temporaries resident t
 
 :func:`fix_malloc_thresholds` (called when a file-backed store is created or opened) sets both
 thresholds to :data:`DEFAULT_THRESHOLD` (``mallopt``, which also turns the dynamic adjustment off):
-every block of 1 MiB or more is mapped and unmapped on its own, and a free heap top beyond 1 MiB is
+every block of 4 MiB or more is mapped and unmapped on its own, and a free heap top beyond 4 MiB is
 returned, so the resident set of a checkpoint or a step is what is live, whatever ran before.
 ``SHARDKIT_MALLOC_THRESHOLD`` (bytes; ``0`` / ``off``) chooses another value or leaves ``malloc``
 alone. A no-op off glibc (other allocators return large blocks anyway).
@@ -27,7 +27,12 @@ import threading
 from typing import Optional
 
 MALLOC_THRESHOLD_ENV = "SHARDKIT_MALLOC_THRESHOLD"
-DEFAULT_THRESHOLD = 1 << 20
+# 4 MiB: a 1 MiB threshold kept a 10x-budget table's step within its budget (58.7 MiB peak for 64) but
+# made every step of the process, in-memory tables' included, 2-3x slower (fresh mappings and page
+# faults for each 1-4 MiB temporary: `fused` 20.9 ms against 7.2 ms with malloc left alone, idle
+# machine, benchmarks/offload.py); at 4 MiB `fused` took 7.9 ms and that run's peak was 69.8 MiB.
+# Checkpoint pieces (16 MiB) are mapped and returned at either value. Tighter: SHARDKIT_MALLOC_THRESHOLD.
+DEFAULT_THRESHOLD = 4 << 20
 # glibc's mallopt parameters
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
