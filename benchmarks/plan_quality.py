@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.common import write_results
+from shardkit.cli.demo_dlrm import TABLE_SHAPES as DEMO_TABLE_SHAPES  # (rows, dim, mean ids per bag)
 from shardkit.distributed.validation import set_validation
 from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig
 from shardkit.sparse import KeyedJaggedTensor
@@ -49,17 +50,6 @@ SLOW_FACTOR = 4.0
 DISTINCT = 0.10  # measured times this far apart are ordered; closer ones are within the noise
 UNIFORM = ["data_parallel", "table_wise", "row_wise", "column_wise"]
 _ABBREV = {"data_parallel": "DP", "table_wise": "TW", "row_wise": "RW", "column_wise": "CW"}
-# the demo's tables (shardkit.cli.demo_dlrm._TABLE_SHAPES): (rows, dim, mean ids per bag)
-_DEMO = [
-    (100_000, 16, 1.0),
-    (2_000, 16, 3.0),
-    (20_000, 32, 1.0),
-    (50, 16, 1.0),
-    (10_000, 16, 2.0),
-    (500, 64, 4.0),
-    (50_000, 16, 1.0),
-    (5_000, 32, 2.0),
-]
 
 
 def table_sets(quick: bool) -> Dict[str, Tuple[List[Tuple[int, int, float]], int]]:
@@ -67,7 +57,8 @@ def table_sets(quick: bool) -> Dict[str, Tuple[List[Tuple[int, int, float]], int
     many = 48 if quick else 128
     small = [(1000 * (1 + i % 10), (8, 16, 32)[i % 3], float(1 + i % 3)) for i in range(many)]
     large = [(200_000 if quick else 300_000, 128, 20.0)] * 4
-    return {"demo": (_DEMO, 256), "many_small": (small, 64), "few_large": (large, 1024 if quick else 2048)}
+    big_batch = 1024 if quick else 2048
+    return {"demo": (DEMO_TABLE_SHAPES, 256), "many_small": (small, 64), "few_large": (large, big_batch)}
 
 
 class _Model(nn.Module):

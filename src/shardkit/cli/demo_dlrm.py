@@ -48,7 +48,7 @@ LR = 0.5  # one SGD rate for tables and dense layers: a replicated table trains 
 # one run and off in the other (a jump of 1e-4 in one step, not drift; MixedDimDLRM's docstring)
 ACTIVATION = torch.nn.SiLU
 # (rows, dim, mean ids per bag), cycled: big and small tables, narrow (interacting) and wide ones
-_TABLE_SHAPES = [
+TABLE_SHAPES = [
     (100_000, 16, 1.0),
     (2_000, 16, 3.0),
     (20_000, 32, 1.0),
@@ -64,7 +64,7 @@ def demo_tables(count: int, max_rows: Optional[int] = None) -> List[TableSpec]:
     """``count`` tables of mixed sizes (rows capped at ``max_rows``)."""
     specs = []
     for i in range(count):
-        rows, dim, pooling = _TABLE_SHAPES[i % len(_TABLE_SHAPES)]
+        rows, dim, pooling = TABLE_SHAPES[i % len(TABLE_SHAPES)]
         specs.append(TableSpec(f"t{i}", min(rows, max_rows or rows), dim, pooling))
     return specs
 
