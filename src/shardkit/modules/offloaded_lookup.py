@@ -35,7 +35,8 @@ import torch
 from shardkit.kernels import embedding_forward, embedding_fused_backward, embedding_torch
 from shardkit.kernels.offload import OffloadSpec
 from shardkit.kernels.offload.backing_store import BackingStore, field_specs
-from shardkit.kernels.offload.row_cache import CacheCounters, RowCache
+from shardkit.kernels.offload.cache_counters import CacheCounters
+from shardkit.kernels.offload.row_cache import RowCache
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig, SparseRowOptimizer, _state_shapes
 from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup, ShardSpec
 from shardkit.modules.lookup_kernels import lookup as run_lookup

@@ -18,7 +18,8 @@ from typing import Optional, Sequence
 import torch
 
 from shardkit.kernels.offload import OffloadSpec
-from shardkit.kernels.offload.row_cache import CacheCounters, RowCache
+from shardkit.kernels.offload.cache_counters import CacheCounters
+from shardkit.kernels.offload.row_cache import RowCache
 from shardkit.kernels.quant_embedding import quant_embedding_forward
 from shardkit.kernels.quant_rows import row_bytes
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from shardkit.kernels.embedding import RowOutOfRange
-from shardkit.kernels.offload.row_cache import CacheCounters, RowCache
+from shardkit.kernels.offload.cache_counters import CacheCounters
+from shardkit.kernels.offload.row_cache import RowCache
 
 ROW_BYTES = 4 * 4 + 4 + 3  # weight float32 [4] + state float32 [] + codes uint8 [3]
 COUNTS = ["lookups", "hits", "misses", "evictions", "rows_read", "rows_written", "bytes_read"]

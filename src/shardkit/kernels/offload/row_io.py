@@ -215,41 +215,37 @@ class FileRowIO:
         return extents
 
     def _read(self, name: str, count: int, runs) -> torch.Tensor:
-        offset, shape, dtype = self.regions[name]
+        _, shape, dtype = self.regions[name]
         row_bytes = self._row_bytes[name]
         if count == 0 or row_bytes == 0:
             return torch.empty((count, *shape[1:]), dtype=dtype)
         buffer = bytearray(count * row_bytes)
-        view = memoryview(buffer)
-        fd, preadv = self.fd, os.preadv
-        for at, length, row in zip(*runs):
-            want = length * row_bytes
-            got = preadv(fd, [view[at * row_bytes : at * row_bytes + want]], offset + row * row_bytes)
-            if got != want:
-                raise OSError(
-                    f"backing file {self.path!r}: short read of field {name!r} rows {row}..{row + length - 1}"
-                    f" ({got} of {want} bytes): the file was truncated or damaged"
-                )
+        self._transfer(os.preadv, name, buffer, runs, "read", "the file was truncated or damaged")
         return torch.frombuffer(buffer, dtype=dtype).view(count, *shape[1:])
 
     def _write(self, name: str, values: torch.Tensor, runs) -> None:
-        offset, shape, dtype = self.regions[name]
+        _, shape, dtype = self.regions[name]
         row_bytes = self._row_bytes[name]
         count = values.size(0)
         if count == 0 or row_bytes == 0:
             return
         buffer = bytearray(count * row_bytes)
         torch.frombuffer(buffer, dtype=dtype).view(values.shape).copy_(values)
+        self._transfer(os.pwritev, name, buffer, runs, "write", "is the disk full?")
+
+    def _transfer(self, call, name: str, buffer: bytearray, runs, verb: str, hint: str) -> None:
+        """One positioned ``call`` (``os.preadv`` / ``os.pwritev``) per run of field ``name``'s rows,
+        between ``buffer`` (the runs' rows back to back) and the file; a short transfer is an OSError."""
+        offset = self.regions[name][0]
+        row_bytes = self._row_bytes[name]
         view = memoryview(buffer)
-        fd, pwritev = self.fd, os.pwritev
         for at, length, row in zip(*runs):
             want = length * row_bytes
-            done = pwritev(fd, [view[at * row_bytes : at * row_bytes + want]], offset + row * row_bytes)
-            if done != want:
+            moved = call(self.fd, [view[at * row_bytes : at * row_bytes + want]], offset + row * row_bytes)
+            if moved != want:
                 raise OSError(
-                    f"backing file {self.path!r}: short write of field {name!r} "
-                    f"rows {row}..{row + length - 1}"
-                    f" ({done} of {want} bytes): is the disk full?"
+                    f"backing file {self.path!r}: short {verb} of field {name!r} "
+                    f"rows {row}..{row + length - 1} ({moved} of {want} bytes): {hint}"
                 )
 
 
