@@ -185,8 +185,67 @@ def test_adjacent_rows_take_one_call_per_run_and_field(tmp_path, backend):
     rows = torch.tensor([0, 1, 2, 7, 8, 20])  # runs 0..2, 7..8, 20 -> 3 runs x 3 fields
     slots = torch.tensor([5, 2, 9, 0, 1, 3])  # any slots: the destination need not be contiguous
     io = store.row_io()
+    io.merge_gap = 0  # runs apart in the file stay apart (the native default moves small gaps too)
     assert io.read_into(rows, _buffers(10), slots, backend=backend) == 9
     assert io.write_from(rows, _buffers(10), slots, backend=backend) == 9
+
+
+def _native_or_skip():
+    if "native" not in _backends():
+        pytest.skip("the native kernels are not built here")
+
+
+def test_native_gaps_move_in_one_call_and_leave_the_gap_bytes_alone(tmp_path):
+    """Rows a few bytes apart (every other row, and across the small fields' regions): with the
+    default merge gap the native path reads them all in one preadv (the gaps into a throw-away
+    buffer) and writes them by one read + one write of the span, which leaves every byte it was not
+    asked to write as it was."""
+    _native_or_skip()
+    store = _store(tmp_path)
+    io = store.row_io()
+    rows = torch.tensor([1, 3, 5, 9, 20, 22, 38])
+    slots = torch.tensor([6, 0, 3, 1, 5, 2, 4])
+    buffers = _buffers(7)
+    assert io.read_into(rows, buffers, slots, backend="native") == 1
+    for name, tensor in store.tensors.items():
+        assert torch.equal(buffers[name].index_select(0, slots), tensor.index_select(0, rows))
+    expected = {n: t.clone() for n, t in store.tensors.items()}
+    gen = torch.Generator().manual_seed(3)
+    buffers = {
+        "weight": torch.randn(7, 5, generator=gen),
+        "state.m": torch.rand(7, generator=gen),
+        "q": torch.randint(0, 255, (7, 3), generator=gen, dtype=torch.uint8),
+    }
+    assert io.write_from(rows, buffers, slots, backend="native") == 2  # read the span, write it back
+    for name in FIELDS:
+        expected[name].index_copy_(0, rows, buffers[name].index_select(0, slots))
+        assert torch.equal(store.tensors[name], expected[name])
+    io.merge_gap = 0
+    assert io.read_into(rows, _buffers(7), slots, backend="native") == 3 * 7  # a call per row and field
+
+
+def test_native_write_span_is_bounded(tmp_path):
+    """A write that moves gaps goes through a scratch span of at most 1 MiB: rows 4 KiB wide, every
+    other one written (gaps of one row, within the merge gap), 2.4 MiB in all -> 3 spans, 2 calls each;
+    the rows between keep their bytes."""
+    _native_or_skip()
+    fields = {"weight": ((600, 1024), torch.float32)}
+    store = BackingStore.create(fields, {"t": 2}, str(tmp_path))
+    before = torch.randn(600, 1024, generator=torch.Generator().manual_seed(4))
+    store.tensors["weight"].copy_(before)
+    io = store.row_io()
+    rows = torch.arange(0, 600, 2)
+    values = {"weight": torch.randn(300, 1024, generator=torch.Generator().manual_seed(5))}
+    slots = torch.arange(300)
+    calls = io.write_from(rows, values, slots, backend="native")
+    # 1 MiB holds 256 rows: rows 0..254 (span 255 rows), then 256..510, then 512..598
+    assert calls == 6
+    expected = before.clone()
+    expected[rows] = values["weight"]
+    assert torch.equal(store.tensors["weight"], expected)
+    got = {"weight": torch.zeros(300, 1024)}
+    assert io.read_into(rows, got, slots, backend="native") == 1  # reads: no span limit
+    assert torch.equal(got["weight"], values["weight"])
 
 
 @pytest.mark.parametrize("backend", _backends())

@@ -33,6 +33,8 @@ constexpr int64_t kMaxPieces = IOV_MAX;
 #else
 constexpr int64_t kMaxPieces = 1024;
 #endif
+// a read-modify-write span (a write that also rewrites gaps) moves at most this many bytes
+constexpr int64_t kMaxWriteSpan = int64_t{1} << 20;
 
 struct Extent {
   int64_t pos;  // byte offset in the file
@@ -77,7 +79,7 @@ std::string transfer(int fd, std::vector<iovec>& pieces, int64_t total, int64_t 
 }
 
 int64_t move_rows(int64_t fd, const at::Tensor& rows, const at::Tensor& slots, at::TensorList buffers,
-                  at::IntArrayRef offsets, at::IntArrayRef strides, bool write) {
+                  at::IntArrayRef offsets, at::IntArrayRef strides, int64_t max_gap, bool write) {
   const char* op = write ? "file_write_rows" : "file_read_rows";
   TORCH_CHECK(rows.device().is_cpu() && slots.device().is_cpu() && rows.scalar_type() == at::kLong &&
                   slots.scalar_type() == at::kLong && rows.dim() == 1 && slots.dim() == 1 &&
@@ -131,22 +133,50 @@ int64_t move_rows(int64_t fd, const at::Tensor& rows, const at::Tensor& slots, a
   }
   int64_t calls = 0;
   std::vector<iovec> pieces;
+  // a gap of at most max_gap bytes between two extents is moved too, so that both go in one call: read
+  // into `junk` (its bytes are never used), written back as read (read-modify-write through `scratch`,
+  // a span of at most kMaxWriteSpan bytes: the caller is the file's only writer meanwhile)
+  const int64_t gap_limit = std::max<int64_t>(max_gap, 0);
+  std::vector<char> junk(static_cast<size_t>(gap_limit));
+  std::vector<char> scratch;
   size_t start = 0;  // first extent of the current call
   while (start < extents.size()) {
     pieces.clear();
     const int64_t pos = extents[start].pos;
     int64_t end = pos;
+    bool gaps = false;
     size_t k = start;
-    for (; k < extents.size() && extents[k].pos == end; ++k) {
+    for (; k < extents.size(); ++k) {
       const Extent& e = extents[k];
+      const int64_t gap = e.pos - end;
+      if (gap < 0 || gap > gap_limit) break;
+      if (write && (gaps || gap > 0) && e.pos + e.len - pos > kMaxWriteSpan) break;
+      if (gap > 0) {
+        if (!write) pieces.push_back({junk.data(), static_cast<size_t>(gap)});
+        gaps = true;
+      }
       if (!pieces.empty() && static_cast<char*>(pieces.back().iov_base) + pieces.back().iov_len == e.mem) {
         pieces.back().iov_len += e.len;
       } else {
         pieces.push_back({e.mem, static_cast<size_t>(e.len)});
       }
-      end += e.len;
+      end = e.pos + e.len;
     }
-    const std::string error = transfer(static_cast<int>(fd), pieces, end - pos, pos, write);
+    std::string error;
+    if (write && gaps) {
+      // read the span, put the extents' bytes in their places, write the span back
+      scratch.resize(static_cast<size_t>(end - pos));
+      std::vector<iovec> whole{{scratch.data(), scratch.size()}};
+      error = transfer(static_cast<int>(fd), whole, end - pos, pos, false);
+      if (error.empty()) {
+        for (size_t j = start; j < k; ++j) std::memcpy(scratch.data() + (extents[j].pos - pos), extents[j].mem, extents[j].len);
+        whole.assign(1, {scratch.data(), scratch.size()});
+        error = transfer(static_cast<int>(fd), whole, end - pos, pos, true);
+        ++calls;
+      }
+    } else {
+      error = transfer(static_cast<int>(fd), pieces, end - pos, pos, write);
+    }
     TORCH_CHECK(error.empty(), op, ": ", error, " at file bytes ", pos, "..", end - 1, " (rows ",
                 extents[start].row, "..", extents[k - 1].row, ")");
     ++calls;
@@ -157,23 +187,25 @@ int64_t move_rows(int64_t fd, const at::Tensor& rows, const at::Tensor& slots, a
 
 // Reads file rows rows[i] into slot slots[i] of every buffer; returns the number of preadv calls.
 int64_t file_read_rows(int64_t fd, const at::Tensor& rows, const at::Tensor& slots, at::TensorList buffers,
-                       at::IntArrayRef offsets, at::IntArrayRef strides) {
-  return move_rows(fd, rows, slots, buffers, offsets, strides, false);
+                       at::IntArrayRef offsets, at::IntArrayRef strides, int64_t max_gap) {
+  return move_rows(fd, rows, slots, buffers, offsets, strides, max_gap, false);
 }
 
 // Writes slot slots[i] of every buffer to file row rows[i]; returns the number of pwritev calls.
 int64_t file_write_rows(int64_t fd, const at::Tensor& rows, const at::Tensor& slots, at::TensorList buffers,
-                        at::IntArrayRef offsets, at::IntArrayRef strides) {
-  return move_rows(fd, rows, slots, buffers, offsets, strides, true);
+                        at::IntArrayRef offsets, at::IntArrayRef strides, int64_t max_gap) {
+  return move_rows(fd, rows, slots, buffers, offsets, strides, max_gap, true);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(shardkit_native, m) {
   m.def(
-      "file_read_rows(int fd, Tensor rows, Tensor slots, Tensor(a!)[] buffers, int[] offsets, int[] strides) "
-      "-> int");
-  m.def("file_write_rows(int fd, Tensor rows, Tensor slots, Tensor[] buffers, int[] offsets, int[] strides) -> int");
+      "file_read_rows(int fd, Tensor rows, Tensor slots, Tensor(a!)[] buffers, int[] offsets, int[] strides, "
+      "int max_gap=0) -> int");
+  m.def(
+      "file_write_rows(int fd, Tensor rows, Tensor slots, Tensor[] buffers, int[] offsets, int[] strides, "
+      "int max_gap=0) -> int");
 }
 
 TORCH_LIBRARY_IMPL(shardkit_native, CPU, m) {
