@@ -351,3 +351,26 @@ def test_native_op_reads_and_writes_one_record_per_row(tmp_path):
         assert torch.equal(written, expected)
     finally:
         os.close(fd)
+
+
+def test_backing_store_descriptor_is_advised_random(tmp_path, monkeypatch):
+    """The store's descriptor reads scattered rows: it is advised POSIX_FADV_RANDOM (no readahead of
+    neighbours no miss asked for, small page-cache folios that a row's write-back is cheap into), on
+    created and on opened files."""
+    import os
+
+    if not hasattr(os, "posix_fadvise"):
+        pytest.skip("no posix_fadvise on this OS")
+    advised = []
+    real = os.posix_fadvise
+
+    def record(fd, offset, length, advice):
+        advised.append((fd, offset, length, advice))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", record)
+    store = _store(tmp_path)
+    assert (store.row_io().fd, 0, 0, os.POSIX_FADV_RANDOM) in advised
+    advised.clear()
+    opened = BackingStore.open(store.path, FIELDS, {"t": 1})
+    assert (opened.row_io().fd, 0, 0, os.POSIX_FADV_RANDOM) in advised

@@ -41,7 +41,7 @@ import torch
 
 from shardkit.kernels.offload import stale_dirs
 from shardkit.kernels.offload.malloc_bound import fix_malloc_thresholds
-from shardkit.kernels.offload.row_io import FileRowIO
+from shardkit.kernels.offload.row_io import FileRowIO, advise_random
 
 MAGIC = b"SKOFF001"
 HEADER_BYTES = 4096
@@ -230,6 +230,7 @@ class BackingStore:
         self._fields = dict(fields) if fields is not None else None
         if fd is not None:
             weakref.finalize(self, _close_quietly, fd)
+            advise_random(fd)  # misses read scattered rows: no readahead, small page-cache folios
         if path is not None:
             # the mapping stays valid after the unlink: the tensors never dangle, the file goes at exit
             self._finalizer = weakref.finalize(self, _remove_quietly, path)

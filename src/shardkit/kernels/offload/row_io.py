@@ -56,6 +56,25 @@ MERGE_GAP_BYTES = 4096
 FieldRegion = Tuple[int, Tuple[int, ...], torch.dtype]
 
 
+def advise_random(fd: int) -> bool:
+    """Tell the kernel that ``fd`` reads rows at random (``POSIX_FADV_RANDOM``): no readahead.
+
+    Why: a read of a page that is not in the page cache otherwise brings in a readahead window of its
+    neighbours (for one 256-byte row, up to hundreds of KiB of the file that no miss asked for) and
+    caches it as large folios, and a small ``pwritev`` into a large folio costs in proportion to the
+    folio (ext4 walks all its blocks): a dirty 256-byte row written back cost 6.4 us of CPU into a
+    page cache filled through an unadvised descriptor, 2.5 us with the advice (loaded machine, 5300
+    rows of a 1e6 x 64 fp32 table). Returns whether the advice was given (not on every OS).
+    """
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    except OSError:  # a file system without the advice: only slower
+        return False
+    return True
+
+
 def row_runs(rows: torch.Tensor) -> Tuple[List[int], List[int], List[int]]:
     """Runs of consecutive rows in ascending ``rows`` (int64 ``[n]``, host).
 
@@ -267,4 +286,4 @@ class FileRowIO:
                 )
 
 
-__all__ = ["FileRowIO", "row_runs"]
+__all__ = ["FileRowIO", "advise_random", "row_runs"]
