@@ -275,6 +275,27 @@ def test_lru_evicts_the_least_recently_acquired():
     assert cache.resident_rows().tolist() == [7, 8, 9]
 
 
+def test_lru_choice_when_the_recency_queue_runs_out():
+    """The LRU queue is the fast path; when it runs out with enough evictable slots (a row left
+    resident without a queue entry, simulated by dropping the queue) the choice is still the least
+    recent, and the queue is whole again for the next eviction; with too few evictable slots the cache
+    grows instead."""
+    cache = RowCache(_backing(10), 3, algorithm="lru")
+    _acquire_release(cache, [0, 1, 2])
+    _acquire_release(cache, [0])  # recency now 1 < 2 < 0
+    cache._lru, cache._lru_entries = [], 0
+    _acquire_release(cache, [5])
+    assert cache.resident_rows().tolist() == [0, 2, 5]
+    assert cache._lru_entries == 3
+    _acquire_release(cache, [6])  # from the rebuilt queue: 2 is the least recent
+    assert cache.resident_rows().tolist() == [0, 5, 6]
+    ticket, _ = cache.acquire(torch.tensor([0, 5]))  # pinned: only 6 is evictable
+    _acquire_release(cache, [7, 8])  # needs two slots: grows by one, evicting 6
+    assert cache.resident_rows().tolist() == [0, 5, 7, 8]
+    cache.release(ticket, dirty=False)
+    assert cache.size == 3 and cache.resident_rows().numel() == 3
+
+
 def test_lfu_evicts_the_least_frequently_acquired_ties_by_lru():
     lfu = RowCache(_backing(10), 3, algorithm="lfu")
     lru = RowCache(_backing(10), 3, algorithm="lru")

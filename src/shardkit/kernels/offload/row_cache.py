@@ -389,44 +389,40 @@ class RowCache:
         if free.numel() >= count:
             return free[:count]
         needed = count - free.numel()
-        evictable_mask = (self.row_of_slot >= 0) & (self._pins == 0)
-        if self.algorithm == "lru" and int(evictable_mask.sum()) >= needed:
-            # the common case: the least recent from the front of the recency queue, no scan or selection
-            # over the whole cache
-            victims = self._lru_victims(needed)
-        else:
-            evictable = evictable_mask.nonzero().flatten()
+        # LRU, the common case: the least recent from the front of the recency queue, no scan or
+        # selection over the whole cache, not even a count of the evictable slots (None: the queue ran
+        # out, see _take_lru)
+        victims = self._take_lru(needed) if self.algorithm == "lru" else None
+        if victims is None:
+            evictable = ((self.row_of_slot >= 0) & (self._pins == 0)).nonzero().flatten()
             if evictable.numel() < needed:
-                # the pinned working set exceeds the capacity: grow so the whole request fits
+                # the pinned working set exceeds the capacity: grow so the whole request fits (every
+                # evictable slot goes: the LRU entries a failed _take_lru took out were all theirs)
                 self._grow(self.size + needed - evictable.numel())
                 self._evict(evictable)
                 return (self.row_of_slot < 0).nonzero().flatten()[:count]
-            victims = self._victims(evictable, needed)
+            victims = self._victims(evictable, needed)  # the LRU queue's choice, had it been whole
+            if self.algorithm == "lru":
+                self._evict(victims)
+                self._rebuild_lru()  # the failed _take_lru took entries of slots that stay
+                return torch.cat([free, victims]).sort().values
         self._evict(victims)
         # the free slots now are exactly the old free ones and the victims (count of them): no second
         # scan of the slot map, the same ascending slots
         return torch.cat([free, victims]).sort().values
 
-    def _lru_victims(self, count: int) -> torch.Tensor:
+    def _take_lru(self, count: int) -> Optional[torch.Tensor]:
         """The ``count`` least recently acquired unpinned resident slots (as :meth:`_victims` chooses
-        them), taken from the front of the recency queue; the caller checked that there are enough.
+        them), taken from the front of the recency queue, or None if the queue runs out first.
 
         Every acquire appends its slots with their new stamps, so the queue is in stamp order, and each
         resident slot has exactly one *current* entry (the one whose stamp it still has: stamps never
         repeat, and an evicted slot's stamp is reset). Entries that are no longer current are dropped as
-        the front is scanned; current pinned entries stay, in their place. Should the queue run out (a
-        row left resident without a stamp by an acquire that failed halfway), it is rebuilt from the
-        stamps and the choice made again.
+        the front is scanned; current pinned entries stay, in their place; the taken ones are removed.
+        The queue runs out when fewer than ``count`` slots are evictable, or when a row was left resident
+        without a stamp by an acquire that failed halfway; the caller then chooses by :meth:`_victims`
+        and rebuilds the queue unless every evictable slot is evicted.
         """
-        victims = self._take_lru(count)
-        if victims is None:
-            self._rebuild_lru()
-            victims = self._take_lru(count)
-        if victims is None:
-            raise RuntimeError(f"RowCache: fewer than {count} evictable rows in the LRU queue")
-        return victims
-
-    def _take_lru(self, count: int) -> Optional[torch.Tensor]:
         taken: List[torch.Tensor] = []
         got, index = 0, 0
         while got < count:
