@@ -208,6 +208,7 @@ def _run_random_sequence(capacity: int, algorithm: str, seed: int, device: str, 
             _assert_fields_equal(backing, reference, f"{step}: backing after invalidate")
             counts["invalidate"] += 1
         _check_against_model(cache, model, step)
+        assert cache._resident == int((cache.row_of_slot >= 0).sum()), step
     for ticket, (_, dirty) in sorted(outstanding.items()):
         cache.release(ticket, dirty=dirty)
         model.release(ticket, dirty)

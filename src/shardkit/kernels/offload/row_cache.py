@@ -163,6 +163,7 @@ class RowCache:
         }
         self.slot_of_row = torch.full((self.num_rows,), -1, dtype=torch.int32)
         self.row_of_slot = torch.full((self.capacity,), -1, dtype=torch.int64)
+        self._resident = 0  # slots holding a row: when all do, no scan for free ones
         self._dirty = torch.zeros(self.capacity, dtype=torch.bool)
         self._pins = torch.zeros(self.capacity, dtype=torch.int32)
         self._stamp = torch.zeros(self.capacity, dtype=torch.int64)  # recency: larger = acquired later
@@ -342,6 +343,7 @@ class RowCache:
         resident = self.row_of_slot >= 0
         self.slot_of_row[self.row_of_slot[resident]] = -1
         self.row_of_slot.fill_(-1)
+        self._resident = 0
         self._stamp.zero_()
         self._freq.zero_()
         self._lru, self._lru_entries = [], 0
@@ -385,7 +387,10 @@ class RowCache:
 
     def _free_slots(self, count: int) -> torch.Tensor:
         """``count`` free slots (int64, host), evicting unpinned rows or growing the buffers as needed."""
-        free = (self.row_of_slot < 0).nonzero().flatten()
+        if self._resident >= self.size:  # a full cache (the steady state): no scan of the slot map
+            free = torch.zeros(0, dtype=torch.int64)
+        else:
+            free = (self.row_of_slot < 0).nonzero().flatten()
         if free.numel() >= count:
             return free[:count]
         needed = count - free.numel()
@@ -486,6 +491,7 @@ class RowCache:
         # index_fill_ rather than indexed assignment: the same values, no index_put_ machinery
         self.slot_of_row.index_fill_(0, rows, -1)
         self.row_of_slot.index_fill_(0, victims, -1)
+        self._resident -= victims.numel()
         self._dirty.index_fill_(0, victims, False)
         self._stamp.index_fill_(0, victims, 0)
         self._freq.index_fill_(0, victims, 0)
@@ -523,11 +529,13 @@ class RowCache:
                 self.tensors[name].index_copy_(0, cache_slots, values)
             if self._after_io is not None:
                 self._after_io()
-        self.slot_of_row[rows] = slots.to(torch.int32)
-        self.row_of_slot[slots] = rows
-        self._dirty[slots] = False
-        self._stamp[slots] = 0
-        self._freq[slots] = 0
+        # index_copy_ / index_fill_ rather than indexed assignment: the same values, cheaper
+        self.slot_of_row.index_copy_(0, rows, slots.to(torch.int32))
+        self.row_of_slot.index_copy_(0, slots, rows)
+        self._resident += rows.numel()
+        self._dirty.index_fill_(0, slots, False)
+        self._stamp.index_fill_(0, slots, 0)
+        self._freq.index_fill_(0, slots, 0)
         count = rows.numel()
         self.counters.rows_read += count
         self.counters.bytes_read += count * self.row_bytes
@@ -580,6 +588,7 @@ class RowCache:
             return out
 
         self.row_of_slot = compact(self.row_of_slot, -1)
+        self._resident = count
         self._dirty = compact(self._dirty, 0)
         self._stamp = compact(self._stamp, 0)
         self._freq = compact(self._freq, 0)
