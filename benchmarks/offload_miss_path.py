@@ -1,0 +1,136 @@
+"""What one step's cache misses cost on CPU: the native row I/O with and without gap merging, and the
+row cache's bookkeeping, each measured in the same run (docs/offload.md, "Miss path").
+
+Run from the repository root: ``python -m benchmarks.offload_miss_path [--quick]``.
+
+- ``io``: a backing file of ``--rows`` x ``--dim`` fp32 weights plus row-wise Adagrad's one-float state
+  (separate regions, as ``BackingStore`` lays them out), initialized through the mapping as a table is;
+  each round draws ``--misses`` random rows and moves them into / out of a cache buffer with
+  ``FileRowIO.read_into`` / ``write_from`` (native path), one field at a time, with
+  ``merge_gap = 0`` (one call per row) and the default (rows up to 4 KiB apart share a call),
+  alternating; CPU microseconds per row, median over ``--rounds``.
+- ``bookkeeping``: ``RowCache.acquire`` + ``release(dirty=True)`` of Zipf batches (``--batch`` ids,
+  exponent 1.05; distinct rows as the lookup passes them) on a cache of ``--load-factor`` x rows over
+  in-memory backing tensors (no file I/O: the slot map, LRU queue, pins, ... plus the misses' and
+  victims' row copies between those tensors and the cache), after ``--warm`` batches that fill the
+  cache; CPU milliseconds per batch.
+
+CPU time (``time.process_time``) because the machine may be shared; the figures of one run compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from typing import List, Optional
+
+import torch
+
+
+def _median(values: List[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def io_rows(args) -> None:
+    from shardkit.kernels import native_ops
+    from shardkit.kernels.offload.backing_store import BackingStore
+    from shardkit.kernels.offload.row_io import MERGE_GAP_BYTES, FileRowIO
+
+    if native_ops() is None:
+        print("io: the native kernels are not built here (SHARDKIT_NATIVE=0 or no compiler): skipped")
+        return
+    fields = {"weight": ((args.rows, args.dim), torch.float32), "state": ((args.rows,), torch.float32)}
+    with tempfile.TemporaryDirectory(prefix="shardkit-bench-miss-") as directory:
+        store = BackingStore.create(fields, {"bench": "miss_path"}, directory)
+        chunk = max(1, (16 << 20) // (args.dim * 4))
+        for start in range(0, args.rows, chunk):  # as reset_parameters: through the mapping, dropped
+            store.tensors["weight"][start : start + chunk].normal_()
+            store.drop_resident()
+        store.tensors["state"].fill_(0.5)
+        store.drop_resident()
+        whole = store.row_io()
+        per_field = {name: FileRowIO(whole.fd, {name: whole.regions[name]}, store.path) for name in fields}
+        buffers = {"weight": torch.zeros(args.misses, args.dim), "state": torch.zeros(args.misses)}
+        slots = torch.randperm(args.misses)
+        gen = torch.Generator().manual_seed(args.seed)
+        times = {}
+        for _ in range(args.rounds):
+            rows = torch.randperm(args.rows, generator=gen)[: args.misses].sort().values
+            for name, io in per_field.items():
+                for gap in (0, MERGE_GAP_BYTES):
+                    io.merge_gap = gap
+                    part = {name: buffers[name]}
+                    start = time.process_time()
+                    io.read_into(rows, part, slots, backend="native")
+                    read = time.process_time() - start
+                    start = time.process_time()
+                    io.write_from(rows, part, slots, backend="native")
+                    write = time.process_time() - start
+                    times.setdefault((name, gap), ([], []))
+                    times[(name, gap)][0].append(read)
+                    times[(name, gap)][1].append(write)
+        print(f"io: {args.misses} random rows of {args.rows}, median of {args.rounds} rounds, CPU us per row")
+        for (name, gap), (reads, writes) in times.items():
+            read_us = _median(reads) * 1e6 / args.misses
+            write_us = _median(writes) * 1e6 / args.misses
+            print(f"  {name:7s} merge_gap {gap:5d}: read {read_us:6.2f}  write {write_us:6.2f}")
+
+
+def bookkeeping_rows(args) -> None:
+    from shardkit.kernels.offload.row_cache import RowCache
+
+    backing = {"weight": torch.zeros(args.rows, args.dim), "state": torch.zeros(args.rows)}
+    cache = RowCache(backing, int(args.load_factor * args.rows), "lru")
+    gen = torch.Generator().manual_seed(args.seed)
+    cdf = torch.arange(1, args.rows + 1, dtype=torch.float64).pow(-1.05).cumsum(0)
+    cdf /= cdf[-1].clone()
+    permutation = torch.randperm(args.rows, generator=gen)
+
+    def batch() -> torch.Tensor:
+        u = torch.rand(args.batch, generator=gen, dtype=torch.float64)
+        return torch.unique(permutation[torch.searchsorted(cdf, u).clamp_(max=args.rows - 1)])
+
+    for _ in range(args.warm):
+        ticket, _ = cache.acquire(batch())
+        cache.release(ticket, dirty=True)
+    cache.counters.reset()
+    spent = []
+    for _ in range(args.rounds):
+        rows = batch()
+        start = time.process_time()
+        ticket, _ = cache.acquire(rows)
+        cache.release(ticket, dirty=True)
+        spent.append(time.process_time() - start)
+    c = cache.counters
+    print(
+        f"bookkeeping: acquire + release {_median(spent) * 1e3:.2f} ms CPU per batch (median of "
+        f"{args.rounds}); {c.lookups / args.rounds:.0f} distinct rows a batch, hit rate "
+        f"{c.hits / max(c.lookups, 1):.3f}, {args.load_factor:g} x {args.rows} slots, in-memory backing"
+    )
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--misses", type=int, default=5300, help="rows moved per io round (a step's misses)")
+    parser.add_argument("--batch", type=int, default=32768, help="ids per bookkeeping batch")
+    parser.add_argument("--load-factor", type=float, default=0.2)
+    parser.add_argument("--warm", type=int, default=40, help="batches filling the cache first")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="small sizes: runs in seconds")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rows, args.misses, args.batch, args.warm, args.rounds = 100_000, 1000, 4096, 10, 5
+    torch.set_num_threads(args.threads)
+    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    io_rows(args)
+    bookkeeping_rows(args)
+
+
+if __name__ == "__main__":
+    main()
