@@ -8,7 +8,10 @@
 // ordered as they lie in the file (field by field when the fields are separate regions, row by row
 // when each row is one record of all its fields), and extents that are adjacent in the file go in one
 // preadv / pwritev call (up to IOV_MAX pieces, adjacent destinations merged into one piece): a run of
-// consecutive rows costs one system call whatever the slots. All of it runs in this C++ loop, with the
+// consecutive rows costs one system call whatever the slots. Extents at most `max_gap` bytes apart go
+// in one call too (a narrow field's misses, a few hundred bytes apart, cost one call per row otherwise):
+// a read puts the gap into a throw-away buffer; a write reads the span first and writes it back with
+// the extents in their places. All of it runs in this C++ loop, with the
 // Python interpreter's lock released by the dispatcher (torch.ops calls drop the GIL), so another
 // Python thread (the prefetching pipeline, the training step) runs meanwhile.
 #include <ATen/core/Tensor.h>
