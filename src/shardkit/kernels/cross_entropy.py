@@ -10,11 +10,18 @@ case (fp16 / fp64, soft-capping, ``SHARDKIT_NATIVE=0``, no compiler) runs the pu
 ``shardkit.losses.statistics``. :func:`shardkit.kernels.kernel_backend` forces the choice, as for the
 embedding ops ("torch": the pure-torch blocks; "native": the C++ kernels, or a RuntimeError saying why
 they cannot run the call).
+
+The native gradient writes into a fresh buffer whose pages the OS maps on first write; how they are
+mapped is :func:`gradient_page_mode` (``SHARDKIT_CE_PAGES``: "populate", the default on Linux, maps a
+row's pages with one ``madvise(MADV_POPULATE_WRITE)`` call; "touch" faults them one 4 KiB page at a
+time, the only way elsewhere and the fallback where the kernel refuses the call).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from types import ModuleType
 from typing import Any, Optional
 
@@ -22,6 +29,10 @@ import torch
 
 from shardkit.kernels.embedding import forced_backend
 from shardkit.kernels.native_build import native_ops
+
+PAGE_MODES = {"touch": 0, "populate": 1}
+PAGES_ENV = "SHARDKIT_CE_PAGES"
+_pages_set = False
 
 # the dtypes csrc/cross_entropy.cpp reads (fp64 keeps the torch path: gradcheck wants fp64 work)
 NATIVE_CE_DTYPES = (torch.float32, torch.bfloat16)
@@ -55,6 +66,32 @@ def triton_ce_kernels(logits2d: torch.Tensor, unsupported: Optional[str]) -> Opt
     return kernels if runnable and unsupported is None else None
 
 
+def requested_page_mode(environ=os.environ, platform: str = sys.platform) -> str:
+    """The page mode the native gradient should use: ``SHARDKIT_CE_PAGES`` ("touch" / "populate",
+    case-insensitive; unset or empty: "populate" on Linux, "touch" elsewhere, where ``madvise`` with
+    ``MADV_POPULATE_WRITE`` does not exist). Any other value raises ValueError naming the variable.
+    """
+    value = environ.get(PAGES_ENV, "").strip().lower()
+    if not value:
+        return "populate" if platform.startswith("linux") else "touch"
+    if value not in PAGE_MODES:
+        raise ValueError(f"{PAGES_ENV}={environ[PAGES_ENV]!r}: must be one of {sorted(PAGE_MODES)}")
+    return value
+
+
+def gradient_page_mode(ops: Any) -> str:
+    """The page mode of the native gradient in this process ("touch" or "populate"), set from
+    :func:`requested_page_mode` on the first call. The kernel itself drops to "touch" for good when the
+    OS refuses ``MADV_POPULATE_WRITE`` (Linux before 5.14), so this can change after a gradient ran.
+    """
+    global _pages_set
+    if not _pages_set:
+        ops.ce_fault_mode(PAGE_MODES[requested_page_mode()])
+        _pages_set = True
+    mode = ops.ce_fault_mode(-1)
+    return next(name for name, code in PAGE_MODES.items() if code == mode)
+
+
 def native_ce_kernels(logits2d: torch.Tensor, unsupported: Optional[str]) -> Optional[Any]:
     """``torch.ops.shardkit_native`` when its CE kernels run this CPU shard, else None (torch blocks).
 
@@ -77,7 +114,17 @@ def native_ce_kernels(logits2d: torch.Tensor, unsupported: Optional[str]) -> Opt
         if forced == "native":
             raise RuntimeError(f"the native cross-entropy kernels cannot run this call: {problem}")
         return None
+    if not _pages_set:
+        gradient_page_mode(ops)
     return ops
 
 
-__all__ = ["NATIVE_CE_DTYPES", "native_ce_kernels", "triton_ce_kernels"]
+__all__ = [
+    "NATIVE_CE_DTYPES",
+    "PAGES_ENV",
+    "PAGE_MODES",
+    "gradient_page_mode",
+    "native_ce_kernels",
+    "requested_page_mode",
+    "triton_ce_kernels",
+]

@@ -13,10 +13,18 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux >= 5.14; an older kernel answers EINVAL and the stores fault instead
+#endif
+#endif
 
 namespace {
 
@@ -165,17 +173,49 @@ at::Tensor ce_statistics(const at::Tensor& logits, const at::Tensor& index, cons
 // minus_target at the row's index; every column 0 in rows that are not active. coef_p, coef_uniform and
 // minus_target already carry the factor inv_t. `out` may be `logits` itself (each element is read
 // before it is written; the target element is read first).
-// One store per 4 KiB page of a row of a fresh output buffer before the row is computed: the page faults
-// then come in a tight loop and leave the just-zeroed pages in cache for the row's stores. Faulting them
-// from inside the compute loop instead cost twice as much (a fresh 1 GB gradient: 620 ms of faults
-// against 300 ms for a plain copy into a fresh buffer; measured on a 2-core Xeon VM). Never for an
-// output that is the input (its pages are present, and a store would destroy the logits).
+// A fresh output buffer's pages are mapped one row at a time, just before the row is computed: the
+// kernel zeroes them then, and the just-zeroed lines are still in cache for the row's stores (mapping
+// the whole buffer first, or faulting it from inside the compute loop, cost more: a fresh 1 GB
+// gradient took 620 ms of faults against 300 ms for a plain copy into a fresh buffer, on a 2-core Xeon
+// VM). Two ways, chosen by ce_fault_mode():
+//  kTouch:    one store per 4 KiB page, each a page fault (a trap into the kernel per page).
+//  kPopulate: madvise(MADV_POPULATE_WRITE) on the row's whole pages: the kernel maps them in one call,
+//             without a trap per page (Linux >= 5.14). Where the call fails (older kernel, EINVAL; any
+//             other error), the row is touched instead and the mode drops to kTouch for good.
+// Transparent huge pages (MADV_HUGEPAGE) are not used: with THP's default defrag policy a huge-page
+// fault compacts memory synchronously, and on a machine whose memory is full of page cache that was
+// slower than 4 KiB faults (see docs/performance.md). Never for an output that is the input (its pages
+// are present, and a store would destroy the logits).
+enum FaultMode : int64_t { kTouch = 0, kPopulate = 1 };
+
+#if defined(__linux__)
+std::atomic<int64_t> g_fault_mode{kPopulate};
+#else
+std::atomic<int64_t> g_fault_mode{kTouch};
+#endif
+
 template <typename out_t>
 inline void touch_pages(out_t* row, int64_t n) {
   volatile char* bytes = reinterpret_cast<volatile char*>(row);
   const int64_t size = n * static_cast<int64_t>(sizeof(out_t));
   const uintptr_t first = (reinterpret_cast<uintptr_t>(row) + 4095) & ~uintptr_t(4095);
   for (int64_t b = static_cast<int64_t>(first - reinterpret_cast<uintptr_t>(row)); b < size; b += 4096) bytes[b] = 0;
+}
+
+// maps the pages of row[0, n) ahead of the row's stores (see above); the partial pages at the ends are
+// left to the stores (a neighbouring row may share them)
+template <typename out_t>
+inline void prefault_row(out_t* row, int64_t n) {
+#if defined(__linux__)
+  if (g_fault_mode.load(std::memory_order_relaxed) == kPopulate) {
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(row);
+    const uintptr_t end = begin + static_cast<uintptr_t>(n) * sizeof(out_t);
+    const uintptr_t a = (begin + 4095) & ~uintptr_t(4095), e = end & ~uintptr_t(4095);
+    if (e <= a || madvise(reinterpret_cast<void*>(a), e - a, MADV_POPULATE_WRITE) == 0) return;
+    g_fault_mode.store(kTouch, std::memory_order_relaxed);
+  }
+#endif
+  touch_pages(row, n);
 }
 
 constexpr int64_t kGradientPiece = 1024;  // 4 KiB of fp32: stays in L1
@@ -194,11 +234,11 @@ void gradient_rows(const at::Tensor& logits, at::Tensor& out, const float* lse, 
     for (int64_t i = r0; i < r1; ++i) {
       const in_t* x = in_base + i * in_stride;
       out_t* o = out_base + i * out_stride;
+      if (!in_place) prefault_row(o, w);
       if (!active[i]) {
         for (int64_t j = 0; j < w; ++j) store(o, j, 0.0f);
         continue;
       }
-      if (!in_place) touch_pages(o, w);
       const float l = lse[i], cp = coef_p[i], cu = coef_uniform ? coef_uniform[i] : 0.0f;
       const int64_t t = index[i];
       const float xt = (t < real) ? load(x, t) : 0.0f;  // before the row is overwritten
@@ -251,6 +291,17 @@ at::Tensor ce_gradient(const at::Tensor& logits, at::Tensor out, const at::Tenso
   return out;
 }
 
+// ce_fault_mode(requested) -> the mode in effect: requested -1 only asks; 0 (touch) or 1 (populate; on a
+// platform without madvise it stays 0) sets it for this process
+int64_t ce_fault_mode(int64_t requested) {
+  TORCH_CHECK(requested >= -1 && requested <= 1, "ce_fault_mode: requested must be -1, 0 (touch) or 1 (populate), got ",
+              requested);
+#if defined(__linux__)
+  if (requested >= 0) g_fault_mode.store(requested);
+#endif
+  return g_fault_mode.load();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(shardkit_native, m) {
@@ -258,6 +309,7 @@ TORCH_LIBRARY_FRAGMENT(shardkit_native, m) {
   m.def(
       "ce_gradient(Tensor logits, Tensor(a!) out, Tensor lse, Tensor coef_p, Tensor minus_target, Tensor? coef_uniform, "
       "Tensor index, Tensor active, int real, float inv_t) -> Tensor(a!)");
+  m.def("ce_fault_mode(int requested) -> int", &ce_fault_mode);  // no tensor: one kernel for every backend
 }
 
 TORCH_LIBRARY_IMPL(shardkit_native, CPU, m) {
