@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -180,8 +181,8 @@ at::Tensor ce_statistics(const at::Tensor& logits, const at::Tensor& index, cons
 // VM). Two ways, chosen by ce_fault_mode():
 //  kTouch:    one store per 4 KiB page, each a page fault (a trap into the kernel per page).
 //  kPopulate: madvise(MADV_POPULATE_WRITE) on the row's whole pages: the kernel maps them in one call,
-//             without a trap per page (Linux >= 5.14). Where the call fails (older kernel, EINVAL; any
-//             other error), the row is touched instead and the mode drops to kTouch for good.
+//             without a trap per page (Linux >= 5.14). Where the call fails the row is touched
+//             instead; where it is not supported (EINVAL: an older kernel) the mode drops to kTouch.
 // Transparent huge pages (MADV_HUGEPAGE) are not used: with THP's default defrag policy a huge-page
 // fault compacts memory synchronously, and on a machine whose memory is full of page cache that was
 // slower than 4 KiB faults (see docs/performance.md). Never for an output that is the input (its pages
@@ -212,7 +213,9 @@ inline void prefault_row(out_t* row, int64_t n) {
     const uintptr_t end = begin + static_cast<uintptr_t>(n) * sizeof(out_t);
     const uintptr_t a = (begin + 4095) & ~uintptr_t(4095), e = end & ~uintptr_t(4095);
     if (e <= a || madvise(reinterpret_cast<void*>(a), e - a, MADV_POPULATE_WRITE) == 0) return;
-    g_fault_mode.store(kTouch, std::memory_order_relaxed);
+    // EINVAL: this kernel has no MADV_POPULATE_WRITE (or the memory is not ordinary): never ask again.
+    // Anything else (EINTR, EAGAIN, ENOMEM) concerns this call only: this row is touched instead.
+    if (errno == EINVAL) g_fault_mode.store(kTouch, std::memory_order_relaxed);
   }
 #endif
   touch_pages(row, n);

@@ -1,0 +1,117 @@
+"""Megatron-core's vocab-parallel cross-entropy against shardkit's, forward and backward apart, in CPU time.
+
+One process, one rank's shard (``[--tokens, --width]``, the shard of ``../shared/peers/vs_megatron_ce.py``
+at tp 2 by default: 4096 x 64000), a one-rank gloo group, one thread. The methods run in alternated
+rounds, each on a fresh copy of the shard (Megatron's fp32 path overwrites its input), and each phase is
+timed in CPU time of the process (user + system: the kernel's work of mapping a fresh gradient's pages
+counts), so that the ratios hold on a loaded machine where wall time counts other processes' turns.
+Methods: ``megatron``; ``shardkit`` (the default page mode, ``SHARDKIT_CE_PAGES``); ``shardkit-touch``
+and ``shardkit-populate`` (the native gradient's fresh pages faulted one 4 KiB page at a time, or
+mapped with one ``madvise(MADV_POPULATE_WRITE)`` per row).
+
+Run it with the megatron peer venv, this checkout first on the path (about 1 minute idle)::
+
+    PYTHONPATH=src:. $HOME/peers/megatron/bin/python benchmarks/ce_backward_ab.py --dtype fp32
+    PYTHONPATH=src:. $HOME/peers/megatron/bin/python benchmarks/ce_backward_ab.py --dtype bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _one_rank_group() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def _methods(names):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from shardkit.distributed.validation import set_validation
+    from shardkit.kernels.cross_entropy import PAGE_MODES
+    from shardkit.kernels.native_build import native_ops
+    from shardkit.losses import vocab_parallel_cross_entropy as sk_ce
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    set_validation(False)
+    ops = native_ops()
+
+    def shardkit(mode):
+        def run(x, t):
+            if mode is not None and ops is not None:
+                ops.ce_fault_mode(PAGE_MODES[mode])
+            return sk_ce(x, t, dist.group.WORLD)
+
+        return run
+
+    table = {
+        "megatron": vocab_parallel_cross_entropy,
+        "shardkit": shardkit(None),
+        "shardkit-touch": shardkit("touch"),
+        "shardkit-populate": shardkit("populate"),
+    }
+    return {name: table[name] for name in names}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--width", type=int, default=64000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--methods", default="megatron,shardkit-touch,shardkit-populate")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    _one_rank_group()
+    fns = _methods(args.methods.split(","))
+    gen = torch.Generator().manual_seed(0)
+    shard = (2 * torch.randn(args.tokens, args.width, generator=gen)).to(DTYPES[args.dtype])
+    target = torch.randint(0, args.width, (args.tokens,), generator=gen)
+    times = {name: {"fwd": [], "bwd": []} for name in fns}
+    losses = {}
+    for _ in range(1 + args.rounds):  # the first round warms up (and builds the native kernels)
+        for name, fn in fns.items():
+            x = shard.clone().requires_grad_(True)
+            c0 = time.process_time()
+            loss = fn(x, target).float().mean()
+            c1 = time.process_time()
+            loss.backward()
+            c2 = time.process_time()
+            times[name]["fwd"].append((c1 - c0) * 1e3)
+            times[name]["bwd"].append((c2 - c1) * 1e3)
+            losses[name] = loss.item()
+            del x, loss
+    print(f"torch {torch.__version__}; one rank, [{args.tokens}, {args.width}] {args.dtype}, 1 thread; "
+          f"CPU ms, min of {args.rounds} alternated rounds after 1 warm-up")  # fmt: skip
+    header = ("method", "fwd", "bwd", "fwd+bwd", "bwd vs Megatron", "fwd+bwd speed-up")
+    widths = (-18, 8, 8, 8, 15, 16)
+    print(" ".join(f"{h:<{-w}}" if w < 0 else f"{h:>{w}}" for h, w in zip(header, widths)), " loss")
+    ref = None
+    for name in fns:
+        fwd, bwd = min(times[name]["fwd"][1:]), min(times[name]["bwd"][1:])
+        if ref is None and name == "megatron":
+            ref = (bwd, fwd + bwd)
+        rel = f"{bwd / ref[0]:14.2f}x  {ref[1] / (fwd + bwd):15.2f}x" if ref else f"{'-':>15}  {'-':>16}"
+        print(f"{name:<18} {fwd:8.0f} {bwd:8.0f} {fwd + bwd:8.0f}  {rel}  {losses[name]:.6f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
