@@ -174,19 +174,20 @@ at::Tensor ce_statistics(const at::Tensor& logits, const at::Tensor& index, cons
 // minus_target at the row's index; every column 0 in rows that are not active. coef_p, coef_uniform and
 // minus_target already carry the factor inv_t. `out` may be `logits` itself (each element is read
 // before it is written; the target element is read first).
-// A fresh output buffer's pages are mapped one row at a time, just before the row is computed: the
-// kernel zeroes them then, and the just-zeroed lines are still in cache for the row's stores (mapping
-// the whole buffer first, or faulting it from inside the compute loop, cost more: a fresh 1 GB
+// A fresh output buffer's pages are mapped about 1 MiB of rows at a time, just before those rows are
+// computed: the kernel zeroes them then, and the just-zeroed lines are still in cache for the rows'
+// stores (faulting them from inside the compute loop cost more: a fresh 1 GB
 // gradient took 620 ms of faults against 300 ms for a plain copy into a fresh buffer, on a 2-core Xeon
 // VM). Two ways, chosen by ce_fault_mode():
 //  kTouch:    one store per 4 KiB page, each a page fault (a trap into the kernel per page).
-//  kPopulate: madvise(MADV_POPULATE_WRITE) on the row's whole pages: the kernel maps them in one call,
+//  kPopulate: madvise(MADV_POPULATE_WRITE) on the rows' whole pages: the kernel maps them in one call,
 //             without a trap per page (Linux >= 5.14). Where the call fails the row is touched
 //             instead; where it is not supported (EINVAL: an older kernel) the mode drops to kTouch.
-// Transparent huge pages (MADV_HUGEPAGE) are not used: with THP's default defrag policy a huge-page
-// fault compacts memory synchronously, and on a machine whose memory is full of page cache that was
-// slower than 4 KiB faults (see docs/performance.md). Never for an output that is the input (its pages
-// are present, and a store would destroy the logits).
+// Transparent huge pages (MADV_HUGEPAGE) are not used: on that VM a 1 GB gradient with 998 MB of it in
+// huge pages (free 2 MiB blocks, no compaction stall) took 4x the CPU time of 4 KiB pages, and with
+// THP's default defrag policy a huge-page fault may also compact memory synchronously (see
+// docs/performance.md). So THP's setting (never / madvise / always) changes nothing here. Never for an
+// output that is the input (its pages are present, and a store would destroy the logits).
 enum FaultMode : int64_t { kTouch = 0, kPopulate = 1 };
 
 #if defined(__linux__)
@@ -203,23 +204,27 @@ inline void touch_pages(out_t* row, int64_t n) {
   for (int64_t b = static_cast<int64_t>(first - reinterpret_cast<uintptr_t>(row)); b < size; b += 4096) bytes[b] = 0;
 }
 
-// maps the pages of row[0, n) ahead of the row's stores (see above); the partial pages at the ends are
+// maps the pages of [p, p + bytes) ahead of the stores (see above); the partial pages at the ends are
 // left to the stores (a neighbouring row may share them)
-template <typename out_t>
-inline void prefault_row(out_t* row, int64_t n) {
+inline void prefault(void* p, int64_t bytes) {
 #if defined(__linux__)
   if (g_fault_mode.load(std::memory_order_relaxed) == kPopulate) {
-    const uintptr_t begin = reinterpret_cast<uintptr_t>(row);
-    const uintptr_t end = begin + static_cast<uintptr_t>(n) * sizeof(out_t);
-    const uintptr_t a = (begin + 4095) & ~uintptr_t(4095), e = end & ~uintptr_t(4095);
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(p);
+    const uintptr_t a = (begin + 4095) & ~uintptr_t(4095), e = (begin + static_cast<uintptr_t>(bytes)) & ~uintptr_t(4095);
     if (e <= a || madvise(reinterpret_cast<void*>(a), e - a, MADV_POPULATE_WRITE) == 0) return;
     // EINVAL: this kernel has no MADV_POPULATE_WRITE (or the memory is not ordinary): never ask again.
-    // Anything else (EINTR, EAGAIN, ENOMEM) concerns this call only: this row is touched instead.
+    // Anything else (EINTR, EAGAIN, ENOMEM) concerns this call only: these rows are touched instead.
     if (errno == EINVAL) g_fault_mode.store(kTouch, std::memory_order_relaxed);
   }
 #endif
-  touch_pages(row, n);
+  touch_pages(static_cast<char*>(p), bytes);
 }
+
+// rows of a fresh contiguous output mapped per madvise call: about 1 MiB (a row at least), so that the
+// call's fixed cost is spread over many pages while the zeroed lines still fit the L2 for the stores
+// (one call per 256 KiB row cost 3-10% more than per 1-2 MiB: a standalone copy of this loop, 262 MB of
+// fp32 gradient, on a 2-core Xeon VM)
+constexpr int64_t kPrefaultBytes = 1 << 20;
 
 constexpr int64_t kGradientPiece = 1024;  // 4 KiB of fp32: stays in L1
 
@@ -233,11 +238,14 @@ void gradient_rows(const at::Tensor& logits, at::Tensor& out, const float* lse, 
   out_t* out_base = out.data_ptr<out_t>();
   const float inv_t = static_cast<float>(inv_t_d);
   const bool in_place = static_cast<const void*>(in_base) == static_cast<const void*>(out_base);
+  const int64_t row_bytes = w * static_cast<int64_t>(sizeof(out_t));
+  // rows per prefault call: one where rows have gaps between them (only the rows' own pages are mapped)
+  const int64_t group = out_stride == w ? std::max<int64_t>(1, kPrefaultBytes / std::max<int64_t>(1, row_bytes)) : 1;
   at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, w)), [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) {
       const in_t* x = in_base + i * in_stride;
       out_t* o = out_base + i * out_stride;
-      if (!in_place) prefault_row(o, w);
+      if (!in_place && (i - r0) % group == 0) prefault(o, std::min(group, r1 - i) * row_bytes);
       if (!active[i]) {
         for (int64_t j = 0; j < w; ++j) store(o, j, 0.0f);
         continue;
