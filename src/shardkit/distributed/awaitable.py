@@ -26,6 +26,7 @@ import operator
 from typing import Any, Callable, Generic, Optional, TypeVar
 
 import torch
+from torch.autograd import _profiler_enabled
 from torch.fx._symbolic_trace import ProxyableClassMeta
 
 W = TypeVar("W")
@@ -67,11 +68,17 @@ class Awaitable(abc.ABC, Generic[W]):
 
     def wait(self) -> W:
         """Complete the work, apply the callbacks in order and return the result."""
-        # named range so that profiler traces show where a step waited on communication
-        with torch.profiler.record_function(f"## {type(self).__name__} wait() ##"):
-            result = self._wait_impl()
-            for callback in self.callbacks:
-                result = callback(result)
+        if _profiler_enabled():
+            # named range so that profiler traces show where a step waited on communication; only
+            # while a profiler runs: a range costs ~10 us even with no profiler (an op dispatch on
+            # entry and exit), and a training step waits ~7 awaitables
+            with torch.profiler.record_function(f"## {type(self).__name__} wait() ##"):
+                return self._run_callbacks(self._wait_impl())
+        return self._run_callbacks(self._wait_impl())
+
+    def _run_callbacks(self, result: W) -> W:
+        for callback in self.callbacks:
+            result = callback(result)
         return result
 
 
