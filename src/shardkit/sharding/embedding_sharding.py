@@ -39,7 +39,11 @@ from shardkit.kernels.offload import OffloadSpec
 from shardkit.modules.embedding_configs import BaseEmbeddingConfig
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig
 from shardkit.modules.grouped_lookup import ShardSpec
-from shardkit.sharding.dist_data import KJTAllToAll, KJTAllToAllTensorsAwaitable, SequenceEmbeddingsAllToAll
+from shardkit.sharding.dist_data import (
+    KJTAllToAllSplitsAwaitable,
+    KJTAllToAllTensorsAwaitable,
+    SequenceEmbeddingsAllToAll,
+)
 from shardkit.sharding.offload_plan import offload_spec
 from shardkit.sharding.types import CommOp, ParameterSharding, ShardingType
 from shardkit.sparse import KeyedJaggedTensor
@@ -202,7 +206,8 @@ def start_kjt_all_to_all(
     ctx.sent_lengths_per_key = send.length_per_key()
     if ctx.variable_batch:
         ctx.sent_batches = send.stride_per_key()
-    splits_awaitable = KJTAllToAll(pg, splits, stagger)(send)
+    # the awaitable KJTAllToAll's forward returns, without constructing the nn.Module every step
+    splits_awaitable = KJTAllToAllSplitsAwaitable(pg, send, list(splits), stagger)
 
     def record(tensors: KJTAllToAllTensorsAwaitable) -> KJTAllToAllTensorsAwaitable:
         ctx.stride_per_rank = tensors.stride_per_rank

@@ -60,6 +60,7 @@ class PermuteRouting(EmbeddingShardingImpl):
         self._identity = self._permute == list(range(len(self._feature_names)))
         self._splits = [len(keys) for keys in self._keys_per_rank]
         self._dims_per_rank: Optional[List[int]] = None
+        self._pooled_dist: Optional[tuple] = None  # (codecs, PooledEmbeddingsAllToAll), built once
         self._sent_keys: List[ColumnBlock] = [key for keys in self._keys_per_rank for key in keys]
         self._dims = {f: t.config.embedding_dim for t in self.tables for f in t.config.feature_names}
 
@@ -94,10 +95,13 @@ class TwPooledEmbeddingSharding(PermuteRouting):
         codecs = self.codecs(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL)
         if ctx.variable_batch:
             return self._variable_batch_output_dist(ctx, local_out, codecs)
-        if self._dims_per_rank is None:  # per plan: summed once, not per step and table
+        if self._pooled_dist is None or self._pooled_dist[0] is not codecs:
+            # per plan, not per step: the dims summed and the dist module built once (an nn.Module
+            # costs ~20-30 us to construct)
             self._dims_per_rank = [sum(c1 - c0 for _, c0, c1 in keys) for keys in self._keys_per_rank]
-        dist = PooledEmbeddingsAllToAll(self.pg, self._dims_per_rank, codecs=codecs)
-        return dist(local_out, batch_size_per_rank=ctx.stride_per_rank)
+            dist = PooledEmbeddingsAllToAll(self.pg, self._dims_per_rank, codecs=codecs)
+            self._pooled_dist = (codecs, dist)
+        return self._pooled_dist[1](local_out, batch_size_per_rank=ctx.stride_per_rank)
 
     def _variable_batch_output_dist(self, ctx, local_out, codecs) -> Awaitable[torch.Tensor]:
         """Flat per-feature blocks to their ranks, then expanded to ``[B_me, sum widths]``."""
