@@ -6,7 +6,7 @@ import torch
 from shardkit.datasets import Batch
 from shardkit.models import DLRM, DLRMTrain, InteractionArch, OverArch
 from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig
-from shardkit.sparse import KeyedJaggedTensor
+from shardkit.sparse import KeyedJaggedTensor, KeyedTensor
 
 
 def _ebc(dims=(4, 4)):
@@ -29,6 +29,52 @@ def test_interaction_is_dense_then_pairwise_dots_upper_triangle():
     vectors = [dense, sparse[:, 0], sparse[:, 1]]
     dots = [(vectors[i] * vectors[j]).sum(1) for i in range(3) for j in range(i + 1, 3)]
     torch.testing.assert_close(out, torch.cat([dense, torch.stack(dots, 1)], 1))
+
+
+class _FixedPooled(torch.nn.Module):
+    """An EBC stand-in returning fixed pooled values under the given keys (order and dims)."""
+
+    def __init__(self, keys, dims, values):
+        super().__init__()
+        self.keys, self.dims, self.values = keys, dims, values
+
+    def forward(self, features):
+        return KeyedTensor(self.keys, self.dims, self.values)
+
+
+@pytest.mark.parametrize("order", [["f0", "f1", "f2"], ["f2", "f0", "f1"]])
+def test_sparse_arch_output_and_gradient_per_feature_in_feature_order(order):
+    # in the collection's order the values are returned reshaped (no split and cat); in another
+    # order each feature's columns are gathered: same [B, F, D] and same gradient either way
+    from shardkit.models.dlrm import SparseArch
+
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=2, num_embeddings=10, feature_names=[f"f{i}"])
+        for i in range(3)
+    ]
+    arch = SparseArch(EmbeddingBagCollection(tables, device=torch.device("meta")))
+    per_key = {key: torch.randn(4, 2) for key in order}
+    values = torch.cat([per_key[key] for key in order], dim=1).requires_grad_()
+    arch.embedding_bag_collection = _FixedPooled(order, [2, 2, 2], values)
+    out = arch(_kjt())
+    expected = torch.stack([per_key[f"f{i}"] for i in range(3)], dim=1)
+    assert torch.equal(out, expected)
+    weights = torch.randn(4, 3, 2)
+    (out * weights).sum().backward()
+    expected_grad = torch.cat([weights[:, int(key[1])] for key in order], dim=1)
+    assert torch.equal(values.grad, expected_grad)
+
+
+def test_dlrm_train_traces_with_the_collection_as_a_leaf():
+    # the pipelines trace the model (torch.fx) with the sharded collections as leaves: the sparse
+    # arch's choice between its two paths must not be traced control flow
+    class _Leaves(torch.fx.Tracer):
+        def is_leaf_module(self, module, name):
+            return isinstance(module, EmbeddingBagCollection) or super().is_leaf_module(module, name)
+
+    dlrm = DLRM(_ebc(), dense_in_features=3, dense_arch_layer_sizes=[5, 4], over_arch_layer_sizes=[6, 1])
+    graph = _Leaves().trace(DLRMTrain(dlrm))
+    assert any(node.op == "call_function" and "_features_by_name" in str(node.target) for node in graph.nodes)
 
 
 def test_dlrm_logits_and_dlrm_train_outputs():

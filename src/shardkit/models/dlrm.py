@@ -14,7 +14,7 @@ from torch import nn
 from shardkit.datasets.utils import Batch
 from shardkit.modules import EmbeddingBagCollection
 from shardkit.modules.mlp import MLP
-from shardkit.sparse import KeyedJaggedTensor
+from shardkit.sparse import KeyedJaggedTensor, KeyedTensor
 
 
 class SparseArch(nn.Module):
@@ -35,8 +35,24 @@ class SparseArch(nn.Module):
         return list(self._sparse_feature_names)
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        pooled = self.embedding_bag_collection(features).to_dict()
-        return torch.cat([pooled[f] for f in self._sparse_feature_names], dim=1).reshape(-1, self.F, self.D)
+        return _features_by_name(
+            self.embedding_bag_collection(features), self._sparse_feature_names, self.F, self.D
+        )
+
+
+def _features_by_name(pooled: KeyedTensor, names: List[str], num: int, dim: int) -> torch.Tensor:
+    """The pooled embeddings of ``names`` in that order, ``[B, num, dim]``. A leaf of fx traces
+    (``torch.fx.wrap`` below): it looks at the pooled keys, which a trace does not know."""
+    if pooled.key_dim() == 1 and pooled.keys() == names and pooled.length_per_key() == [dim] * num:
+        # the values already hold the features in this order, dim columns each: a per-feature split
+        # and concatenation would copy them into the same [B, num * dim] (and add a split and a cat
+        # to the backward)
+        return pooled.values().reshape(-1, num, dim)
+    by_key = pooled.to_dict()
+    return torch.cat([by_key[f] for f in names], dim=1).reshape(-1, num, dim)
+
+
+torch.fx.wrap("_features_by_name")
 
 
 class DenseArch(nn.Module):
