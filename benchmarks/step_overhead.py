@@ -34,6 +34,10 @@ Per library, per round (a new pair of processes each):
   the libraries with each other, not with ``steps/s``.
 ``--base-src DIR`` adds a third library, ``shardkit@base``: shardkit imported from ``DIR`` (another
 checkout's ``src/``), for before/after comparisons in one run.
+``--floor`` adds ``floor``: no library, the golden program's dense model under torch's DDP with a bare
+Adagrad, a free "lookup" and only the all-to-alls every library must make (``build_floor``): the
+fastest any library's step could be on this machine, so ``floor/torchrec`` bounds the ratio any
+library can reach over torchrec. ``--floor-parts`` adds its parts (dense alone, + DDP, + output dist).
 The last rows give, per column, shardkit over torchrec (and over shardkit@base) (best round of each;
 > 1 on ``steps/s`` is shardkit faster). ``--top N`` prints each library's N most expensive functions
 (self time) of rank 0: its own, then all (torch's and C functions included).
@@ -54,6 +58,10 @@ import time
 from typing import Any, Dict, List, Optional
 
 LIBS = ("torchrec", "shardkit")
+# not libraries: the floor of the step for any library (``--floor``, see ``build_floor``) and, with
+# ``--floor-parts``, its parts: the dense model alone, + DDP, + the output dist's two all-to-alls
+FLOOR = "floor"
+FLOOR_PARTS = ("floor:dense", "floor:ddp", "floor:ddp+out")
 SHARDINGS = ("table_wise", "row_wise", "column_wise", "mixed", "planner")
 # torch's C collectives (what one Python wrapper such as all_gather_object may call several of)
 COLLECTIVES = {
@@ -203,6 +211,138 @@ def _concat_train(dlrm):
     return ConcatTrain(dlrm)
 
 
+class _FloorPipeline:
+    """``progress`` of the floor step (see ``build_floor``)."""
+
+    def __init__(self, model, dense_optimizer, pg_send_bytes: int, input_dist: bool) -> None:
+        import torch
+
+        self._model, self._optimizer, self._input_dist = model, dense_optimizer, input_dist
+        self._ids = torch.zeros(pg_send_bytes, dtype=torch.uint8)
+        self._ids_out = torch.empty_like(self._ids)
+        self._pending = None
+
+    def progress(self, batches):
+        import torch
+        import torch.distributed as dist
+
+        batch = next(batches)
+        self._optimizer.zero_grad()
+        if not self._input_dist:
+            losses, output = self._model(batch)
+            torch.sum(losses).backward()
+            self._optimizer.step()
+            return output
+        if self._pending is not None:  # last step's input dist: waited by this step's forward
+            self._pending.wait()
+        # the next batch's ids (lengths and values as bytes) in one all-to-all, overlapped with this step
+        self._pending = dist.all_to_all_single(self._ids_out, self._ids, async_op=True)
+        losses, output = self._model(batch)
+        torch.sum(losses).backward()
+        self._optimizer.step()
+        return output
+
+
+def build_floor(cfg: Dict[str, Any], part: str = FLOOR):
+    """The floor of the DLRM step for any library: the golden program's dense model (DLRMTrain's
+    dense arch, interaction, over arch, loss; shardkit's copy of torchrec's code), wrapped in torch's
+    DDP and trained by a bare ``torch.optim.Adagrad``, with the communication every library must make
+    and no library code around it: the pooled embeddings arrive by one blocking all-to-all of the
+    step's sizes (a free "lookup": a leaf tensor), their gradient returns by one, and each step
+    overlaps one all-to-all of the next batch's ids (lengths and values, as bytes). No input check,
+    no splits exchange, no lookup kernel, no optimizer of the tables. Table-wise sizes (the tables'
+    columns split over the ranks as ``--sharding table_wise`` places them).
+
+    ``part`` (``--floor-parts``): ``floor:dense``, the dense model alone (no DDP, no communication; the
+    pooled embeddings a local reshape of the leaf); ``floor:ddp``, with DDP; ``floor:ddp+out``, with
+    DDP and the output dist's two all-to-alls; ``floor``, all of it (the input dist's all-to-all too).
+    """
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from shardkit.models import dlrm as dlrm_mod
+    from shardkit.sparse import KeyedTensor
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    lib_cfg = dict(cfg, sharding="table_wise")
+    keys = [f"f{i}" for i in range(cfg["tables"])]
+    owned = [sum(1 for i in range(cfg["tables"]) if i % world == r) for r in range(world)]
+    batch, dim = cfg["batch"], cfg["dim"]
+
+    class _AllToAll(torch.autograd.Function):
+        """``[W * B, cols_me]`` (every rank's samples of this rank's tables) -> ``[B, all cols]``
+        (this rank's samples, columns in rank order); backward the reverse. Blocking, equal batches."""
+
+        @staticmethod
+        def forward(ctx, local):
+            send = local.contiguous()
+            out = torch.empty(world * batch * max(owned) * dim, dtype=local.dtype)
+            recv = [batch * owned[r] * dim for r in range(world)]
+            out = out[: sum(recv)]
+            dist.all_to_all_single(out, send.view(-1), recv, [batch * owned[rank] * dim] * world)
+            blocks = [b.view(batch, -1) for b in out.split(recv)]
+            return torch.cat(blocks, dim=1)
+
+        @staticmethod
+        def backward(ctx, grad):
+            cols = [owned[r] * dim for r in range(world)]
+            send = torch.cat([g.contiguous().view(-1) for g in grad.split(cols, dim=1)])
+            out = torch.empty(world * batch * owned[rank] * dim, dtype=grad.dtype)
+            dist.all_to_all_single(out, send, [batch * owned[rank] * dim] * world, [batch * c for c in cols])
+            return out.view(world * batch, owned[rank] * dim)
+
+    class FreeLookup(nn.Module):
+        """Stands in for the sharded collection: its pooled output costs two all-to-alls, no lookup."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("local", torch.randn(world * batch, owned[rank] * dim) * 0.01)
+            # the output's columns: rank 0's tables, then rank 1's, ... (table-wise round-robin)
+            self._keys = [k for r in range(world) for i, k in enumerate(keys) if i % world == r]
+
+        def forward(self, features):
+            local = self.local.detach().requires_grad_()
+            if part in ("floor:dense", "floor:ddp"):  # no all-to-all: this rank's rows, reshaped
+                pooled = local.view(world, batch, -1).permute(1, 0, 2).reshape(batch, -1)
+                return KeyedTensor(self._keys, [dim] * len(self._keys), pooled)
+            pooled = _AllToAll.apply(local)
+            return KeyedTensor(self._keys, [dim] * len(self._keys), pooled)
+
+    from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig
+
+    torch.manual_seed(0)
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows, feature_names=[key])
+        for i, (key, rows) in enumerate(zip(keys, table_rows(lib_cfg)))
+    ]
+    dlrm = dlrm_mod.DLRM(
+        embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
+        dense_in_features=13,
+        dense_arch_layer_sizes=[64, dim],
+        over_arch_layer_sizes=[64, 1],
+        dense_device=torch.device("cpu"),
+    )
+    dlrm.sparse_arch.embedding_bag_collection = FreeLookup()
+    train_model = dlrm_mod.DLRMTrain(dlrm) if cfg["model"] == "dlrm" else _ConcatTrain(dlrm)
+    model = (
+        train_model
+        if part == "floor:dense"
+        else nn.parallel.DistributedDataParallel(train_model, static_graph=True, gradient_as_bucket_view=True)
+    )
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05)
+    from shardkit.datasets.random import RandomRecDataset
+
+    dataset = RandomRecDataset(
+        keys=keys, batch_size=batch, hash_sizes=table_rows(lib_cfg), ids_per_feature=cfg["pooling"],
+        num_dense=13, manual_seed=rank, num_generated_batches=8,
+    )  # fmt: skip
+    # lengths (int64, one per bag) and values (int64, ``pooling`` per bag) of this rank's batch
+    ids_bytes = world * ((batch * cfg["tables"] * (1 + cfg["pooling"]) * 8) // world)
+    pipeline = _FloorPipeline(model, optimizer, ids_bytes, input_dist=part == FLOOR)
+    return pipeline, iter(dataset), part
+
+
 def _c_name(name: str) -> str:
     """``all_gather_single`` of ``<built-in method torch._C._distributed_c10d.all_gather_single>`` or
     ``allreduce`` of ``<method 'allreduce' of 'torch._C._distributed_c10d.ProcessGroup' objects>``."""
@@ -215,6 +355,7 @@ def _profile_summary(prof: cProfile.Profile, lib: str, steps: int, tables: int, 
     """Per-step figures of one cProfile run (see the module docstring)."""
     stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
     packages = ("torchrec", "fbgemm_gpu") if lib == "torchrec" else ("shardkit",)
+    packages = () if lib.startswith(FLOOR) else packages
     roots = [os.path.dirname(importlib.import_module(p).__file__) + os.sep for p in packages]
     own = all_py = 0.0
     own_calls = collectives = syncs = 0
@@ -266,7 +407,10 @@ def _worker(rank: int, lib: str, cfg: Dict[str, Any], port: int, queue) -> None:
             from shardkit.distributed.validation import set_validation
 
             set_validation(cfg["validation"])
-        pipeline, batches, plan_summary = build(lib, cfg)
+        if lib.startswith(FLOOR):
+            pipeline, batches, plan_summary = build_floor(cfg, lib)
+        else:
+            pipeline, batches, plan_summary = build(lib, cfg)
         for _ in range(cfg["warmup"]):
             pipeline.progress(batches)
         dist.barrier()
@@ -347,6 +491,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument(
         "--validation", action="store_true", help="keep shardkit's input validation on (its default)"
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run 'floor': the dense model (DDP, Adagrad) and the step's unavoidable all-to-alls "
+        "with no library code (build_floor): the fastest any library's step could be",
+    )
+    parser.add_argument(
+        "--floor-parts", action="store_true", help="with --floor: also its parts (see build_floor)"
+    )
     parser.add_argument("--quick", action="store_true", help="fewer steps and one round (~1 min)")
     parser.add_argument("--top", type=int, default=0, help="print the N costliest functions")
     parser.add_argument("--label", default="", help="suffix of the JSON name (e.g. 'before')")
@@ -355,6 +508,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.quick:
         args.steps, args.warmup, args.profile_steps, args.rounds = 100, 10, 30, 1
     libs = [lib for lib in args.libs.split(",") if lib] + (["shardkit@base"] if args.base_src else [])
+    libs += ([FLOOR] if args.floor else []) + (list(FLOOR_PARTS) if args.floor and args.floor_parts else [])
     cfg = {
         "ranks": args.ranks, "tables": args.tables, "rows_min": args.rows[0], "rows_max": args.rows[1],
         "dim": args.dim, "batch": args.batch, "pooling": args.pooling, "sharding": args.sharding,
@@ -377,6 +531,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         shard, torch_rec = best["shardkit"], best["torchrec"]
         ratio = {k: shard[k] / torch_rec[k] for k in shard if not k.startswith("top") and torch_rec[k]}
         rows.append({"name": "shardkit/torchrec", **ratio})
+    if FLOOR in best and "torchrec" in best:  # the most any library could gain over torchrec
+        floor, torch_rec = best[FLOOR], best["torchrec"]
+        rows.append({"name": "floor/torchrec", "steps/s": floor["steps/s"] / torch_rec["steps/s"],
+                     "cpu ms/step": floor["cpu ms/step"] / torch_rec["cpu ms/step"]})  # fmt: skip
     if "shardkit@base" in best and "shardkit" in best:
         shard, base = best["shardkit"], best["shardkit@base"]
         rows.append(
