@@ -1,0 +1,146 @@
+"""Where shardkit's DLRM training step spends its main thread's CPU time, phase by phase.
+
+Run from the repository root: ``python -m benchmarks.step_phases`` (or with the torchrec peer
+python, ``PYTHONPATH=src:. $HOME/peers/torchrec/bin/python -m benchmarks.step_phases``). It builds
+``benchmarks.step_overhead``'s golden DLRM step (26 tables, batch 32 per rank, table-wise, 2 ranks on
+gloo, validation off), runs ``--steps`` steps bare, then the same number with a thread-CPU timer
+around each phase (pipeline stages, input dist and its check, the KJT all-to-all's phases, lookup,
+output dist and its wait, dense archs, backward and its comm / lookup parts, optimizers) and prints,
+for rank 0, each phase's inclusive main-thread CPU ms per step (phases nest: they do not add up).
+Unlike cProfile, only the ~30 wrapped calls per step pay a timer, so the shares stay close to the
+bare step's. ``--base-src DIR`` imports shardkit from another checkout's ``src/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import os
+import sys
+import time
+from typing import Any, Dict
+
+# (module, class or None, function): the phases, each timed inclusively
+PHASES = [
+    ("shardkit.pipeline.pipelines", "TrainPipelineSparseDist", "progress"),
+    ("shardkit.pipeline.pipelines", "TrainPipelineSparseDist", "_load"),
+    ("shardkit.pipeline.pipelines", "TrainPipelineSparseDist", "_advance"),
+    ("shardkit.model_parallel.model_parallel", "DistributedModelParallel", "forward"),
+    ("torch", "Tensor", "backward"),
+    ("shardkit.optim.keyed", "CombinedOptimizer", "step"),
+    ("shardkit.optim.keyed", "CombinedOptimizer", "zero_grad"),
+    ("torch.optim.adagrad", "Adagrad", "step"),
+    ("shardkit.sharding.sharded_embedding_module", "ShardedEmbeddingModule", "input_dist"),
+    ("shardkit.sharding.sharded_embedding_module", None, "check_input"),
+    ("shardkit.sharding.sharded_embedding_module", "_InputDistAwaitable", "_wait_impl"),
+    ("shardkit.sharding.sharded_embedding_module", "_TensorsAwaitable", "_wait_impl"),
+    ("shardkit.sharding.dist_data.kjt_all_to_all", "KJTAllToAllSplitsAwaitable", "__init__"),
+    ("shardkit.sharding.dist_data.kjt_all_to_all", "KJTAllToAllSplitsAwaitable", "_wait_impl"),
+    ("shardkit.sharding.dist_data.kjt_all_to_all", "KJTAllToAllTensorsAwaitable", "_wait_impl"),
+    ("shardkit.pipeline.forwards", "PipelinedForward", "__call__"),
+    ("shardkit.sharding.embedding_lookup", "ShardedGroupedLookup", "forward"),
+    ("shardkit.sharding.table_wise", "TwPooledEmbeddingSharding", "output_dist"),
+    ("shardkit.sharding.embeddingbag", "_PooledOutputAwaitable", "_wait_impl"),
+    ("shardkit.models.dlrm", "SparseArch", "forward"),
+    ("shardkit.models.dlrm", "DenseArch", "forward"),
+    ("shardkit.models.dlrm", "InteractionArch", "forward"),
+    ("shardkit.models.dlrm", "OverArch", "forward"),
+    ("shardkit.distributed.comm_ops.request", "_Wait", "backward"),
+    ("shardkit.distributed.comm_ops.request", "_Start", "backward"),
+    ("shardkit.modules.lookup_kernels", "FusedLookup", "backward"),
+]
+
+
+def _install(spent: Dict[str, float], calls: collections.Counter) -> None:
+    """Wrap every phase with a thread-CPU timer (missing ones are skipped: another checkout)."""
+    for module, owner_name, name in PHASES:
+        owner: Any = importlib.import_module(module)
+        if owner_name is not None:
+            owner = getattr(owner, owner_name, None)
+        if owner is None or not hasattr(owner, name):
+            continue
+        label = f"{owner_name or module.rsplit('.', 1)[-1]}.{name}"
+        inner = getattr(owner, name)
+
+        def timed(*args, __inner=inner, __label=label, **kwargs):
+            start = time.thread_time()
+            try:
+                return __inner(*args, **kwargs)
+            finally:
+                spent[__label] += time.thread_time() - start
+                calls[__label] += 1
+
+        setattr(owner, name, timed)
+
+
+def _worker(rank: int, cfg: Dict[str, Any], port: int, queue) -> None:
+    import logging
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    if cfg["base_src"]:
+        sys.path.insert(0, cfg["base_src"])
+    from benchmarks.step_overhead import build
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=cfg["ranks"])
+    try:
+        from shardkit.distributed.validation import set_validation
+
+        set_validation(False)
+        pipeline, batches, _ = build("shardkit", cfg)
+        for _ in range(cfg["warmup"]):
+            pipeline.progress(batches)
+        steps = cfg["steps"]
+        dist.barrier()
+        start = time.thread_time()
+        for _ in range(steps):
+            pipeline.progress(batches)
+        bare = time.thread_time() - start
+        spent: Dict[str, float] = collections.defaultdict(float)
+        calls: collections.Counter = collections.Counter()
+        _install(spent, calls)
+        dist.barrier()
+        start = time.thread_time()
+        for _ in range(steps):
+            pipeline.progress(batches)
+        wrapped = time.thread_time() - start
+        if rank == 0:
+            phases = {k: (1e3 * v / steps, calls[k] / steps) for k, v in spent.items()}
+            queue.put((1e3 * bare / steps, 1e3 * wrapped / steps, phases))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    import torch.multiprocessing as mp
+
+    from benchmarks.step_overhead import _free_port
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--base-src", help="import shardkit from this directory (another checkout's src/)")
+    args = parser.parse_args()
+    cfg = {
+        "ranks": 2, "tables": 26, "rows_min": 1000, "rows_max": 100_000, "dim": 16, "batch": 32,
+        "pooling": 2, "sharding": "table_wise", "model": "dlrm", "steps": args.steps,
+        "warmup": args.warmup, "base_src": os.path.abspath(args.base_src) if args.base_src else None,
+    }  # fmt: skip
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_worker, args=(cfg, _free_port(), queue), nprocs=2, start_method="spawn")
+    bare, wrapped, phases = queue.get()
+    print(f"rank 0 main-thread CPU per step: {bare:.3f} ms bare, {wrapped:.3f} ms with the timers")
+    for label, (millis, calls) in sorted(phases.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {millis:7.3f} ms  {calls:4.1f}x  {label}")
+
+
+if __name__ == "__main__":
+    main()
