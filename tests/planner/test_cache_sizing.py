@@ -56,10 +56,16 @@ def test_choose_load_factor_for_a_budget():
     assert stats.expected_miss_rate(lf) == pytest.approx(stats.miss_ratio(100))
     rows = cache_rows(ROWS, lf)
     assert rows == 1 or stats.miss_ratio(rows - 1) > stats.miss_ratio(100)
-    # a budget far past the sample's distinct ids buys nothing more: the smallest perfect cache
+    # past the sample's distinct ids the curve is flat (the sample says nothing of larger caches): a
+    # budget there buys the informed size's miss rate at the informed size, and only the whole
+    # table misses nothing
+    assert stats.informed_rows < ROWS
+    past = choose_load_factor(stats, ROWS, row_bytes, (ROWS - 1) * row_bytes)
+    assert cache_rows(ROWS, past) <= stats.informed_rows
+    assert stats.expected_miss_rate(past) == pytest.approx(stats.miss_ratio(stats.informed_rows))
     huge = choose_load_factor(stats, ROWS, row_bytes, 10 * ROWS * row_bytes)
     assert stats.expected_miss_rate(huge) == 0.0
-    assert cache_rows(ROWS, huge) == stats.min_cache_rows(0.0) < ROWS
+    assert cache_rows(ROWS, huge) == stats.min_cache_rows(0.0) == ROWS
     # a tolerance trades a little miss rate for a smaller cache
     loose = choose_load_factor(stats, ROWS, row_bytes, budget, tolerance=0.05)
     assert loose < lf and stats.expected_miss_rate(loose) <= stats.miss_ratio(100) + 0.05

@@ -182,43 +182,86 @@ def _zipf_ids(num_rows, n, exponent, seed):
     return torch.randperm(num_rows, generator=g)[ranks]  # hot ids spread over the table
 
 
-def _lru_misses_second_pass(ids, capacity):
-    """An LRU cache of ``capacity`` rows replaying ``ids`` twice; the misses of the second pass."""
-    cache: OrderedDict = OrderedDict()
-    misses = 0
-    for p, x in enumerate(ids + ids):
-        if x in cache:
-            cache.move_to_end(x)
+def _censored_curve_brute(ids, num_rows):
+    """The Kaplan-Meier miss curve written out access by access: (distance or None, distinct before)."""
+    seen, observations = [], []
+    for x in ids:
+        if x in seen:
+            k = len(seen) - 1 - seen[::-1].index(x)  # its last access
+            observations.append((len(set(seen[k + 1 :]) - {x}) + 1, None))
         else:
-            misses += p >= len(ids)
-            if capacity > 0:
-                if len(cache) >= capacity:
-                    cache.popitem(last=False)
-                cache[x] = True
-    return misses
+            observations.append((None, len(set(seen))))
+        seen.append(x)
+    survival, curve = 1.0, [1.0]
+    for d in range(1, num_rows + 1):
+        events = sum(1 for dist, _ in observations if dist == d)
+        at_risk = sum(1 for dist, cen in observations if (dist is not None and dist >= d) or (cen or 0) >= d)
+        if at_risk:
+            survival *= 1.0 - events / at_risk
+        curve.append(survival)
+    return curve
 
 
-def test_miss_ratio_curve_is_exact_lru_on_zipf_ids():
-    num_rows = 200
-    steps = [_zipf_ids(num_rows, 150, 1.05, seed) for seed in range(4)]
+def test_warm_curve_is_the_censored_estimate():
+    num_rows = 60
+    g = torch.Generator().manual_seed(3)
+    weights = 1.0 / torch.arange(1, num_rows + 1, dtype=torch.float64) ** 1.05
+    steps = [torch.multinomial(weights, 40, replacement=True, generator=g) for _ in range(3)]
     stats = SampledCacheStatistics(steps, num_rows)
-    ids = torch.cat(steps).tolist()
-    for capacity in [0, 1, 2, 5, 10, 20, 40, 80, 120, 199, 200]:
-        expected = _lru_misses_second_pass(ids, capacity) / len(ids)
-        assert stats.miss_ratio(capacity) == pytest.approx(expected, abs=1e-12), capacity
-        assert stats.expected_miss_rate(capacity / num_rows) == pytest.approx(expected, abs=1e-12)
-    assert stats.expected_miss_rate(0.0) == 1.0 and stats.expected_miss_rate(1.0) == 0.0
-    # between integer sizes: linear
+    expected = _censored_curve_brute(torch.cat(steps).tolist(), num_rows)
+    for capacity in range(num_rows):
+        assert stats.miss_ratio(capacity) == pytest.approx(expected[capacity], abs=1e-12), capacity
+    assert stats.miss_ratio(0) == 1.0 and stats.expected_miss_rate(1.0) == 0.0
+    # flat beyond the sample's distinct ids (it says nothing of larger caches), 0 at the whole table
+    assert stats.informed_rows == stats.distinct_ids < num_rows
+    assert stats.miss_ratio(num_rows - 1) == stats.miss_ratio(stats.informed_rows) > 0.0
+    # between integer sizes: linear; monotone non-increasing in the load factor
     half = stats.expected_miss_rate(10.5 / num_rows)
     assert half == pytest.approx((stats.miss_ratio(10) + stats.miss_ratio(11)) / 2)
-    # monotone non-increasing in the load factor
     curve = [stats.expected_miss_rate(c / 100) for c in range(101)]
     assert all(a >= b for a, b in zip(curve, curve[1:]))
-    assert stats.expected_lookups == pytest.approx(sum(torch.unique(s).numel() for s in steps) / 4)
+    assert stats.expected_lookups == pytest.approx(sum(torch.unique(s).numel() for s in steps) / 3)
     # Zipf ids are far more cacheable than uniform ones
     uniform_ids = torch.randint(0, num_rows, (600,), generator=torch.Generator().manual_seed(9))
     uniform = SampledCacheStatistics(uniform_ids, num_rows)
     assert stats.cacheability < uniform.cacheability
+
+
+def _zipf_stream(num_rows, exponent, seed):
+    """n -> int64 [n] of a stationary Zipf stream (the same hot ids throughout)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = 1.0 / torch.arange(1, num_rows + 1, dtype=torch.float64) ** exponent
+    permutation = torch.randperm(num_rows, generator=g)
+    return lambda n: permutation[torch.multinomial(weights, n, replacement=True, generator=g)]
+
+
+def test_warm_curve_predicts_a_warm_row_cache():
+    """The statistics of a short sample against what a warm ``RowCache`` (the offloaded tables' cache,
+    acquiring each step's distinct rows and releasing them dirty, as a training step) misses per id on
+    the same stream. Within the sample's distinct ids the estimate is close; beyond, it must not promise
+    fewer misses than the cache has (the cyclic replay used before predicted none: 0.0 at 5,000 rows
+    against 0.150 measured; now 0.214, flat from the sample's distinct ids; at 2,000 rows 0.240 for
+    0.240 measured)."""
+    from shardkit.kernels.offload.row_cache import RowCache
+
+    num_rows, batch = 20_000, 1024
+    draw = _zipf_stream(num_rows, 1.05, 0)
+    sample = [draw(batch) for _ in range(8)]
+    stats = CacheStatistics.from_ids(sample, num_rows)
+    assert 2_000 < stats.distinct_ids < 5_000  # the sample informs about 2,000 rows, not 5,000
+    for capacity in (2_000, 5_000):
+        cache = RowCache({"w": torch.zeros(num_rows, 1)}, capacity)
+        for step in range(300):
+            if step == 200:  # warm: 200 steps, over 10x the rows of the larger cache
+                cache.counters.reset()
+            ticket, _ = cache.acquire(torch.unique(draw(batch)))
+            cache.release(ticket, dirty=True)
+        measured = cache.counters.misses / (100 * batch)
+        predicted = stats.miss_ratio(capacity)
+        if capacity <= stats.distinct_ids:
+            assert predicted == pytest.approx(measured, abs=0.02), capacity
+        else:
+            assert predicted >= measured - 0.01, (capacity, predicted, measured)
 
 
 def _lru_misses_from_empty(ids, capacity):
@@ -246,7 +289,7 @@ def test_cold_miss_curve_is_exact_lru_from_empty_and_brackets_the_warm_one():
     for capacity in [0, 1, 3, 10, 30, 60, 100, 150, 199]:
         expected = _lru_misses_from_empty(ids, capacity) / len(ids)
         assert cold.miss_ratio(capacity) == pytest.approx(expected, abs=1e-12), capacity
-        assert warm.miss_ratio(capacity) <= cold.miss_ratio(capacity)
+        assert warm.miss_ratio(capacity) <= cold.miss_ratio(capacity) + 1e-12
     # never below the share of first accesses until the whole table, then 0 (torchrec's clf = 1)
     assert cold.miss_ratio(num_rows - 1) == pytest.approx(cold.distinct_ids / len(ids))
     assert cold.expected_miss_rate(1.0) == 0.0 and cold.expected_miss_rate(0.0) == 1.0
