@@ -2,7 +2,8 @@
 ``PrefetchTrainPipelineSparseDist`` next to the in-memory table through the same pipeline.
 
 The same table and batches as the step rows (one table table-wise on a world of one, row-wise Adagrad,
-Zipf ids), each module in a small model (``loss = sum of the pooled values``) under
+Zipf ids; each cache first warmed to its steady state, ``benchmarks/offload_steady.py``), each module in
+a small model (``loss = sum of the pooled values``) under
 ``PrefetchTrainPipelineSparseDist``:
 
 - ``pipeline fused``: in memory;
@@ -65,7 +66,7 @@ def _pipeline(kernel: str, load_factor: float, background: bool, args, offload_d
     for lookup in lookups:
         lookup.background_prefetch = background
     if lookups:
-        warm(sharded, args.rows, args)  # before the pipeline takes over the module's forward
+        warm(sharded, args.rows, args)  # to the steady state, before the pipeline takes over the forward
     model = _Model(sharded)
     pipeline = PrefetchTrainPipelineSparseDist(model, sharded.fused_optimizer, torch.device("cpu"))
     return pipeline, lookups
