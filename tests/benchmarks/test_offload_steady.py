@@ -81,3 +81,15 @@ def test_streams_share_the_hot_rows_and_differ_in_draws():
     assert not torch.equal(x[:100], y[:100])
     top = lambda ids: set(torch.bincount(ids, minlength=1000).topk(5).indices.tolist())  # noqa: E731
     assert top(x) == top(y)  # the same permutation: the same hot rows
+
+
+def test_a_whole_table_cache_is_prefilled_then_confirmed(tmp_path):
+    rows = 2000
+    _, cache = _table(tmp_path, rows, 1.0)
+    sample = zipf_sampler(rows, 1.05, 0, stream=1)
+    done = warm_to_steady(
+        cache, sample, 256, argparse.Namespace(warm_window=4, warm_tolerance=0.01, warm_cap=64)
+    )
+    assert done["prefilled"] and done["cache_full"] and done["warm_converged"]
+    assert done["warm_hit_rate"] == 1.0 and done["warm_batches"] == 4 + 8
+    assert bool(cache._dirty.all()) and int((cache.row_of_slot >= 0).sum()) == rows
