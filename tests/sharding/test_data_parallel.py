@@ -228,3 +228,61 @@ def test_split_dense_replicas_train_exactly_like_one_group(monkeypatch, pooled):
         assert torch.equal(outs[0], outs[1])
         for key, shard in split.local_shards().items():
             assert torch.equal(shard, one.local_shards()[key]), (step, key)
+
+
+def _sparse_exchange_worker(optimizer):
+    """A fused data-parallel table of 1000 x 8 trained on a few ids per rank: the replicas' update is
+    the unsharded module's on the global batch, and no collective of the backward moves a buffer of
+    the table's size (the touched rows and their gradients travel, not the whole gradient)."""
+    import torch
+    import torch.distributed as dist
+
+    import shardkit.sharding.replicated_fused_lookup as replicated
+    from shardkit.modules import EmbeddingBagCollection
+    from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
+    from shardkit.sharding.sharding_plan import construct_module_sharding_plan
+    from shardkit.sparse import KeyedJaggedTensor
+
+    rank, rows, dim = dist.get_rank(), 1000, 8
+
+    def ebc():
+        torch.manual_seed(0)
+        config = EmbeddingBagConfig(rows, dim, name="d", feature_names=["f"])
+        return EmbeddingBagCollection([config], fused_optimizer=FusedOptimizerConfig(optimizer, lr=0.1))
+
+    reference, module = ebc(), ebc()
+    plan = construct_module_sharding_plan(module, {"d": data_parallel()})
+    sharded = EmbeddingBagCollectionSharder().shard(module, plan, ShardingEnv.from_process_group(None))
+    sizes = []
+
+    def recording(collective):
+        def run(out, *args, **kwargs):
+            sizes.append(out.numel())
+            return collective(out, *args, **kwargs)
+
+        return run
+
+    if hasattr(replicated, "all_gather_flat"):
+        replicated.all_gather_flat = recording(replicated.all_gather_flat)
+    replicated.dist.all_reduce = recording(replicated.dist.all_reduce)
+    ids = [torch.tensor([3, 7, 7, 999, 3]), torch.tensor([7, 500, 0])]
+    lengths = [torch.tensor([2, 3]), torch.tensor([1, 2])]
+    grad = torch.arange(4 * dim, dtype=torch.float32).view(4, dim).sin()
+    for _ in range(2):
+        whole = KeyedJaggedTensor(["f"], torch.cat(ids), lengths=torch.cat(lengths))
+        (reference(whole).values() * grad).sum().div(2).backward()
+        out = sharded(KeyedJaggedTensor(["f"], ids[rank], lengths=lengths[rank])).values()
+        (out * grad[2 * rank : 2 * rank + 2]).sum().backward()
+    got = sharded.local_shards()[("d", 0, rows, 0, dim)].clone()
+    return got, reference.table_weight("d").detach().clone(), sizes
+
+
+@pytest.mark.parametrize("optimizer", [OptimType.ADAGRAD, OptimType.ROWWISE_ADAGRAD, OptimType.SGD])
+def test_fused_replicas_exchange_the_touched_rows_not_the_table(optimizer):
+    import torch
+
+    from shardkit.testing import run_world
+
+    for got, want, sizes in run_world(_sparse_exchange_worker, 2, optimizer):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert sizes and max(sizes) < 1000 * 8, sizes

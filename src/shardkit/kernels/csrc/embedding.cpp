@@ -61,6 +61,7 @@ inline void with_block_width(int64_t dim, F&& f) {
 template <typename F>
 inline void with_row_width(int64_t dim, F&& f) {
   switch (dim) {
+    case 8: f(std::integral_constant<int64_t, 8>()); break;  // a column-wise block of a 16-wide table
     case 16: f(std::integral_constant<int64_t, 16>()); break;
     case 32: f(std::integral_constant<int64_t, 32>()); break;
     case 64: f(std::integral_constant<int64_t, 64>()); break;
