@@ -248,7 +248,7 @@ def _build_shardkit(args: Dict[str, Any], kind: str):
     module = EmbeddingBagCollection(configs, fused_optimizer=fused, device=torch.device("meta"))
     plan = construct_module_sharding_plan(
         module,
-        _generators(kind, "shardkit", args["tables"]),
+        _generators(kind, "shardkit", args["tables"], dp_kernel=args.get("dp_kernel") or "dense"),
         local_size=_local_size(),
         world_size=dist.get_world_size(),
     )
@@ -306,7 +306,9 @@ def _local_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
 
 
-def _generators(kind: str, lib: str, tables: int, kernel: Optional[str] = None) -> Dict[str, Any]:
+def _generators(
+    kind: str, lib: str, tables: int, kernel: Optional[str] = None, dp_kernel: str = "dense"
+) -> Dict[str, Any]:
     if lib == "torchrec":
         from torchrec.distributed import sharding_plan as plans
     else:
@@ -322,7 +324,7 @@ def _generators(kind: str, lib: str, tables: int, kernel: Optional[str] = None) 
         # DENSE in both libraries (torchrec's only data-parallel kernel; shardkit's default for a fused
         # collection is FUSED since issue 23), each trained by the same torch.optim optimizer
         "data_parallel": lambda i: plans.data_parallel(
-            **({} if lib == "torchrec" else {"compute_kernel": "dense"})
+            **({} if lib == "torchrec" else {"compute_kernel": dp_kernel})
         ),
         "grid_shard": lambda i: plans.grid_shard(host_indexes=list(range(world // _local_size()))),
     }[kind]

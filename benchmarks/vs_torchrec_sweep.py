@@ -25,6 +25,13 @@ has 160 - 512 ids. ``--quick``: the 9 rows with ``k == (i + 2 * j + 1) % 5`` (ea
 once, each sharding type at least once, every dim and optimizer; its batch-2048 x 256-table row has dim
 16: at dim 128 that row's pooled output alone is 256 MiB per rank and the step is gloo-bound, ~10 s).
 
+Data-parallel rows: torchrec has one kernel (DENSE: DDP all-reduces whole-table gradients and the
+dense optimizer, torch.optim's, steps whole tables); shardkit runs its default for a collection with a
+fused optimizer (FUSED: the touched rows' gradients are gathered and the fused optimizer steps those
+rows; ``--dp-kernel dense`` runs its DENSE kernel with the same torch.optim optimizer instead). The
+training is the same: the optimizers have no weight decay, so a dense step leaves an untouched row
+(zero gradient) and its state as they were.
+
 Each row runs in a fresh pair of processes (2 gloo ranks, 1 torch thread each, one node) that build
 both libraries' models on the same weights (forward checked against ``F.embedding_bag``), warm both up,
 time one more step of each and pick one step count for both (about ``--round-s`` seconds per round, at
@@ -179,6 +186,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--round-s", type=float, default=None, help="seconds per round (0.5; quick 0.25)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per library (+1 probe)")
     parser.add_argument("--only", nargs="+", type=int, help="run only these row numbers (1-based)")
+    parser.add_argument(
+        "--dp-kernel",
+        choices=["fused", "dense"],
+        default="fused",
+        help="shardkit's kernel in data_parallel rows (fused: its default for a fused collection)",
+    )
     parser.add_argument("--out", help="JSON directory (default: a new one outside the checkout)")
     parsed = parser.parse_args(argv)
     missing = missing_peers()
@@ -196,6 +209,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     round_s = parsed.round_s or (0.25 if parsed.quick else 0.5)
     parsed.rounds = parsed.rounds or (4 if parsed.quick else 6)
     configs = grid(parsed.quick)
+    for config in configs:
+        if config["kind"] == "data_parallel":
+            config["dp_kernel"] = parsed.dp_kernel
     numbered = list(enumerate(configs, 1))
     if parsed.only:
         numbered = [(n, c) for n, c in numbered if n in parsed.only]
@@ -249,6 +265,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         "world": 2,
         "backend": "gloo",
         "threads_per_rank": 1,
+        "dp_kernel": parsed.dp_kernel,
     }
     write_results("vs_torchrec_sweep", config, results, parsed.out)
 
