@@ -230,7 +230,7 @@ def test_split_dense_replicas_train_exactly_like_one_group(monkeypatch, pooled):
             assert torch.equal(shard, one.local_shards()[key]), (step, key)
 
 
-def _sparse_exchange_worker(optimizer):
+def _sparse_exchange_worker(optimizer, rows=1000):
     """A fused data-parallel table of 1000 x 8 trained on a few ids per rank: the replicas' update is
     the unsharded module's on the global batch, and no collective of the backward moves a buffer of
     the table's size (the touched rows and their gradients travel, not the whole gradient)."""
@@ -243,7 +243,7 @@ def _sparse_exchange_worker(optimizer):
     from shardkit.sharding.sharding_plan import construct_module_sharding_plan
     from shardkit.sparse import KeyedJaggedTensor
 
-    rank, rows, dim = dist.get_rank(), 1000, 8
+    rank, dim = dist.get_rank(), 8
 
     def ebc():
         torch.manual_seed(0)
@@ -265,7 +265,7 @@ def _sparse_exchange_worker(optimizer):
     if hasattr(replicated, "all_gather_flat"):
         replicated.all_gather_flat = recording(replicated.all_gather_flat)
     replicated.dist.all_reduce = recording(replicated.dist.all_reduce)
-    ids = [torch.tensor([3, 7, 7, 999, 3]), torch.tensor([7, 500, 0])]
+    ids = [torch.tensor([3, 7, 7, 999, 3]) % rows, torch.tensor([7, 500, 0]) % rows]
     lengths = [torch.tensor([2, 3]), torch.tensor([1, 2])]
     grad = torch.arange(4 * dim, dtype=torch.float32).view(4, dim).sin()
     for _ in range(2):
@@ -286,3 +286,15 @@ def test_fused_replicas_exchange_the_touched_rows_not_the_table(optimizer):
     for got, want, sizes in run_world(_sparse_exchange_worker, 2, optimizer):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         assert sizes and max(sizes) < 1000 * 8, sizes
+
+
+def test_fused_replicas_with_most_rows_touched_all_reduce_the_dense_gradient():
+    """A 4-row table whose rows the ranks all touch: one dense all-reduce (cheaper than the gathers),
+    the same step as the unsharded module's."""
+    import torch
+
+    from shardkit.testing import run_world
+
+    for got, want, sizes in run_world(_sparse_exchange_worker, 2, OptimType.ADAGRAD, 4):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert 4 * (8 + 1) in sizes, sizes
