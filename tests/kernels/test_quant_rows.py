@@ -120,3 +120,14 @@ def test_memory_per_row():
         36,
         20,
     ]
+
+
+@pytest.mark.parametrize("storage", list(INT_BITS))
+def test_one_row_dequantizes_like_the_same_row_among_others(storage):
+    # one row (a rank's only id): its scale and bias bytes are a contiguous slice at an odd offset,
+    # which a view as fp16 refused ("storage_offset() must be divisible by 2")
+    q = quantize_rows(_rows(7), storage)
+    for i in range(3):
+        one = q[i : i + 1]
+        assert torch.equal(dequantize_rows(one, 7, storage), dequantize_rows(q, 7, storage)[i : i + 1])
+        assert torch.equal(row_scale_bias(one, 7, storage), row_scale_bias(q, 7, storage)[i : i + 1])

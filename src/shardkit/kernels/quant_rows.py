@@ -87,6 +87,13 @@ def _scale_bias(qrows: torch.Tensor, dim: int, storage: str) -> torch.Tensor:
     return qrows[:, start : start + SCALE_BIAS_BYTES]
 
 
+def _scale_bias_fp32(qrows: torch.Tensor, dim: int, storage: str) -> torch.Tensor:
+    """fp32 ``[N, 2]``: each row's scale and bias. A copy, not ``contiguous()``: the bytes of a single
+    row are already contiguous, at an offset a view as fp16 refuses when it is odd."""
+    raw = _scale_bias(qrows, dim, storage).clone(memory_format=torch.contiguous_format)
+    return raw.view(torch.float16).to(torch.float32)
+
+
 @torch.no_grad()
 def quantize_rows(
     rows: torch.Tensor,
@@ -136,7 +143,7 @@ def dequantize_rows(qrows: torch.Tensor, dim: int, storage: str) -> torch.Tensor
         return qrows.contiguous().view(FLOAT_STORAGES[storage]).to(torch.float32)
     bits = INT_BITS[storage]
     codes = unpack_codes(qrows[:, : data_bytes(dim, storage)], dim, bits)
-    scale_bias = _scale_bias(qrows, dim, storage).contiguous().view(torch.float16).to(torch.float32)
+    scale_bias = _scale_bias_fp32(qrows, dim, storage)
     return codes.to(torch.float32) * scale_bias[:, :1] + scale_bias[:, 1:]
 
 
@@ -144,7 +151,7 @@ def row_scale_bias(qrows: torch.Tensor, dim: int, storage: str) -> torch.Tensor:
     """fp32 ``[N, 2]``: each stored row's scale and bias (int storages only)."""
     if storage not in INT_BITS:
         raise ValueError(f"{storage} rows have no scale and bias")
-    return _scale_bias(qrows, dim, storage).contiguous().view(torch.float16).to(torch.float32)
+    return _scale_bias_fp32(qrows, dim, storage)
 
 
 def slice_columns(qrows: torch.Tensor, dim: int, storage: str, col_start: int, col_end: int) -> torch.Tensor:
