@@ -42,12 +42,12 @@ def _batch(id_dtype=torch.int64, seed=0):
     return ids, offsets, shift, psw, scale
 
 
-def _state(kind, dtype=torch.float32):
+def _state(kind, dtype=torch.float32, dim=DIM):
     return {
         "SGD": (),
-        "ADAGRAD": (torch.zeros(ROWS, DIM),),
+        "ADAGRAD": (torch.zeros(ROWS, dim),),
         "ROWWISE_ADAGRAD": (torch.zeros(ROWS),),
-        "ADAM": (torch.zeros(ROWS, DIM), torch.zeros(ROWS, DIM)),
+        "ADAM": (torch.zeros(ROWS, dim), torch.zeros(ROWS, dim)),
     }[kind]
 
 
@@ -87,16 +87,17 @@ def test_forward_matches_torch(dtype, id_dtype, pooled, weighted, scaled):
 @pytest.mark.parametrize("pooled", [True, False])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_backward_matches_torch(kind, pooled, weighted, dtype):
+@pytest.mark.parametrize("dim", [DIM, 8, 16])  # a run-time width, and compile-time ones (8: column blocks)
+def test_fused_backward_matches_torch(kind, pooled, weighted, dtype, dim):
     ids, offsets, shift, psw, scale = _batch(seed=1)
     results = {}
     for backend in ("torch", "native"):
-        weight = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(4)).to(dtype)
-        state = _state(kind)
+        weight = torch.randn(ROWS, dim, generator=torch.Generator().manual_seed(4)).to(dtype)
+        state = _state(kind, dim=dim)
         psw_grads = []
         for step in range(1, 4):
             rows_out = BAGS if pooled else ids.numel()
-            grad = torch.randn(rows_out, DIM, generator=torch.Generator().manual_seed(10 + step))
+            grad = torch.randn(rows_out, dim, generator=torch.Generator().manual_seed(10 + step))
             optimizer = RowOptimizerArgs(kind, lr=0.05, eps=1e-8, step=step, state=state)
             with kernel_backend(backend):
                 psw_grads.append(
@@ -132,7 +133,7 @@ def test_fused_backward_matches_torch(kind, pooled, weighted, dtype):
     ids_rows = (ids.to(torch.int64) + torch.repeat_interleave(shift, offsets.diff())).unique()
     untouched = torch.ones(ROWS, dtype=torch.bool)
     untouched[ids_rows] = False
-    initial = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(4)).to(dtype)
+    initial = torch.randn(ROWS, dim, generator=torch.Generator().manual_seed(4)).to(dtype)
     assert torch.equal(w_n[untouched], initial[untouched])
 
 
