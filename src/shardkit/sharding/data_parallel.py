@@ -4,8 +4,8 @@
 - lookup: ``ShardedGroupedLookup`` of whole tables. DENSE kernel: the tables get ordinary gradients,
   which the data-parallel wrapper of the model (DDP, or an all-reduce of the gradients) averages over
   ranks before a dense optimizer steps, exactly like the model's other replicated parameters. FUSED
-  kernel (a collection with a fused optimizer): ``ReplicatedShardedLookup``, whose backward all-reduces
-  the gradient rows and then applies the fused optimizer on every replica alike (a plain fused
+  kernel (a collection with a fused optimizer): ``ReplicatedShardedLookup``, whose backward gathers
+  every rank's touched rows and their gradients and then applies the fused optimizer on every replica alike (a plain fused
   lookup would update each replica from its own samples and let them drift apart);
   The DENSE kernel's tables are held as parameters of at most ``MAX_PARAMETER_BYTES`` each (runs of
   whole tables; a larger table alone), not one parameter per (width, dtype): the user's dense
