@@ -5,8 +5,9 @@
   which the data-parallel wrapper of the model (DDP, or an all-reduce of the gradients) averages over
   ranks before a dense optimizer steps, exactly like the model's other replicated parameters. FUSED
   kernel (a collection with a fused optimizer): ``ReplicatedShardedLookup``, whose backward gathers
-  every rank's touched rows and their gradients and then applies the fused optimizer on every replica alike (a plain fused
-  lookup would update each replica from its own samples and let them drift apart);
+  every rank's touched rows and their gradients, then applies the fused optimizer on every replica
+  alike (a plain fused lookup would update each replica from its own samples and let them drift
+  apart);
   The DENSE kernel's tables are held as parameters of at most ``MAX_PARAMETER_BYTES`` each (runs of
   whole tables; a larger table alone), not one parameter per (width, dtype): the user's dense
   optimizer (``torch.optim.Adagrad``'s ``sqrt`` of its state, ``Adam``'s, ...) makes temporaries the
