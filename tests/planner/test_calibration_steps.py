@@ -1,91 +1,117 @@
-"""calibrate()'s fixed-cost constants: fitted from timed training steps, identical on every rank."""
+"""calibrate()'s fitted constants: non-negative least squares over the estimator's own features,
+checked against step times made by the cost model from known constants."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from shardkit.planner import CostModel
 from shardkit.planner import calibration_steps as cs
-from shardkit.planner.calibration_steps import TYPES, fit_overheads, fixed_cost_configs, shards_per_rank
 
-BASE = 1e-3
-GROUP = {"table_wise": 2e-3, "row_wise": 3e-3, "column_wise": 4e-3, "data_parallel": 5e-3}
-PER_SHARD = {"table_wise": 0.1e-3, "row_wise": 0.2e-3, "column_wise": 0.3e-3, "data_parallel": 0.4e-3}
+MIB = 1 << 20
+# the constants the synthetic step times are made from (all > 0, so the fit must find each)
+TRUE = CostModel.default("cpu").replace(
+    ddr_lookup_bw=8e9,
+    intra_node_bw=1e9,
+    lookup_overhead_s=0.0,
+    step_overhead_s=2e-3,
+    group_overhead_s={"table_wise": 1e-3, "row_wise": 2e-3, "column_wise": 3e-3, "data_parallel": 1.5e-3},
+    shard_overhead_s={"table_wise": 1e-4, "row_wise": 2e-4, "column_wise": 1.5e-4, "data_parallel": 5e-5},
+    id_overhead_s={"table_wise": 2e-8, "row_wise": 5e-8, "column_wise": 3e-8},
+    id_miss_s=1e-7,
+    lookup_cache_bytes=8 * MIB,
+    replica_grad_passes=6.0,
+)
+# what calibrate knows before the fit: the measured collective bandwidth, a lone lookup's bandwidth
+BEFORE = CostModel.default("cpu").replace(ddr_lookup_bw=3e9, intra_node_bw=1e9)
 
 
-def _times(world: int = 2, base=BASE, group=GROUP, per_shard=PER_SHARD):
-    times = []
-    for types in fixed_cost_configs(world):
-        counts = shards_per_rank(types, world)
-        times.append(base + sum(group[t] + counts[t] * per_shard[t] for t in TYPES if counts[t]))
-    return times
+def _check(fitted, true: CostModel, rel: float = 1e-6) -> None:
+    assert fitted["step_overhead_s"] == pytest.approx(true.step_overhead_s, rel=rel)
+    for name in ("group_overhead_s", "shard_overhead_s", "id_overhead_s"):
+        assert fitted[name] == pytest.approx(getattr(true, name), rel=rel), name
+    assert fitted["id_miss_s"] == pytest.approx(true.id_miss_s, rel=rel)
+    assert fitted["lookup_cache_bytes"] == true.lookup_cache_bytes
+    assert fitted["lookup_bw"] == pytest.approx(true.ddr_lookup_bw, rel=rel)
+    assert fitted["replica_grad_passes"] == pytest.approx(true.replica_grad_passes, rel=rel)
 
 
-def test_fit_recovers_the_constants_the_times_were_made_from():
-    for world in (2, 4):
-        fitted = fit_overheads(fixed_cost_configs(world), _times(world), world)
-        assert fitted["step_overhead_s"] == pytest.approx(BASE)
-        assert fitted["group_overhead_s"] == pytest.approx(GROUP)
-        assert fitted["shard_overhead_s"] == pytest.approx(PER_SHARD)
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_fit_recovers_the_constants_the_step_times_were_made_from(world):
+    configs = cs.calibration_configs(world)
+    times = [cs.estimated_seconds(c, world, TRUE) for c in configs]
+    fitted = cs.fit_constants(configs, times, world, BEFORE)
+    _check(fitted, TRUE)
+    assert fitted["residual"] < 1e-9
+
+
+def test_the_cache_size_is_the_one_that_fits_best():
+    world = 2
+    configs = cs.calibration_configs(world)
+    for cache in (2 * MIB, 32 * MIB):
+        true = TRUE.replace(lookup_cache_bytes=cache)
+        fitted = cs.fit_constants(
+            configs, [cs.estimated_seconds(c, world, true) for c in configs], world, BEFORE
+        )
+        _check(fitted, true)
 
 
 def test_noisy_times_never_give_a_negative_cost():
-    configs = fixed_cost_configs(2)
-    times = _times()
-    times[2], times[3] = 9e-3, 4e-3  # row-wise: more shards measured faster (noise)
-    times[-1] *= 0.2  # all four types together faster than each alone (noise)
-    fitted = fit_overheads(configs, times, 2)
-    assert fitted["step_overhead_s"] >= 0.0
-    for name in ("group_overhead_s", "shard_overhead_s"):
+    world = 2
+    configs = cs.calibration_configs(world)
+    times = [cs.estimated_seconds(c, world, TRUE) for c in configs]
+    gen = torch.Generator().manual_seed(0)
+    noisy = [t * float(1 + 0.3 * (torch.rand((), generator=gen) - 0.5)) for t in times]
+    noisy[3], noisy[5] = 3 * noisy[5], noisy[3] / 3  # row-wise: more shards measured faster
+    fitted = cs.fit_constants(configs, noisy, world, BEFORE)
+    assert fitted["step_overhead_s"] >= 0.0 and fitted["id_miss_s"] >= 0.0
+    assert fitted["replica_grad_passes"] >= 0.0 and fitted["lookup_bw"] > 0.0
+    for name in ("group_overhead_s", "shard_overhead_s", "id_overhead_s"):
         assert all(v >= 0.0 for v in fitted[name].values()), fitted
-    assert fitted["shard_overhead_s"]["row_wise"] == 0.0
+    assert 0.0 < fitted["residual"] < 0.5
 
 
-def _fake_times(world: int, rank: int):
-    tiny = _times(world)
-    big_replica = BASE + GROUP["data_parallel"] + PER_SHARD["data_parallel"] + 0.05
-    big = [BASE + GROUP[t] + 0.1 * (i + 1) for i, t in enumerate(cs.BIG_TYPES)]
-    return [x + 1e-3 * rank for x in [*tiny, big_replica, *big]]  # rank 1 slower: ranks agree on it
+def test_nnls_solves_with_and_without_active_constraints():
+    a = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    assert cs.nnls(a, a @ torch.tensor([2.0, 3.0], dtype=torch.float64)).tolist() == pytest.approx([2.0, 3.0])
+    # the unconstrained least squares is (2, -1): the second is held at 0, the first refitted
+    b = a @ torch.tensor([2.0, -1.0], dtype=torch.float64)
+    x = cs.nnls(a, b)
+    assert x[1].item() == 0.0
+    assert x[0].item() == pytest.approx(float((a[:, 0] @ b) / (a[:, 0] @ a[:, 0])))
+    # a column of zeros (a feature no configuration exercises) gets 0
+    z = torch.tensor([[1.0, 0.0], [2.0, 0.0]], dtype=torch.float64)
+    assert cs.nnls(z, torch.tensor([1.0, 2.0], dtype=torch.float64)).tolist() == pytest.approx([1.0, 0.0])
 
 
-def _calibrate_with_fake_step_times(fake: bool):
-    from shardkit.planner import calibrate
+SMALL_BIG = 1 * MIB  # the end-to-end test's largest tables: seconds of set-up, not minutes
+
+
+def _calibrate_with_fake_step_times():
+    from shardkit.planner import calibrate, calibration
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    if fake:
-        cs.alternating_seconds = lambda steps, pg, device, **_: _fake_times(world, rank)[: len(steps)]
-    return calibrate("cpu", rows=4096, dim=16, batch=64, pooling=4).to_dict()
+    # this worker process only: small tables, and the collective bandwidth the times were made with
+    cs.BIG_BYTES = SMALL_BIG
+    calibration.measure_all_to_all_bw = lambda *_, **__: TRUE.intra_node_bw
+    configs = cs.calibration_configs(world, SMALL_BIG)
+    true = TRUE.replace(id_miss_s=0.0)  # tables of at most 1 MiB: no cache size to find
+    fake = [cs.estimated_seconds(c, world, true) * (1.0 if rank == 1 else 0.8) for c in configs]
+    cs.alternating_seconds = lambda steps, pg, device, **_: fake[
+        : len(steps)
+    ]  # rank 1 slower: ranks agree on it
+    got = calibrate("cpu", rows=4096, dim=16, batch=64, pooling=4).to_dict()
+    return got, true.to_dict()
 
 
-def test_calibrate_fits_the_measured_step_times_on_every_rank(run_world):
-    """The constants come from the (here: given) step times of the slowest rank, and the model with
-    them reproduces the large steps it was fitted to."""
-    results = run_world(_calibrate_with_fake_step_times, 2, True)
-    assert results[0] == results[1]
-    got = results[0]
-    slowest = _fake_times(2, 1)
-    configs = fixed_cost_configs(2)
-    n = len(configs)
-    expected = fit_overheads(configs, slowest[:n], 2)
-    assert got["step_overhead_s"] == pytest.approx(expected["step_overhead_s"])
-    assert got["group_overhead_s"] == pytest.approx(expected["group_overhead_s"])
-    assert got["shard_overhead_s"] == pytest.approx(expected["shard_overhead_s"])
-    assert got["id_overhead_s"]["row_wise"] > 0 and got["id_overhead_s"]["column_wise"] > 0
-    model = CostModel(**got)
-    rows = [cs.BIG_LOOKUP_ROWS] * 2
-    for i, t in enumerate(cs.BIG_TYPES):
-        dim = cs.big_dim(t, 2)
-        estimate = cs.estimated_seconds([t] * 2, rows, dim, cs.BIG_BATCH, cs.BIG_POOLING, 2, model)
-        assert estimate == pytest.approx(slowest[n + 1 + i], rel=1e-6), t
-    replica = cs.estimated_seconds(["data_parallel"], [cs.BIG_ROWS], cs.DIM, cs.BATCH, 1, 2, model)
-    assert replica == pytest.approx(slowest[n], rel=0.02)  # its 32 ids' bytes are not in the fit
-
-
-def test_calibrate_times_real_steps_on_two_ranks(run_world):
-    results = run_world(_calibrate_with_fake_step_times, 2, False)
-    assert results[0] == results[1]
-    got = results[0]
-    assert set(got["group_overhead_s"]) == set(TYPES) and set(got["shard_overhead_s"]) == set(TYPES)
-    # a training step with collectives takes time: the fitted fixed costs are not all zero
-    assert got["step_overhead_s"] + sum(got["group_overhead_s"].values()) > 0.0
+def test_calibrate_fits_the_slowest_ranks_step_times_on_every_rank(run_world):
+    results = run_world(_calibrate_with_fake_step_times, 2)
+    assert results[0][0] == results[1][0]
+    got, true = results[0]
+    for name in ("step_overhead_s", "replica_grad_passes", "ddr_lookup_bw"):
+        assert got[name] == pytest.approx(true[name], rel=1e-6), name
+    for name in ("group_overhead_s", "shard_overhead_s", "id_overhead_s"):
+        assert got[name] == pytest.approx(true[name], rel=1e-6), name
+    assert got["id_miss_s"] == 0.0

@@ -161,3 +161,71 @@ def test_cost_model_validation():
 def test_weighted_ids_carry_their_weights():
     o = _options(_cpu(), module=meta_ebc([TABLE], is_weighted=True))[("table_wise", "fused")]
     assert o.comm.tolist() == pytest.approx([(40 * 12 + 2 * 20 * 10 * 4) / 1e8])
+
+
+# the cache-miss term: 100 x 10 fp32 = 4000 weight bytes; table-wise sees I = 40 ids per step
+MISS = MODEL.replace(id_miss_s=1e-6, lookup_cache_bytes=1000.0)
+
+
+def test_cost_model_miss_rate():
+    assert MISS.miss_rate(4000.0) == pytest.approx(0.75)
+    assert MISS.miss_rate(1000.0) == 0.0 and MISS.miss_rate(10.0) == 0.0 and MISS.miss_rate(0.0) == 0.0
+    with pytest.raises(ValueError, match="id_miss_s"):
+        MODEL.replace(id_miss_s=-1e-9)
+    with pytest.raises(ValueError, match="lookup_cache_bytes"):
+        MODEL.replace(lookup_cache_bytes=0.0)
+
+
+def test_ids_that_miss_the_cache_pay_the_memory_latency():
+    base = _options(_cpu())
+    topology = Topology(world_size=2, compute_device="cpu", cost_model=MISS)
+    got = _options(topology)
+    tw = ("table_wise", "fused")
+    # 40 ids x 1 us x (1 - 1000 / 4000)
+    assert got[tw].compute.tolist() == pytest.approx([base[tw].compute.item() + 40 * 1e-6 * 0.75])
+    # row-wise: each shard 50 x 10 x 4 = 2000 bytes, 20 ids each, miss 1 - 1000 / 2000
+    rw = ("row_wise", "fused")
+    assert got[rw].compute.tolist() == pytest.approx([c + 20 * 1e-6 * 0.5 for c in base[rw].compute.tolist()])
+    # a replica: its own 20 ids over the whole table
+    dp = ("data_parallel", "fused")
+    assert got[dp].compute.tolist() == pytest.approx(
+        [c + 20 * 1e-6 * 0.75 for c in base[dp].compute.tolist()]
+    )
+    assert got[tw].comm.tolist() == base[tw].comm.tolist()  # a compute cost only
+
+
+def test_the_miss_term_grows_with_the_table_and_vanishes_in_the_cache():
+    def table_wise_compute(rows: int, cache: float) -> float:
+        table = EmbeddingBagConfig(num_embeddings=rows, embedding_dim=10, name="t", feature_names=["f"])
+        model = MODEL.replace(id_miss_s=1e-6, lookup_cache_bytes=cache)
+        topology = Topology(world_size=2, compute_device="cpu", cost_model=model)
+        return _options(topology, module=meta_ebc([table]))[("table_wise", "fused")].compute.item()
+
+    no_miss = 3 * 40 * 10 * 4 / 1e9  # the bytes term alone: the ids do not depend on the rows
+    assert table_wise_compute(100, cache=4000.0) == pytest.approx(no_miss)  # fits the cache exactly
+    times = [table_wise_compute(rows, cache=4000.0) for rows in (100, 200, 1000, 10_000, 100_000)]
+    assert times == sorted(times) and times[-1] > times[1] > times[0]
+    assert times[-1] < no_miss + 40 * 1e-6  # at most every id misses
+    # a larger cache never costs more
+    assert table_wise_compute(10_000, cache=40_000.0) < table_wise_compute(10_000, cache=4000.0)
+
+
+def test_offloading_kernels_are_not_charged_the_miss_term():
+    topology = Topology(world_size=2, compute_device="cuda", cost_model=MISS)
+    kernels = ["fused", "fused_uvm_caching"]
+    got = _options(topology, sharder=ebc_sharder(kernels=kernels))
+    base = _options(
+        Topology(world_size=2, compute_device="cuda", cost_model=MODEL), sharder=ebc_sharder(kernels=kernels)
+    )
+    key = ("table_wise", "fused_uvm_caching")
+    assert got[key].compute.tolist() == pytest.approx(base[key].compute.tolist())
+    assert got[("table_wise", "fused")].compute.item() > base[("table_wise", "fused")].compute.item()
+
+
+def test_a_replica_pays_its_whole_table_passes():
+    dp = ("data_parallel", "fused")
+    base = _options(_cpu())[dp]
+    model = MODEL.replace(replica_grad_passes=5.0)
+    got = _options(Topology(world_size=2, compute_device="cpu", cost_model=model))[dp]
+    # 5 passes over 4000 bytes at 1 GB/s, on every replica; more passes cost more
+    assert got.compute.tolist() == pytest.approx([c + 5 * 4000 / 1e9 for c in base.compute.tolist()])

@@ -80,9 +80,11 @@ def calibrate(
         pg: the group to time the all-to-all on (default group when None and torch.distributed is
             initialized). Collective when it runs: every rank of the group must call ``calibrate``.
         measure_comm: False skips the communication measurement (and the step overheads, which need it).
-        measure_steps: False skips timing training steps of tiny sharded tables, which fits the fixed
-            costs (``step_overhead_s``, ``group_overhead_s``, ``shard_overhead_s``,
-            ``replica_grad_passes``; :mod:`shardkit.planner.calibration_steps`). Collective too.
+        measure_steps: False skips timing training steps of synthetic sharded tables, which fits the
+            fixed and per-id costs and the training step's lookup bandwidth (``step_overhead_s``,
+            ``group_overhead_s``, ``shard_overhead_s``, ``id_overhead_s``, ``id_miss_s``,
+            ``lookup_cache_bytes``, ``replica_grad_passes``, the lookup field;
+            :mod:`shardkit.planner.calibration_steps`). Collective too.
         base: the constants not measured (default ``CostModel.default(compute_device)``).
         sizes: ``rows``, ``dim``, ``batch``, ``pooling`` of the timed lookup (smaller is faster and
             noisier).
@@ -118,6 +120,7 @@ def calibrate(
         measured = dict(zip(names, values.tolist()))
     if measure_steps and comm_field is not None:
         fitted = measure_step_overheads(pg, device, model.replace(**measured))
+        fitted.pop("residual")
         measured[lookup_field] = fitted.pop("lookup_bw")
         measured.update(fitted)
     return model.replace(**measured)

@@ -1,33 +1,33 @@
-"""Calibration of the fixed costs of a sharded training step, measured on the ranks that will train.
+"""Calibration of the cost model from timed training steps, measured on the ranks that will train.
 
-The bandwidth terms of the cost model (``calibration.py``) say what bytes cost; on small batches and
-many tables the step is dominated by what does not scale with bytes: the Python and dispatch work of
-each shard, each sharding type's collectives (their launch and latency, the splits exchange) and the
-step's own plumbing. ``measure_step_overheads`` times training steps (forward, backward with the fused
-SGD update) of tiny sharded ``EmbeddingBagCollection`` s on the group, all ranks at once (so ranks that
-share cores are measured sharing them), and fits:
+The bandwidth terms of the cost model (``calibration.py``) say what bytes cost on the wire; the rest of
+a sharded training step is fitted here. ``measure_step_overheads`` times training steps (forward,
+backward with the fused SGD update) of synthetic sharded ``EmbeddingBagCollection`` s on the group,
+all ranks at once (so ranks that share cores are measured sharing them), and fits every constant of
 
-- ``t = base + sum over the types T used of (group_T + k_T x per_shard_T)``, ``k_T`` the shards of type
-  ``T`` per rank, by non-negative least squares over tiny configurations (``fixed_cost_configs``): each
-  type alone at ``k`` = 1 and ``COUNTS[1]``, table-wise with each other type, all four together. ``base``
-  is the step's own overhead, ``group_T`` what a plan pays once for using type ``T`` at all (its
-  collectives), ``per_shard_T`` each shard's;
-- a data-parallel table of ``BIG_ROWS`` rows against a tiny one: the extra time beyond its gradient's
-  all-reduce, in passes over the table at the lookup bandwidth (``replica_grad_passes``);
-- one large table-wise table per rank read at a large batch against its fixed costs: the extra time
-  beyond the dists' bytes is the lookup, forward and backward (gradient scatter + fused update): with
-  the model's ``bwd_compute_factor`` it gives the lookup bandwidth of a training step, which replaces
-  the lone ``embedding_bag``'s (it is timed in the same rounds as the rest, under the same load);
-- the same tables row-wise and column-wise: their time beyond fixed costs and bytes, per id their
-  shards look up (``id_overhead_s``: routing work).
+    step = step_overhead_s + sum over the types T used of group_overhead_s[T]
+           + sum over the slowest rank's shards of (shard_overhead_s[T] + ids x id_overhead_s[T]
+             + ids x id_miss_s x miss(shard bytes) + (1 + bwd) ids x c x e / lookup_bw
+             + replica_grad_passes x r c e / lookup_bw (a data-parallel replica))
+           + the dists' bytes at the measured collective bandwidth (not fitted: known)
 
-The model with the fitted constants reproduces the large configurations' measured times
-(tests/planner/test_calibration_steps.py). Measured at ``BATCH`` bags per rank: how the fixed costs
-grow with the batch is not measured.
+by one non-negative least-squares fit of the relative errors (``fit_constants``). Each feature is the
+estimator's own figure for the configuration with that constant set to 1 and the others to 0, so the
+fit and the planner's estimates cannot disagree on what a constant multiplies. ``lookup_cache_bytes``
+(the ``miss`` function's cache) is not linear: the fit is made for each of ``CACHE_CANDIDATES`` and the
+smallest residual wins.
+
+The configurations (``calibration_configs``) are synthetic, never the model being planned: tiny tables
+(``BATCH`` bags of one id) of each type alone at ``COUNTS`` shards per rank, table-wise with each other
+type and all four together (the fixed costs); table-wise tables of 1 to ``BIG_BYTES`` at ``BIG_BATCH``
+bags of ``BIG_POOLING`` ids, at two widths (per id, per miss and per byte costs); row- and column-wise
+tables of ``BIG_BYTES`` (their routing per id); one ``REPLICA_BYTES`` data-parallel table (its whole-
+table passes). How the fixed costs grow with the batch is measured only through the per-id terms.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import statistics
 import time
@@ -54,25 +54,54 @@ from shardkit.sharding.types import EmbeddingModuleShardingPlan, ShardingPlan
 from shardkit.sparse import KeyedJaggedTensor
 
 TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel")
-COUNTS = (1, 8)  # shards of one type per rank in the two steps the per-shard cost is fitted from
-ROUNDS = 4  # alternating rounds of the timed steps
+ID_TYPES = ("table_wise", "row_wise", "column_wise")  # a replica's few local ids: no per-id term
+COUNTS = (1, 4, 16)  # shards of one type per rank in the tiny steps the per-shard cost is fitted from
+ROUNDS = 5  # alternating rounds of the timed steps
 STEPS_PER_ROUND = 2
-DIM = 8  # columns per rank's shard (a column-wise table has DIM x world columns)
-BATCH = 32  # bags per rank, one id each: the bytes terms stay negligible
-BIG_ROWS = 1 << 16  # rows of the data-parallel table whose whole-table passes are measured
-# the large table-wise lookup that measures the backward's cost: as calibrate()'s timed lookup
+DIM = 8  # columns per rank's shard of the tiny tables
+BATCH = 32  # bags per rank of the tiny tables, one id each: the bytes terms stay negligible
+MIB = 1 << 20
+BIG_BYTES = 64 * MIB  # the largest lookup table (beyond a CPU's per-core caches)
 BIG_DIM, BIG_BATCH, BIG_POOLING = 64, 512, 20
-BIG_LOOKUP_ROWS = 1 << 16  # 16 MiB at BIG_DIM (a few seconds of set-up less than real sizes)
+REPLICA_BYTES = 16 * MIB  # the data-parallel table whose whole-table passes are measured
+CACHE_CANDIDATES = tuple(float(MIB << k) for k in range(10))  # 1 MiB .. 512 MiB
+_INF = 1e30  # a bandwidth that makes its bytes free
 
 
-def big_dim(sharding_type: str, world: int) -> int:
-    """Columns per shard of the big configurations: a column-wise table has BIG_DIM in all."""
-    return max(1, BIG_DIM // world) if sharding_type == "column_wise" else BIG_DIM
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """A calibration step: one table per entry of ``types`` (that sharding), each of ``rows`` rows and
+    ``dim`` columns per shard (a column-wise table has ``dim`` x world columns), ``batch`` bags of
+    ``pooling`` uniform random ids per rank and table."""
+
+    types: Tuple[str, ...]
+    rows: int
+    dim: int = DIM
+    batch: int = BATCH
+    pooling: int = 1
 
 
-BIG_TYPES = ("table_wise", "row_wise", "column_wise")
-# the big lookup's share of its step that is at least its lookup (noise must not make it free)
-MIN_LOOKUP_SHARE = 0.1
+def calibration_configs(world: int, big_bytes: int = BIG_BYTES) -> List[StepConfig]:
+    """The steps the constants are fitted from (module doc). ``big_bytes`` scales the large tables
+    (tests use small ones)."""
+    tiny_rows = 64 * world
+    tw = ("table_wise",) * world  # one table-wise table per rank
+    configs = [
+        StepConfig((t,) * (k * world if t == "table_wise" else k), tiny_rows) for t in TYPES for k in COUNTS
+    ]
+    configs += [StepConfig(tw + (t,), tiny_rows) for t in TYPES if t != "table_wise"]
+    configs.append(StepConfig(tw + tuple(t for t in TYPES if t != "table_wise"), tiny_rows))
+    row_bytes = BIG_DIM * 4
+    big = dict(batch=BIG_BATCH, pooling=BIG_POOLING)
+    for shift in (6, 4, 2, 0):  # 1/64 .. 1 x big_bytes: in and out of the caches
+        configs.append(StepConfig(tw, max(64, (big_bytes >> shift) // row_bytes), BIG_DIM, **big))
+    configs.append(StepConfig(tw, big_bytes // 64, 16, **big))  # a narrow table: per id against per byte
+    configs.append(StepConfig(("row_wise",) * world, big_bytes // row_bytes, BIG_DIM, **big))
+    configs.append(
+        StepConfig(("column_wise",) * world, big_bytes // row_bytes, max(1, BIG_DIM // world), **big)
+    )
+    configs.append(StepConfig(("data_parallel",), max(64, big_bytes // 4) // row_bytes, BIG_DIM))
+    return configs
 
 
 def _generator(sharding_type: str, index: int, world: int):
@@ -86,51 +115,47 @@ def _generator(sharding_type: str, index: int, world: int):
 
 
 def _module_and_plan(
-    types: Sequence[str], rows: Sequence[int], dim: int, world: int, device: torch.device
+    config: StepConfig, world: int, device_type: str
 ) -> Tuple[EmbeddingBagCollection, EmbeddingModuleShardingPlan]:
-    """One table per entry of ``types`` and its plan (a column-wise table has ``dim`` x world columns)."""
+    """The configuration's module (on the meta device: the sharder creates the shards) and plan."""
     configs = [
         EmbeddingBagConfig(
-            r, dim * world if t == "column_wise" else dim, name=f"c{i}", feature_names=[f"c{i}"]
+            config.rows,
+            config.dim * world if t == "column_wise" else config.dim,
+            name=f"c{i}",
+            feature_names=[f"c{i}"],
         )
-        for i, (t, r) in enumerate(zip(types, rows))
+        for i, t in enumerate(config.types)
     ]
     module = EmbeddingBagCollection(
-        configs, device=device, fused_optimizer=FusedOptimizerConfig("SGD", lr=0.0)
+        configs, device=torch.device("meta"), fused_optimizer=FusedOptimizerConfig("SGD", lr=0.0)
     )
     counters: Dict[str, int] = {}
     generators = {}
-    for i, t in enumerate(types):
+    for i, t in enumerate(config.types):
         generators[f"c{i}"] = _generator(t, counters.get(t, 0), world)
         counters[t] = counters.get(t, 0) + 1
     plan = construct_module_sharding_plan(
-        module, generators, world_size=world, local_size=world, device_type=device.type
+        module, generators, world_size=world, local_size=world, device_type=device_type
     )
     return module, plan
 
 
 def training_step(
-    types: Sequence[str],
-    pg: Optional[dist.ProcessGroup],
-    device: torch.device,
-    rows: Optional[Sequence[int]] = None,
-    dim: int = DIM,
-    batch: int = BATCH,
-    pooling: int = 1,
+    config: StepConfig, pg: Optional[dist.ProcessGroup], device: torch.device
 ) -> Callable[[], None]:
-    """A training step of one table per entry of ``types`` (that sharding; ``rows`` each, default
-    64 x world; ``dim`` columns per shard) on ``batch`` bags of ``pooling`` uniform random ids per rank,
-    sharded on ``pg`` (collective: every rank of ``pg`` builds it with the same arguments)."""
+    """A training step of ``config`` sharded on ``pg`` (collective: every rank of ``pg`` builds it with
+    the same arguments); each rank its own uniform random ids."""
     world = group_size(pg)
-    rows = list(rows) if rows is not None else [64 * world] * len(types)
-    module, plan = _module_and_plan(types, rows, dim, world, device)
+    module, plan = _module_and_plan(config, world, device.type)
     sharded = EmbeddingBagCollectionSharder().shard(module, plan, ShardingEnv.from_process_group(pg), device)
+    n = len(config.types)
     gen = torch.Generator().manual_seed(dist.get_rank())
-    values = torch.cat([torch.randint(0, r, (batch * pooling,), generator=gen) for r in rows]).to(device)
+    values = torch.randint(0, config.rows, (n * config.batch * config.pooling,), generator=gen).to(device)
     features = KeyedJaggedTensor(
-        [f"c{i}" for i in range(len(types))],
+        [f"c{i}" for i in range(n)],
         values,
-        lengths=torch.full((len(types) * batch,), pooling, dtype=torch.int64),
+        lengths=torch.full((n * config.batch,), config.pooling, dtype=torch.int64),
     )
 
     def step() -> None:
@@ -139,24 +164,175 @@ def training_step(
     return step
 
 
-def estimated_seconds(
-    types: Sequence[str],
-    rows: Sequence[int],
-    dim: int,
-    batch: int,
-    pooling: int,
+def estimator(config: StepConfig, world: int) -> Callable[[CostModel], float]:
+    """``model -> the cost model's step time of config`` (the slowest rank's), as
+    ``EmbeddingShardingPlanner.estimate`` computes it; the tables and shards are built once (the fit
+    evaluates every configuration under many models)."""
+    from shardkit.planner.plan_estimate import placed_partition, plan_options  # the planner uses calibrate's
+    from shardkit.planner.planners import EmbeddingShardingPlanner
+
+    module, plan = _module_and_plan(config, world, "cpu")
+    constraints = {
+        f"c{i}": ParameterConstraints(pooling_factors=[float(config.pooling)])
+        for i in range(len(config.types))
+    }
+    sharders = [EmbeddingBagCollectionSharder()]
+    planner = EmbeddingShardingPlanner(
+        Topology(world_size=world, compute_device="cpu"), config.batch, constraints
+    )
+    hbm_free, ddr_free = planner.storage_reservation.reserve(planner.topology, module, sharders)
+    tables = [t for t, _ in planner.enumerator.tables(module, sharders)]
+    options = plan_options(tables, ShardingPlan({"": plan}), planner.topology)
+    planner.storage_estimator.estimate(options, planner.topology)
+
+    def estimate(model: CostModel) -> float:
+        topology = Topology(world_size=world, compute_device="cpu", cost_model=model)
+        planner.perf_estimator.estimate(options, topology)
+        return max(placed_partition(options, topology, hbm_free, ddr_free).load)
+
+    return estimate
+
+
+def estimated_seconds(config: StepConfig, world: int, model: CostModel) -> float:
+    """The cost model's step time of ``config`` (the slowest rank's)."""
+    return estimator(config, world)(model)
+
+
+def feature_names() -> List[str]:
+    """The fitted constants, in the order of the features' columns."""
+    return (
+        ["step"]
+        + [f"group:{t}" for t in TYPES]
+        + [f"shard:{t}" for t in TYPES]
+        + [f"id:{t}" for t in ID_TYPES]
+        + ["id_miss", "lookup", "replica"]
+    )
+
+
+def _zero(model: CostModel) -> CostModel:
+    """``model`` with every fitted constant 0 and every bandwidth free."""
+    return model.replace(
+        hbm_lookup_bw=_INF,
+        ddr_lookup_bw=_INF,
+        uvm_lookup_bw=_INF,
+        intra_node_bw=_INF,
+        cross_node_bw=_INF,
+        lookup_overhead_s=0.0,
+        step_overhead_s=0.0,
+        group_overhead_s={},
+        shard_overhead_s={},
+        id_overhead_s={},
+        id_miss_s=0.0,
+        replica_grad_passes=0.0,
+    )
+
+
+def config_features(
+    config: StepConfig, world: int, model: CostModel, caches: Sequence[float] = CACHE_CANDIDATES
+) -> Tuple[float, List[float], List[float]]:
+    """``(known, features, miss)`` of a configuration: the seconds of its dists' bytes at ``model``'s
+    collective bandwidths, the estimator's seconds per unit of each constant of ``feature_names()``
+    but ``id_miss`` (0 there), and the ``id_miss`` feature at each cache size of ``caches``."""
+    est = estimator(config, world)
+    zero = _zero(model)
+    comm = zero.replace(intra_node_bw=model.intra_node_bw, cross_node_bw=model.cross_node_bw)
+    known = est(comm)
+    used = set(config.types)
+    values: Dict[str, float] = {"step": 1.0}
+    for t in TYPES:
+        values[f"group:{t}"] = 1.0 if t in used else 0.0
+        values[f"shard:{t}"] = est(zero.replace(shard_overhead_s={t: 1.0})) if t in used else 0.0
+    for t in ID_TYPES:
+        values[f"id:{t}"] = est(zero.replace(id_overhead_s={t: 1.0})) if t in used else 0.0
+    unit_bw = zero.replace(ddr_lookup_bw=1.0, hbm_lookup_bw=1.0)
+    values["lookup"] = est(unit_bw)
+    values["replica"] = (
+        est(unit_bw.replace(replica_grad_passes=1.0)) - values["lookup"] if "data_parallel" in used else 0.0
+    )
+    values["id_miss"] = 0.0
+    # no shard is larger than its table: a cache of the largest table's bytes serves every id
+    largest = config.rows * config.dim * (world if "column_wise" in used else 1) * 4
+    miss = [est(zero.replace(id_miss_s=1.0, lookup_cache_bytes=c)) if c < largest else 0.0 for c in caches]
+    return known, [values[name] for name in feature_names()], miss
+
+
+def nnls(a: torch.Tensor, b: torch.Tensor, max_iter: int = 200) -> torch.Tensor:
+    """``argmin |a x - b|`` over ``x >= 0`` (Lawson and Hanson's active-set method), float64.
+    Columns are scaled to unit norm first (the features span many orders of magnitude); an all-zero
+    column gets 0."""
+    norms = a.norm(dim=0)
+    usable = norms > 0
+    scaled = torch.where(usable, a / norms.clamp(min=1e-300), torch.zeros_like(a))
+    n = a.shape[1]
+    x = torch.zeros(n, dtype=torch.float64)
+    passive = torch.zeros(n, dtype=torch.bool)
+    tol = 1e-12 * max(1.0, float(b.norm()))
+    for _ in range(max_iter):
+        w = scaled.T @ (b - scaled @ x)
+        candidates = (~passive) & usable
+        if not bool(candidates.any()) or float(w[candidates].max()) <= tol:
+            break
+        j = int(torch.where(candidates, w, torch.full_like(w, -float("inf"))).argmax())
+        passive[j] = True
+        while True:
+            idx = passive.nonzero()[:, 0]
+            z = torch.zeros(n, dtype=torch.float64)
+            z[idx] = torch.linalg.lstsq(scaled[:, idx], b[:, None]).solution[:, 0]
+            if bool((z[idx] > 0).all()):
+                x = z
+                break
+            # move from x towards z until the first passive variable reaches 0, and release it
+            bad = idx[z[idx] <= 0]
+            alpha = float((x[bad] / (x[bad] - z[bad])).min())
+            x = x + alpha * (z - x)
+            passive &= x > 1e-15
+            x[~passive] = 0.0
+    return torch.where(usable, x / norms.clamp(min=1e-300), torch.zeros_like(x))
+
+
+def fit_constants(
+    configs: Sequence[StepConfig],
+    times: Sequence[float],
     world: int,
     model: CostModel,
-) -> float:
-    """The cost model's step time of the same configuration as :func:`training_step` (the slowest rank's)."""
-    from shardkit.planner.planners import EmbeddingShardingPlanner  # the planner uses calibrate's results
-
-    module, plan = _module_and_plan(types, rows, dim, world, torch.device("meta"))
-    constraints = {f"c{i}": ParameterConstraints(pooling_factors=[float(pooling)]) for i in range(len(types))}
-    planner = EmbeddingShardingPlanner(
-        Topology(world_size=world, compute_device="cpu", cost_model=model), batch, constraints
-    )
-    return planner.estimate(module, [EmbeddingBagCollectionSharder()], ShardingPlan({"": plan})).max_time_s
+    caches: Sequence[float] = CACHE_CANDIDATES,
+) -> Dict[str, object]:
+    """The constants (module doc) that fit the configurations' measured step ``times`` best in relative
+    error, every one >= 0. ``model``: the collective bandwidths (known) and the fallback lookup bandwidth
+    (when the fit finds the lookups free). Returns ``step_overhead_s``, ``group_overhead_s``,
+    ``shard_overhead_s``, ``id_overhead_s``, ``id_miss_s``, ``lookup_cache_bytes``, ``lookup_bw``,
+    ``replica_grad_passes`` and ``residual`` (the root mean square relative error of the fit)."""
+    rows = [config_features(c, world, model, caches) for c in configs]
+    t = torch.tensor(list(times), dtype=torch.float64)
+    known = torch.tensor([r[0] for r in rows], dtype=torch.float64)
+    base = torch.tensor([r[1] for r in rows], dtype=torch.float64)
+    names = feature_names()
+    miss_col = names.index("id_miss")
+    best = None
+    for k, cache in enumerate(caches):
+        a = base.clone()
+        a[:, miss_col] = torch.tensor([r[2][k] for r in rows], dtype=torch.float64)
+        # relative errors: a 2 ms step counts as much as a 200 ms one
+        x = nnls(a / t[:, None], (t - known) / t)
+        residual = float((((a @ x + known) / t - 1.0) ** 2).mean().sqrt())
+        if best is None or residual < best[0] - 1e-12:
+            best = (residual, cache, x)
+    residual, cache, x = best
+    v = dict(zip(names, x.tolist()))
+    fallback = model.ddr_lookup_bw  # estimated_seconds plans on CPU: the field its lookups divide by
+    lookup_bw = 1.0 / v["lookup"] if v["lookup"] > 0 else fallback
+    return {
+        "step_overhead_s": v["step"],
+        "group_overhead_s": {t: v[f"group:{t}"] for t in TYPES},
+        "shard_overhead_s": {t: v[f"shard:{t}"] for t in TYPES},
+        "id_overhead_s": {t: v[f"id:{t}"] for t in ID_TYPES},
+        "id_miss_s": v["id_miss"],
+        "lookup_cache_bytes": cache,
+        "lookup_bw": lookup_bw,
+        # the feature was seconds per pass at a bandwidth of 1 byte/s
+        "replica_grad_passes": v["replica"] * lookup_bw,
+        "residual": residual,
+    }
 
 
 def alternating_seconds(
@@ -186,69 +362,15 @@ def alternating_seconds(
     return [statistics.median(t) for t in times]
 
 
-def fixed_cost_configs(world: int) -> List[List[str]]:
-    """The tiny configurations the fixed costs are fitted from (one sharding type per table): each
-    type alone at ``COUNTS`` shards per rank, table-wise with each other type, and all types together."""
-    tw = ["table_wise"] * world  # one table-wise table per rank
-    configs = [[t] * (k * world if t == "table_wise" else k) for t in TYPES for k in COUNTS]
-    configs += [tw + [t] for t in TYPES if t != "table_wise"]
-    configs.append(tw + [t for t in TYPES if t != "table_wise"])
-    return configs
-
-
-def shards_per_rank(types: Sequence[str], world: int) -> Dict[str, float]:
-    """Shards of each type a rank holds in a configuration (table-wise tables spread over the ranks)."""
-    counts = {t: float(sum(1 for x in types if x == t)) for t in TYPES}
-    counts["table_wise"] /= world
-    return counts
-
-
-def fit_overheads(configs: Sequence[Sequence[str]], times: Sequence[float], world: int) -> Dict[str, object]:
-    """Least squares fit of ``time = step + sum over the types used of (group_T + shards_T x shard_T)``
-    to the configurations' step times, every constant >= 0 (a constant the unconstrained fit makes
-    negative is fixed at 0 and the rest refitted: noise must not make a cost negative). Returns
-    ``step_overhead_s``, ``group_overhead_s`` and ``shard_overhead_s``."""
-    rows = []
-    for types in configs:
-        counts = shards_per_rank(types, world)
-        rows.append([1.0] + [1.0 if counts[t] else 0.0 for t in TYPES] + [counts[t] for t in TYPES])
-    a = torch.tensor(rows, dtype=torch.float64)
-    y = torch.tensor(list(times), dtype=torch.float64)
-    free = list(range(a.shape[1]))
-    x = torch.zeros(a.shape[1], dtype=torch.float64)
-    while free:
-        solution = torch.linalg.lstsq(a[:, free], y[:, None]).solution[:, 0]
-        if bool((solution >= 0).all()):
-            x[free] = solution
-            break
-        free = [j for j, v in zip(free, solution.tolist()) if v > 0]  # drop the negative ones, refit
-    n = len(TYPES)
-    values = x.tolist()
-    return {
-        "step_overhead_s": values[0],
-        "group_overhead_s": dict(zip(TYPES, values[1 : 1 + n])),
-        "shard_overhead_s": dict(zip(TYPES, values[1 + n :])),
-    }
-
-
 def measure_step_overheads(
-    pg: Optional[dist.ProcessGroup], device: torch.device, model: CostModel
+    pg: Optional[dist.ProcessGroup], device: torch.device, model: CostModel, big_bytes: Optional[int] = None
 ) -> Dict[str, object]:
-    """The fitted constants (module doc) from the slowest rank's step times: the same on every rank.
-    ``model``: the constants so far (the calibrated collective bandwidth, the backward factor); the
-    result replaces its fixed costs, ``lookup_bw`` (the training step's lookup bandwidth, for the
-    device's lookup field) and ``id_overhead_s``."""
+    """The fitted constants (``fit_constants``) from the slowest rank's step times: the same on every
+    rank. ``model``: the constants so far (the calibrated collective bandwidths, the lone lookup's
+    bandwidth as the fallback); ``big_bytes``: the largest tables (default ``BIG_BYTES``)."""
     world = group_size(pg)
-    configs = fixed_cost_configs(world)
-    steps = [training_step(types, pg, device) for types in configs]
-    steps.append(training_step(["data_parallel"], pg, device, rows=[BIG_ROWS]))
-    # world tables of one type read at a large batch (a table-wise one per rank; a row-wise or
-    # column-wise table has a shard on every rank): per id and per byte costs
-    big = [[t] * world for t in BIG_TYPES]
-    big_rows = [BIG_LOOKUP_ROWS] * world
-    for types in big:
-        dim = big_dim(types[0], world)
-        steps.append(training_step(types, pg, device, big_rows, dim, BIG_BATCH, BIG_POOLING))
+    configs = calibration_configs(world, BIG_BYTES if big_bytes is None else big_bytes)
+    steps = [training_step(c, pg, device) for c in configs]
     times = alternating_seconds(steps, pg, device)
     # the sharded modules hold the group (through reference cycles of modules, hooks and autograd
     # state): free them now, or the group outlives destroy_process_group (docs/running.md)
@@ -258,71 +380,26 @@ def measure_step_overheads(
     if dist.get_backend(pg) == "nccl":
         agreed = agreed.to(device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=pg)
-    times = agreed.tolist()
-    n = len(configs)
-    big_replica, big_times = times[n], dict(zip(BIG_TYPES, times[n + 1 :]))
-    fitted = fit_overheads(configs, times[:n], world)
-    fixed = model.replace(**fitted, lookup_overhead_s=0.0, id_overhead_s={})
-
-    def bytes_only(types, bw: float, **extra) -> float:
-        """The model's time of a big configuration beyond its fixed costs, at lookup bandwidth ``bw``."""
-        m = fixed.replace(
-            ddr_lookup_bw=bw,
-            hbm_lookup_bw=bw,
-            step_overhead_s=0.0,
-            group_overhead_s={},
-            shard_overhead_s={},
-            **extra,
-        )
-        dim = big_dim(types[0], world)
-        return estimated_seconds(types, big_rows, dim, BIG_BATCH, BIG_POOLING, world, m)
-
-    def fixed_part(t: str) -> float:
-        return fixed.plan_overhead([t]) + fixed.shard_overhead(t) * (1 if t == "table_wise" else world)
-
-    # table-wise: its lookups' bytes (forward + backward) give the training step's lookup bandwidth;
-    # the model is a + b / bw in it (a: the dists' bytes)
-    a = bytes_only(big[0], 1e30)
-    b = bytes_only(big[0], 1.0) - a
-    extra = max(
-        big_times["table_wise"] - fixed_part("table_wise") - a, MIN_LOOKUP_SHARE * big_times["table_wise"]
-    )
-    lookup_bw = b / extra
-    # the other types: what their step costs beyond bytes, per id their shards look up (routing work)
-    ids_per_rank = {
-        "row_wise": world * BIG_BATCH * BIG_POOLING,
-        "column_wise": world * world * BIG_BATCH * BIG_POOLING,
-    }
-    id_overhead = {"table_wise": 0.0}
-    for t in BIG_TYPES[1:]:
-        rest = big_times[t] - fixed_part(t) - bytes_only([t] * world, lookup_bw)
-        id_overhead[t] = max(0.0, rest / ids_per_rank[t])
-    fitted["lookup_bw"] = lookup_bw
-    fitted["id_overhead_s"] = id_overhead
-    # a fused replica's backward: its gradient's all-reduce (in the bandwidth terms) + whole-table passes
-    # at the step's lookup bandwidth (the one the estimator divides them by)
-    table_bytes = (BIG_ROWS - 64 * world) * DIM * 4
-    all_reduce = 2.0 * (world - 1) / world * table_bytes / model.intra_node_bw
-    rest = (
-        big_replica
-        - fixed.plan_overhead(["data_parallel"])
-        - fixed.shard_overhead("data_parallel")
-        - all_reduce
-    )
-    fitted["replica_grad_passes"] = max(0.0, rest * lookup_bw / table_bytes)
-    # the same inputs fitted on every rank can differ in the last bits (LAPACK): rank 0's for all
-    shared = [fitted]
-    dist.broadcast_object_list(shared, src=dist.get_global_rank(pg, 0) if pg is not None else 0, group=pg)
+    # rank 0 fits (seconds of estimator calls), every rank gets its constants
+    rank0 = dist.get_global_rank(pg, 0) if pg is not None else 0
+    shared = [fit_constants(configs, agreed.tolist(), world, model) if dist.get_rank() == rank0 else None]
+    dist.broadcast_object_list(shared, src=rank0, group=pg)
     return shared[0]
 
 
 __all__ = [
+    "CACHE_CANDIDATES",
     "COUNTS",
+    "ID_TYPES",
+    "StepConfig",
     "TYPES",
     "alternating_seconds",
-    "fit_overheads",
-    "fixed_cost_configs",
-    "shards_per_rank",
+    "calibration_configs",
+    "config_features",
+    "estimated_seconds",
+    "feature_names",
+    "fit_constants",
     "measure_step_overheads",
+    "nnls",
     "training_step",
 ]

@@ -54,6 +54,13 @@ class CostModel:
         id_overhead_s: sharding type -> seconds per id a shard of that type looks up, beside the bytes
             terms (routing work per id: bucketizing, permuting, the input dist's per-id bookkeeping);
             a type not named costs nothing per id.
+        id_miss_s: seconds per id whose row is not in the CPU's (or GPU's) cache, beside the bytes:
+            the memory latency of a random row. A shard of ``S`` weight bytes misses with probability
+            ``max(0, 1 - lookup_cache_bytes / S)`` (uniform ids over its rows), so a table that fits
+            the cache pays nothing and one much larger pays it on nearly every id. Offloading kernels
+            are not charged it (their tiers have their own bandwidths).
+        lookup_cache_bytes: the cache a rank's lookups are served from (the ``C`` above; calibrate()
+            picks it among powers of two by the fit's residual).
     """
 
     hbm_lookup_bw: float
@@ -70,13 +77,23 @@ class CostModel:
     shard_overhead_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
     replica_grad_passes: float = 0.0
     id_overhead_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    id_miss_s: float = 0.0
+    lookup_cache_bytes: float = 32 * 2**20
 
     def __post_init__(self) -> None:
         bandwidths = ("hbm_lookup_bw", "ddr_lookup_bw", "uvm_lookup_bw", "intra_node_bw", "cross_node_bw")
         for name in (*bandwidths, "disk_lookup_bw"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"CostModel.{name} must be positive, got {getattr(self, name)}")
-        for name in ("bwd_compute_factor", "lookup_overhead_s", "step_overhead_s", "replica_grad_passes"):
+        if not self.lookup_cache_bytes > 0:
+            raise ValueError(f"CostModel.lookup_cache_bytes must be positive, got {self.lookup_cache_bytes}")
+        for name in (
+            "bwd_compute_factor",
+            "lookup_overhead_s",
+            "step_overhead_s",
+            "replica_grad_passes",
+            "id_miss_s",
+        ):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"CostModel.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("group_overhead_s", "shard_overhead_s", "id_overhead_s"):
@@ -94,6 +111,14 @@ class CostModel:
         """Fixed seconds per step of one shard of ``sharding_type`` (``shard_overhead_s``, else
         ``lookup_overhead_s``)."""
         return self.shard_overhead_s.get(sharding_type, self.lookup_overhead_s)
+
+    def miss_rate(self, shard_bytes):
+        """Share of a shard's lookups whose row is not in ``lookup_cache_bytes`` of cache (uniform ids over
+        its rows): ``max(0, 1 - lookup_cache_bytes / shard_bytes)``; a float or a float64 tensor of
+        shards' weight bytes (an empty shard misses nothing)."""
+        if isinstance(shard_bytes, (int, float)):
+            return max(0.0, 1.0 - self.lookup_cache_bytes / shard_bytes) if shard_bytes > 0 else 0.0
+        return (1.0 - self.lookup_cache_bytes / shard_bytes.clamp(min=1e-30)).clamp(min=0.0)
 
     def plan_overhead(self, sharding_types) -> float:
         """Fixed seconds per step every rank pays for a plan using ``sharding_types``: the step's own

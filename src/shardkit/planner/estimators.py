@@ -147,7 +147,8 @@ class EmbeddingPerfEstimator:
     """Seconds per training step per shard, split into compute and communication.
 
     compute = (1 + bwd_compute_factor) * (ids x c x e) / lookup_bw + shard_overhead(type)
-              + ids x id_overhead_s[type]
+              + ids x id_overhead_s[type] + ids x id_miss_s x max(0, 1 - lookup_cache_bytes / (r c e))
+              (the last: the memory latency of rows not in the cache; not for offloading kernels)
               (+ 3 x weights / lookup_bw for the DENSE kernel: the optimizer reads and writes the
               whole table and its dense gradient; + replica_grad_passes x weights / lookup_bw for a
               fused data-parallel replica: its dense gradient buffer)
@@ -220,10 +221,16 @@ class EmbeddingPerfEstimator:
                 comm = _add(input_dist, _scale(out_bytes, 2.0 * per_byte))
             else:
                 comm = _add(input_dist, _scale(out_bytes, 2.0 / coll))
-            return [compute, comm]
+            return [compute, comm, ids]
 
         for o, values in zip(options, _evaluate(options, coefficients)):
             o.compute, o.comm = values[:, 0], values[:, 1]
+            if cm.id_miss_s > 0 and o.compute_kernel not in OFFLOAD_KERNELS:
+                # not linear in the shard's size: each id misses the cache with probability
+                # 1 - cache / (the shard's weight bytes), evaluated per shard
+                sizes = o.sizes.to(torch.float64)
+                shard_bytes = sizes[:, 0] * sizes[:, 1] * float(o.table.element_size)
+                o.compute = o.compute + values[:, 2] * cm.miss_rate(shard_bytes) * cm.id_miss_s
 
 
 __all__ = [
