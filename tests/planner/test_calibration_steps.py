@@ -102,14 +102,18 @@ def _calibrate_with_fake_step_times():
     cs.alternating_seconds = lambda steps, pg, device, **_: fake[
         : len(steps)
     ]  # rank 1 slower: ranks agree on it
-    got = calibrate("cpu", rows=4096, dim=16, batch=64, pooling=4).to_dict()
-    return got, true.to_dict()
+    report = {}
+    got = calibrate("cpu", rows=4096, dim=16, batch=64, pooling=4, fit_report=report).to_dict()
+    return got, true.to_dict(), report
 
 
 def test_calibrate_fits_the_slowest_ranks_step_times_on_every_rank(run_world):
     results = run_world(_calibrate_with_fake_step_times, 2)
     assert results[0][0] == results[1][0]
-    got, true = results[0]
+    got, true, report = results[0]
+    assert report["residual"] < 1e-9 and len(report["steps"]) == len(cs.calibration_configs(2, SMALL_BIG))
+    for step in report["steps"]:  # the slowest rank's times (rank 1's), and the fit reproduces them
+        assert step["fitted_s"] == pytest.approx(step["measured_s"], rel=1e-6), step["config"]
     for name in ("step_overhead_s", "replica_grad_passes", "ddr_lookup_bw"):
         assert got[name] == pytest.approx(true[name], rel=1e-6), name
     for name in ("group_overhead_s", "shard_overhead_s", "id_overhead_s"):

@@ -229,3 +229,12 @@ def test_a_replica_pays_its_whole_table_passes():
     got = _options(Topology(world_size=2, compute_device="cpu", cost_model=model))[dp]
     # 5 passes over 4000 bytes at 1 GB/s, on every replica; more passes cost more
     assert got.compute.tolist() == pytest.approx([c + 5 * 4000 / 1e9 for c in base.compute.tolist()])
+
+
+def test_a_dense_replica_pays_the_passes_too_and_its_optimizer_on_top():
+    key = ("data_parallel", "dense")
+    base = _options(_cpu())[key]
+    model = MODEL.replace(replica_grad_passes=5.0)
+    got = _options(Topology(world_size=2, compute_device="cpu", cost_model=model))[key]
+    assert base.compute.tolist() == pytest.approx([3 * 20 * 10 * 4 / 1e9 + 3 * 4000 / 1e9] * 2)
+    assert got.compute.tolist() == pytest.approx([c + 5 * 4000 / 1e9 for c in base.compute.tolist()])

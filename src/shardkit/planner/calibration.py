@@ -71,6 +71,7 @@ def calibrate(
     measure_comm: bool = True,
     base: Optional[CostModel] = None,
     measure_steps: bool = True,
+    fit_report: Optional[Dict[str, Any]] = None,
     **sizes: int,
 ) -> CostModel:
     """A ``CostModel`` with this machine's lookup bandwidth and (on a group of > 1 rank) collective bandwidth.
@@ -85,6 +86,9 @@ def calibrate(
             ``group_overhead_s``, ``shard_overhead_s``, ``id_overhead_s``, ``id_miss_s``,
             ``lookup_cache_bytes``, ``replica_grad_passes``, the lookup field;
             :mod:`shardkit.planner.calibration_steps`). Collective too.
+        fit_report: a dict that, with ``measure_steps``, receives the fit's ``residual`` (root mean
+            square relative error) and ``steps``: per timed configuration (``config``, a description),
+            its measured and fitted seconds, to judge the fit by.
         base: the constants not measured (default ``CostModel.default(compute_device)``).
         sizes: ``rows``, ``dim``, ``batch``, ``pooling`` of the timed lookup (smaller is faster and
             noisier).
@@ -120,7 +124,16 @@ def calibrate(
         measured = dict(zip(names, values.tolist()))
     if measure_steps and comm_field is not None:
         fitted = measure_step_overheads(pg, device, model.replace(**measured))
-        fitted.pop("residual")
+        residual, fitted_s, configs, times = (
+            fitted.pop(k) for k in ("residual", "fitted_s", "configs", "measured_s")
+        )
+        if fit_report is not None:
+            fit_report.update(
+                residual=residual,
+                steps=[
+                    {"config": c, "measured_s": t, "fitted_s": f} for c, t, f in zip(configs, times, fitted_s)
+                ],
+            )
         measured[lookup_field] = fitted.pop("lookup_bw")
         measured.update(fitted)
     return model.replace(**measured)

@@ -21,8 +21,9 @@ The configurations (``calibration_configs``) are synthetic, never the model bein
 (``BATCH`` bags of one id) of each type alone at ``COUNTS`` shards per rank, table-wise with each other
 type and all four together (the fixed costs); table-wise tables of 1 to ``BIG_BYTES`` at ``BIG_BATCH``
 bags of ``BIG_POOLING`` ids, at two widths (per id, per miss and per byte costs); row- and column-wise
-tables of ``BIG_BYTES`` (their routing per id); one ``REPLICA_BYTES`` data-parallel table (its whole-
-table passes). How the fixed costs grow with the batch is measured only through the per-id terms.
+tables of ``BIG_BYTES`` / 4 and ``BIG_BYTES`` (their routing per id); one data-parallel table of
+``BIG_BYTES`` / 4 (its whole-table passes). How the fixed costs grow with the batch is measured only
+through the per-id terms.
 """
 
 from __future__ import annotations
@@ -63,7 +64,6 @@ BATCH = 32  # bags per rank of the tiny tables, one id each: the bytes terms sta
 MIB = 1 << 20
 BIG_BYTES = 64 * MIB  # the largest lookup table (beyond a CPU's per-core caches)
 BIG_DIM, BIG_BATCH, BIG_POOLING = 64, 512, 20
-REPLICA_BYTES = 16 * MIB  # the data-parallel table whose whole-table passes are measured
 CACHE_CANDIDATES = tuple(float(MIB << k) for k in range(10))  # 1 MiB .. 512 MiB
 _INF = 1e30  # a bandwidth that makes its bytes free
 
@@ -96,10 +96,10 @@ def calibration_configs(world: int, big_bytes: int = BIG_BYTES) -> List[StepConf
     for shift in (6, 4, 2, 0):  # 1/64 .. 1 x big_bytes: in and out of the caches
         configs.append(StepConfig(tw, max(64, (big_bytes >> shift) // row_bytes), BIG_DIM, **big))
     configs.append(StepConfig(tw, big_bytes // 64, 16, **big))  # a narrow table: per id against per byte
-    configs.append(StepConfig(("row_wise",) * world, big_bytes // row_bytes, BIG_DIM, **big))
-    configs.append(
-        StepConfig(("column_wise",) * world, big_bytes // row_bytes, max(1, BIG_DIM // world), **big)
-    )
+    for shift in (2, 0):  # two sizes each: one timed step alone would carry its noise into the fit
+        rows = max(64, (big_bytes >> shift) // row_bytes)
+        configs.append(StepConfig(("row_wise",) * world, rows, BIG_DIM, **big))
+        configs.append(StepConfig(("column_wise",) * world, rows, max(1, BIG_DIM // world), **big))
     configs.append(StepConfig(("data_parallel",), max(64, big_bytes // 4) // row_bytes, BIG_DIM))
     return configs
 
@@ -301,17 +301,23 @@ def fit_constants(
     error, every one >= 0. ``model``: the collective bandwidths (known) and the fallback lookup bandwidth
     (when the fit finds the lookups free). Returns ``step_overhead_s``, ``group_overhead_s``,
     ``shard_overhead_s``, ``id_overhead_s``, ``id_miss_s``, ``lookup_cache_bytes``, ``lookup_bw``,
-    ``replica_grad_passes`` and ``residual`` (the root mean square relative error of the fit)."""
+    ``replica_grad_passes``, ``residual`` (the root mean square relative error of the fit) and
+    ``fitted_s`` (the fitted model's time of each configuration)."""
     rows = [config_features(c, world, model, caches) for c in configs]
     t = torch.tensor(list(times), dtype=torch.float64)
     known = torch.tensor([r[0] for r in rows], dtype=torch.float64)
     base = torch.tensor([r[1] for r in rows], dtype=torch.float64)
     names = feature_names()
     miss_col = names.index("id_miss")
-    best = None
-    for k, cache in enumerate(caches):
+
+    def base_with_miss(cache: float) -> torch.Tensor:
         a = base.clone()
-        a[:, miss_col] = torch.tensor([r[2][k] for r in rows], dtype=torch.float64)
+        a[:, miss_col] = torch.tensor([r[2][list(caches).index(cache)] for r in rows], dtype=torch.float64)
+        return a
+
+    best = None
+    for cache in caches:
+        a = base_with_miss(cache)
         # relative errors: a 2 ms step counts as much as a 200 ms one
         x = nnls(a / t[:, None], (t - known) / t)
         residual = float((((a @ x + known) / t - 1.0) ** 2).mean().sqrt())
@@ -332,6 +338,7 @@ def fit_constants(
         # the feature was seconds per pass at a bandwidth of 1 byte/s
         "replica_grad_passes": v["replica"] * lookup_bw,
         "residual": residual,
+        "fitted_s": (base_with_miss(cache) @ x + known).tolist(),
     }
 
 
@@ -366,8 +373,9 @@ def measure_step_overheads(
     pg: Optional[dist.ProcessGroup], device: torch.device, model: CostModel, big_bytes: Optional[int] = None
 ) -> Dict[str, object]:
     """The fitted constants (``fit_constants``) from the slowest rank's step times: the same on every
-    rank. ``model``: the constants so far (the calibrated collective bandwidths, the lone lookup's
-    bandwidth as the fallback); ``big_bytes``: the largest tables (default ``BIG_BYTES``)."""
+    rank, plus ``configs`` (``describe`` of each configuration) and ``measured_s`` (their times).
+    ``model``: the constants so far (the calibrated collective bandwidths, the lone lookup's bandwidth
+    as the fallback); ``big_bytes``: the largest tables (default ``BIG_BYTES``)."""
     world = group_size(pg)
     configs = calibration_configs(world, BIG_BYTES if big_bytes is None else big_bytes)
     steps = [training_step(c, pg, device) for c in configs]
@@ -384,7 +392,16 @@ def measure_step_overheads(
     rank0 = dist.get_global_rank(pg, 0) if pg is not None else 0
     shared = [fit_constants(configs, agreed.tolist(), world, model) if dist.get_rank() == rank0 else None]
     dist.broadcast_object_list(shared, src=rank0, group=pg)
-    return shared[0]
+    fitted = shared[0]
+    fitted["configs"] = [describe(c) for c in configs]
+    fitted["measured_s"] = agreed.tolist()
+    return fitted
+
+
+def describe(config: StepConfig) -> str:
+    """``"8 x row_wise 4096x64 b512 p20"``: a configuration in a line."""
+    kinds = ", ".join(f"{config.types.count(t)} {t}" for t in TYPES if t in config.types)
+    return f"{kinds}: {config.rows}x{config.dim} b{config.batch} p{config.pooling}"
 
 
 __all__ = [
@@ -396,6 +413,7 @@ __all__ = [
     "alternating_seconds",
     "calibration_configs",
     "config_features",
+    "describe",
     "estimated_seconds",
     "feature_names",
     "fit_constants",

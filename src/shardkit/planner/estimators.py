@@ -151,7 +151,7 @@ class EmbeddingPerfEstimator:
               (the last: the memory latency of rows not in the cache; not for offloading kernels)
               (+ 3 x weights / lookup_bw for the DENSE kernel: the optimizer reads and writes the
               whole table and its dense gradient; + replica_grad_passes x weights / lookup_bw for a
-              fused data-parallel replica: its dense gradient buffer)
+              data-parallel replica, either kernel: its table-sized gradient buffer)
     comm    = input dist (ids x 8 B / bw; 12 B with per-id weights)
               + output dist forward and backward, by sharding type:
               TABLE_WISE, COLUMN_WISE, TABLE_COLUMN_WISE: all-to-all of the shard's output values;
@@ -205,9 +205,12 @@ class EmbeddingPerfEstimator:
                 (0, 0, 0, cm.shard_overhead(o.sharding_type)),
             )
             compute = _add(compute, _scale(ids, cm.id_overhead_s.get(o.sharding_type, 0.0)))
-            if o.compute_kernel == _K.DENSE.value:
+            if o.compute_kernel == _K.DENSE.value:  # the dense optimizer's passes over table and gradient
                 compute = _add(compute, (3.0 * e / bw, 0.0, 0.0, 0.0))
-            elif o.sharding_type == _DP:  # a fused replica's dense gradient buffer, whole-table passes
+            if o.sharding_type == _DP:
+                # a replica's gradient is a table-sized buffer (zeroed, scattered into, all-reduced, read
+                # back), with either kernel: DENSE's goes through the model's all-reduce, FUSED's through
+                # the replicated lookup's; calibrate() measures the fused one
                 compute = _add(compute, (cm.replica_grad_passes * e / bw, 0.0, 0.0, 0.0))
             out_bytes = _scale(_output_values(o, world), e)
             input_dist = _scale(ids, t.bytes_per_id / coll)
