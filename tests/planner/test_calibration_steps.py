@@ -119,3 +119,17 @@ def test_calibrate_fits_the_slowest_ranks_step_times_on_every_rank(run_world):
     for name in ("group_overhead_s", "shard_overhead_s", "id_overhead_s"):
         assert got[name] == pytest.approx(true[name], rel=1e-6), name
     assert got["id_miss_s"] == 0.0
+
+
+def test_nnls_meets_the_optimality_conditions_on_random_problems():
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        a = torch.rand(12, 6, generator=gen, dtype=torch.float64)
+        b = torch.randn(12, generator=gen, dtype=torch.float64)
+        x = cs.nnls(a, b)
+        w = a.T @ (b - a @ x)  # minus the gradient of |a x - b|^2 / 2
+        assert bool((x >= 0).all())
+        assert bool((w <= 1e-9).all())  # no coordinate could go up and help
+        free = x > 0
+        if bool(free.any()):  # the coordinates off the bound: at their optimum
+            assert w[free].abs().max().item() < 1e-9

@@ -283,7 +283,7 @@ def nnls(a: torch.Tensor, b: torch.Tensor, max_iter: int = 200) -> torch.Tensor:
                 break
             # move from x towards z until the first passive variable reaches 0, and release it
             bad = idx[z[idx] <= 0]
-            alpha = float((x[bad] / (x[bad] - z[bad])).min())
+            alpha = float((x[bad] / (x[bad] - z[bad]).clamp(min=1e-300)).min())  # z <= 0 <= x there
             x = x + alpha * (z - x)
             passive &= x > 1e-15
             x[~passive] = 0.0
