@@ -133,3 +133,15 @@ def test_nnls_meets_the_optimality_conditions_on_random_problems():
         free = x > 0
         if bool(free.any()):  # the coordinates off the bound: at their optimum
             assert w[free].abs().max().item() < 1e-9
+
+
+@pytest.mark.parametrize("device_type, field", [("cpu", "ddr_lookup_bw"), ("cuda", "hbm_lookup_bw")])
+def test_free_lookups_fall_back_to_the_lone_lookups_bandwidth_of_the_device(device_type, field):
+    world = 2
+    configs = cs.calibration_configs(world, 4 * MIB)
+    free = TRUE.replace(ddr_lookup_bw=1e30, id_miss_s=0.0)  # no time at all per byte read
+    times = [cs.estimated_seconds(c, world, free) for c in configs]
+    before = BEFORE.replace(hbm_lookup_bw=7e11)
+    fitted = cs.fit_constants(configs, times, world, before, device_type=device_type)
+    assert fitted["lookup_bw"] == getattr(before, field)
+    assert fitted["replica_grad_passes"] == 0.0 and fitted["step_overhead_s"] == pytest.approx(2e-3)

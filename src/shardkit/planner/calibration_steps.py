@@ -296,10 +296,12 @@ def fit_constants(
     world: int,
     model: CostModel,
     caches: Sequence[float] = CACHE_CANDIDATES,
+    device_type: str = "cpu",
 ) -> Dict[str, object]:
     """The constants (module doc) that fit the configurations' measured step ``times`` best in relative
     error, every one >= 0. ``model``: the collective bandwidths (known) and the fallback lookup bandwidth
-    (when the fit finds the lookups free). Returns ``step_overhead_s``, ``group_overhead_s``,
+    (when the fit finds the lookups free: ``hbm_lookup_bw`` for ``device_type`` cuda, else
+    ``ddr_lookup_bw``). Returns ``step_overhead_s``, ``group_overhead_s``,
     ``shard_overhead_s``, ``id_overhead_s``, ``id_miss_s``, ``lookup_cache_bytes``, ``lookup_bw``,
     ``replica_grad_passes``, ``residual`` (the root mean square relative error of the fit) and
     ``fitted_s`` (the fitted model's time of each configuration)."""
@@ -325,7 +327,8 @@ def fit_constants(
             best = (residual, cache, x)
     residual, cache, x = best
     v = dict(zip(names, x.tolist()))
-    fallback = model.ddr_lookup_bw  # estimated_seconds plans on CPU: the field its lookups divide by
+    # the lone lookup's bandwidth: the fields calibrate() measured (ddr on CPU, hbm on CUDA)
+    fallback = model.hbm_lookup_bw if device_type == "cuda" else model.ddr_lookup_bw
     lookup_bw = 1.0 / v["lookup"] if v["lookup"] > 0 else fallback
     return {
         "step_overhead_s": v["step"],
@@ -390,7 +393,12 @@ def measure_step_overheads(
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=pg)
     # rank 0 fits (seconds of estimator calls), every rank gets its constants
     rank0 = dist.get_global_rank(pg, 0) if pg is not None else 0
-    shared = [fit_constants(configs, agreed.tolist(), world, model) if dist.get_rank() == rank0 else None]
+    fit = (
+        fit_constants(configs, agreed.tolist(), world, model, device_type=device.type)
+        if dist.get_rank() == rank0
+        else None
+    )
+    shared = [fit]
     dist.broadcast_object_list(shared, src=rank0, group=pg)
     fitted = shared[0]
     fitted["configs"] = [describe(c) for c in configs]
