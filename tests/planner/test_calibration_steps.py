@@ -71,6 +71,7 @@ def test_noisy_times_never_give_a_negative_cost():
     for name in ("group_overhead_s", "shard_overhead_s", "id_overhead_s"):
         assert all(v >= 0.0 for v in fitted[name].values()), fitted
     assert 0.0 < fitted["residual"] < 0.5
+    _check_consistent(configs, world, BEFORE, fitted)
 
 
 def test_nnls_solves_with_and_without_active_constraints():
@@ -144,4 +145,17 @@ def test_free_lookups_fall_back_to_the_lone_lookups_bandwidth_of_the_device(devi
     before = BEFORE.replace(hbm_lookup_bw=7e11)
     fitted = cs.fit_constants(configs, times, world, before, device_type=device_type)
     assert fitted["lookup_bw"] == getattr(before, field)
-    assert fitted["replica_grad_passes"] == 0.0 and fitted["step_overhead_s"] == pytest.approx(2e-3)
+    _check_consistent(configs, world, before, fitted)
+
+
+def _model_of(fitted, before: CostModel) -> CostModel:
+    constants = {k: v for k, v in fitted.items() if k not in ("lookup_bw", "residual", "fitted_s")}
+    return before.replace(ddr_lookup_bw=fitted["lookup_bw"], hbm_lookup_bw=fitted["lookup_bw"], **constants)
+
+
+def _check_consistent(configs, world, before, fitted):
+    """The returned constants, in the planner's estimator, give the fit's own times: what the fit
+    claims is what the planner will estimate."""
+    model = _model_of(fitted, before)
+    for config, expected in zip(configs, fitted["fitted_s"]):
+        assert cs.estimated_seconds(config, world, model) == pytest.approx(expected, rel=1e-9), config

@@ -299,9 +299,10 @@ def fit_constants(
     device_type: str = "cpu",
 ) -> Dict[str, object]:
     """The constants (module doc) that fit the configurations' measured step ``times`` best in relative
-    error, every one >= 0. ``model``: the collective bandwidths (known) and the fallback lookup bandwidth
-    (when the fit finds the lookups free: ``hbm_lookup_bw`` for ``device_type`` cuda, else
-    ``ddr_lookup_bw``). Returns ``step_overhead_s``, ``group_overhead_s``,
+    error, every one >= 0. ``model``: the collective bandwidths (known) and the lone lookup's bandwidth
+    (``hbm_lookup_bw`` for ``device_type`` cuda, else ``ddr_lookup_bw``), which charges the bytes when
+    the fit finds them free (the rest is then fitted around it). The returned constants reproduce
+    ``fitted_s`` exactly through the estimator. Returns ``step_overhead_s``, ``group_overhead_s``,
     ``shard_overhead_s``, ``id_overhead_s``, ``id_miss_s``, ``lookup_cache_bytes``, ``lookup_bw``,
     ``replica_grad_passes``, ``residual`` (the root mean square relative error of the fit) and
     ``fitted_s`` (the fitted model's time of each configuration)."""
@@ -317,19 +318,35 @@ def fit_constants(
         a[:, miss_col] = torch.tensor([r[2][list(caches).index(cache)] for r in rows], dtype=torch.float64)
         return a
 
+    # the lone lookup's bandwidth: the fields calibrate() measured (ddr on CPU, hbm on CUDA)
+    fallback = model.hbm_lookup_bw if device_type == "cuda" else model.ddr_lookup_bw
+    lookup_col = names.index("lookup")
+
+    def solve(a: torch.Tensor) -> torch.Tensor:
+        # relative errors: a 2 ms step counts as much as a 200 ms one
+        x = nnls(a / t[:, None], (t - known) / t)
+        if float((a[:, lookup_col] * x[lookup_col] / t).max()) > 1e-6:  # the bytes cost something
+            return x
+        # the timings cannot tell the bytes' cost from the per-id ones (noise): the bytes are charged
+        # at the lone lookup's bandwidth, and the rest is fitted to what remains (a model whose bytes
+        # cost nothing would be as wrong as the noise that made them)
+        charged = a[:, lookup_col] / fallback
+        rest = a.clone()
+        rest[:, lookup_col] = 0.0
+        x = nnls(rest / t[:, None], (t - known - charged) / t)
+        x[lookup_col] = 1.0 / fallback
+        return x
+
     best = None
     for cache in caches:
         a = base_with_miss(cache)
-        # relative errors: a 2 ms step counts as much as a 200 ms one
-        x = nnls(a / t[:, None], (t - known) / t)
+        x = solve(a)
         residual = float((((a @ x + known) / t - 1.0) ** 2).mean().sqrt())
         if best is None or residual < best[0] - 1e-12:
             best = (residual, cache, x)
     residual, cache, x = best
     v = dict(zip(names, x.tolist()))
-    # the lone lookup's bandwidth: the fields calibrate() measured (ddr on CPU, hbm on CUDA)
-    fallback = model.hbm_lookup_bw if device_type == "cuda" else model.ddr_lookup_bw
-    lookup_bw = 1.0 / v["lookup"] if v["lookup"] > 0 else fallback
+    lookup_bw = 1.0 / v["lookup"]
     return {
         "step_overhead_s": v["step"],
         "group_overhead_s": {t: v[f"group:{t}"] for t in TYPES},
