@@ -20,8 +20,8 @@ smallest residual wins.
 The configurations (``calibration_configs``) are synthetic, never the model being planned: tiny tables
 (``BATCH`` bags of one id) of each type alone at ``COUNTS`` shards per rank, table-wise with each other
 type and all four together (the fixed costs); table-wise tables of 1 to ``BIG_BYTES`` at ``BIG_BATCH``
-bags of ``BIG_POOLING`` ids, at two widths (per id, per miss and per byte costs); row- and column-wise
-tables of ``BIG_BYTES`` / 4 and ``BIG_BYTES`` (their routing per id); one data-parallel table of
+bags of ``BIG_POOLING`` ids, and at widths 16 and 128 (per id, per miss and per byte costs); row- and
+column-wise tables of ``BIG_BYTES`` / 4 and ``BIG_BYTES`` (their routing per id); one data-parallel table of
 ``BIG_BYTES`` / 4 (its whole-table passes). How the fixed costs grow with the batch is measured only
 through the per-id terms.
 """
@@ -95,7 +95,10 @@ def calibration_configs(world: int, big_bytes: int = BIG_BYTES) -> List[StepConf
     big = dict(batch=BIG_BATCH, pooling=BIG_POOLING)
     for shift in (6, 4, 2, 0):  # 1/64 .. 1 x big_bytes: in and out of the caches
         configs.append(StepConfig(tw, max(64, (big_bytes >> shift) // row_bytes), BIG_DIM, **big))
-    configs.append(StepConfig(tw, big_bytes // 64, 16, **big))  # a narrow table: per id against per byte
+    # a narrow and a wide table of the same bytes: per id against per byte (three widths, so one noisy
+    # step cannot make the bytes look free)
+    configs.append(StepConfig(tw, big_bytes // 64, 16, **big))
+    configs.append(StepConfig(tw, big_bytes // 512, 128, **big))
     for shift in (2, 0):  # two sizes each: one timed step alone would carry its noise into the fit
         rows = max(64, (big_bytes >> shift) // row_bytes)
         configs.append(StepConfig(("row_wise",) * world, rows, BIG_DIM, **big))
