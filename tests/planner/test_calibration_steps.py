@@ -25,7 +25,7 @@ TRUE = CostModel.default("cpu").replace(
     replica_grad_passes=6.0,
 )
 # what calibrate knows before the fit: the measured collective bandwidth, a lone lookup's bandwidth
-BEFORE = CostModel.default("cpu").replace(ddr_lookup_bw=3e9, intra_node_bw=1e9)
+BEFORE = CostModel.default("cpu").replace(ddr_lookup_bw=3e9, intra_node_bw=0.3e9)
 
 
 def _check(fitted, true: CostModel, rel: float = 1e-6) -> None:
@@ -35,6 +35,7 @@ def _check(fitted, true: CostModel, rel: float = 1e-6) -> None:
     assert fitted["id_miss_s"] == pytest.approx(true.id_miss_s, rel=rel)
     assert fitted["lookup_cache_bytes"] == true.lookup_cache_bytes
     assert fitted["lookup_bw"] == pytest.approx(true.ddr_lookup_bw, rel=rel)
+    assert fitted["comm_bw"] == pytest.approx(true.intra_node_bw, rel=rel)
     assert fitted["replica_grad_passes"] == pytest.approx(true.replica_grad_passes, rel=rel)
 
 
@@ -149,8 +150,9 @@ def test_free_lookups_fall_back_to_the_lone_lookups_bandwidth_of_the_device(devi
 
 
 def _model_of(fitted, before: CostModel) -> CostModel:
-    constants = {k: v for k, v in fitted.items() if k not in ("lookup_bw", "residual", "fitted_s")}
-    return before.replace(ddr_lookup_bw=fitted["lookup_bw"], hbm_lookup_bw=fitted["lookup_bw"], **constants)
+    constants = {k: v for k, v in fitted.items() if k not in ("lookup_bw", "comm_bw", "residual", "fitted_s")}
+    bw = fitted["lookup_bw"]
+    return before.replace(ddr_lookup_bw=bw, hbm_lookup_bw=bw, intra_node_bw=fitted["comm_bw"], **constants)
 
 
 def _check_consistent(configs, world, before, fitted):

@@ -135,6 +135,7 @@ def calibrate(
                 ],
             )
         measured[lookup_field] = fitted.pop("lookup_bw")
+        measured[comm_field] = fitted.pop("comm_bw")  # the dists' bytes, timed in the same rounds
         measured.update(fitted)
     return model.replace(**measured)
 

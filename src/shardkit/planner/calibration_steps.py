@@ -9,7 +9,8 @@ all ranks at once (so ranks that share cores are measured sharing them), and fit
            + sum over the slowest rank's shards of (shard_overhead_s[T] + ids x id_overhead_s[T]
              + ids x id_miss_s x miss(shard bytes) + (1 + bwd) ids x c x e / lookup_bw
              + replica_grad_passes x r c e / lookup_bw (a data-parallel replica))
-           + the dists' bytes at the measured collective bandwidth (not fitted: known)
+           + the dists' bytes (input ids, pooled rows forward and backward, a replica's all-reduce)
+             / the collective bandwidth
 
 by one non-negative least-squares fit of the relative errors (``fit_constants``). Each feature is the
 estimator's own figure for the configuration with that constant set to 1 and the others to 0, so the
@@ -99,6 +100,9 @@ def calibration_configs(world: int, big_bytes: int = BIG_BYTES) -> List[StepConf
     # step cannot make the bytes look free)
     configs.append(StepConfig(tw, big_bytes // 64, 16, **big))
     configs.append(StepConfig(tw, big_bytes // 512, 128, **big))
+    # one id per bag at many bags: the pooled rows sent (bags x columns) against the ids and bytes read
+    # (at 20 ids per bag the dists' bytes are a fixed mix of the two; the tiny steps have too few)
+    configs.append(StepConfig(tw, max(64, (big_bytes >> 2) // row_bytes), BIG_DIM, BIG_BATCH * 8, 1))
     for shift in (2, 0):  # two sizes each: one timed step alone would carry its noise into the fit
         rows = max(64, (big_bytes >> shift) // row_bytes)
         configs.append(StepConfig(("row_wise",) * world, rows, BIG_DIM, **big))
@@ -208,7 +212,7 @@ def feature_names() -> List[str]:
         + [f"group:{t}" for t in TYPES]
         + [f"shard:{t}" for t in TYPES]
         + [f"id:{t}" for t in ID_TYPES]
-        + ["id_miss", "lookup", "replica"]
+        + ["id_miss", "lookup", "replica", "comm"]
     )
 
 
@@ -233,13 +237,15 @@ def _zero(model: CostModel) -> CostModel:
 def config_features(
     config: StepConfig, world: int, model: CostModel, caches: Sequence[float] = CACHE_CANDIDATES
 ) -> Tuple[float, List[float], List[float]]:
-    """``(known, features, miss)`` of a configuration: the seconds of its dists' bytes at ``model``'s
-    collective bandwidths, the estimator's seconds per unit of each constant of ``feature_names()``
-    but ``id_miss`` (0 there), and the ``id_miss`` feature at each cache size of ``caches``."""
+    """``(known, features, miss)`` of a configuration: the seconds no fitted constant explains (0: every
+    term of the estimator is fitted), the estimator's seconds per unit of each constant of
+    ``feature_names()`` but ``id_miss`` (0 there; ``lookup`` and ``comm``: seconds at 1 byte/s), and the
+    ``id_miss`` feature at each cache size of ``caches``."""
     est = estimator(config, world)
     zero = _zero(model)
-    comm = zero.replace(intra_node_bw=model.intra_node_bw, cross_node_bw=model.cross_node_bw)
-    known = est(comm)
+    # the dists' bytes, at 1 byte/s: fitted in the same rounds as the rest (the lone all-to-all of
+    # calibrate() is one moment of the machine's load; it is the fallback)
+    known = 0.0
     used = set(config.types)
     values: Dict[str, float] = {"step": 1.0}
     for t in TYPES:
@@ -249,6 +255,7 @@ def config_features(
         values[f"id:{t}"] = est(zero.replace(id_overhead_s={t: 1.0})) if t in used else 0.0
     unit_bw = zero.replace(ddr_lookup_bw=1.0, hbm_lookup_bw=1.0)
     values["lookup"] = est(unit_bw)
+    values["comm"] = est(zero.replace(intra_node_bw=1.0, cross_node_bw=1.0))
     values["replica"] = (
         est(unit_bw.replace(replica_grad_passes=1.0)) - values["lookup"] if "data_parallel" in used else 0.0
     )
@@ -302,13 +309,14 @@ def fit_constants(
     device_type: str = "cpu",
 ) -> Dict[str, object]:
     """The constants (module doc) that fit the configurations' measured step ``times`` best in relative
-    error, every one >= 0. ``model``: the collective bandwidths (known) and the lone lookup's bandwidth
-    (``hbm_lookup_bw`` for ``device_type`` cuda, else ``ddr_lookup_bw``), which charges the bytes when
-    the fit finds them free (the rest is then fitted around it). The returned constants reproduce
-    ``fitted_s`` exactly through the estimator. Returns ``step_overhead_s``, ``group_overhead_s``,
-    ``shard_overhead_s``, ``id_overhead_s``, ``id_miss_s``, ``lookup_cache_bytes``, ``lookup_bw``,
-    ``replica_grad_passes``, ``residual`` (the root mean square relative error of the fit) and
-    ``fitted_s`` (the fitted model's time of each configuration)."""
+    error, every one >= 0. ``model``: the lone measurements of the lookup bandwidth (``hbm_lookup_bw``
+    for ``device_type`` cuda, else ``ddr_lookup_bw``) and of the all-to-all (``intra_node_bw``), which
+    charge their bytes when the fit finds them free (the rest is then fitted around them). The
+    returned constants reproduce ``fitted_s`` exactly through the estimator. Returns
+    ``step_overhead_s``, ``group_overhead_s``, ``shard_overhead_s``, ``id_overhead_s``, ``id_miss_s``,
+    ``lookup_cache_bytes``, ``lookup_bw``, ``comm_bw``, ``replica_grad_passes``, ``residual`` (the root
+    mean square relative error of the fit) and ``fitted_s`` (the fitted model's time of each
+    configuration)."""
     rows = [config_features(c, world, model, caches) for c in configs]
     t = torch.tensor(list(times), dtype=torch.float64)
     known = torch.tensor([r[0] for r in rows], dtype=torch.float64)
@@ -321,24 +329,33 @@ def fit_constants(
         a[:, miss_col] = torch.tensor([r[2][list(caches).index(cache)] for r in rows], dtype=torch.float64)
         return a
 
-    # the lone lookup's bandwidth: the fields calibrate() measured (ddr on CPU, hbm on CUDA)
-    fallback = model.hbm_lookup_bw if device_type == "cuda" else model.ddr_lookup_bw
-    lookup_col = names.index("lookup")
+    # the bandwidths calibrate() measured alone: the lookup's (ddr on CPU, hbm on CUDA), the all-to-all's
+    lone_lookup = model.hbm_lookup_bw if device_type == "cuda" else model.ddr_lookup_bw
+    fallback = {names.index("lookup"): lone_lookup, names.index("comm"): model.intra_node_bw}
 
     def solve(a: torch.Tensor) -> torch.Tensor:
-        # relative errors: a 2 ms step counts as much as a 200 ms one
-        x = nnls(a / t[:, None], (t - known) / t)
-        if float((a[:, lookup_col] * x[lookup_col] / t).max()) > 1e-6:  # the bytes cost something
-            return x
-        # the timings cannot tell the bytes' cost from the per-id ones (noise): the bytes are charged
-        # at the lone lookup's bandwidth, and the rest is fitted to what remains (a model whose bytes
-        # cost nothing would be as wrong as the noise that made them)
-        charged = a[:, lookup_col] / fallback
-        rest = a.clone()
-        rest[:, lookup_col] = 0.0
-        x = nnls(rest / t[:, None], (t - known - charged) / t)
-        x[lookup_col] = 1.0 / fallback
-        return x
+        charged: Dict[int, float] = {}  # bandwidth columns charged at their fallback (seconds per byte)
+        while True:
+            free = a.clone()
+            fixed = known.clone()
+            for col, per_byte in charged.items():
+                fixed = fixed + a[:, col] * per_byte
+                free[:, col] = 0.0
+            # relative errors: a 2 ms step counts as much as a 200 ms one
+            x = nnls(free / t[:, None], (t - fixed) / t)
+            for col, per_byte in charged.items():
+                x[col] = per_byte
+            # the timings cannot tell a bandwidth's bytes from the other costs (noise): they are charged
+            # at the lone measurement and the rest refitted (a model whose bytes cost nothing would be
+            # as wrong as the noise that made them)
+            vanished = [
+                col
+                for col in fallback
+                if col not in charged and float((a[:, col] * x[col] / t).max()) <= 1e-6
+            ]
+            if not vanished:
+                return x
+            charged.update({col: 1.0 / fallback[col] for col in vanished})
 
     best = None
     for cache in caches:
@@ -350,6 +367,7 @@ def fit_constants(
     residual, cache, x = best
     v = dict(zip(names, x.tolist()))
     lookup_bw = 1.0 / v["lookup"]
+    comm_bw = 1.0 / v["comm"]
     return {
         "step_overhead_s": v["step"],
         "group_overhead_s": {t: v[f"group:{t}"] for t in TYPES},
@@ -358,6 +376,7 @@ def fit_constants(
         "id_miss_s": v["id_miss"],
         "lookup_cache_bytes": cache,
         "lookup_bw": lookup_bw,
+        "comm_bw": comm_bw,
         # the feature was seconds per pass at a bandwidth of 1 byte/s
         "replica_grad_passes": v["replica"] * lookup_bw,
         "residual": residual,
