@@ -335,6 +335,7 @@ def fit_constants(
 
     def solve(a: torch.Tensor) -> torch.Tensor:
         charged: Dict[int, float] = {}  # bandwidth columns charged at their fallback (seconds per byte)
+        first = None
         while True:
             free = a.clone()
             fixed = known.clone()
@@ -345,17 +346,22 @@ def fit_constants(
             x = nnls(free / t[:, None], (t - fixed) / t)
             for col, per_byte in charged.items():
                 x[col] = per_byte
-            # the timings cannot tell a bandwidth's bytes from the other costs (noise): they are charged
-            # at the lone measurement and the rest refitted (a model whose bytes cost nothing would be
-            # as wrong as the noise that made them)
+            first = x if first is None else first
+            # a bandwidth whose bytes the fit found free: the timings could not tell its bytes from the
+            # other costs (noise). Try its lone measurement instead (the rest refitted), and keep
+            # whichever fits better: the lone figure is one moment of the machine and can be worse
             vanished = [
                 col
                 for col in fallback
                 if col not in charged and float((a[:, col] * x[col] / t).max()) <= 1e-6
             ]
             if not vanished:
-                return x
+                break
             charged.update({col: 1.0 / fallback[col] for col in vanished})
+        x = min((first, x), key=lambda y: float((((a @ y + known) / t - 1.0) ** 2).sum()))
+        for col in fallback:  # bytes found free: a bandwidth of 1e18 B/s (their time is < 1e-6 anyway)
+            x[col] = max(float(x[col]), 1e-18)
+        return x
 
     best = None
     for cache in caches:
