@@ -146,11 +146,17 @@ def test_gradients_in_forward_are_scaled_by_the_incoming_gradient(world_size):
     assert all(run_world(_check_gradients_in_forward, world_size))
 
 
-def test_linear_blocks_grow_to_the_hidden_states_size_off_the_cpu():
+def test_linear_block_rows_on_and_off_the_cpu():
     from shardkit.losses import statistics as st
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert st.linear_chunk_rows(128000, 16384, 4096, cpu, None) == st.chunk_rows(128000, None) == 65
+    # CPU: at least 256 rows (chunk_rows's 65 would re-read the weight every 65 tokens), aligned,
+    # never more than the tokens, chunk_rows where that is larger, the caller's chunk_size first
+    assert st.chunk_rows(128000, None) == 65
+    assert st.linear_chunk_rows(128000, 16384, 4096, cpu, None) == st.LINEAR_CPU_MIN_ROWS == 256
+    assert st.linear_chunk_rows(128000, 100, 4096, cpu, None) == 100
+    assert st.linear_chunk_rows(8000, 16384, 4096, cpu, None) == st.aligned(st.chunk_rows(8000, None)) == 1088
+    assert st.linear_chunk_rows(128000, 16384, 4096, cpu, 7) == 7
     # ceil(16384 * 4096 / 128000) = 525, rounded up to a multiple of 64 for the GEMM kernels
     assert st.linear_chunk_rows(128000, 16384, 4096, gpu, None) == 576
     assert st.linear_chunk_rows(1000, 10, 4096, gpu, None) == 10  # never more than the tokens

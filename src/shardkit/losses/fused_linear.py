@@ -62,9 +62,32 @@ from shardkit.losses.dtensor import plain_tensor, resolve_vocab_shard
 from shardkit.losses.first_order import first_order_only
 
 
-def _matmul_source(hidden2d: torch.Tensor, weight: torch.Tensor) -> st.Source:
+def _matmul_source(
+    hidden2d: torch.Tensor, weight: torch.Tensor, buffer: Optional[torch.Tensor] = None
+) -> st.Source:
+    """``source(i0, i1)`` = the logits of rows ``[i0, i1)``, ``[i1 - i0, w]`` in the input dtype; with
+    ``buffer`` (see :func:`_block_buffer`) written into it, so each block overwrites the previous one."""
     weight_t = weight.t()
-    return lambda i0, i1: hidden2d[i0:i1] @ weight_t
+    if buffer is None:
+        return lambda i0, i1: hidden2d[i0:i1] @ weight_t
+    return lambda i0, i1: torch.mm(hidden2d[i0:i1], weight_t, out=_view(buffer, i1 - i0, weight.size(0)))
+
+
+def _block_buffer(like: torch.Tensor, elements: int) -> Optional[torch.Tensor]:
+    """On CPU, one flat buffer of ``elements`` in ``like``'s dtype that every block of logits is written
+    into (``torch.mm(..., out=)``), else None (a GPU's caching allocator reuses the blocks anyway).
+
+    Why: a block above glibc's mmap threshold (32 MiB at most) is a fresh ``mmap`` at every
+    allocation, so each block's first write page-faults its whole size in again; one buffer reused by
+    every block pays that once per call."""
+    if like.device.type != "cpu":
+        return None
+    return torch.empty(elements, dtype=like.dtype, device=like.device)
+
+
+def _view(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The first ``rows * cols`` elements of the flat ``buffer`` as a contiguous ``[rows, cols]``."""
+    return buffer[: rows * cols].view(rows, cols)
 
 
 class _FusedLinearLoss(torch.autograd.Function):
@@ -85,9 +108,11 @@ class _FusedLinearLoss(torch.autograd.Function):
             _, _, active = st.local_target_index(target1d, opts.shard, opts.ignore_index)
             out, lse, count, vocab = loss_from_statistics(stats, active, target1d.shape, opts)
         else:
+            buffer = _block_buffer(hidden2d, min(opts.rows, hidden2d.size(0)) * weight.size(0))
             out, lse, count, vocab = loss_from_source(
-                _matmul_source(hidden2d, weight), hidden2d.dtype, target1d, target1d.shape, opts
+                _matmul_source(hidden2d, weight, buffer), hidden2d.dtype, target1d, target1d.shape, opts
             )
+            del buffer
         ctx.save_for_backward(hidden2d, weight, target1d, lse, count, vocab)
         ctx.opts, ctx.sign = opts, sign
         return out * sign if sign != 1.0 else out
@@ -109,7 +134,14 @@ class _FusedLinearLoss(torch.autograd.Function):
             grad_output, target1d, lse, count, vocab, opts
         )
         weight_t = weight.t()
-        column_logits = lambda c0, c1: hidden2d @ weight_t[:, c0:c1]  # noqa: E731
+        buffer = _block_buffer(hidden2d, num_rows * min(columns, width))
+
+        def column_logits(c0: int, c1: int) -> torch.Tensor:
+            if buffer is None:
+                return hidden2d @ weight_t[:, c0:c1]
+            # each block written over the previous one (the consumer is done with it by then)
+            return torch.mm(hidden2d, weight_t[:, c0:c1], out=_view(buffer, num_rows, c1 - c0))
+
         kernels = triton_kernels(hidden2d.new_empty(0, width), opts)
         native = native_kernels(hidden2d.new_empty(0, width), opts)
         if kernels is not None:  # CUDA, the plain loss: one Triton gradient pass per column block
@@ -191,12 +223,12 @@ def _loss_and_gradients(hidden2d, weight, target1d, opts: CrossEntropyOptions, w
     ones = torch.ones(num_rows, dtype=work, device=hidden2d.device)
     grad_hidden = torch.empty_like(hidden2d) if want_hidden else None
     grad_weight = torch.zeros_like(weight) if want_weight else None
-    weight_t = weight.t()
     pieces = st.cache_rows(shard.width, opts.rows, hidden2d.device)
     kernels = triton_kernels(hidden2d.new_empty(0, shard.width), opts)
     native = native_kernels(hidden2d.new_empty(0, shard.width), opts)
+    source = _matmul_source(hidden2d, weight, _block_buffer(hidden2d, min(opts.rows, num_rows) * shard.width))
     for i0, i1 in st.row_blocks(num_rows, opts.rows):
-        logits = hidden2d[i0:i1] @ weight_t  # [c, V/tp], the work dtype (fp32 / fp64 inputs only)
+        logits = source(i0, i1)  # [c, V/tp], the work dtype (fp32 / fp64 inputs only)
         block = lambda a, b, logits=logits: logits[a:b]  # noqa: E731
         rows = slice(i0, i1)
         if kernels is not None:  # CUDA, the plain loss: one Triton pass per step
