@@ -6,9 +6,9 @@ cross-entropy (mean over the tokens), both gradients, computed two ways:
 - ``unfused``: the logits materialized (``hidden @ weight_shard.t()``), then
   ``vocab_parallel_cross_entropy`` (autograd through the matmul);
 - ``fused``: ``vocab_parallel_linear_cross_entropy(hidden, weight_shard, labels)`` (logits never whole);
-- ``fused_baseline`` (only with ``--baseline FILE``): the same function from another revision's
-  ``fused_linear.py``, e.g. ``git show main:src/shardkit/losses/fused_linear.py > /tmp/old.py``, to
-  measure a change before / after in the same run.
+- ``fused_baseline`` (only with ``--baseline REV``): the same function as of git revision ``REV`` of this
+  checkout (its ``losses/fused_linear.py`` with its ``losses/statistics.py``, which sets the block
+  sizes; the rest of the library is the current one), to measure a change before / after in one run.
 
 Time: the first variant's fresh processes (one per rank, gloo) run an untimed warm-up step of every
 variant, then ``--rounds`` rounds that alternate the variants step by step; per step, the CPU time
@@ -33,6 +33,7 @@ import importlib.util
 import json
 import os
 import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,13 +50,33 @@ from benchmarks.vocab_parallel_ce import DTYPES, PeakMemory, _free_port  # noqa:
 from shardkit.losses import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy  # noqa: E402
 
 
+def _load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _fused_function(cfg, variant):
     if variant == "fused":
         return vocab_parallel_linear_cross_entropy
-    spec = importlib.util.spec_from_file_location("fused_linear_baseline", cfg["baseline"])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    # the baseline revision's fused_linear.py, using that revision's statistics.py (its block sizes)
+    statistics = _load("baseline_statistics", Path(cfg["baseline"], "statistics.py"))
+    module = _load("baseline_fused_linear", Path(cfg["baseline"], "fused_linear.py"))
+    module.st = statistics
     return module.vocab_parallel_linear_cross_entropy
+
+
+def _baseline_files(revision, directory):
+    """``losses/fused_linear.py`` and ``losses/statistics.py`` of a git revision, written to ``directory``."""
+    root = Path(__file__).resolve().parent.parent
+    for name in ("fused_linear.py", "statistics.py"):
+        text = subprocess.run(
+            ["git", "show", f"{revision}:src/shardkit/losses/{name}"],
+            cwd=root, check=True, capture_output=True, text=True,
+        ).stdout  # fmt: skip
+        Path(directory, name).write_text(text)
+    return directory
 
 
 def _inputs(cfg, rank, device):
@@ -184,7 +205,7 @@ def main(argv=None) -> None:
     p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp32"])
     p.add_argument("--rounds", type=int, default=2, help="timed rounds (each runs every variant once)")
     p.add_argument("--chunk-size", type=int, default=None, help="the fused loss's chunk_size")
-    p.add_argument("--baseline", type=Path, default=None, help="an older fused_linear.py, timed too")
+    p.add_argument("--baseline", metavar="REV", default=None, help="a git revision's fused loss, timed too")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -195,17 +216,19 @@ def main(argv=None) -> None:
             p.error(f"--tp {tp} needs as many GPUs, found {torch.cuda.device_count()}")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
-    if args.baseline is not None and not args.baseline.is_file():
-        p.error(f"--baseline {args.baseline}: no such file")
     variants = ["unfused", "fused"] + (["fused_baseline"] if args.baseline else [])
     rows, rounds, started = [], {}, time.perf_counter()
-    with tempfile.TemporaryDirectory() as out_dir:
+    with tempfile.TemporaryDirectory() as out_dir, tempfile.TemporaryDirectory() as baseline_dir:
+        try:
+            baseline = None if args.baseline is None else _baseline_files(args.baseline, baseline_dir)
+        except subprocess.CalledProcessError as e:
+            p.error(f"--baseline {args.baseline}: {e.stderr.strip()}")
         for dtype in args.dtypes:
             for tp in args.tp:
                 cfg = {
                     "tokens": args.tokens, "vocab": args.vocab, "hidden": args.hidden, "tp": tp,
                     "dtype": dtype, "rounds": args.rounds, "chunk_size": args.chunk_size,
-                    "baseline": None if args.baseline is None else str(args.baseline.resolve()),
+                    "baseline": baseline,
                     "device": args.device, "variants": variants,
                     "threads": max(1, (os.cpu_count() or 1) // tp),
                 }  # fmt: skip
@@ -215,7 +238,7 @@ def main(argv=None) -> None:
     config = {
         "tokens": args.tokens, "vocab": args.vocab, "hidden": args.hidden, "tp": args.tp,
         "dtypes": args.dtypes, "rounds": args.rounds, "chunk_size": args.chunk_size,
-        "baseline": None if args.baseline is None else str(args.baseline),
+        "baseline": args.baseline,
         "variants": variants, "seconds": time.perf_counter() - started, "rounds_cpu_s": rounds,
         "time": "median over rounds of the slowest rank's CPU time per step; ratios paired per round",
         "memory": "CPU: per-rank VmHWM - VmRSS around the first full step of fresh processes; "

@@ -31,6 +31,9 @@ QUICK_ARGS: Dict[str, List[str]] = {
         *("--tokens", "64", "--vocab", "512", "--hidden", "16", "--dtype", "fp32", "--repeats", "1"),
         *("--device", "cpu"),
     ],
+    "fused_linear_ce": [
+        *("--tokens", "64", "--vocab", "512", "--hidden", "16", "--rounds", "1", "--device", "cpu"),
+    ],
     "sharded_ebc": [
         *("--tables", "2", "--rows", "1000", "--dim", "8", "--batch", "32", "--pooling", "2"),
         *("--repeats", "1", "--types", "table_wise", "row_wise"),
