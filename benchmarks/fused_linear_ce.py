@@ -53,6 +53,7 @@ from shardkit.losses import vocab_parallel_cross_entropy, vocab_parallel_linear_
 def _load(name, path):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
