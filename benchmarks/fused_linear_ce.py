@@ -33,6 +33,7 @@ import importlib.util
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -160,8 +161,7 @@ def _worker(rank, variant, timed, cfg, port, out_dir):
 
 
 def _median(values):
-    values = sorted(values)
-    return values[len(values) // 2]
+    return statistics.median(values)  # of 2 rounds: their mean
 
 
 def _measure(cfg, out_dir):
