@@ -13,7 +13,8 @@ Run from the repository root: ``python -m benchmarks.offload_miss_path [--quick]
   exponent 1.05; distinct rows as the lookup passes them) on a cache of ``--load-factor`` x rows over
   in-memory backing tensors (no file I/O: the slot map, LRU queue, pins, ... plus the misses' and
   victims' row copies between those tensors and the cache), after ``--warm`` batches that fill the
-  cache; CPU milliseconds per batch.
+  cache; CPU milliseconds per batch, for LRU and LFU, the pure-torch bookkeeping and the native ops
+  (csrc/row_cache.cpp, when built) alternating on the same batches.
 
 CPU time (``time.process_time``) because the machine may be shared; the figures of one run compare.
 """
@@ -79,36 +80,48 @@ def io_rows(args) -> None:
 
 
 def bookkeeping_rows(args) -> None:
+    from shardkit.kernels.embedding import native_for
     from shardkit.kernels.offload.row_cache import RowCache
 
-    backing = {"weight": torch.zeros(args.rows, args.dim), "state": torch.zeros(args.rows)}
-    cache = RowCache(backing, int(args.load_factor * args.rows), "lru")
-    gen = torch.Generator().manual_seed(args.seed)
+    paths = [("torch", False)] + ([("native", True)] if native_for(torch.device("cpu")) is not None else [])
     cdf = torch.arange(1, args.rows + 1, dtype=torch.float64).pow(-1.05).cumsum(0)
     cdf /= cdf[-1].clone()
-    permutation = torch.randperm(args.rows, generator=gen)
+    for algorithm in args.algorithms.split(","):
+        gen = torch.Generator().manual_seed(args.seed)
+        permutation = torch.randperm(args.rows, generator=gen)
 
-    def batch() -> torch.Tensor:
-        u = torch.rand(args.batch, generator=gen, dtype=torch.float64)
-        return torch.unique(permutation[torch.searchsorted(cdf, u).clamp_(max=args.rows - 1)])
+        def batch() -> torch.Tensor:
+            u = torch.rand(args.batch, generator=gen, dtype=torch.float64)
+            return torch.unique(permutation[torch.searchsorted(cdf, u).clamp_(max=args.rows - 1)])
 
-    for _ in range(args.warm):
-        ticket, _ = cache.acquire(batch())
-        cache.release(ticket, dirty=True)
-    cache.counters.reset()
-    spent = []
-    for _ in range(args.rounds):
-        rows = batch()
-        start = time.process_time()
-        ticket, _ = cache.acquire(rows)
-        cache.release(ticket, dirty=True)
-        spent.append(time.process_time() - start)
-    c = cache.counters
-    print(
-        f"bookkeeping: acquire + release {_median(spent) * 1e3:.2f} ms CPU per batch (median of "
-        f"{args.rounds}); {c.lookups / args.rounds:.0f} distinct rows a batch, hit rate "
-        f"{c.hits / max(c.lookups, 1):.3f}, {args.load_factor:g} x {args.rows} slots, in-memory backing"
-    )
+        caches = {}
+        for name, use_native in paths:  # one cache per path, fed the same batches
+            backing = {"weight": torch.zeros(args.rows, args.dim), "state": torch.zeros(args.rows)}
+            caches[name] = RowCache(backing, int(args.load_factor * args.rows), algorithm)
+            caches[name].use_native = use_native
+        for _ in range(args.warm):
+            rows = batch()
+            for cache in caches.values():
+                ticket, _ = cache.acquire(rows)
+                cache.release(ticket, dirty=True)
+        for cache in caches.values():
+            cache.counters.reset()
+        spent = {name: [] for name in caches}
+        for _ in range(args.rounds):  # the paths alternate: the same machine load for both
+            rows = batch()
+            for name, cache in caches.items():
+                start = time.process_time()
+                ticket, _ = cache.acquire(rows)
+                cache.release(ticket, dirty=True)
+                spent[name].append(time.process_time() - start)
+        for name, cache in caches.items():
+            c = cache.counters
+            print(
+                f"bookkeeping {algorithm} {name:6s}: acquire + release {_median(spent[name]) * 1e3:.2f} ms CPU "
+                f"per batch (median of {args.rounds}); {c.lookups / args.rounds:.0f} distinct rows a batch, "
+                f"hit rate {c.hits / max(c.lookups, 1):.3f}, {args.load_factor:g} x {args.rows} slots, "
+                f"in-memory backing"
+            )
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -122,6 +135,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--algorithms", default="lru,lfu", help="bookkeeping: comma-separated")
     parser.add_argument("--quick", action="store_true", help="small sizes: runs in seconds")
     args = parser.parse_args(argv)
     if args.quick:

@@ -31,6 +31,7 @@ _SOURCES = [
     "jagged.cpp",
     "quant_embedding.cpp",
     "row_io.cpp",
+    "row_cache.cpp",
     "cross_entropy.cpp",
 ]
 _LOCK = threading.Lock()

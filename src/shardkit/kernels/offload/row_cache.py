@@ -56,7 +56,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from shardkit.kernels.embedding import RowOutOfRange
+from shardkit.kernels.embedding import RowOutOfRange, native_for
 from shardkit.kernels.offload.cache_counters import CacheCounters
 
 ALGORITHMS = ("lru", "lfu")
@@ -156,6 +156,8 @@ class RowCache:
         self.capacity = min(capacity, self.num_rows)
         self.row_bytes = sum(s.element_size() * math.prod(s.shape[1:]) for s in backing.values())
         self.counters = CacheCounters()
+        # False: the pure-torch bookkeeping even where the native ops are built (tests compare the two)
+        self.use_native = True
         self.buffers_version = 0
         self.tensors: Dict[str, torch.Tensor] = {
             name: torch.zeros((self.capacity, *s.shape[1:]), dtype=s.dtype, device=self.device)
@@ -237,35 +239,49 @@ class RowCache:
             return self._acquire(rows, ascending)
 
     def _acquire(self, rows: torch.Tensor, ascending: bool) -> Tuple[int, torch.Tensor]:
-        # index_select / index_add_ / index_copy_ rather than advanced indexing: the same values (the
-        # slots are distinct), several times faster on CPU, and no parallel section that a loaded
-        # machine stretches to a scheduler time slice
-        slots = self.slot_of_row.index_select(0, rows).long()
-        hit = slots >= 0
-        hit_slots = slots[hit]
-        self._pins.index_add_(0, hit_slots, _ones(hit_slots.numel()))  # first: never victims below
-        try:
+        native = self._native()
+        if native is not None:
+            # one pass: slots (-1 = miss), the hits pinned, the missing rows in the order of rows
+            looked, miss_rows = native.row_cache_lookup(self.slot_of_row, self._pins, rows)
+        else:
+            # index_select / index_add_ / index_copy_ rather than advanced indexing: the same values (the
+            # slots are distinct), several times faster on CPU, and no parallel section that a loaded
+            # machine stretches to a scheduler time slice
+            looked = self.slot_of_row.index_select(0, rows).long()
+            hit = looked >= 0
+            hit_slots = looked[hit]
+            self._pins.index_add_(0, hit_slots, _ones(hit_slots.numel()))  # first: never victims below
             miss_rows = rows[~hit]
+        try:
             if not ascending:
                 miss_rows = miss_rows.sort().values  # ascending: sequential reads of the backing store
             if miss_rows.numel():
                 miss_slots = self._free_slots(miss_rows.numel())
                 self._load(miss_rows, miss_slots)
                 self._pins.index_add_(0, miss_slots, _ones(miss_slots.numel()))
-                slots = self.slot_of_row.index_select(0, rows).long()
         except BaseException:
+            hit_slots = looked[looked >= 0]
             self._pins.index_add_(0, hit_slots, _ones(hit_slots.numel(), -1))
             raise
         count = rows.numel()
-        stamps = self._clock + torch.arange(count, dtype=torch.int64)
-        self._stamp.index_copy_(0, slots, stamps)
-        self._clock += count
+        if native is not None:
+            # one pass: the slots, stamped clock, clock + 1, ... in the order of rows, frequencies + 1
+            slots = native.row_cache_commit(self.slot_of_row, rows, self._stamp, self._freq, self._clock)
+            stamps = None
+        else:
+            slots = self.slot_of_row.index_select(0, rows).long() if miss_rows.numel() else looked
+            stamps = self._clock + torch.arange(count, dtype=torch.int64)
+            self._stamp.index_copy_(0, slots, stamps)
+            self._freq.index_add_(0, slots, torch.ones(count, dtype=torch.int64))
         if self.algorithm == "lru" and count:
+            if stamps is None:
+                stamps = self._clock + torch.arange(count, dtype=torch.int64)
             self._lru.append((slots, stamps))
             self._lru_entries += count
+        self._clock += count
+        if self.algorithm == "lru" and count:
             if self._lru_entries > 3 * max(self.size, self.LRU_REBUILD_MIN_ENTRIES):
                 self._rebuild_lru()
-        self._freq.index_add_(0, slots, torch.ones(count, dtype=torch.int64))
         misses = int(miss_rows.numel())
         self.counters.lookups += count
         self.counters.hits += count - misses
@@ -385,6 +401,13 @@ class RowCache:
                 raise ValueError(f"RowCache.acquire: rows must be distinct; row {row} appears more than once")
         return rows, rows.numel() == 0
 
+    def _native(self) -> Optional[Any]:
+        """The native bookkeeping ops (``torch.ops.shardkit_native``), or None: the pure-torch path (not
+        built, ``SHARDKIT_NATIVE=0``, or ``kernel_backend("torch")``; the bookkeeping is on the host)."""
+        if not self.use_native:
+            return None
+        return native_for(torch.device("cpu"))
+
     def _free_slots(self, count: int) -> torch.Tensor:
         """``count`` free slots (int64, host), evicting unpinned rows or growing the buffers as needed."""
         if self._resident >= self.size:  # a full cache (the steady state): no scan of the slot map
@@ -462,6 +485,9 @@ class RowCache:
             return candidates
         if count == 0:
             return candidates[:0]
+        native = self._native()
+        if native is not None:  # one selection over (freq, stamp) keys: the same slots, ascending
+            return native.row_cache_victims(candidates, self._stamp, self._freq, count, self.algorithm == "lfu")
         stamps = self._stamp[candidates]
         if self.algorithm == "lru":
             # stamps are distinct (each acquired row gets its own), so the choice is unique: the slots

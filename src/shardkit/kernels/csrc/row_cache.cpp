@@ -1,0 +1,156 @@
+// The row cache's per-batch bookkeeping in one pass each (kernels/offload/row_cache.py, RowCache): the
+// pure-torch path runs each of these as several small torch ops (index_select, compare, masked select,
+// index_add_, kthvalue / topk over the whole cache); here they are single loops over the batch or the
+// candidates. Same results as the torch path (tests/kernels/offload/test_row_cache_native.py):
+//
+// row_cache_lookup(slot_of_row int32 [R], pins int32 [C] (written), rows int64 [U])
+//     -> (slots int64 [U]: the slot of each row, -1 for a miss; miss_rows int64 [M]: the rows with -1, in
+//        the order of `rows`). Every hit's pin count is incremented (before any victim is chosen).
+// row_cache_commit(slot_of_row int32 [R], rows int64 [U], stamp int64 [C] (written), freq int64 [C]
+//                  (written), clock) -> slots int64 [U]: stamp[slots[i]] = clock + i, freq[slots] += 1.
+// row_cache_victims(candidates int64 [n], stamp int64 [C], freq int64 [C], count, lfu)
+//     -> the `count` candidates with the smallest (freq, stamp) (lfu) or stamp (lru), ascending slot
+//        order; ties (never among stamped slots: stamps are distinct) broken by the smaller slot.
+//
+// The caller holds the cache's lock; the Python interpreter's lock is released by the dispatcher
+// (torch.ops calls drop the GIL), so a thread running a kernel on pinned slots keeps going meanwhile.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+void check_1d(const at::Tensor& t, at::ScalarType dtype, const char* what) {
+  TORCH_CHECK(t.dim() == 1 && t.scalar_type() == dtype && t.is_contiguous() && t.device().is_cpu(),
+              "row_cache: ", what, " must be a contiguous 1-D CPU tensor of ", dtype, ", got ", t.scalar_type(),
+              " of shape ", t.sizes());
+}
+
+std::tuple<at::Tensor, at::Tensor> row_cache_lookup(const at::Tensor& slot_of_row, at::Tensor pins,
+                                                    const at::Tensor& rows) {
+  check_1d(slot_of_row, at::kInt, "slot_of_row");
+  check_1d(pins, at::kInt, "pins");
+  check_1d(rows, at::kLong, "rows");
+  const int64_t count = rows.numel();
+  const int64_t num_rows = slot_of_row.numel();
+  const int64_t size = pins.numel();
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const int32_t* map = slot_of_row.data_ptr<int32_t>();
+  int32_t* pin = pins.data_ptr<int32_t>();
+  // checked before anything is written: a bad row leaves the pins untouched
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(row[i] >= 0 && row[i] < num_rows, "row_cache_lookup: row ", row[i], " outside [0, ", num_rows,
+                ")");
+    const int32_t s = map[row[i]];
+    TORCH_CHECK(s < size, "row_cache_lookup: slot ", s, " of row ", row[i], " outside the ", size, " slots");
+  }
+  at::Tensor slots = at::empty({count}, rows.options());
+  int64_t* out = slots.data_ptr<int64_t>();
+  std::vector<int64_t> missing;
+  for (int64_t i = 0; i < count; ++i) {
+    const int32_t s = map[row[i]];
+    out[i] = s;
+    if (s >= 0) {
+      pin[s] += 1;
+    } else {
+      missing.push_back(row[i]);
+    }
+  }
+  at::Tensor miss_rows = at::empty({static_cast<int64_t>(missing.size())}, rows.options());
+  std::copy(missing.begin(), missing.end(), miss_rows.data_ptr<int64_t>());
+  return {slots, miss_rows};
+}
+
+at::Tensor row_cache_commit(const at::Tensor& slot_of_row, const at::Tensor& rows, at::Tensor stamp,
+                            at::Tensor freq, int64_t clock) {
+  check_1d(slot_of_row, at::kInt, "slot_of_row");
+  check_1d(rows, at::kLong, "rows");
+  check_1d(stamp, at::kLong, "stamp");
+  check_1d(freq, at::kLong, "freq");
+  TORCH_CHECK(stamp.numel() == freq.numel(), "row_cache_commit: stamp and freq disagree on the slots");
+  const int64_t count = rows.numel();
+  const int64_t num_rows = slot_of_row.numel();
+  const int64_t size = stamp.numel();
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const int32_t* map = slot_of_row.data_ptr<int32_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(row[i] >= 0 && row[i] < num_rows, "row_cache_commit: row ", row[i], " outside [0, ", num_rows,
+                ")");
+    const int32_t s = map[row[i]];
+    TORCH_CHECK(s >= 0 && s < size, "row_cache_commit: row ", row[i], " is not resident (slot ", s, ")");
+  }
+  at::Tensor slots = at::empty({count}, rows.options());
+  int64_t* out = slots.data_ptr<int64_t>();
+  int64_t* st = stamp.data_ptr<int64_t>();
+  int64_t* fr = freq.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t s = map[row[i]];
+    out[i] = s;
+    st[s] = clock + i;
+    fr[s] += 1;
+  }
+  return slots;
+}
+
+at::Tensor row_cache_victims(const at::Tensor& candidates, const at::Tensor& stamp, const at::Tensor& freq,
+                             int64_t count, bool lfu) {
+  check_1d(candidates, at::kLong, "candidates");
+  check_1d(stamp, at::kLong, "stamp");
+  check_1d(freq, at::kLong, "freq");
+  const int64_t n = candidates.numel();
+  const int64_t size = stamp.numel();
+  TORCH_CHECK(count >= 0, "row_cache_victims: count must be >= 0, got ", count);
+  const int64_t* cand = candidates.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(cand[i] >= 0 && cand[i] < size, "row_cache_victims: slot ", cand[i], " outside the ", size,
+                " slots");
+  }
+  if (count >= n) {
+    return candidates.clone();
+  }
+  const int64_t* st = stamp.data_ptr<int64_t>();
+  const int64_t* fr = freq.data_ptr<int64_t>();
+  struct Key {
+    int64_t freq, stamp, slot;
+    bool operator<(const Key& o) const {
+      if (freq != o.freq) return freq < o.freq;
+      if (stamp != o.stamp) return stamp < o.stamp;
+      return slot < o.slot;
+    }
+  };
+  std::vector<Key> keys(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = cand[i];
+    keys[i] = Key{lfu ? fr[s] : 0, st[s], s};
+  }
+  if (count > 0) {
+    std::nth_element(keys.begin(), keys.begin() + (count - 1), keys.end());
+  }
+  std::vector<int64_t> chosen(count);
+  for (int64_t i = 0; i < count; ++i) chosen[i] = keys[i].slot;
+  std::sort(chosen.begin(), chosen.end());
+  at::Tensor out = at::empty({count}, candidates.options());
+  std::copy(chosen.begin(), chosen.end(), out.data_ptr<int64_t>());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(shardkit_native, m) {
+  m.def("row_cache_lookup(Tensor slot_of_row, Tensor(a!) pins, Tensor rows) -> (Tensor, Tensor)");
+  m.def("row_cache_commit(Tensor slot_of_row, Tensor rows, Tensor(a!) stamp, Tensor(b!) freq, int clock) -> Tensor");
+  m.def("row_cache_victims(Tensor candidates, Tensor stamp, Tensor freq, int count, bool lfu) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(shardkit_native, CPU, m) {
+  m.impl("row_cache_lookup", &row_cache_lookup);
+  m.impl("row_cache_commit", &row_cache_commit);
+  m.impl("row_cache_victims", &row_cache_victims);
+}
