@@ -90,7 +90,7 @@ def bookkeeping_rows(args) -> None:
         gen = torch.Generator().manual_seed(args.seed)
         permutation = torch.randperm(args.rows, generator=gen)
 
-        def batch() -> torch.Tensor:
+        def batch(gen=gen, permutation=permutation) -> torch.Tensor:
             u = torch.rand(args.batch, generator=gen, dtype=torch.float64)
             return torch.unique(permutation[torch.searchsorted(cdf, u).clamp_(max=args.rows - 1)])
 
@@ -117,8 +117,8 @@ def bookkeeping_rows(args) -> None:
         for name, cache in caches.items():
             c = cache.counters
             print(
-                f"bookkeeping {algorithm} {name:6s}: acquire + release {_median(spent[name]) * 1e3:.2f} ms CPU "
-                f"per batch (median of {args.rounds}); {c.lookups / args.rounds:.0f} distinct rows a batch, "
+                f"bookkeeping {algorithm} {name:6s}: acquire + release "
+                f"{_median(spent[name]) * 1e3:.2f} ms CPU per batch (median of {args.rounds}); {c.lookups / args.rounds:.0f} distinct rows a batch, "
                 f"hit rate {c.hits / max(c.lookups, 1):.3f}, {args.load_factor:g} x {args.rows} slots, "
                 f"in-memory backing"
             )

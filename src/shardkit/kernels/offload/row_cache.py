@@ -487,7 +487,8 @@ class RowCache:
             return candidates[:0]
         native = self._native()
         if native is not None:  # one selection over (freq, stamp) keys: the same slots, ascending
-            return native.row_cache_victims(candidates, self._stamp, self._freq, count, self.algorithm == "lfu")
+            lfu = self.algorithm == "lfu"
+            return native.row_cache_victims(candidates, self._stamp, self._freq, count, lfu)
         stamps = self._stamp[candidates]
         if self.algorithm == "lru":
             # stamps are distinct (each acquired row gets its own), so the choice is unique: the slots
