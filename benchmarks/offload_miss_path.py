@@ -119,7 +119,8 @@ def bookkeeping_rows(args) -> None:
             print(
                 f"bookkeeping {algorithm} {name:6s}: acquire + release "
                 f"{_median(spent[name]) * 1e3:.2f} ms CPU per batch (median of {args.rounds}); "
-                f"{c.lookups / args.rounds:.0f} distinct rows a batch, hit rate {c.hits / max(c.lookups, 1):.3f}, {args.load_factor:g} x {args.rows} slots, "
+                f"{c.lookups / args.rounds:.0f} distinct rows a batch, "
+                f"hit rate {c.hits / max(c.lookups, 1):.3f}, {args.load_factor:g} x {args.rows} slots, "
                 f"in-memory backing"
             )
 
