@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -117,24 +118,32 @@ at::Tensor row_cache_victims(const at::Tensor& candidates, const at::Tensor& sta
   }
   const int64_t* st = stamp.data_ptr<int64_t>();
   const int64_t* fr = freq.data_ptr<int64_t>();
-  struct Key {
-    int64_t freq, stamp, slot;
-    bool operator<(const Key& o) const {
-      if (freq != o.freq) return freq < o.freq;
-      if (stamp != o.stamp) return stamp < o.stamp;
-      return slot < o.slot;
-    }
-  };
-  std::vector<Key> keys(n);
+  std::vector<int64_t> chosen;
+  chosen.reserve(count);
+  // lfu, as the torch path: every candidate with fewer acquisitions than the count-th smallest, then the
+  // least recent of those tied at that count (a selection over 8-byte counts, then one over the ties)
+  int64_t threshold = 0;
+  if (lfu && count > 0) {
+    std::vector<int64_t> counts(n);
+    for (int64_t i = 0; i < n; ++i) counts[i] = fr[cand[i]];
+    std::nth_element(counts.begin(), counts.begin() + (count - 1), counts.end());
+    threshold = counts[count - 1];
+  }
+  std::vector<std::pair<int64_t, int64_t>> tied;  // (stamp, slot) of the candidates at the threshold
   for (int64_t i = 0; i < n; ++i) {
     const int64_t s = cand[i];
-    keys[i] = Key{lfu ? fr[s] : 0, st[s], s};
+    const int64_t f = lfu ? fr[s] : 0;
+    if (f < threshold) {
+      chosen.push_back(s);
+    } else if (f == threshold) {
+      tied.emplace_back(st[s], s);
+    }
   }
-  if (count > 0) {
-    std::nth_element(keys.begin(), keys.begin() + (count - 1), keys.end());
+  const int64_t rest = count - static_cast<int64_t>(chosen.size());
+  if (rest > 0) {
+    std::nth_element(tied.begin(), tied.begin() + (rest - 1), tied.end());
+    for (int64_t i = 0; i < rest; ++i) chosen.push_back(tied[i].second);
   }
-  std::vector<int64_t> chosen(count);
-  for (int64_t i = 0; i < count; ++i) chosen[i] = keys[i].slot;
   std::sort(chosen.begin(), chosen.end());
   at::Tensor out = at::empty({count}, candidates.options());
   std::copy(chosen.begin(), chosen.end(), out.data_ptr<int64_t>());
