@@ -14,7 +14,8 @@ Run from the repository root: ``python -m benchmarks.offload_miss_path [--quick]
   in-memory backing tensors (no file I/O: the slot map, LRU queue, pins, ... plus the misses' and
   victims' row copies between those tensors and the cache), after ``--warm`` batches that fill the
   cache; CPU milliseconds per batch, for LRU and LFU, the pure-torch bookkeeping and the native ops
-  (csrc/row_cache.cpp, when built) alternating on the same batches.
+  (csrc/row_cache.cpp, when built) alternating on the same batches; each also with a ``row_io`` that
+  moves nothing ("bookkeeping only": no row copies at all, what the cache itself costs).
 
 CPU time (``time.process_time``) because the machine may be shared; the figures of one run compare.
 """
@@ -79,6 +80,16 @@ def io_rows(args) -> None:
             print(f"  {name:7s} merge_gap {gap:5d}: read {read_us:6.2f}  write {write_us:6.2f}")
 
 
+class _NoRowIO:
+    """A ``row_io`` that moves nothing: the cache's bookkeeping alone, without its row copies."""
+
+    def read_into(self, rows, buffers, slots) -> None:
+        pass
+
+    def write_from(self, rows, buffers, slots) -> None:
+        pass
+
+
 def bookkeeping_rows(args) -> None:
     from shardkit.kernels.embedding import native_for
     from shardkit.kernels.offload.row_cache import RowCache
@@ -95,10 +106,13 @@ def bookkeeping_rows(args) -> None:
             return torch.unique(permutation[torch.searchsorted(cdf, u).clamp_(max=args.rows - 1)])
 
         caches = {}
-        for name, use_native in paths:  # one cache per path, fed the same batches
-            backing = {"weight": torch.zeros(args.rows, args.dim), "state": torch.zeros(args.rows)}
-            caches[name] = RowCache(backing, int(args.load_factor * args.rows), algorithm)
-            caches[name].use_native = use_native
+        for name, use_native in paths:  # one cache per path (and with / without row copies), same batches
+            for copies in (True, False):
+                backing = {"weight": torch.zeros(args.rows, args.dim), "state": torch.zeros(args.rows)}
+                label = f"{name:6s} " + ("with row copies" if copies else "bookkeeping only")
+                io = None if copies else _NoRowIO()
+                caches[label] = RowCache(backing, int(args.load_factor * args.rows), algorithm, row_io=io)
+                caches[label].use_native = use_native
         for _ in range(args.warm):
             rows = batch()
             for cache in caches.values():
@@ -117,11 +131,10 @@ def bookkeeping_rows(args) -> None:
         for name, cache in caches.items():
             c = cache.counters
             print(
-                f"bookkeeping {algorithm} {name:6s}: acquire + release "
+                f"bookkeeping {algorithm} {name}: acquire + release "
                 f"{_median(spent[name]) * 1e3:.2f} ms CPU per batch (median of {args.rounds}); "
                 f"{c.lookups / args.rounds:.0f} distinct rows a batch, "
-                f"hit rate {c.hits / max(c.lookups, 1):.3f}, {args.load_factor:g} x {args.rows} slots, "
-                f"in-memory backing"
+                f"hit rate {c.hits / max(c.lookups, 1):.3f}, {args.load_factor:g} x {args.rows} slots"
             )
 
 
