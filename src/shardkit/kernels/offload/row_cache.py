@@ -44,7 +44,10 @@ concurrent acquire writes only free or evicted (unpinned) slots, never the rows 
 Bookkeeping lives on the host: ``slot_of_row`` int32 ``[R]`` (4 bytes per row of the table; -1 = not
 cached) and per-slot ``row_of_slot`` int64, recency stamp int64, frequency int64, pin count int32 and
 dirty flag, all ``[C]``. Every operation is vectorized (sort, topk, index_select / index_copy_); misses
-are read and victims written back in ascending row order (sequential access on an mmap'd file).
+are read and victims written back in ascending row order (sequential access on an mmap'd file). Where
+the native kernels are built, the hit / miss split, an acquire's stamps and counts, and the victim
+selection run as native ops (``csrc/row_cache.cpp``, one loop each, the GIL released), with the same
+results as the torch path (:attr:`RowCache.use_native` = False forces the torch path).
 """
 
 from __future__ import annotations
@@ -480,7 +483,9 @@ class RowCache:
         self._lru_entries = resident.numel()
 
     def _victims(self, candidates: torch.Tensor, count: int) -> torch.Tensor:
-        """The ``count`` slots among ``candidates`` (int64 [n]) to evict first under the algorithm."""
+        """The ``count`` slots among ``candidates`` (int64 [n]) to evict first under the algorithm (a set:
+        callers do not depend on its order; the native op returns it ascending). Slots tied on the
+        stamp (only rows left unstamped by a failed acquire) may be chosen differently by the paths."""
         if count >= candidates.numel():
             return candidates
         if count == 0:
