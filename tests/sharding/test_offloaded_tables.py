@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from shardkit.distributed.sharding_env import ShardingEnv
-from shardkit.kernels import kernel_backend
+from shardkit.kernels import kernel_backend, native_enabled_by_env
 from shardkit.kernels.native_build import native_ops
 from shardkit.modules import (
     EmbeddingBagCollection,
@@ -180,6 +180,9 @@ CASES = [
 ]
 
 
+@pytest.mark.skipif(
+    not native_enabled_by_env(), reason="SHARDKIT_NATIVE=0: the native kernels are switched off"
+)
 @pytest.mark.parametrize("world_size, local_size", [(1, None), (2, None), (3, None), (4, 2)])
 def test_offloaded_equals_in_memory_fused(world_size, local_size):
     assert all(run_world(_worker, world_size, CASES, "native", local_world_size=local_size))
