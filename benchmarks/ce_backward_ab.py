@@ -13,18 +13,27 @@ Run it with the megatron peer venv, this checkout first on the path (about 1 min
 
     PYTHONPATH=src:. $HOME/peers/megatron/bin/python benchmarks/ce_backward_ab.py --dtype fp32
     PYTHONPATH=src:. $HOME/peers/megatron/bin/python benchmarks/ce_backward_ab.py --dtype bf16
+
+Without megatron-core importable (this checkout's own venv) the ``megatron`` method is skipped with a
+printed note and only the shardkit methods run (no ratios against Megatron then).
+Results: the printed table and ``--out DIR/ce_backward_ab.json`` (``benchmarks/common.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import socket
 import time
 import warnings
+from pathlib import Path
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+
+from benchmarks.common import write_results
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -38,15 +47,11 @@ def _one_rank_group() -> None:
 
 
 def _methods(names):
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
     from shardkit.distributed.validation import set_validation
     from shardkit.kernels.cross_entropy import PAGE_MODES
     from shardkit.kernels.native_build import native_ops
     from shardkit.losses import vocab_parallel_cross_entropy as sk_ce
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     set_validation(False)
     ops = native_ops()
 
@@ -59,15 +64,20 @@ def _methods(names):
         return run
 
     table = {
-        "megatron": vocab_parallel_cross_entropy,
         "shardkit": shardkit(None),
         "shardkit-touch": shardkit("touch"),
         "shardkit-populate": shardkit("populate"),
     }
+    if "megatron" in names:
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+        table["megatron"] = vocab_parallel_cross_entropy
     return {name: table[name] for name in names}
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -76,11 +86,21 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=64000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--methods", default="megatron,shardkit-touch,shardkit-populate")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=None, help="directory for ce_backward_ab.json")
+    args = parser.parse_args(argv)
+    methods = args.methods.split(",")
+    unknown = [m for m in methods if m not in ("megatron", "shardkit", "shardkit-touch", "shardkit-populate")]
+    if unknown:
+        parser.error(f"unknown --methods {', '.join(unknown)}")
+    if "megatron" in methods and importlib.util.find_spec("megatron") is None:
+        # only the megatron peer venv has it (module docstring); the shardkit methods still compare
+        print("megatron-core is not importable here: the megatron method is skipped")
+        methods.remove("megatron")
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    load_average = list(os.getloadavg())
     _one_rank_group()
-    fns = _methods(args.methods.split(","))
+    fns = _methods(methods)
     gen = torch.Generator().manual_seed(0)
     shard = (2 * torch.randn(args.tokens, args.width, generator=gen)).to(DTYPES[args.dtype])
     target = torch.randint(0, args.width, (args.tokens,), generator=gen)
@@ -100,16 +120,23 @@ def main() -> None:
             del x, loss
     print(f"torch {torch.__version__}; one rank, [{args.tokens}, {args.width}] {args.dtype}, 1 thread; "
           f"CPU ms, min of {args.rounds} alternated rounds after 1 warm-up")  # fmt: skip
-    header = ("method", "fwd", "bwd", "fwd+bwd", "bwd vs Megatron", "fwd+bwd speed-up")
-    widths = (-18, 8, 8, 8, 15, 16)
-    print(" ".join(f"{h:<{-w}}" if w < 0 else f"{h:>{w}}" for h, w in zip(header, widths)), " loss")
+    rows = []
     ref = None
     for name in fns:
         fwd, bwd = min(times[name]["fwd"][1:]), min(times[name]["bwd"][1:])
         if ref is None and name == "megatron":
             ref = (bwd, fwd + bwd)
-        rel = f"{bwd / ref[0]:14.2f}x  {ref[1] / (fwd + bwd):15.2f}x" if ref else f"{'-':>15}  {'-':>16}"
-        print(f"{name:<18} {fwd:8.0f} {bwd:8.0f} {fwd + bwd:8.0f}  {rel}  {losses[name]:.6f}")
+        row = {"name": name, "fwd_ms": fwd, "bwd_ms": bwd, "fwd_bwd_ms": fwd + bwd}
+        if ref:  # ratios only against a Megatron row measured in the same rounds
+            row.update(bwd_vs_megatron=bwd / ref[0], fwd_bwd_speedup=ref[1] / (fwd + bwd))
+        row["loss"] = losses[name]
+        rows.append(row)
+    config = {
+        "dtype": args.dtype, "tokens": args.tokens, "width": args.width, "rounds": args.rounds,
+        "methods": list(fns), "threads": 1, "timer": "process CPU time, min over rounds",
+        "load_average": load_average,
+    }  # fmt: skip
+    write_results("ce_backward_ab", config, rows, args.out)
     dist.destroy_process_group()
 
 

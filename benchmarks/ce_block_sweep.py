@@ -16,8 +16,10 @@ hierarchy (e.g. an AMD EPYC) shows at once whether the choice is sound there:
 
 Usage (about 1 minute on an idle 2-core VM)::
 
-    ./dev python benchmarks/ce_block_sweep.py [--tokens 1024 --width 64000 --repeats 3]
+    ./dev python -m benchmarks.ce_block_sweep [--tokens 1024 --width 64000 --repeats 3] [--out DIR]
 
+Results: one table row per swept size (its sweep, CPU ms, ratio to the sweep's best, whether it is the
+chosen size) and ``--out DIR/ce_block_sweep.json`` (``benchmarks/common.py``).
 CPU time (``time.process_time``), min over ``--repeats`` alternated rounds: on a loaded machine the
 wall time would count other processes' turns.
 """
@@ -25,10 +27,14 @@ wall time would count other processes' turns.
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from pathlib import Path
+from typing import List, Optional
 
 import torch
 
+from benchmarks.common import write_results
 from shardkit.kernels import kernel_backend, native_ops
 from shardkit.kernels.cpu_cache import CacheSizes, cache_sizes, columns_in_cache
 from shardkit.kernels.cross_entropy import PAGE_MODES, gradient_page_mode
@@ -51,15 +57,18 @@ def _sweep(cases: dict, repeats: int) -> dict:
     return {name: min(values) for name, values in times.items()}
 
 
-def _print(title: str, results: dict, chosen) -> None:
+def _rows(sweep: str, title: str, results: dict, chosen) -> List[dict]:
+    """One table row per swept size: its CPU ms, the ratio to the sweep's best, the chosen one marked."""
     best = min(results.values())
-    print(f"\n{title}")
-    for name, ms in results.items():
-        mark = "  <- chosen" if name == chosen else ""
-        print(f"  {str(name):>24}  {ms:8.1f} ms  {ms / best:5.2f}x the best{mark}")
+    print(f"{sweep}: {title}")
+    return [
+        {"name": f"{sweep} {name}", "cpu_ms": ms, "vs_best": ms / best, "chosen": name == chosen}
+        for name, ms in results.items()
+    ]
 
 
-def native_statistics(ops, tokens: int, width: int, repeats: int) -> None:
+def native_statistics(ops, tokens: int, width: int, repeats: int) -> List[dict]:
+    rows = []
     l1d = cache_sizes().l1d
     for dtype in (torch.float32, torch.bfloat16):
         x = (2 * torch.randn(tokens, width)).to(dtype)
@@ -76,10 +85,12 @@ def native_statistics(ops, tokens: int, width: int, repeats: int) -> None:
             for c in chunks
         }
         title = f"native statistics, {dtype}, [{tokens}, {width}]: columns per chunk"
-        _print(title, _sweep(cases, repeats), chosen)
+        sweep = f"statistics {str(dtype).replace('torch.', '')}"
+        rows += _rows(sweep, title, _sweep(cases, repeats), chosen)
+    return rows
 
 
-def torch_path(tokens: int, width: int, repeats: int) -> None:
+def torch_path(tokens: int, width: int, repeats: int) -> List[dict]:
     real = cache_sizes()
     x = (2 * torch.randn(tokens, width)).to(torch.float16)
     target = torch.randint(0, width, (tokens,))
@@ -101,10 +112,10 @@ def torch_path(tokens: int, width: int, repeats: int) -> None:
     names = {s: f"L2 {s >> 10} KiB" + (f" ({chosen_rows} rows)" if s == real.l2 else "") for s in sizes}
     results = _sweep({names[s]: step(s) for s in sizes}, repeats)
     title = f"torch path (fp16), fwd + bwd, [{tokens}, {width}]: rows per block from the L2 size"
-    _print(title, results, names[real.l2])
+    return _rows("torch path", title, results, names[real.l2])
 
 
-def native_gradient(ops, tokens: int, width: int, repeats: int) -> None:
+def native_gradient(ops, tokens: int, width: int, repeats: int) -> List[dict]:
     x = 2 * torch.randn(tokens, width)
     lse = torch.logsumexp(x, 1).contiguous()
     coef = torch.full((tokens,), 1.0 / tokens)
@@ -130,30 +141,40 @@ def native_gradient(ops, tokens: int, width: int, repeats: int) -> None:
     finally:
         ops.ce_fault_mode(PAGE_MODES[chosen])
     title = f"native gradient, fp32, [{tokens}, {width}]: fresh buffer by page mode, or already mapped"
-    _print(title, results, chosen)
+    return _rows("gradient", title, results, chosen)
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--width", type=int, default=64000, help="columns of one rank's shard (V / tp)")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=None, help="directory for ce_block_sweep.json")
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    load_average = list(os.getloadavg())
     sizes = cache_sizes()
     print(
         f"caches ({sizes.source}): L1d {sizes.l1d >> 10} KiB, L2 {sizes.l2 >> 10} KiB; torch",
         torch.__version__,
     )
     ops = native_ops()
+    rows = []
     if ops is None:
         print("native kernels not built here: only the torch path runs")
     else:
-        native_statistics(ops, args.tokens, args.width, args.repeats)
-        native_gradient(ops, args.tokens, args.width, args.repeats)
-    torch_path(args.tokens, args.width, args.repeats)
+        rows += native_statistics(ops, args.tokens, args.width, args.repeats)
+        rows += native_gradient(ops, args.tokens, args.width, args.repeats)
+    rows += torch_path(args.tokens, args.width, args.repeats)
+    config = {
+        "tokens": args.tokens, "width": args.width, "repeats": args.repeats, "threads": 1,
+        "timer": "process CPU time, min over alternated rounds", "native": ops is not None,
+        "cache_sizes": {"l1d": sizes.l1d, "l2": sizes.l2, "source": sizes.source},
+        "load_average": load_average,
+    }  # fmt: skip
+    write_results("ce_block_sweep", config, rows, args.out)
 
 
 if __name__ == "__main__":

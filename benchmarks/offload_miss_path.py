@@ -1,7 +1,8 @@
 """What one step's cache misses cost on CPU: the native row I/O with and without gap merging, and the
 row cache's bookkeeping, each measured in the same run (docs/offload.md, "Miss path").
 
-Run from the repository root: ``python -m benchmarks.offload_miss_path [--quick]``.
+Run from the repository root: ``python -m benchmarks.offload_miss_path [--quick] [--out DIR]``; the
+rows are printed as a table and written to ``DIR/offload_miss_path.json`` (``benchmarks/common.py``).
 
 - ``io``: a backing file of ``--rows`` x ``--dim`` fp32 weights plus row-wise Adagrad's one-float state
   (separate regions, as ``BackingStore`` lays them out), initialized through the mapping as a table is;
@@ -30,19 +31,21 @@ from typing import List, Optional
 
 import torch
 
+from benchmarks.common import write_results
+
 
 def _median(values: List[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def io_rows(args) -> None:
+def io_rows(args) -> List[dict]:
     from shardkit.kernels import native_ops
     from shardkit.kernels.offload.backing_store import BackingStore
     from shardkit.kernels.offload.row_io import MERGE_GAP_BYTES, FileRowIO
 
     if native_ops() is None:
         print("io: the native kernels are not built here (SHARDKIT_NATIVE=0 or no compiler): skipped")
-        return
+        return []
     fields = {"weight": ((args.rows, args.dim), torch.float32), "state": ((args.rows,), torch.float32)}
     with tempfile.TemporaryDirectory(prefix="shardkit-bench-miss-") as directory:
         store = BackingStore.create(fields, {"bench": "miss_path"}, directory)
@@ -74,10 +77,14 @@ def io_rows(args) -> None:
                     times[(name, gap)][0].append(read)
                     times[(name, gap)][1].append(write)
         print(f"io: {args.misses} random rows of {args.rows}, median of {args.rounds} rounds, CPU us per row")
-        for (name, gap), (reads, writes) in times.items():
-            read_us = _median(reads) * 1e6 / args.misses
-            write_us = _median(writes) * 1e6 / args.misses
-            print(f"  {name:7s} merge_gap {gap:5d}: read {read_us:6.2f}  write {write_us:6.2f}")
+        return [
+            {
+                "name": f"io {name} merge_gap {gap}",
+                "read_us_per_row": _median(reads) * 1e6 / args.misses,
+                "write_us_per_row": _median(writes) * 1e6 / args.misses,
+            }
+            for (name, gap), (reads, writes) in times.items()
+        ]
 
 
 class _NoRowIO:
@@ -90,10 +97,11 @@ class _NoRowIO:
         pass
 
 
-def bookkeeping_rows(args) -> None:
+def bookkeeping_rows(args) -> List[dict]:
     from shardkit.kernels.embedding import native_for
     from shardkit.kernels.offload.row_cache import RowCache
 
+    out: List[dict] = []
     paths = [("torch", False)] + ([("native", True)] if native_for(torch.device("cpu")) is not None else [])
     cdf = torch.arange(1, args.rows + 1, dtype=torch.float64).pow(-1.05).cumsum(0)
     cdf /= cdf[-1].clone()
@@ -130,12 +138,19 @@ def bookkeeping_rows(args) -> None:
                 spent[name].append(time.process_time() - start)
         for name, cache in caches.items():
             c = cache.counters
-            print(
-                f"bookkeeping {algorithm} {name}: acquire + release "
-                f"{_median(spent[name]) * 1e3:.2f} ms CPU per batch (median of {args.rounds}); "
-                f"{c.lookups / args.rounds:.0f} distinct rows a batch, "
-                f"hit rate {c.hits / max(c.lookups, 1):.3f}, {args.load_factor:g} x {args.rows} slots"
+            out.append(
+                {
+                    "name": f"bookkeeping {algorithm} {name}",
+                    "ms_per_batch": _median(spent[name]) * 1e3,
+                    "rows_per_batch": c.lookups / args.rounds,
+                    "hit_rate": c.hits / max(c.lookups, 1),
+                }
             )
+    print(
+        f"bookkeeping: acquire + release, CPU ms per batch (median of {args.rounds}); "
+        f"{args.load_factor:g} x {args.rows} slots, in-memory backing"
+    )
+    return out
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -151,13 +166,19 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--algorithms", default="lru,lfu", help="bookkeeping: comma-separated")
     parser.add_argument("--quick", action="store_true", help="small sizes: runs in seconds")
+    parser.add_argument("--out", default=None, help="directory for offload_miss_path.json")
     args = parser.parse_args(argv)
     if args.quick:
         args.rows, args.misses, args.batch, args.warm, args.rounds = 100_000, 1000, 4096, 10, 5
     torch.set_num_threads(args.threads)
-    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
-    io_rows(args)
-    bookkeeping_rows(args)
+    load_average = list(os.getloadavg())
+    print(f"load average: {' '.join(f'{x:.2f}' for x in load_average)}", flush=True)
+    rows = io_rows(args) + bookkeeping_rows(args)
+    config = {
+        k: v for k, v in vars(args).items() if k not in ("out", "quick")
+    }  # the sizes actually run (--quick replaces them)
+    config.update(quick=args.quick, timer="process CPU time, median over rounds", load_average=load_average)
+    write_results("offload_miss_path", config, rows, args.out)
 
 
 if __name__ == "__main__":

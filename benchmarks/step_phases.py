@@ -8,7 +8,9 @@ around each phase (pipeline stages, input dist and its check, the KJT all-to-all
 output dist and its wait, dense archs, backward and its comm / lookup parts, optimizers) and prints,
 for rank 0, each phase's inclusive main-thread CPU ms per step (phases nest: they do not add up).
 Unlike cProfile, only the ~30 wrapped calls per step pay a timer, so the shares stay close to the
-bare step's. ``--base-src DIR`` imports shardkit from another checkout's ``src/``.
+bare step's. ``--base-src DIR`` imports shardkit from another checkout's ``src/``. The rows (``step`` bare and
+with the timers, then the phases) are printed as a table and written to ``--out DIR/step_phases.json``
+(``benchmarks/common.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import importlib
 import os
 import sys
 import time
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional
 
 # (module, class or None, function): the phases, each timed inclusively
 PHASES = [
@@ -119,16 +121,19 @@ def _worker(rank: int, cfg: Dict[str, Any], port: int, queue) -> None:
         dist.destroy_process_group()
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     import torch.multiprocessing as mp
 
+    from benchmarks.common import write_results
     from benchmarks.step_overhead import _free_port
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--base-src", help="import shardkit from this directory (another checkout's src/)")
-    args = parser.parse_args()
+    parser.add_argument("--out", default=None, help="directory for step_phases.json")
+    args = parser.parse_args(argv)
+    load_average = list(os.getloadavg())
     cfg = {
         "ranks": 2, "tables": 26, "rows_min": 1000, "rows_max": 100_000, "dim": 16, "batch": 32,
         "pooling": 2, "sharding": "table_wise", "model": "dlrm", "steps": args.steps,
@@ -137,9 +142,15 @@ def main() -> None:
     queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_worker, args=(cfg, _free_port(), queue), nprocs=2, start_method="spawn")
     bare, wrapped, phases = queue.get()
-    print(f"rank 0 main-thread CPU per step: {bare:.3f} ms bare, {wrapped:.3f} ms with the timers")
+    print("rank 0 main-thread CPU ms per step (inclusive: phases nest) and calls per step")
+    rows = [
+        {"name": "step (bare)", "cpu_ms": bare, "calls": 1.0},
+        {"name": "step (with the timers)", "cpu_ms": wrapped, "calls": 1.0},
+    ]
     for label, (millis, calls) in sorted(phases.items(), key=lambda kv: -kv[1][0]):
-        print(f"  {millis:7.3f} ms  {calls:4.1f}x  {label}")
+        rows.append({"name": label, "cpu_ms": millis, "calls": calls})
+    config = {**cfg, "timer": "rank 0 main-thread CPU time", "load_average": load_average}
+    write_results("step_phases", config, rows, args.out)
 
 
 if __name__ == "__main__":

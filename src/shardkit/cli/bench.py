@@ -76,10 +76,16 @@ QUICK_ARGS: Dict[str, List[str]] = {
         *("--tables", "2", "--rows", "1000", "--dim", "8", "--batch", "32", "--pooling", "2"),
         *("--steps", "3", "--warmup", "1", "--repeats", "1"),
     ],
+    # its megatron method runs only where megatron-core imports (the peer venv): skipped elsewhere
+    "ce_backward_ab": ["--tokens", "64", "--width", "512", "--rounds", "1"],
+    "ce_block_sweep": ["--tokens", "16", "--width", "4096", "--repeats", "1"],
+    "offload_miss_path": ["--quick"],
+    "step_phases": ["--steps", "3", "--warmup", "1"],
 }
-# not benchmarks of their own: shared helpers, the pipeline rows of offload.py, and a wrapper of a peer
+# not benchmarks of their own: shared helpers, the pipeline rows of offload.py, the steady-state cache
+# warming offload.py imports (offload_steady: no main, no table of its own), and a wrapper of a peer
 # script that runs only in the Megatron peer venv (../shared/peers; docs/performance.md has its command)
-_NOT_BENCHMARKS = {"__init__", "common", "offload_pipeline", "vs_megatron_ce_dtype"}
+_NOT_BENCHMARKS = {"__init__", "common", "offload_pipeline", "offload_steady", "vs_megatron_ce_dtype"}
 
 
 def default_dir() -> Path:
