@@ -16,7 +16,7 @@ hierarchy (e.g. an AMD EPYC) shows at once whether the choice is sound there:
 
 Usage (about 1 minute on an idle 2-core VM)::
 
-    ./dev python -m benchmarks.ce_block_sweep [--tokens 1024 --width 64000 --repeats 3] [--out DIR]
+    ./dev python benchmarks/ce_block_sweep.py [--tokens 1024 --width 64000 --repeats 3] [--out DIR]
 
 Results: one table row per swept size (its sweep, CPU ms, ratio to the sweep's best, whether it is the
 chosen size) and ``--out DIR/ce_block_sweep.json`` (``benchmarks/common.py``).
@@ -28,14 +28,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 from typing import List, Optional
 
 import torch
 
-from benchmarks.common import write_results
-from shardkit.kernels import kernel_backend, native_ops
+# run as a script (the usage above), the checkout's root is not on the path: benchmarks.common needs it
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import write_results  # noqa: E402
+from shardkit.kernels import kernel_backend, native_ops  # noqa: E402
 from shardkit.kernels.cpu_cache import CacheSizes, cache_sizes, columns_in_cache
 from shardkit.kernels.cross_entropy import PAGE_MODES, gradient_page_mode
 from shardkit.losses import statistics as st
