@@ -58,6 +58,10 @@ def test_hanging_rank_times_out_and_is_killed():
     assert time.monotonic() - start < 30
     assert "--- rank 0 ---" in str(info.value)
     assert "did not finish within the 5 s timeout" in str(info.value)
+    # where it hung: the stacks its worker wrote shortly before it was killed
+    rank_zero = str(info.value).split("--- rank 1 ---")[0]
+    assert "its threads' stacks shortly before the timeout" in rank_zero
+    assert "_hang_on_rank_zero" in rank_zero
     # the pool replaced the killed worker and still works
     assert run_world(_rank_and_sum, 2)[0] == (0, 2, 3.0)
 

@@ -5,6 +5,7 @@ Kept free of imports from the rest of shardkit so that a worker starts as fast a
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import sys
@@ -50,6 +51,21 @@ def _raise_naming_silent_ranks(err: Exception) -> None:
 
 
 def _run_task(task: dict) -> tuple:
+    # every thread's stack goes to the task's stacks file at ``stacks_at`` (wall clock, set by the parent
+    # shortly before it would kill a hanging worker; a worker that started late gets there sooner), so
+    # that the test's error shows where it hung
+    stacks = open(task["stacks_path"], "w") if task.get("stacks_path") else None
+    if stacks is not None:
+        faulthandler.dump_traceback_later(max(0.1, task["stacks_at"] - time.time()), file=stacks)
+    try:
+        return _run_task_body(task)
+    finally:
+        if stacks is not None:
+            faulthandler.cancel_dump_traceback_later()
+            stacks.close()
+
+
+def _run_task_body(task: dict) -> tuple:
     import torch.distributed as dist
 
     saved_env = {k: os.environ.get(k) for k in task["env"]}

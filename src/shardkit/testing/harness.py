@@ -36,6 +36,10 @@ _INIT_ERROR = "process group set-up failed:\n"
 # with new_group) could not be set up between local processes: the machine, not the code under test.
 _GLOO_CONNECT_ERROR = "Gloo connectFullMesh failed"
 _KILLED_AFTER_FAILURE = "did not finish after another rank failed"
+_TIMED_OUT = "did not finish within the"
+# the fraction of a task's timeout after which its workers write every thread's stack (faulthandler):
+# before the parent kills a worker that hangs, so that the test's error shows where it hung
+STACKS_AT_FRACTION = 0.9
 _PEER_CLOSED = "Connection closed by peer"
 _NO_MAIN_GUARD = "no __main__ guard:\n"
 # Exit code of a worker that found run_world called while it imported the user's script (no
@@ -45,6 +49,16 @@ NO_MAIN_GUARD_MESSAGE = (
     'run_world needs an `if __name__ == "__main__":` guard around the code of your script that calls '
     "it: its worker processes are started with spawn and import the script (docs/testing.md)"
 )
+
+
+def _stacks_of(path: str) -> str:
+    """The stacks a timed-out worker wrote (at ``STACKS_AT_FRACTION`` of its timeout), or ""."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return ""
+    return f"its threads' stacks shortly before the timeout:\n{text}\n" if text else ""
 
 
 def _connection_set_up_failures(errors: Mapping[int, str]) -> list[int]:
@@ -184,15 +198,26 @@ class WorkerPool:
                 "env": task_env,
                 "sys_path": list(sys.path),
                 "payload": payload,
+                "stacks_path": self._stacks_path(rank),
+                "stacks_at": time.time() + STACKS_AT_FRACTION * timeout,
             }
             self._workers[rank].conn.send_bytes(pickle.dumps(task))
         try:
-            return self._collect(world_size, timeout)
+            results, errors = self._collect(world_size, timeout)
+            for rank, body in errors.items():
+                if body.startswith(_TIMED_OUT):
+                    errors[rank] = body + _stacks_of(self._stacks_path(rank))
+            return results, errors
         finally:
-            try:
-                os.remove(store_path)
-            except OSError:
-                pass
+            for path in [store_path] + [self._stacks_path(rank) for rank in range(world_size)]:
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
+
+    def _stacks_path(self, rank: int) -> str:
+        """Where the worker of ``rank`` writes its threads' stacks when its task nears its timeout."""
+        return os.path.join(self._tmpdir, f"stacks-{self._task_counter}-{rank}")
 
     def _collect(self, world_size: int, timeout: float) -> tuple[dict, dict]:
         conns = {self._workers[r].conn: r for r in range(world_size)}
@@ -225,7 +250,7 @@ class WorkerPool:
                         first_error = time.monotonic()
                     errors[rank] = body
         for rank in conns.values():
-            late = f"did not finish within the {timeout:.0f} s timeout"
+            late = f"{_TIMED_OUT} {timeout:.0f} s timeout"
             why = _KILLED_AFTER_FAILURE if len(errors) else late
             errors[rank] = f"{why}; worker killed\n"
         return results, errors
