@@ -205,7 +205,7 @@ class WorkerPool:
         try:
             results, errors = self._collect(world_size, timeout)
             for rank, body in errors.items():
-                if body.startswith(_TIMED_OUT):
+                if body.startswith((_TIMED_OUT, _KILLED_AFTER_FAILURE)):
                     errors[rank] = body + _stacks_of(self._stacks_path(rank))
             return results, errors
         finally:
