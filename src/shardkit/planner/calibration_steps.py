@@ -23,7 +23,9 @@ The configurations (``calibration_configs``) are synthetic, never the model bein
 type and all four together (the fixed costs); table-wise tables of 1 to ``BIG_BYTES`` at ``BIG_BATCH``
 bags of ``BIG_POOLING`` ids, and at widths 16 and 128 (per id, per miss and per byte costs); row- and
 column-wise tables of ``BIG_BYTES`` / 4 and ``BIG_BYTES`` (their routing per id); one data-parallel table of
-``BIG_BYTES`` / 4 (its whole-table passes). How the fixed costs grow with the batch is measured only
+``BIG_BYTES`` / 4 at ``BATCH`` bags of one id (its whole-table passes) and at ``BIG_BATCH`` bags of
+``BIG_POOLING`` ids (its per-id work: the fused replica's backward re-runs the lookup and exchanges every
+rank's touched rows). How the fixed costs grow with the batch is measured only
 through the per-id terms.
 """
 
@@ -56,7 +58,7 @@ from shardkit.sharding.types import EmbeddingModuleShardingPlan, ShardingPlan
 from shardkit.sparse import KeyedJaggedTensor
 
 TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel")
-ID_TYPES = ("table_wise", "row_wise", "column_wise")  # a replica's few local ids: no per-id term
+ID_TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel")
 COUNTS = (1, 4, 16)  # shards of one type per rank in the tiny steps the per-shard cost is fitted from
 ROUNDS = 5  # alternating rounds of the timed steps
 STEPS_PER_ROUND = 2
@@ -108,6 +110,7 @@ def calibration_configs(world: int, big_bytes: int = BIG_BYTES) -> List[StepConf
         configs.append(StepConfig(("row_wise",) * world, rows, BIG_DIM, **big))
         configs.append(StepConfig(("column_wise",) * world, rows, max(1, BIG_DIM // world), **big))
     configs.append(StepConfig(("data_parallel",), max(64, big_bytes // 4) // row_bytes, BIG_DIM))
+    configs.append(StepConfig(("data_parallel",), max(64, big_bytes // 4) // row_bytes, BIG_DIM, **big))
     return configs
 
 
