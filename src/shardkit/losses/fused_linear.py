@@ -201,8 +201,12 @@ def _native_column_blocks(ops, column_logits, width, columns, lse, coefficients,
         here = owned & (index >= c0) & (index < c1)
         local = torch.where(here, index - c0, torch.zeros_like(index))
         sub = dataclasses.replace(opts, shard=block)
-        yield c0, c1, native_gradient(
-            ops, logits, logits, lse, (local, here, active, coef_p, coef_target, coef_uniform), sub
+        yield (
+            c0,
+            c1,
+            native_gradient(
+                ops, logits, logits, lse, (local, here, active, coef_p, coef_target, coef_uniform), sub
+            ),
         )
 
 
