@@ -85,6 +85,18 @@ def run_under_peer_python(module: str, argv: Optional[List[str]]) -> bool:
     return True
 
 
+def handled_without_peers(name: str, argv: Optional[List[str]], out: Optional[str]) -> bool:
+    """True when this Python lacks torchrec / fbgemm-gpu and ``benchmarks.<name>`` was dealt with: re-run
+    under :func:`peer_python`, or a "skipped" result written with what to install. False: measure here."""
+    missing = missing_peers()
+    if not missing:
+        return False
+    if not run_under_peer_python(f"benchmarks.{name}", argv):
+        print(missing_peer_message(missing))
+        write_results(name, {"skipped": f"not installed: {', '.join(missing)}"}, [], out)
+    return True
+
+
 def missing_peer_message(missing: List[str]) -> str:
     """What to install, in pip's terms, for the packages ``missing`` (import names)."""
     python = sys.executable
@@ -415,12 +427,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         sweep_main([a for a in args_list if a != "--sweep"])
         return
     parsed = parser.parse_args(argv)
-    missing = missing_peers()
-    if missing:
-        if run_under_peer_python("benchmarks.vs_torchrec", argv):
-            return
-        print(missing_peer_message(missing))
-        write_results("vs_torchrec", {"skipped": f"not installed: {', '.join(missing)}"}, [], parsed.out)
+    if handled_without_peers("vs_torchrec", argv, parsed.out):
         return
     from benchmarks.vs_torchrec import step_worker as worker  # workers unpickle it by module name
     from shardkit.testing import run_world

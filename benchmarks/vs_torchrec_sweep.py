@@ -59,10 +59,8 @@ from benchmarks.common import write_results
 from benchmarks.vs_torchrec import (
     _batches,
     _full_tables,
-    missing_peer_message,
-    missing_peers,
+    handled_without_peers,
     prepare,
-    run_under_peer_python,
     timed,
 )
 
@@ -194,13 +192,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     )
     parser.add_argument("--out", help="JSON directory (default: a new one outside the checkout)")
     parsed = parser.parse_args(argv)
-    missing = missing_peers()
-    if missing:
-        if run_under_peer_python("benchmarks.vs_torchrec_sweep", argv):
-            return
-        print(missing_peer_message(missing))
-        skipped = {"skipped": f"not installed: {', '.join(missing)}"}
-        write_results("vs_torchrec_sweep", skipped, [], parsed.out)
+    if handled_without_peers("vs_torchrec_sweep", argv, parsed.out):
         return
     from benchmarks.vs_torchrec_sweep import sweep_worker as worker  # workers unpickle it by module name
     from shardkit.testing import WorldError, run_world, shutdown_workers
