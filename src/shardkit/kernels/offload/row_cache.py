@@ -59,8 +59,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from shardkit.kernels.embedding import RowOutOfRange, native_for
+from shardkit.kernels.embedding import native_for
 from shardkit.kernels.offload.cache_counters import CacheCounters
+from shardkit.kernels.offload.row_checks import checked_rows
+from shardkit.kernels.offload.victims import select_victims
 
 ALGORITHMS = ("lru", "lfu")
 
@@ -237,7 +239,7 @@ class RowCache:
             RowOutOfRange (an IndexError) for a row outside ``[0, R)``; ValueError for a repeated row;
             TypeError / ValueError for a tensor that is not a 1-D integer tensor.
         """
-        rows, ascending = self._checked_rows(rows)
+        rows, ascending = checked_rows(rows, self.num_rows)
         with self._locked():
             return self._acquire(rows, ascending)
 
@@ -374,36 +376,6 @@ class RowCache:
 
     # ------------------------------------------------------------------ internals
 
-    def _checked_rows(self, rows: torch.Tensor) -> Tuple[torch.Tensor, bool]:
-        """``rows`` as int64 on the host, after the checks of :meth:`acquire`, and whether they ascend.
-
-        Rows from ``torch.unique`` (what the lookups pass) ascend strictly: checked in one pass, without
-        the sort that finds a repeated row in any other order.
-        """
-        if not isinstance(rows, torch.Tensor):
-            raise TypeError(
-                f"RowCache.acquire: rows must be an integer tensor [U], got {type(rows).__name__}"
-            )
-        if rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool:
-            raise TypeError(f"RowCache.acquire: rows must be an integer tensor, got dtype {rows.dtype}")
-        if rows.dim() != 1:
-            raise ValueError(f"RowCache.acquire: rows must be 1-D [U], got shape {tuple(rows.shape)}")
-        rows = rows.to(device="cpu", dtype=torch.int64)
-        if rows.numel() and bool((rows[1:] > rows[:-1]).all()):
-            if int(rows[0]) >= 0 and int(rows[-1]) < self.num_rows:
-                return rows, True
-        if rows.numel():
-            outside = (rows < 0) | (rows >= self.num_rows)
-            if bool(outside.any()):
-                position = int(outside.nonzero()[0, 0])
-                raise RowOutOfRange(position, int(rows[position]), self.num_rows)
-            ordered = rows.sort().values
-            repeated = ordered[1:] == ordered[:-1]
-            if bool(repeated.any()):
-                row = int(ordered[1:][repeated][0])
-                raise ValueError(f"RowCache.acquire: rows must be distinct; row {row} appears more than once")
-        return rows, rows.numel() == 0
-
     def _native(self) -> Optional[Any]:
         """The native bookkeeping ops (``torch.ops.shardkit_native``), or None: the pure-torch path (not
         built, ``SHARDKIT_NATIVE=0``, or ``kernel_backend("torch")``; the bookkeeping is on the host)."""
@@ -490,28 +462,11 @@ class RowCache:
             return candidates
         if count == 0:
             return candidates[:0]
+        lfu = self.algorithm == "lfu"
         native = self._native()
         if native is not None:  # one selection over (freq, stamp) keys: the same slots, ascending
-            lfu = self.algorithm == "lfu"
             return native.row_cache_victims(candidates, self._stamp, self._freq, count, lfu)
-        stamps = self._stamp[candidates]
-        if self.algorithm == "lru":
-            # stamps are distinct (each acquired row gets its own), so the choice is unique: the slots
-            # stamped at most the count-th smallest stamp (one selection: kthvalue is linear, topk of
-            # thousands among a cache of 10^5 slots costs twice as much)
-            victims = candidates[stamps <= torch.kthvalue(stamps, count).values]
-            if victims.numel() == count:
-                return victims
-            return candidates[torch.topk(stamps, count, largest=False).indices]  # ties: never expected
-        # lfu: every slot with fewer acquisitions than the count-th smallest, then the least recent
-        # of those tied at that count (two selections: no composite key that could overflow)
-        freq = self._freq[candidates]
-        threshold = torch.kthvalue(freq, count).values
-        below = candidates[freq < threshold]
-        tied = (freq == threshold).nonzero().flatten()
-        rest = count - below.numel()
-        oldest = tied[torch.topk(stamps[tied], rest, largest=False).indices]
-        return torch.cat([below, candidates[oldest]])
+        return select_victims(candidates, self._stamp, self._freq, count, lfu)
 
     def _evict(self, victims: torch.Tensor) -> None:
         """Drop the rows in slots ``victims`` (int64 [n]), writing the dirty ones back first."""
