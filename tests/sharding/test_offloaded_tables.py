@@ -19,6 +19,7 @@ import torch
 from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.kernels import kernel_backend, native_enabled_by_env
 from shardkit.kernels.native_build import native_ops
+from shardkit.kernels.offload.backing_store import RESIDENT_MAP_ENV, resident_map_allowance
 from shardkit.modules import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
@@ -145,6 +146,11 @@ def _check(pooled: bool, optimizer: OptimType, kernel: str, load_factor: float, 
     groups = [g for lk in offloaded.lookups for g in lk.lookups]
     assert groups and all(isinstance(g, OffloadedEmbeddingLookup) for g in groups)
     assert all((g.cache is None) == (kernel == "fused_uvm") for g in groups)
+    # $SHARDKIT_OFFLOAD_RESIDENT_MAP set (these files are small): every store keeps its mapping and the
+    # cache moves rows through it instead of preadv / pwritev; unset: the positioned I/O
+    resident = resident_map_allowance() > 0
+    assert all(g.store.resident == resident for g in groups)
+    assert all((g.cache._row_io is None) == resident for g in groups if g.cache is not None)
     features = [(f, rows) for t in reference._tables for f in t.feature_names for rows in [t.num_embeddings]]
     _train(reference, in_memory, offloaded, features, pooled, optimizer is not OptimType.ROWWISE_ADAGRAD)
     want, got = _state(in_memory), _state(offloaded)
@@ -158,7 +164,8 @@ def _check(pooled: bool, optimizer: OptimType, kernel: str, load_factor: float, 
         assert os.path.exists(g.store.path)
 
 
-def _worker(cases, backend: str) -> bool:
+def _worker(cases, backend: str, resident_map: str = "") -> bool:
+    os.environ[RESIDENT_MAP_ENV] = resident_map
     if backend == "native":  # the default on CPU: make sure it is the one that ran
         assert native_ops() is not None, "the native kernels did not build here"
         for args in cases:
@@ -190,3 +197,12 @@ def test_offloaded_equals_in_memory_fused(world_size, local_size):
 
 def test_offloaded_equals_in_memory_fused_pure_torch_kernels():
     assert all(run_world(_worker, 2, CASES, "torch"))
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_offloaded_with_resident_mapping_equals_in_memory_fused(backend):
+    """The backing files kept mapped ($SHARDKIT_OFFLOAD_RESIDENT_MAP): rows move by copies through the
+    mapping instead of preadv / pwritev; the results stay bitwise those of ``fused``."""
+    if backend == "native" and not native_enabled_by_env():
+        pytest.skip("SHARDKIT_NATIVE=0: the native kernels are switched off")
+    assert all(run_world(_worker, 2, CASES, backend, "1G"))

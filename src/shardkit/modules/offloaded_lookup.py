@@ -224,8 +224,11 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
             backing = {"weight": self.store.tensors["weight"]}
             backing.update({f"state.{n}": t for n, t in state.items()})
             # a backing file: misses / victims move by preadv / pwritev (no page faults, no pages
-            # mapped, nothing to unmap); host memory: through the tensors
-            row_io = self.store.row_io()
+            # mapped, nothing to unmap), or, where the file fits $SHARDKIT_OFFLOAD_RESIDENT_MAP,
+            # through its mapping kept resident (a memcpy per row, no system call); host memory:
+            # through the tensors
+            resident = self.compute_device.type == "cpu" and self.store.keep_mapped()
+            row_io = None if resident else self.store.row_io()
             row_bytes = sum(t[0].numel() * t.element_size() for t in backing.values() if t.numel())
             self.cache = RowCache(
                 backing,
@@ -233,11 +236,13 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
                 self.offload.algorithm,
                 self.compute_device,
                 io_chunk_rows=IO_CHUNK_ROWS
-                if row_io is None
+                if row_io is None and not resident
                 else max(1, IO_BUFFER_BYTES // max(row_bytes, 1)),
-                after_io=self.store.drop_resident if row_io is None else None,
+                after_io=self.store.drop_resident if row_io is None and not resident else None,
                 row_io=row_io,
             )
+        elif self.compute_device.type == "cpu":
+            self.store.keep_mapped()  # uvm: the kernel reads the mapping; kept if it fits the allowance
         self._prefetched: List[PrefetchedRows] = []
         # prefetches run on the worker thread (a CPU cache only: CUDA copies stay on the caller's stream)
         self.background_prefetch = background_prefetch_default() and self.compute_device.type == "cpu"

@@ -13,12 +13,14 @@ from shardkit.kernels.offload import OffloadSpec
 from shardkit.kernels.offload.backing_store import (
     HEADER_BYTES,
     OFFLOAD_DIR_ENV,
+    RESIDENT_MAP_ENV,
     BackingStore,
     bytes_needed,
     check_directory,
     default_offload_dir,
     field_specs,
     read_header,
+    resident_map_allowance,
 )
 
 FIELDS = field_specs((1000, 16), torch.float16, {"sum": (1000,)})
@@ -62,6 +64,47 @@ def test_drop_resident_unmaps_pages_and_keeps_data(tmp_path):
     store.drop_resident()
     assert _resident_kib(store.path) == 0
     assert torch.all(store.tensors["weight"] == 3.0)  # read back from the page cache / file
+
+
+def test_keep_mapped_within_the_allowance_keeps_pages_mapped(tmp_path, monkeypatch):
+    fields = field_specs((4096, 64), torch.float32, {})  # 1 MiB of weights + the header
+    monkeypatch.setenv(RESIDENT_MAP_ENV, "3M")  # room for two such files, not three
+    stores = [BackingStore.create(fields, IDENTITY, str(tmp_path), f"t{i}") for i in range(3)]
+    assert [s.keep_mapped() for s in stores] == [True, True, False]
+    assert stores[0].keep_mapped()  # asking again claims nothing more
+    for store in stores:
+        store.tensors["weight"].fill_(2.0)
+        store.drop_resident()
+    assert _resident_kib(stores[0].path) >= 4096 * 64 * 4 // 1024  # kept: every page still mapped
+    assert _resident_kib(stores[2].path) == 0  # beyond the allowance: unmapped as before
+    assert all(torch.all(s.tensors["weight"] == 2.0) for s in stores)
+    # a store that goes away gives its share back
+    path = stores[0].path
+    del stores[0]
+    assert not os.path.exists(path)
+    assert stores[1].keep_mapped() and stores[-1].keep_mapped()
+
+
+def test_keep_mapped_is_off_by_default(tmp_path, monkeypatch):
+    monkeypatch.delenv(RESIDENT_MAP_ENV, raising=False)
+    store = BackingStore.create(FIELDS, IDENTITY, str(tmp_path), "t")
+    assert resident_map_allowance() == 0 and not store.keep_mapped() and not store.resident
+    assert not BackingStore.in_host_memory(FIELDS).keep_mapped()  # no file, nothing to keep mapped
+
+
+@pytest.mark.parametrize(
+    "value, expected", [("off", 0), ("0", 0), ("4096", 4096), ("2k", 2048), ("1G", 1 << 30)]
+)
+def test_resident_map_allowance_parses_bytes(monkeypatch, value, expected):
+    monkeypatch.setenv(RESIDENT_MAP_ENV, value)
+    assert resident_map_allowance() == expected
+
+
+@pytest.mark.parametrize("value", ["lots", "-5", "1.5G", "12Q"])
+def test_resident_map_allowance_rejects_bad_values(monkeypatch, value):
+    monkeypatch.setenv(RESIDENT_MAP_ENV, value)
+    with pytest.raises(ValueError, match=RESIDENT_MAP_ENV):
+        resident_map_allowance()
 
 
 @pytest.mark.parametrize(
