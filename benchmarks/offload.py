@@ -149,8 +149,16 @@ def batches(rows: int, args, count: int, stream: int = 0) -> List[Any]:
 
 
 def step(module, kjt) -> None:
-    """One training step: forward, loss, backward (the fused optimizer updates the rows)."""
+    """One training step: forward, loss, backward (the fused optimizer updates the rows), and then the
+    end of the evicted rows' background writes (write-behind, kernels/offload/write_behind.py): they
+    overlap this step only, never the next module's step of a round (the step time is the conservative
+    one: in training they could overlap the next step of the same model too)."""
     module(kjt).wait().values().sum().backward()
+    for lookup in getattr(module, "lookups", ()):
+        for group in getattr(lookup, "lookups", ()):
+            writer = getattr(getattr(group, "cache", None), "_write_behind", None)
+            if writer is not None:
+                writer.wait()
 
 
 def offloaded_lookup(module):
@@ -169,14 +177,17 @@ def warm(module, rows: int, args) -> Dict[str, Any]:
     return done
 
 
-def _rounds(modules, inputs, times, cpu_times) -> None:
-    """One step of each module per batch, in turn (a change of the machine's load hits them alike)."""
+def _rounds(modules, inputs, times, cpu_times, main_cpu_times=None) -> None:
+    """One step of each module per batch, in turn (a change of the machine's load hits them alike);
+    ``main_cpu_times``: also the CPU time of this (the main) thread alone."""
+    main_cpu_times = main_cpu_times or [[] for _ in modules]
     for kjt in inputs:
-        for module, spent, cpu_spent in zip(modules, times, cpu_times):
-            start, cpu_start = time.perf_counter(), time.process_time()
+        for module, spent, cpu_spent, main_spent in zip(modules, times, cpu_times, main_cpu_times):
+            start, cpu_start, main_start = time.perf_counter(), time.process_time(), time.thread_time()
             step(module, kjt)
             spent.append(time.perf_counter() - start)
             cpu_spent.append(time.process_time() - cpu_start)
+            main_spent.append(time.thread_time() - main_start)
 
 
 def _median(values: List[float]) -> float:
@@ -234,10 +245,14 @@ def step_rows(args, offload_dir: str) -> List[Dict[str, Any]]:
         inputs = batches(args.rows, args, count, stream=0 if phase == "cold" else 4)
         times: List[List[float]] = [[] for _ in modules]
         cpu_times: List[List[float]] = [[] for _ in modules]
-        _rounds(modules, inputs, times, cpu_times)
+        main_cpu_times: List[List[float]] = [[] for _ in modules]
+        _rounds(modules, inputs, times, cpu_times, main_cpu_times)
         medians = [_median(t) for t in times]
         cpu_medians = [_median(t) for t in cpu_times]
-        for (kernel, lf, mapped), module, seconds, cpu in zip(configs, modules, medians, cpu_medians):
+        main_cpu_medians = [_median(t) for t in main_cpu_times]
+        for (kernel, lf, mapped), module, seconds, cpu, main_cpu in zip(
+            configs, modules, medians, cpu_medians, main_cpu_medians
+        ):
             name = kernel if kernel != "fused_uvm_caching" else f"{kernel} lf={lf}"
             name += " mapped" if mapped else ""
             name += f" ({phase}{f': first {count} steps' if phase == 'cold' else ''})"
@@ -245,6 +260,9 @@ def step_rows(args, offload_dir: str) -> List[Dict[str, Any]]:
             row = _phase_row(
                 name, args.rows, seconds, cpu, medians[0], cpu_medians[0], stats, count * ids_per_step
             )
+            # the main thread's CPU alone: without the write-behind thread's (the critical path when a
+            # core is free for that thread)
+            row["main_cpu_ms/step"] = main_cpu * 1e3
             if mapped:  # the backing file kept mapped: up to all of it resident (RssFile)
                 row["mapped_MiB"] = offloaded_lookup(module).store.nbytes / 2**20
             if phase == "steady" and kernel == "fused_uvm_caching":

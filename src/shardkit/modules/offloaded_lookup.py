@@ -37,6 +37,7 @@ from shardkit.kernels.offload import OffloadSpec
 from shardkit.kernels.offload.backing_store import BackingStore, field_specs
 from shardkit.kernels.offload.cache_counters import CacheCounters
 from shardkit.kernels.offload.row_cache import RowCache
+from shardkit.kernels.offload.write_behind import WriteBehind, write_behind_default
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig, SparseRowOptimizer, _state_shapes
 from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup, ShardSpec
 from shardkit.modules.lookup_kernels import lookup as run_lookup
@@ -240,6 +241,10 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
                 else max(1, IO_BUFFER_BYTES // max(row_bytes, 1)),
                 after_io=self.store.drop_resident if row_io is None and not resident else None,
                 row_io=row_io,
+                # evicted dirty rows written by a background thread (kernels/offload/write_behind.py)
+                write_behind=WriteBehind(row_io, keepalive=self.store)
+                if row_io is not None and self.compute_device.type == "cpu" and write_behind_default()
+                else None,
             )
         elif self.compute_device.type == "cpu":
             self.store.keep_mapped()  # uvm: the kernel reads the mapping; kept if it fits the allowance

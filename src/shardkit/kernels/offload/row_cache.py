@@ -101,6 +101,9 @@ class RowCache:
             (``preadv`` / ``pwritev``, native C++ when built) instead of through the
             ``backing`` tensors, so a mapped file's pages are never faulted in (``after_io`` is then
             not needed).
+        write_behind: optional :class:`~shardkit.kernels.offload.write_behind.WriteBehind` (host
+            buffers only): an eviction's dirty rows are copied out of their slots and written by its
+            background thread; misses whose write is pending wait for it, flushes wait for all.
 
     Attributes:
         tensors: field name -> fast-tier buffer ``[size, *width]``, the backing field's dtype, contiguous,
@@ -124,6 +127,7 @@ class RowCache:
         io_chunk_rows: Optional[int] = None,
         after_io: Optional[Callable[[], None]] = None,
         row_io: Optional[Any] = None,
+        write_behind: Optional[Any] = None,
     ) -> None:
         if not isinstance(backing, dict) or not backing:
             raise ValueError("RowCache: backing must be a non-empty dict of field name -> tensor [R, *width]")
@@ -154,6 +158,9 @@ class RowCache:
         self.io_chunk_rows = io_chunk_rows
         self._after_io = after_io
         self._row_io = row_io
+        if write_behind is not None and (device is not None and torch.device(device).type != "cpu"):
+            raise ValueError(f"RowCache: write_behind needs host buffers, the cache is on {device}")
+        self._write_behind = write_behind
         self.algorithm = _algorithm_name(algorithm)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.backing = backing
@@ -343,6 +350,8 @@ class RowCache:
             self._flush()
 
     def _flush(self) -> None:
+        if self._write_behind is not None:  # the evicted rows first: the file complete after a flush
+            self._write_behind.wait()
         slots = self._dirty.nonzero().flatten()
         self._write_back(self.row_of_slot[slots], slots)
         self._dirty[slots] = False
@@ -474,7 +483,10 @@ class RowCache:
             return
         rows = self.row_of_slot[victims]
         dirty = self._dirty[victims]
-        self._write_back(rows[dirty], victims[dirty])
+        if self._write_behind is not None:
+            self._stage_write_back(rows[dirty], victims[dirty])
+        else:
+            self._write_back(rows[dirty], victims[dirty])
         # index_fill_ rather than indexed assignment: the same values, no index_put_ machinery
         self.slot_of_row.index_fill_(0, rows, -1)
         self.row_of_slot.index_fill_(0, victims, -1)
@@ -487,6 +499,8 @@ class RowCache:
     def _write_back(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Copy slots ``slots`` to backing rows ``rows`` (int64 [n] each, host), in ascending row order."""
         count = rows.numel()
+        if self._write_behind is not None:  # one writer of the file at a time, in eviction order
+            self._write_behind.wait()
         if not count:
             return
         rows, order = rows.sort()
@@ -504,8 +518,23 @@ class RowCache:
         self.counters.rows_written += count
         self.counters.bytes_written += count * self.row_bytes
 
+    def _stage_write_back(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """:meth:`_write_back` through the write-behind thread: the slots' rows copied out (the slots are
+        free for reuse at once), then written in the background, in ascending row order."""
+        count = rows.numel()
+        if not count:
+            return
+        rows, order = rows.sort()
+        slots = slots.index_select(0, order)
+        staging = {name: buffer.index_select(0, slots) for name, buffer in self.tensors.items()}
+        self._write_behind.submit(rows, staging)
+        self.counters.rows_written += count
+        self.counters.bytes_written += count * self.row_bytes
+
     def _load(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Copy backing rows ``rows`` (ascending int64 [n], host) into free slots ``slots`` (int64 [n])."""
+        if self._write_behind is not None:  # a row evicted and asked again: its write lands first
+            self._write_behind.wait_for(rows)
         for start, stop in self._io_chunks(rows.numel()):
             cache_slots = slots[start:stop].to(self.device)
             if self._row_io is not None:
