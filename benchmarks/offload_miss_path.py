@@ -10,6 +10,10 @@ rows are printed as a table and written to ``DIR/offload_miss_path.json`` (``ben
   ``FileRowIO.read_into`` / ``write_from`` (native path), one field at a time, with
   ``merge_gap = 0`` (one call per row) and the default (rows up to 4 KiB apart share a call),
   alternating; CPU microseconds per row, median over ``--rounds``.
+- ``io ... kept mapping``: the same rounds through a second file kept mapped
+  (``$SHARDKIT_OFFLOAD_RESIDENT_MAP``, ``BackingStore.keep_mapped``): the rows copied with
+  ``index_select`` / ``index_copy_`` on the mapped tensors, as the cache then does; its pages stay in
+  the resident set (``mapped_MiB``).
 - ``bookkeeping``: ``RowCache.acquire`` + ``release(dirty=True)`` of Zipf batches (``--batch`` ids,
   exponent 1.05; distinct rows as the lookup passes them) on a cache of ``--load-factor`` x rows over
   in-memory backing tensors (no file I/O: the slot map, LRU queue, pins, ... plus the misses' and
@@ -76,15 +80,51 @@ def io_rows(args) -> List[dict]:
                     times.setdefault((name, gap), ([], []))
                     times[(name, gap)][0].append(read)
                     times[(name, gap)][1].append(write)
+        times.update(_kept_mapping_times(args, fields, directory, slots, gen))
         print(f"io: {args.misses} random rows of {args.rows}, median of {args.rounds} rounds, CPU us per row")
         return [
             {
-                "name": f"io {name} merge_gap {gap}",
+                "name": f"io {name} " + (gap if isinstance(gap, str) else f"merge_gap {gap}"),
                 "read_us_per_row": _median(reads) * 1e6 / args.misses,
                 "write_us_per_row": _median(writes) * 1e6 / args.misses,
             }
             for (name, gap), (reads, writes) in times.items()
         ]
+
+
+def _kept_mapping_times(args, fields, directory, slots, gen) -> dict:
+    """Per field, the rounds' CPU seconds to read / write ``--misses`` random rows through a mapping
+    kept resident: ``{(field, "kept mapping"): (reads, writes)}``."""
+    from shardkit.kernels.offload.backing_store import RESIDENT_MAP_ENV, BackingStore
+
+    before = os.environ.get(RESIDENT_MAP_ENV)
+    os.environ[RESIDENT_MAP_ENV] = "1024G"
+    try:
+        store = BackingStore.create(fields, {"bench": "miss_path_mapped"}, directory)
+        assert store.keep_mapped()
+    finally:
+        if before is None:
+            del os.environ[RESIDENT_MAP_ENV]
+        else:
+            os.environ[RESIDENT_MAP_ENV] = before
+    store.tensors["weight"].normal_()  # initialized through the mapping, pages kept (as a table is)
+    store.tensors["state"].fill_(0.5)
+    buffers = {"weight": torch.zeros(args.misses, args.dim), "state": torch.zeros(args.misses)}
+    times: dict = {}
+    for _ in range(args.rounds):
+        rows = torch.randperm(args.rows, generator=gen)[: args.misses].sort().values
+        for name in fields:
+            mapped, buffer = store.tensors[name], buffers[name]
+            start = time.process_time()
+            buffer.index_copy_(0, slots, mapped.index_select(0, rows))
+            read = time.process_time() - start
+            start = time.process_time()
+            mapped.index_copy_(0, rows, buffer.index_select(0, slots))
+            write = time.process_time() - start
+            times.setdefault((name, "kept mapping"), ([], []))
+            times[(name, "kept mapping")][0].append(read)
+            times[(name, "kept mapping")][1].append(write)
+    return times
 
 
 class _NoRowIO:
