@@ -106,6 +106,9 @@ def pipeline_rows(args, offload_dir: str) -> List[Dict[str, Any]]:
                 pipeline.progress(it)
             for lookup in lookups:  # the last step's background prefetch belongs to this block
                 lookup.wait_for_prefetch()
+                writer = getattr(lookup.cache, "_write_behind", None)
+                if writer is not None:  # and so do its evicted rows' background writes
+                    writer.wait()
             w.append((time.perf_counter() - start) / count)
             c.append((time.process_time() - cpu_start) / count)
             m.append((time.thread_time() - main_start) / count)
