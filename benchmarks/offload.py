@@ -15,6 +15,12 @@ spread over the table by a random permutation):
   ``--warmup`` training steps, then ``--steps`` timed ones. Steady rows carry the warming's batches,
   seconds and last hit rate, and ``predicted_id_miss_rate``: ``CacheStatistics.from_ids`` of
   ``--stats-steps`` steps of the same stream (compare with ``id_miss_rate``);
+- variants of ``fused_uvm_caching`` at ``--mapped-load-factors`` (default 0.2): ``mapped``, its backing
+  file kept mapped (``$SHARDKIT_OFFLOAD_RESIDENT_MAP``; ``mapped_MiB``: the file, which may all stay in
+  RSS); and at ``--in-step-write-back-load-factors`` (default 0.2): ``in-step write-back``, without the
+  write-behind thread (``SHARDKIT_OFFLOAD_WRITE_BEHIND=0``), the same step as the default rows but
+  evicted rows written in the step; ``main_cpu_ms/step`` is the main thread's CPU alone (docs/offload.md,
+  "Write-behind and kept mappings");
 - the same table trained through ``PrefetchTrainPipelineSparseDist``: in memory, and offloaded with
   ``prefetch_pipeline`` at ``--pipeline-load-factors`` (default 0.2), the prefetch of batch i+1 run
   synchronously and on the background thread (``benchmarks/offload_pipeline.py``);
@@ -116,24 +122,34 @@ def sharded_table(
     return EmbeddingBagCollectionSharder().shard(ebc, plan, ShardingEnv.from_local(1, 0))
 
 
-def _table_maybe_mapped(kernel: str, rows: int, dim: int, load_factor: float, offload_dir: str, mapped: bool):
-    """``sharded_table`` (on the meta device unless ``fused``); ``mapped``: its backing file kept
-    mapped and resident ($SHARDKIT_OFFLOAD_RESIDENT_MAP set while it is built, BackingStore.keep_mapped):
-    rows move by copies through the mapping instead of preadv / pwritev, the file's pages stay in RSS."""
-    from shardkit.kernels.offload.backing_store import RESIDENT_MAP_ENV
+# benchmark variants of an offloaded table: environment set while it is built
+VARIANTS = {
+    "": {},
+    # its backing file kept mapped and resident (BackingStore.keep_mapped): rows move by copies through
+    # the mapping instead of preadv / pwritev, the file's pages stay in RSS
+    "mapped": {"SHARDKIT_OFFLOAD_RESIDENT_MAP": "1024G"},
+    # evicted dirty rows written in the step, as before the write-behind thread
+    "in-step write-back": {"SHARDKIT_OFFLOAD_WRITE_BEHIND": "0"},
+}
 
-    if not mapped:
-        return sharded_table(kernel, rows, dim, load_factor, offload_dir, meta=kernel != "fused")
-    before = os.environ.get(RESIDENT_MAP_ENV)
-    os.environ[RESIDENT_MAP_ENV] = "1024G"  # this table only: the others are built without it
+
+def _table_variant(kernel: str, rows: int, dim: int, load_factor: float, offload_dir: str, variant: str):
+    """``sharded_table`` (on the meta device unless ``fused``), built with ``VARIANTS[variant]`` in
+    the environment (only while it is built: the other tables are not affected)."""
+    saved = {k: os.environ.get(k) for k in VARIANTS[variant]}
+    os.environ.update(VARIANTS[variant])
     try:
-        module = sharded_table(kernel, rows, dim, load_factor, offload_dir, meta=True)
+        module = sharded_table(kernel, rows, dim, load_factor, offload_dir, meta=kernel != "fused")
     finally:
-        if before is None:
-            del os.environ[RESIDENT_MAP_ENV]
-        else:
-            os.environ[RESIDENT_MAP_ENV] = before
-    assert offloaded_lookup(module).store.resident, "the mapped table did not keep its mapping"
+        for key, value in saved.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
+    if variant == "mapped":
+        assert offloaded_lookup(module).store.resident, "the mapped table did not keep its mapping"
+    if variant == "in-step write-back":
+        assert offloaded_lookup(module).cache._write_behind is None
     return module
 
 
@@ -217,12 +233,15 @@ def step_rows(args, offload_dir: str) -> List[Dict[str, Any]]:
     The modules step in turn (one step each per round, the same batches in the same order); each one's
     time is its median over the rounds.
     """
-    configs = [("fused", 1.0, False)] + [("fused_uvm_caching", lf, False) for lf in args.load_factors]
-    configs.append(("fused_uvm", 1.0, False))
-    configs += [("fused_uvm_caching", lf, True) for lf in args.mapped_load_factors]
+    configs = [("fused", 1.0, "")] + [("fused_uvm_caching", lf, "") for lf in args.load_factors]
+    configs.append(("fused_uvm", 1.0, ""))
+    configs += [("fused_uvm_caching", lf, "mapped") for lf in args.mapped_load_factors]
+    configs += [
+        ("fused_uvm_caching", lf, "in-step write-back") for lf in args.in_step_write_back_load_factors
+    ]
     modules = [
-        _table_maybe_mapped(kernel, args.rows, args.dim, lf, offload_dir, mapped)
-        for kernel, lf, mapped in configs
+        _table_variant(kernel, args.rows, args.dim, lf, offload_dir, variant)
+        for kernel, lf, variant in configs
     ]
     ids_per_step = args.batch * args.pooling
     rows: List[Dict[str, Any]] = []
@@ -232,10 +251,10 @@ def step_rows(args, offload_dir: str) -> List[Dict[str, Any]]:
     for phase in ("cold", "steady"):
         if phase == "steady":
             warmed = {}
-            for module, (kernel, lf, mapped) in zip(modules, configs):
+            for module, (kernel, lf, variant) in zip(modules, configs):
                 if kernel == "fused_uvm_caching":
-                    warmed[lf, mapped] = warm(module, args.rows, args)
-                    print(f"warmed lf={lf}{' mapped' if mapped else ''}: {warmed[lf, mapped]}", flush=True)
+                    warmed[lf, variant] = warm(module, args.rows, args)
+                    print(f"warmed lf={lf} {variant}: {warmed[lf, variant]}", flush=True)
             settle = [[] for _ in modules], [[] for _ in modules]
             _rounds(modules, batches(args.rows, args, args.warmup, stream=2), *settle)
         for module, (kernel, _, _) in zip(modules, configs):
@@ -250,11 +269,11 @@ def step_rows(args, offload_dir: str) -> List[Dict[str, Any]]:
         medians = [_median(t) for t in times]
         cpu_medians = [_median(t) for t in cpu_times]
         main_cpu_medians = [_median(t) for t in main_cpu_times]
-        for (kernel, lf, mapped), module, seconds, cpu, main_cpu in zip(
+        for (kernel, lf, variant), module, seconds, cpu, main_cpu in zip(
             configs, modules, medians, cpu_medians, main_cpu_medians
         ):
             name = kernel if kernel != "fused_uvm_caching" else f"{kernel} lf={lf}"
-            name += " mapped" if mapped else ""
+            name += f" {variant}" if variant else ""
             name += f" ({phase}{f': first {count} steps' if phase == 'cold' else ''})"
             stats = None if kernel == "fused" else module.cache_stats()["t"]
             row = _phase_row(
@@ -263,10 +282,10 @@ def step_rows(args, offload_dir: str) -> List[Dict[str, Any]]:
             # the main thread's CPU alone: without the write-behind thread's (the critical path when a
             # core is free for that thread)
             row["main_cpu_ms/step"] = main_cpu * 1e3
-            if mapped:  # the backing file kept mapped: up to all of it resident (RssFile)
+            if variant == "mapped":  # the backing file kept mapped: up to all of it resident (RssFile)
                 row["mapped_MiB"] = offloaded_lookup(module).store.nbytes / 2**20
             if phase == "steady" and kernel == "fused_uvm_caching":
-                row.update(warmed[lf, mapped])
+                row.update(warmed[lf, variant])
             phases[phase].append(row)
     predicted = predicted_miss_rates(
         zipf_sampler(args.rows, args.zipf, args.seed, stream=5),
@@ -507,6 +526,13 @@ def main(argv: Optional[List[str]] = None) -> None:
         nargs="*",
         default=[0.2],
         help="load factors also run with the backing file kept mapped (rows named 'mapped'; none: skip)",
+    )
+    parser.add_argument(
+        "--in-step-write-back-load-factors",
+        type=float,
+        nargs="*",
+        default=[0.2],
+        help="load factors also run without the write-behind thread (rows 'in-step write-back'; none: skip)",
     )
     parser.add_argument("--steps", type=int, default=10, help="measured steps (median)")
     parser.add_argument(
