@@ -17,7 +17,9 @@ Protocol (one batch)::
 
 - Hits keep their slot; misses take free slots, else evict unpinned slots chosen by the replacement
   algorithm (``"lru"``: least recently acquired; ``"lfu"``: fewest acquisitions since loaded, ties broken
-  by LRU). A dirty victim is written back to the backing store before its slot is reused.
+  by LRU). A dirty victim is written back to the backing store before its slot is reused (or, with a
+  ``write_behind``, copied out of its slot and written by that thread; counted in ``rows_written`` when
+  handed over).
 - Rows of an unreleased ticket are *pinned*: never evicted (so a prefetch of batch i+1 cannot disturb
   batch i in flight). If the unpinned slots cannot hold a request, every buffer *grows* (reallocated,
   old content copied, existing slots stay valid) so that the whole request fits; once no ticket is
