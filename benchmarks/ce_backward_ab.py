@@ -5,9 +5,12 @@ at tp 2 by default: 4096 x 64000), a one-rank gloo group, one thread. The method
 rounds, each on a fresh copy of the shard (Megatron's fp32 path overwrites its input), and each phase is
 timed in CPU time of the process (user + system: the kernel's work of mapping a fresh gradient's pages
 counts), so that the ratios hold on a loaded machine where wall time counts other processes' turns.
-Methods: ``megatron``; ``shardkit`` (the default page mode, ``SHARDKIT_CE_PAGES``); ``shardkit-touch``
-and ``shardkit-populate`` (the native gradient's fresh pages faulted one 4 KiB page at a time, or
-mapped with one ``madvise(MADV_POPULATE_WRITE)`` per row).
+Methods: ``megatron``; ``shardkit`` (the default page mode, ``SHARDKIT_CE_PAGES``, and buffer timing,
+``SHARDKIT_CE_GRAD_BUFFER``); ``shardkit-touch`` and ``shardkit-populate`` (the native gradient's fresh
+pages faulted one 4 KiB page at a time, or mapped with one ``madvise(MADV_POPULATE_WRITE)`` per 1 MiB
+of rows; both with the gradient's buffer allocated in the backward, the behaviour before the buffer
+moved to the forward); ``shardkit-fwdbuf`` (populate, the buffer allocated and mapped in the forward:
+the default now).
 
 Run it with the megatron peer venv, this checkout first on the path (about 1 minute idle)::
 
@@ -48,25 +51,32 @@ def _one_rank_group() -> None:
 
 def _methods(names):
     from shardkit.distributed.validation import set_validation
-    from shardkit.kernels.cross_entropy import PAGE_MODES
+    from shardkit.kernels.cross_entropy import BUFFER_ENV, PAGE_MODES
     from shardkit.kernels.native_build import native_ops
     from shardkit.losses import vocab_parallel_cross_entropy as sk_ce
 
     set_validation(False)
     ops = native_ops()
 
-    def shardkit(mode):
+    default_timing = os.environ.get(BUFFER_ENV)
+
+    def shardkit(mode, timing=None):
         def run(x, t):
             if mode is not None and ops is not None:
                 ops.ce_fault_mode(PAGE_MODES[mode])
+            if timing is None and default_timing is None:
+                os.environ.pop(BUFFER_ENV, None)
+            else:  # read by each call's forward
+                os.environ[BUFFER_ENV] = timing or default_timing
             return sk_ce(x, t, dist.group.WORLD)
 
         return run
 
     table = {
         "shardkit": shardkit(None),
-        "shardkit-touch": shardkit("touch"),
-        "shardkit-populate": shardkit("populate"),
+        "shardkit-touch": shardkit("touch", "backward"),
+        "shardkit-populate": shardkit("populate", "backward"),
+        "shardkit-fwdbuf": shardkit("populate", "forward"),
     }
     if "megatron" in names:
         from megatron.core import parallel_state
@@ -85,11 +95,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--width", type=int, default=64000)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--methods", default="megatron,shardkit-touch,shardkit-populate")
+    parser.add_argument("--methods", default="megatron,shardkit-populate,shardkit-fwdbuf")
     parser.add_argument("--out", type=Path, default=None, help="directory for ce_backward_ab.json")
     args = parser.parse_args(argv)
     methods = args.methods.split(",")
-    unknown = [m for m in methods if m not in ("megatron", "shardkit", "shardkit-touch", "shardkit-populate")]
+    known = ("megatron", "shardkit", "shardkit-touch", "shardkit-populate", "shardkit-fwdbuf")
+    unknown = [m for m in methods if m not in known]
     if unknown:
         parser.error(f"unknown --methods {', '.join(unknown)}")
     if "megatron" in methods and importlib.util.find_spec("megatron") is None:

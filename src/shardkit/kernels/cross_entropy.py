@@ -14,7 +14,10 @@ they cannot run the call).
 The native gradient writes into a fresh buffer whose pages the OS maps on first write; how they are
 mapped is :func:`gradient_page_mode` (``SHARDKIT_CE_PAGES``: "populate", the default on Linux, maps a
 row's pages with one ``madvise(MADV_POPULATE_WRITE)`` call; "touch" faults them one 4 KiB page at a
-time, the only way elsewhere and the fallback where the kernel refuses the call).
+time, the only way elsewhere and the fallback where the kernel refuses the call). When the pages are
+mapped is :func:`requested_buffer_timing` (``SHARDKIT_CE_GRAD_BUFFER``: "forward", the default, has
+``vocab_parallel_cross_entropy``'s forward allocate the gradient buffer and map its pages once it knows
+a gradient will be wanted, so that the backward only computes; "backward" allocates it in the backward).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from shardkit.kernels.native_build import native_ops
 
 PAGE_MODES = {"touch": 0, "populate": 1}
 PAGES_ENV = "SHARDKIT_CE_PAGES"
+BUFFER_TIMINGS = ("forward", "backward")
+BUFFER_ENV = "SHARDKIT_CE_GRAD_BUFFER"
 _pages_set = False
 
 # the dtypes csrc/cross_entropy.cpp reads (fp64 keeps the torch path: gradcheck wants fp64 work)
@@ -79,6 +84,27 @@ def requested_page_mode(environ=os.environ, platform: str = sys.platform) -> str
     return value
 
 
+def requested_buffer_timing(environ=os.environ) -> str:
+    """When the native gradient's buffer is allocated and its pages mapped: ``SHARDKIT_CE_GRAD_BUFFER``
+    ("forward" / "backward", case-insensitive; unset or empty: "forward"). Any other value raises
+    ValueError naming the variable.
+
+    "forward": the forward of a call whose logits' gradient will be wanted allocates the buffer and maps
+    its pages (``ce_map_pages``); the backward writes into it and hands it over. Mapping a fresh
+    buffer is kernel work of about 1 us per 4 KiB page on a 2-core Xeon VM (a [4096, 64000] fp32
+    gradient: 256,000 pages), as much as the gradient's arithmetic; the forward has no other use for
+    the time, but the buffer exists from the forward on (not only from the backward on) until the
+    backward or until the graph is freed. "backward": the buffer is allocated in the backward, its pages
+    mapped just ahead of the stores.
+    """
+    value = environ.get(BUFFER_ENV, "").strip().lower()
+    if not value:
+        return "forward"
+    if value not in BUFFER_TIMINGS:
+        raise ValueError(f"{BUFFER_ENV}={environ[BUFFER_ENV]!r}: must be one of {list(BUFFER_TIMINGS)}")
+    return value
+
+
 def gradient_page_mode(ops: Any) -> str:
     """The page mode of the native gradient in this process ("touch" or "populate"), set from
     :func:`requested_page_mode` on the first call. The kernel itself drops to "touch" for good when the
@@ -120,11 +146,14 @@ def native_ce_kernels(logits2d: torch.Tensor, unsupported: Optional[str]) -> Opt
 
 
 __all__ = [
+    "BUFFER_ENV",
+    "BUFFER_TIMINGS",
     "NATIVE_CE_DTYPES",
     "PAGES_ENV",
     "PAGE_MODES",
     "gradient_page_mode",
     "native_ce_kernels",
+    "requested_buffer_timing",
     "requested_page_mode",
     "triton_ce_kernels",
 ]

@@ -14,9 +14,12 @@ Ignored tokens (``target == ignore_index``) have loss 0 and gradient exactly 0.
 
 Memory, in units of one ``[T, V/tp]`` tensor of the input dtype (``T`` tokens): forward saves a
 reference to the logits and target (no copy), ``lse`` ``[T]`` fp32 and two 0-d scalars; it allocates
-only fp32 work blocks of ``chunk_size`` rows. Backward allocates the one gradient buffer (1 unit) and
-recomputes the softmax block by block, locally. A no-grad call saves nothing. Non-contiguous logits
-cost one copy.
+only fp32 work blocks of ``chunk_size`` rows. The one gradient buffer (1 unit) is allocated by the
+backward, except on the native CPU path (fp32 / bf16) of :func:`vocab_parallel_cross_entropy`, whose
+forward allocates it and maps its pages when the logits' gradient will be wanted
+(``SHARDKIT_CE_GRAD_BUFFER``, :func:`shardkit.kernels.cross_entropy.requested_buffer_timing`): the same
+1 unit, held from the forward to the backward. Backward recomputes the softmax block by block, locally.
+A no-grad call saves and allocates nothing. Non-contiguous logits cost one copy.
 
 Communication per call: forward one all-gather of ``[T, 3]`` fp32 statistics (``[T, 4]`` with label
 smoothing) over ``group``, preceded by one small descriptor all-gather when validation is on (see
@@ -35,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.kernels.cpu_cache import cache_sizes, columns_in_cache
-from shardkit.kernels.cross_entropy import native_ce_kernels, triton_ce_kernels
+from shardkit.kernels.cross_entropy import native_ce_kernels, requested_buffer_timing, triton_ce_kernels
 from shardkit.losses import statistics as st
 from shardkit.losses.checks import option_problems, validate_call
 from shardkit.losses.dtensor import plain_tensor, resolve_vocab_shard
@@ -57,6 +60,9 @@ class CrossEntropyOptions:
     rows: int
     # write the gradient into the logits' own storage (opt-in, see vocab_parallel_cross_entropy)
     inplace_backward: bool = False
+    # set by apply_cross_entropy when a gradient will be wanted: the forward may then allocate the
+    # gradient's buffer (forward_gradient_buffer)
+    gradient_wanted: bool = False
 
 
 def prepare_cross_entropy(
@@ -214,10 +220,13 @@ def native_statistics(ops, logits2d, index, owned, opts: CrossEntropyOptions) ->
     )  # fmt: skip
 
 
-def native_gradient(ops, logits2d, out, lse, coefficients, opts: CrossEntropyOptions) -> torch.Tensor:
+def native_gradient(
+    ops, logits2d, out, lse, coefficients, opts: CrossEntropyOptions, premapped: bool = False
+) -> torch.Tensor:
     """``out`` ``[T, w]`` (the logits' dtype or fp32; may be ``logits2d``) = the gradient of
     ``softmax_gradient_blocks`` with the ``coefficients`` of :func:`gradient_coefficients`, written by
-    the native kernel in one pass (one read of the logits, one write of ``out``)."""
+    the native kernel in one pass (one read of the logits, one write of ``out``). ``premapped``: ``out``
+    came from :func:`forward_gradient_buffer` (its pages are mapped already)."""
     index, owned, active, coef_p, coef_target, coef_uniform = coefficients
     scale = 1.0 / opts.transform.temperature
     # d z / d x = 1 / temperature folded into the coefficients; contiguous fp32 [T] each
@@ -226,7 +235,7 @@ def native_gradient(ops, logits2d, out, lse, coefficients, opts: CrossEntropyOpt
     coef_uniform = None if coef_uniform is None else (coef_uniform * scale).float().contiguous()
     return ops.ce_gradient(
         logits2d, out, lse.float().contiguous(), coef_p, minus_target.float().contiguous(), coef_uniform,
-        index.contiguous(), active.contiguous(), opts.shard.real_width, scale,
+        index.contiguous(), active.contiguous(), opts.shard.real_width, scale, premapped,
     )  # fmt: skip
 
 
@@ -338,12 +347,19 @@ def cross_entropy_backward(
     count: torch.Tensor,
     vocab: torch.Tensor,
     opts: CrossEntropyOptions,
+    buffer: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Gradient for the logits shard, same shape and dtype as ``logits``: one new buffer, no collective."""
+    """Gradient for the logits shard, same shape and dtype as ``logits``: one new buffer, no collective.
+
+    ``buffer``: the gradient's buffer from :func:`forward_gradient_buffer` (pages mapped), or None.
+    """
     logits2d, target1d = _flat(logits, target)
+    premapped = buffer is not None
     if opts.inplace_backward and logits.is_contiguous():
         # each block's rows are read, then overwritten with their gradient: no new [T, V/tp] buffer
-        grad = logits2d
+        grad, premapped = logits2d, False
+    elif buffer is not None:
+        grad = buffer
     else:
         grad = torch.empty_like(logits2d, memory_format=torch.contiguous_format)
     kernels = triton_kernels(logits2d, opts)
@@ -353,7 +369,7 @@ def cross_entropy_backward(
     native = native_kernels(logits2d, opts)
     if native is not None:  # CPU fp32 / bf16: one read of the logits, one write of the gradient
         coefficients = gradient_coefficients(grad_output, target1d, lse, count, vocab, opts)
-        return native_gradient(native, logits2d, grad, lse, coefficients, opts).view(logits.shape)
+        return native_gradient(native, logits2d, grad, lse, coefficients, opts, premapped).view(logits.shape)
     # cache-sized blocks written straight into the gradient: one read of the logits, one write of the
     # gradient, instead of one memory pass per step (the blocks are within the chunk_size bound)
     rows = st.cache_rows(opts.shard.width, opts.rows, logits.device, logits.element_size())
@@ -424,29 +440,59 @@ def loss_coefficients(
     return coef_p, g * (1.0 - opts.label_smoothing), coef_uniform
 
 
-def save_for_backward(ctx, logits, target, lse, count, vocab, opts) -> None:
-    """What every cross-entropy Function keeps: two references, ``lse [T]``, the count, the vocab size."""
+def forward_gradient_buffer(ctx, logits: torch.Tensor, opts: CrossEntropyOptions) -> Optional[torch.Tensor]:
+    """The logits' gradient buffer ``[T, V/tp]``, allocated and its pages mapped in the forward, or None.
+
+    Only where the native CPU kernels will write the gradient into a new buffer (fp32 / bf16 on CPU, no
+    in-place backward), the caller said a gradient will be wanted (``opts.gradient_wanted``: set by
+    :func:`apply_cross_entropy`, which runs autograd only then), the logits need it
+    (``ctx.needs_input_grad``), and ``SHARDKIT_CE_GRAD_BUFFER`` is "forward" (the default). Mapping a
+    fresh buffer's pages costs about as much kernel time as the gradient's arithmetic
+    (:func:`shardkit.kernels.cross_entropy.requested_buffer_timing`); done here, the backward only
+    computes. Same memory (1 unit), held from here on.
+    """
+    if not opts.gradient_wanted or not ctx.needs_input_grad[0] or requested_buffer_timing() != "forward":
+        return None
+    if opts.inplace_backward and logits.is_contiguous():
+        return None
+    rows = math.prod(logits.shape[:-1])
+    probe = torch.empty(0, logits.size(-1), dtype=logits.dtype, device=logits.device)
+    ops = native_kernels(probe, opts)
+    if ops is None:
+        return None
+    return ops.ce_map_pages(torch.empty(rows, logits.size(-1), dtype=logits.dtype, device=logits.device))
+
+
+def save_for_backward(ctx, logits, target, lse, count, vocab, opts, buffer=None) -> None:
+    """What every cross-entropy Function keeps: two references, ``lse [T]``, the count, the vocab size;
+    ``buffer``: the gradient's buffer from :func:`forward_gradient_buffer`, handed to the first backward."""
     ctx.save_for_backward(logits, target, lse, count, vocab)
     ctx.opts = opts
+    ctx.gradient_buffer = buffer
 
 
 def saved_backward(ctx, grad_output: torch.Tensor) -> torch.Tensor:
     logits, target, lse, count, vocab = ctx.saved_tensors
-    return cross_entropy_backward(grad_output, logits, target, lse, count, vocab, ctx.opts)
+    # the buffer goes to the first backward only (a retained graph's second backward allocates anew)
+    buffer, ctx.gradient_buffer = getattr(ctx, "gradient_buffer", None), None
+    return cross_entropy_backward(grad_output, logits, target, lse, count, vocab, ctx.opts, buffer)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """``forward(ctx, logits [..., V/tp], target [...], opts)`` -> fp32 loss; see the module doc.
 
     Saved for backward: the logits and target themselves (references, no copy), ``lse`` ``[T]`` fp32
-    (the only new per-token tensor) and two 0-d scalars (the token count, the real vocabulary size).
-    Backward returns one gradient in the logits' dtype and communicates nothing.
+    (the only new per-token tensor) and two 0-d scalars (the token count, the real vocabulary size);
+    on the native CPU path, when applied by :func:`apply_cross_entropy`, also the gradient's buffer,
+    its pages already mapped (:func:`forward_gradient_buffer`). Backward returns one gradient in the
+    logits' dtype and communicates nothing.
     """
 
     @staticmethod
     def forward(ctx, logits, target, opts: CrossEntropyOptions):  # type: ignore[override]
         out, lse, count, vocab = cross_entropy_forward(logits, target, opts)
-        save_for_backward(ctx, logits, target, lse, count, vocab, opts)
+        buffer = forward_gradient_buffer(ctx, logits, opts)
+        save_for_backward(ctx, logits, target, lse, count, vocab, opts, buffer)
         return out
 
     @staticmethod
@@ -460,7 +506,8 @@ def apply_cross_entropy(
 ) -> torch.Tensor:
     """Run through autograd only when a gradient is wanted, so that a no-grad call saves nothing."""
     if torch.is_grad_enabled() and logits.requires_grad:
-        return VocabParallelCrossEntropy.apply(logits, target, opts)
+        wanted = dataclasses.replace(opts, gradient_wanted=True)
+        return VocabParallelCrossEntropy.apply(logits, target, wanted)
     with torch.no_grad():
         return cross_entropy_forward(logits, target, opts)[0]
 

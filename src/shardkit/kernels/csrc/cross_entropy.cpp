@@ -231,13 +231,14 @@ constexpr int64_t kGradientPiece = 1024;  // 4 KiB of fp32: stays in L1
 template <typename in_t, typename out_t>
 void gradient_rows(const at::Tensor& logits, at::Tensor& out, const float* lse, const float* coef_p,
                    const float* minus_target, const float* coef_uniform, const int64_t* index, const bool* active,
-                   int64_t real, double inv_t_d) {
+                   int64_t real, double inv_t_d, bool premapped) {
   const int64_t rows = logits.size(0), w = logits.size(1);
   const int64_t in_stride = logits.stride(0), out_stride = out.stride(0);
   const in_t* in_base = logits.data_ptr<in_t>();
   out_t* out_base = out.data_ptr<out_t>();
   const float inv_t = static_cast<float>(inv_t_d);
   const bool in_place = static_cast<const void*>(in_base) == static_cast<const void*>(out_base);
+  const bool map_ahead = !in_place && !premapped;  // an input's or a ce_map_pages'd buffer's pages are present
   const int64_t row_bytes = w * static_cast<int64_t>(sizeof(out_t));
   // rows per prefault call: one where rows have gaps between them (only the rows' own pages are mapped)
   const int64_t group = out_stride == w ? std::max<int64_t>(1, kPrefaultBytes / std::max<int64_t>(1, row_bytes)) : 1;
@@ -245,7 +246,7 @@ void gradient_rows(const at::Tensor& logits, at::Tensor& out, const float* lse, 
     for (int64_t i = r0; i < r1; ++i) {
       const in_t* x = in_base + i * in_stride;
       out_t* o = out_base + i * out_stride;
-      if (!in_place && (i - r0) % group == 0) prefault(o, std::min(group, r1 - i) * row_bytes);
+      if (map_ahead && (i - r0) % group == 0) prefault(o, std::min(group, r1 - i) * row_bytes);
       if (!active[i]) {
         for (int64_t j = 0; j < w; ++j) store(o, j, 0.0f);
         continue;
@@ -270,10 +271,12 @@ void gradient_rows(const at::Tensor& logits, at::Tensor& out, const float* lse, 
 }
 
 // ce_gradient(logits [T, w], out [T, w] (float32 or the logits' dtype; may be logits), lse, coef_p,
-// minus_target, coef_uniform?, index, active, real, inv_t) -> out
+// minus_target, coef_uniform?, index, active, real, inv_t, premapped) -> out; premapped: out's pages
+// were mapped by ce_map_pages (no mapping ahead of the stores then)
 at::Tensor ce_gradient(const at::Tensor& logits, at::Tensor out, const at::Tensor& lse, const at::Tensor& coef_p,
                        const at::Tensor& minus_target, const c10::optional<at::Tensor>& coef_uniform,
-                       const at::Tensor& index, const at::Tensor& active, int64_t real, double inv_t) {
+                       const at::Tensor& index, const at::Tensor& active, int64_t real, double inv_t,
+                       bool premapped) {
   const char* op = "ce_gradient";
   check_logits(logits, op);
   check_logits(out, op);
@@ -293,13 +296,26 @@ at::Tensor ce_gradient(const at::Tensor& logits, at::Tensor out, const at::Tenso
   const auto in_type = logits.scalar_type(), out_type = out.scalar_type();
 #define SK_CE_GRAD(IN, OUT)                                                                                       \
   gradient_rows<IN, OUT>(logits, out, lse.data_ptr<float>(), coef_p.data_ptr<float>(), minus_target.data_ptr<float>(), \
-                         cu, idx, active.data_ptr<bool>(), real, inv_t)
+                         cu, idx, active.data_ptr<bool>(), real, inv_t, premapped)
   if (in_type == at::kFloat && out_type == at::kFloat) SK_CE_GRAD(float, float);
   else if (in_type == at::kBFloat16 && out_type == at::kBFloat16) SK_CE_GRAD(c10::BFloat16, c10::BFloat16);
   else if (in_type == at::kBFloat16 && out_type == at::kFloat) SK_CE_GRAD(c10::BFloat16, float);
   else TORCH_CHECK(false, op, ": out must be float32 or the logits' dtype, got ", out_type, " for ", in_type, " logits");
 #undef SK_CE_GRAD
   return out;
+}
+
+// ce_map_pages(t) -> t: maps every whole page of t's (contiguous) memory now, in the mode of
+// ce_fault_mode() (one madvise(MADV_POPULATE_WRITE) call, or one store per page), so that a later
+// ce_gradient into t finds its pages present. The contents become unspecified (mapped pages read 0;
+// under kTouch a page's first byte is written 0). The cross-entropy's forward maps the gradient
+// buffer this way when a gradient will be wanted (shardkit/kernels/cross_entropy.py: the kernel work of
+// mapping a fresh buffer, about 1 us per 4 KiB page on a 2-core Xeon VM, then falls in the forward).
+at::Tensor ce_map_pages(at::Tensor t) {
+  TORCH_CHECK(t.is_contiguous(), "ce_map_pages: the tensor must be contiguous, got strides ", t.strides());
+  const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+  if (bytes > 0) prefault(t.data_ptr(), bytes);
+  return t;
 }
 
 // ce_fault_mode(requested) -> the mode in effect: requested -1 only asks; 0 (touch) or 1 (populate; on a
@@ -319,11 +335,13 @@ TORCH_LIBRARY_FRAGMENT(shardkit_native, m) {
   m.def("ce_statistics(Tensor logits, Tensor index, Tensor owned, int real, float inv_t, bool with_sum, int chunk) -> Tensor");
   m.def(
       "ce_gradient(Tensor logits, Tensor(a!) out, Tensor lse, Tensor coef_p, Tensor minus_target, Tensor? coef_uniform, "
-      "Tensor index, Tensor active, int real, float inv_t) -> Tensor(a!)");
+      "Tensor index, Tensor active, int real, float inv_t, bool premapped=False) -> Tensor(a!)");
+  m.def("ce_map_pages(Tensor(a!) t) -> Tensor(a!)");
   m.def("ce_fault_mode(int requested) -> int", &ce_fault_mode);  // no tensor: one kernel for every backend
 }
 
 TORCH_LIBRARY_IMPL(shardkit_native, CPU, m) {
   m.impl("ce_statistics", &ce_statistics);
   m.impl("ce_gradient", &ce_gradient);
+  m.impl("ce_map_pages", &ce_map_pages);
 }
