@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.testing import WorldError, run_world, worker_pool
+from tests.testing import _patchable
 
 
 def _rank_and_sum():
@@ -241,3 +242,28 @@ def test_a_short_shardkit_timeout_bounds_the_collectives_not_a_late_ranks_arriva
     late = _LateOnRank1(4.0)
     results = run_world(_group_timeout_and_sum, 2, late, timeout=60, env={"SHARDKIT_TIMEOUT": "1"})
     assert results == [(1.0, 2.0), (1.0, 2.0)]
+
+
+def _patch_the_module_and_build_its_state():
+    # as a test's worker function patches the code under test; nothing restores it here
+    _patchable.measure = lambda: "patched"
+    _patchable.BIG_BYTES = 64
+    # lazily built state that a later task must keep (reloading a native library would fail)
+    _patchable._LIBRARY = "loaded"
+    _patchable._loaded = True
+    return _patchable.state()
+
+
+def _module_state():
+    return _patchable.state()
+
+
+def test_a_tasks_patches_do_not_leak_into_the_next_task_on_the_same_workers():
+    # the hang of tests/planner/test_collective_plan.py[3] after test_calibration_steps.py: the 2-rank
+    # task patched calibrate's bandwidth measurement in workers 0 and 1, so in the next 3-rank task those
+    # skipped its all-to-all while the new worker 2 ran it (different collectives: a hang)
+    assert run_world(_patch_the_module_and_build_its_state, 2) == [("patched", 64, "loaded", True)] * 2
+    after = run_world(_module_state, 3)
+    assert [state[:2] for state in after] == [("real", 1 << 20)] * 3
+    # the reused workers 0 and 1 keep what was built lazily (the new worker 2 has not built it)
+    assert [state[2:] for state in after] == [("loaded", True), ("loaded", True), (None, False)]

@@ -6,13 +6,16 @@ Kept free of imports from the rest of shardkit so that a worker starts as fast a
 from __future__ import annotations
 
 import faulthandler
+import operator
 import os
 import pickle
 import sys
 import threading
 import time
 import traceback
+import types
 from datetime import timedelta
+from typing import Any, Callable
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
@@ -30,6 +33,54 @@ def _reset_shardkit_state() -> None:
     state = sys.modules.get("shardkit.distributed.state")
     if state is not None:
         state.reset_all()
+
+
+# torch modules whose collectives tests wrap (to count or fail them) besides shardkit's and the test's own
+_PATCHED_TORCH_MODULES = ("torch.distributed", "torch.distributed.distributed_c10d")
+_CONSTANT_TYPES = (bool, int, float, str, bytes)
+
+
+def _restorable(name: str, value: Any) -> bool:
+    """Whether a module attribute is one that a task patches: a function or class (the code under test,
+    replaced by a fake) or an UPPER_CASE scalar constant (lowered for speed, a switch turned on).
+
+    Lazily built state (a loaded native library, a registered op, an executor, a cached group: lower
+    case, or None until built) is not: it must live as long as the worker (re-registering would fail).
+    """
+    if name.startswith("__"):
+        return False
+    if isinstance(value, (types.FunctionType, type)):
+        return True
+    return isinstance(value, _CONSTANT_TYPES) and name.lstrip("_").isupper()
+
+
+def _module_snapshot(fn: Callable) -> list:
+    """Every attribute of shardkit's modules, of the modules of ``fn``'s top-level package (the test's),
+    and of torch.distributed, as (module, copy of its namespace), taken before a task runs ``fn``.
+
+    Workers are reused: a test function that patches such an attribute (``calibration.measure_... =
+    fake``) would otherwise leave the patch in the workers it ran on, and a later task on more ranks
+    would run the patched code on the reused workers and the real code on the new ones (different
+    collectives: a hang). A module first imported inside ``fn`` is not covered.
+    """
+    packages = {"shardkit", str(getattr(fn, "__module__", None) or "shardkit").partition(".")[0]}
+    return [
+        (module, dict(vars(module)))
+        for name, module in list(sys.modules.items())
+        if module is not None and (name.partition(".")[0] in packages or name in _PATCHED_TORCH_MODULES)
+    ]
+
+
+def _undo_patches(snapshot: list) -> None:
+    """Restore the patchable attributes (``_restorable``) that the task rebound or deleted."""
+    for module, saved in snapshot:
+        now = vars(module)
+        # the usual case, untouched (rebinding keeps a name's place in the dict): at C speed
+        if len(now) == len(saved) and all(map(operator.is_, now.values(), saved.values())):
+            continue
+        for name, value in saved.items():
+            if now.get(name, _undo_patches) is not value and _restorable(name, value):
+                setattr(module, name, value)
 
 
 def _group_timeout_s(task: dict) -> float:
@@ -78,8 +129,10 @@ def _run_task_body(task: dict) -> tuple:
         if entry not in sys.path:
             sys.path.insert(0, entry)
     rank = task["rank"]
+    snapshot: list = []
     try:
         fn, args, kwargs = pickle.loads(task["payload"])
+        snapshot = _module_snapshot(fn)
         try:
             dist.init_process_group(
                 task["backend"],
@@ -112,6 +165,7 @@ def _run_task_body(task: dict) -> tuple:
         reply = ("error", rank, traceback.format_exc())
     finally:
         try:
+            _undo_patches(snapshot)
             _reset_shardkit_state()
         finally:
             if dist.is_initialized():

@@ -1,7 +1,8 @@
 """Run a function on N local CPU ranks (gloo) in reusable worker processes.
 
 Starting Python with torch costs seconds on a small machine, so workers are started once and reused:
-each task initializes a fresh process group (new FileStore), runs the function, resets shardkit's
+each task initializes a fresh process group (new FileStore), runs the function, undoes the
+function's patches of module functions and constants (``_worker._undo_patches``), resets shardkit's
 module-level state and destroys the group. A task that fails recycles its workers; a task that
 outlives its timeout has its workers killed, so a hanging collective fails the test instead of the
 suite, and no process outlives the parent.
