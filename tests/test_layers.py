@@ -8,6 +8,7 @@ defined elsewhere, so they may import from any layer; in return nothing inside s
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -38,9 +39,15 @@ RANK = {
 }
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """The parsed source of ``path``, parsed once for all the tests of this file (read-only)."""
+    return ast.parse(path.read_text())
+
+
 def _imported_subpackages(path: Path) -> set[str]:
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_tree(path)):
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module]
@@ -85,7 +92,7 @@ def _module_name(path: Path) -> str:
 
 
 def _faces() -> set[str]:
-    return {_module_name(p) for p in PACKAGE.rglob("*.py") if _is_face(ast.parse(p.read_text()))}
+    return {_module_name(p) for p in PACKAGE.rglob("*.py") if _is_face(_tree(p))}
 
 
 def test_imports_go_downwards_only():
@@ -94,7 +101,7 @@ def test_imports_go_downwards_only():
         parts = path.relative_to(PACKAGE).parts
         if len(parts) == 1:
             continue  # shardkit/__init__.py: the top-level names, imported lazily
-        if _is_face(ast.parse(path.read_text())):
+        if _is_face(_tree(path)):
             continue  # torchrec's module tree: re-exports only (the test below)
         here = parts[0]
         for there in _imported_subpackages(path) - {here}:
@@ -104,9 +111,9 @@ def test_imports_go_downwards_only():
 
 
 def test_torchrecs_module_tree_holds_no_logic():
-    faces = [p for p in PACKAGE.rglob("*.py") if _is_face(ast.parse(p.read_text()))]
+    faces = [p for p in PACKAGE.rglob("*.py") if _is_face(_tree(p))]
     assert len(faces) > 30
-    with_logic = [str(p.relative_to(PACKAGE)) for p in faces if not _holds_no_logic(ast.parse(p.read_text()))]
+    with_logic = [str(p.relative_to(PACKAGE)) for p in faces if not _holds_no_logic(_tree(p))]
     assert not with_logic, f"modules of torchrec's tree only re-export: {with_logic}"
 
 
@@ -119,7 +126,7 @@ def test_nothing_inside_shardkit_imports_torchrecs_module_tree():
     for path in PACKAGE.rglob("*.py"):
         if _module_name(path) in faces:
             continue  # a face package's __init__ may re-export its own faces
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
