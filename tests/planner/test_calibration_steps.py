@@ -23,6 +23,9 @@ TRUE = CostModel.default("cpu").replace(
     id_miss_s=1e-7,
     lookup_cache_bytes=8 * MIB,
     replica_grad_passes=6.0,
+    replica_row_s=3e-7,
+    replica_value_s=2e-9,
+    replica_group_s=4e-4,
 )
 # what calibrate knows before the fit: the measured collective bandwidth, a lone lookup's bandwidth
 BEFORE = CostModel.default("cpu").replace(ddr_lookup_bw=3e9, intra_node_bw=0.3e9)
@@ -37,6 +40,9 @@ def _check(fitted, true: CostModel, rel: float = 1e-6) -> None:
     assert fitted["lookup_bw"] == pytest.approx(true.ddr_lookup_bw, rel=rel)
     assert fitted["comm_bw"] == pytest.approx(true.intra_node_bw, rel=rel)
     assert fitted["replica_grad_passes"] == pytest.approx(true.replica_grad_passes, rel=rel)
+    assert fitted["replica_row_s"] == pytest.approx(true.replica_row_s, rel=rel)
+    assert fitted["replica_value_s"] == pytest.approx(true.replica_value_s, rel=rel)
+    assert fitted["replica_group_s"] == pytest.approx(true.replica_group_s, rel=rel)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -69,6 +75,7 @@ def test_noisy_times_never_give_a_negative_cost():
     fitted = cs.fit_constants(configs, noisy, world, BEFORE)
     assert fitted["step_overhead_s"] >= 0.0 and fitted["id_miss_s"] >= 0.0
     assert fitted["replica_grad_passes"] >= 0.0 and fitted["lookup_bw"] > 0.0
+    assert min(fitted[f"replica_{k}_s"] for k in ("row", "value", "group")) >= 0.0
     for name in ("group_overhead_s", "shard_overhead_s", "id_overhead_s"):
         assert all(v >= 0.0 for v in fitted[name].values()), fitted
     assert 0.0 < fitted["residual"] < 0.5
@@ -116,7 +123,14 @@ def test_calibrate_fits_the_slowest_ranks_step_times_on_every_rank(run_world):
     assert report["residual"] < 1e-9 and len(report["steps"]) == len(cs.calibration_configs(2, SMALL_BIG))
     for step in report["steps"]:  # the slowest rank's times (rank 1's), and the fit reproduces them
         assert step["fitted_s"] == pytest.approx(step["measured_s"], rel=1e-6), step["config"]
-    for name in ("step_overhead_s", "replica_grad_passes", "ddr_lookup_bw"):
+    for name in (
+        "step_overhead_s",
+        "replica_grad_passes",
+        "replica_row_s",
+        "replica_value_s",
+        "replica_group_s",
+        "ddr_lookup_bw",
+    ):
         assert got[name] == pytest.approx(true[name], rel=1e-6), name
     for name in ("group_overhead_s", "shard_overhead_s", "id_overhead_s"):
         assert got[name] == pytest.approx(true[name], rel=1e-6), name

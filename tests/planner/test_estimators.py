@@ -8,6 +8,7 @@ So per step: b = 10 bags and i = 20 ids per rank, B = 20 and I = 40 over the wor
 from __future__ import annotations
 
 import pytest
+import torch
 
 from shardkit.modules import EmbeddingBagConfig, EmbeddingConfig
 from shardkit.planner import (
@@ -19,7 +20,8 @@ from shardkit.planner import (
     PlannerError,
     Topology,
 )
-from shardkit.planner.estimators import CACHE_LOAD_FACTOR
+from shardkit.planner.estimators import CACHE_LOAD_FACTOR, distinct_rows, replica_exchange, replica_groups
+from shardkit.planner.types import TableInfo
 from tests.planner._sharder import ebc_sharder, ec_sharder, meta_ebc, meta_ec
 
 MODEL = CostModel(
@@ -67,10 +69,92 @@ def test_row_wise_splits_ids_and_reduce_scatters():
     assert o.comm.tolist() == pytest.approx([20 * 8 / 1e8 + 2 * 20 * 10 * 4 * 0.5 / 1e8] * 2)
 
 
-def test_data_parallel_pays_the_gradient_all_reduce():
+# one rank's 20 uniform ids over 100 rows touch 100 x (1 - 0.99^20) distinct rows
+TOUCHED = 100 * (1 - 0.99**20)
+
+
+def test_a_fused_replica_gathers_the_touched_rows_not_the_table():
     o = _options(_cpu())[("data_parallel", "fused")]
     assert o.compute.tolist() == pytest.approx([3 * 20 * 10 * 4 / 1e9] * 2)
+    # the other rank's touched rows and fp32 gradients: (10 + 2) 4-byte words each, not a table all-reduce
+    assert o.comm.tolist() == pytest.approx([4 * TOUCHED * 12 / 1e8] * 2)
+
+
+def test_a_dense_replica_all_reduces_its_gradient():
+    o = _options(_cpu())[("data_parallel", "dense")]
     assert o.comm.tolist() == pytest.approx([2 * 0.5 * 4000 / 1e8] * 2)
+
+
+def test_distinct_rows():
+    assert distinct_rows(100, 20) == pytest.approx(TOUCHED)
+    assert distinct_rows(100, 0) == 0.0 and distinct_rows(0, 5) == 0.0 and distinct_rows(1, 7) == 1.0
+    assert distinct_rows(10**6, 1) == pytest.approx(1.0)
+    counts = [distinct_rows(1000, ids) for ids in (1, 10, 100, 1000, 10_000, 100_000)]
+    assert counts == sorted(counts) and counts[-1] == pytest.approx(1000.0)
+    assert all(c <= min(1000, ids) + 1e-9 for c, ids in zip(counts, (1, 10, 100, 1000, 10_000, 100_000)))
+    # against a sample: 5000 uniform ids over 4000 rows
+    gen = torch.Generator().manual_seed(0)
+    seen = [torch.randint(0, 4000, (5000,), generator=gen).unique().numel() for _ in range(20)]
+    assert sum(seen) / len(seen) == pytest.approx(distinct_rows(4000, 5000), rel=0.01)
+
+
+def _replica_table(rows: int, cols: int, ids: float) -> TableInfo:
+    return TableInfo("", "t", rows, cols, 4, True, bags=ids, ids=ids)
+
+
+def test_replica_exchange_follows_rows_of_all_ranks_choice():
+    # few rows touched: gather them (world x touched rows applied, the other ranks' words received)
+    table = _replica_table(100_000, 16, 50)
+    touched = distinct_rows(100_000, 50)
+    applied, received, dense = replica_exchange(table, 4)
+    assert not dense and applied == pytest.approx(4 * touched)
+    assert received == pytest.approx(4 * 3 * touched * 18)
+    # most rows touched: the dense all-reduce of rows x (cols + 1) fp32, the global batch's distinct rows
+    table = _replica_table(64, 16, 500)
+    applied, received, dense = replica_exchange(table, 4)
+    assert dense and received == pytest.approx(4 * 2 * 3 / 4 * 64 * 17)
+    assert applied == pytest.approx(distinct_rows(64, 2000))
+    # one rank: nothing exchanged
+    assert replica_exchange(_replica_table(100, 8, 20), 1) == (pytest.approx(TOUCHED), 0.0, False)
+    # the same rule as the exchange itself: gather while world x max touched x (dim + 2) < rows x (dim + 1)
+    for rows, ids, world in ((1000, 30, 2), (1000, 300, 4), (200, 100, 2), (5000, 4000, 4)):
+        touched = distinct_rows(rows, ids)
+        assert replica_exchange(_replica_table(rows, 8, ids), world)[2] == (world * touched * 10 >= rows * 9)
+
+
+def test_a_fused_replica_pays_per_row_and_value_it_applies():
+    dp = ("data_parallel", "fused")
+    base = _options(_cpu())[dp]
+    model = MODEL.replace(replica_row_s=1e-6, replica_value_s=1e-7)
+    got = _options(Topology(world_size=2, compute_device="cpu", cost_model=model))[dp]
+    # every rank applies both ranks' touched rows: 2 x TOUCHED rows of 10 values
+    extra = 2 * TOUCHED * (1e-6 + 10 * 1e-7)
+    assert got.compute.tolist() == pytest.approx([c + extra for c in base.compute.tolist()])
+    assert got.comm.tolist() == pytest.approx(base.comm.tolist())
+    # more ranks: more rows applied on each (the global batch grows)
+    four = _options(Topology(world_size=4, compute_device="cpu", cost_model=model))[dp]
+    assert four.compute[0].item() - base.compute[0].item() == pytest.approx(4 * TOUCHED * (1e-6 + 10 * 1e-7))
+    # the dense replica runs no such update
+    dense = ("data_parallel", "dense")
+    with_update = _options(Topology(world_size=2, compute_device="cpu", cost_model=model))[dense]
+    assert with_update.compute.tolist() == pytest.approx(_options(_cpu())[dense].compute.tolist())
+
+
+def test_a_replica_cost_grows_with_the_batch():
+    model = MODEL.replace(replica_row_s=1e-6, replica_value_s=1e-8, id_miss_s=1e-7, lookup_cache_bytes=1000.0)
+    table = EmbeddingBagConfig(num_embeddings=100_000, embedding_dim=10, name="t", feature_names=["f"])
+    times = []
+    for pooling in (1.0, 4.0, 16.0, 64.0):
+        enumerator = EmbeddingEnumerator(
+            Topology(world_size=2, compute_device="cpu", cost_model=model),
+            batch_size=10,
+            constraints={"t": ParameterConstraints(pooling_factors=[pooling], compute_kernels=["fused"])},
+        )
+        ((info, found),) = enumerator.tables(meta_ebc([table]), [ebc_sharder()])
+        options = [o for o in enumerator.enumerate(info, found) if o.sharding_type == "data_parallel"]
+        EmbeddingPerfEstimator().estimate(options, enumerator.topology)
+        times.append(options[0].compute[0].item() + options[0].comm[0].item())
+    assert times == sorted(times) and times[-1] > 10 * times[0]
 
 
 def test_dense_kernel_adds_gradient_memory_and_update_time():
@@ -186,10 +270,10 @@ def test_ids_that_miss_the_cache_pay_the_memory_latency():
     # row-wise: each shard 50 x 10 x 4 = 2000 bytes, 20 ids each, miss 1 - 1000 / 2000
     rw = ("row_wise", "fused")
     assert got[rw].compute.tolist() == pytest.approx([c + 20 * 1e-6 * 0.5 for c in base[rw].compute.tolist()])
-    # a replica: its own 20 ids over the whole table
+    # a replica: its own 20 ids looked up and both ranks' touched rows updated, over the whole table
     dp = ("data_parallel", "fused")
     assert got[dp].compute.tolist() == pytest.approx(
-        [c + 20 * 1e-6 * 0.75 for c in base[dp].compute.tolist()]
+        [c + (20 + 2 * TOUCHED) * 1e-6 * 0.75 for c in base[dp].compute.tolist()]
     )
     assert got[tw].comm.tolist() == base[tw].comm.tolist()  # a compute cost only
 
@@ -222,13 +306,19 @@ def test_offloading_kernels_are_not_charged_the_miss_term():
     assert got[("table_wise", "fused")].compute.item() > base[("table_wise", "fused")].compute.item()
 
 
-def test_a_replica_pays_its_whole_table_passes():
+def test_a_fused_replica_pays_whole_table_passes_only_when_it_all_reduces_the_dense_gradient():
     dp = ("data_parallel", "fused")
-    base = _options(_cpu())[dp]
     model = MODEL.replace(replica_grad_passes=5.0)
+    # 40 of 100 rows touched per step: the touched rows are gathered, no table-sized buffer
+    base = _options(_cpu())[dp]
     got = _options(Topology(world_size=2, compute_device="cpu", cost_model=model))[dp]
-    # 5 passes over 4000 bytes at 1 GB/s, on every replica; more passes cost more
-    assert got.compute.tolist() == pytest.approx([c + 5 * 4000 / 1e9 for c in base.compute.tolist()])
+    assert got.compute.tolist() == pytest.approx(base.compute.tolist())
+    # a 10-row table: most rows touched, the dense gradient all-reduced: 5 passes over 400 bytes at 1 GB/s
+    small = meta_ebc([EmbeddingBagConfig(num_embeddings=10, embedding_dim=10, name="t", feature_names=["f"])])
+    base = _options(_cpu(), module=small)[dp]
+    got = _options(Topology(world_size=2, compute_device="cpu", cost_model=model), module=small)[dp]
+    assert got.compute.tolist() == pytest.approx([c + 5 * 400 / 1e9 for c in base.compute.tolist()])
+    assert base.comm.tolist() == pytest.approx([2 * 0.5 * 10 * 11 * 4 / 1e8] * 2)
 
 
 def test_a_dense_replica_pays_the_passes_too_and_its_optimizer_on_top():
@@ -238,3 +328,24 @@ def test_a_dense_replica_pays_the_passes_too_and_its_optimizer_on_top():
     got = _options(Topology(world_size=2, compute_device="cpu", cost_model=model))[key]
     assert base.compute.tolist() == pytest.approx([3 * 20 * 10 * 4 / 1e9 + 3 * 4000 / 1e9] * 2)
     assert got.compute.tolist() == pytest.approx([c + 5 * 4000 / 1e9 for c in base.compute.tolist()])
+
+
+def test_replica_groups_are_the_fused_replicas_widths_and_the_plan_pays_each():
+    tables = [
+        EmbeddingBagConfig(num_embeddings=100, embedding_dim=d, name=f"t{i}", feature_names=[f"f{i}"])
+        for i, d in enumerate((8, 8, 16, 32))
+    ]
+    topology = Topology(world_size=2, compute_device="cpu", cost_model=MODEL)
+    enumerator = EmbeddingEnumerator(topology, batch_size=10)
+    options = {}
+    for table, found in enumerator.tables(meta_ebc(tables), [ebc_sharder()]):
+        for o in enumerator.enumerate(table, found):
+            options[(table.name, o.sharding_type, o.compute_kernel)] = o
+    fused = [options[(f"t{i}", "data_parallel", "fused")] for i in range(4)]
+    assert replica_groups(fused) == 3  # widths 8, 16, 32
+    assert replica_groups(fused[:2]) == 1
+    # table-wise tables and DENSE replicas run no replica exchange
+    assert replica_groups([options[("t0", "table_wise", "fused")]]) == 0
+    model = MODEL.replace(step_overhead_s=1e-3, replica_group_s=2e-3)
+    assert model.plan_overhead(["data_parallel"] * 4, replica_groups(fused)) == pytest.approx(1e-3 + 3 * 2e-3)
+    assert model.plan_overhead(["table_wise"]) == pytest.approx(1e-3)

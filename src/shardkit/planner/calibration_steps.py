@@ -74,7 +74,8 @@ _INF = 1e30  # a bandwidth that makes its bytes free
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     """A calibration step: one table per entry of ``types`` (that sharding), each of ``rows`` rows and
-    ``dim`` columns per shard (a column-wise table has ``dim`` x world columns), ``batch`` bags of
+    ``dim`` columns per shard (a column-wise table has ``dim`` x world columns; table ``i`` has
+    ``i x dim_step`` more: tables of different widths are separate lookup groups), ``batch`` bags of
     ``pooling`` uniform random ids per rank and table."""
 
     types: Tuple[str, ...]
@@ -82,6 +83,11 @@ class StepConfig:
     dim: int = DIM
     batch: int = BATCH
     pooling: int = 1
+    dim_step: int = 0
+
+    def width(self, index: int) -> int:
+        """Columns per shard of table ``index``."""
+        return self.dim + index * self.dim_step
 
 
 def calibration_configs(world: int, big_bytes: int = BIG_BYTES) -> List[StepConfig]:
@@ -111,6 +117,14 @@ def calibration_configs(world: int, big_bytes: int = BIG_BYTES) -> List[StepConf
         configs.append(StepConfig(("column_wise",) * world, rows, max(1, BIG_DIM // world), **big))
     configs.append(StepConfig(("data_parallel",), max(64, big_bytes // 4) // row_bytes, BIG_DIM))
     configs.append(StepConfig(("data_parallel",), max(64, big_bytes // 4) // row_bytes, BIG_DIM, **big))
+    # the fused replica's update, per row applied against per value (a narrow and a wide table), in and
+    # out of the caches (the wide one of big_bytes), and a table small enough that most rows are
+    # touched (its exchange all-reduces the dense gradient: the table-sized passes)
+    configs.append(StepConfig(("data_parallel",), max(64, big_bytes // 4) // 64, 16, **big))
+    configs.append(StepConfig(("data_parallel",), max(64, big_bytes // 512), 128, **big))
+    configs.append(StepConfig(("data_parallel",), 2048, BIG_DIM, **big))
+    # replicas of different widths: one lookup group each, two all-gathers each in backward
+    configs += [StepConfig(("data_parallel",) * k, tiny_rows, dim_step=DIM) for k in (4, 16)]
     return configs
 
 
@@ -131,7 +145,7 @@ def _module_and_plan(
     configs = [
         EmbeddingBagConfig(
             config.rows,
-            config.dim * world if t == "column_wise" else config.dim,
+            config.width(i) * world if t == "column_wise" else config.width(i),
             name=f"c{i}",
             feature_names=[f"c{i}"],
         )
@@ -215,7 +229,7 @@ def feature_names() -> List[str]:
         + [f"group:{t}" for t in TYPES]
         + [f"shard:{t}" for t in TYPES]
         + [f"id:{t}" for t in ID_TYPES]
-        + ["id_miss", "lookup", "replica", "comm"]
+        + ["id_miss", "lookup", "replica", "replica_row", "replica_value", "replica_group", "comm"]
     )
 
 
@@ -234,6 +248,9 @@ def _zero(model: CostModel) -> CostModel:
         id_overhead_s={},
         id_miss_s=0.0,
         replica_grad_passes=0.0,
+        replica_row_s=0.0,
+        replica_value_s=0.0,
+        replica_group_s=0.0,
     )
 
 
@@ -262,9 +279,12 @@ def config_features(
     values["replica"] = (
         est(unit_bw.replace(replica_grad_passes=1.0)) - values["lookup"] if "data_parallel" in used else 0.0
     )
+    for name in ("replica_row", "replica_value", "replica_group"):
+        values[name] = est(zero.replace(**{f"{name}_s": 1.0})) if "data_parallel" in used else 0.0
     values["id_miss"] = 0.0
     # no shard is larger than its table: a cache of the largest table's bytes serves every id
-    largest = config.rows * config.dim * (world if "column_wise" in used else 1) * 4
+    widest = max(config.width(i) for i in range(len(config.types)))
+    largest = config.rows * widest * (world if "column_wise" in used else 1) * 4
     miss = [est(zero.replace(id_miss_s=1.0, lookup_cache_bytes=c)) if c < largest else 0.0 for c in caches]
     return known, [values[name] for name in feature_names()], miss
 
@@ -388,6 +408,9 @@ def fit_constants(
         "comm_bw": comm_bw,
         # the feature was seconds per pass at a bandwidth of 1 byte/s
         "replica_grad_passes": v["replica"] * lookup_bw,
+        "replica_row_s": v["replica_row"],
+        "replica_value_s": v["replica_value"],
+        "replica_group_s": v["replica_group"],
         "residual": residual,
         "fitted_s": (base_with_miss(cache) @ x + known).tolist(),
     }
@@ -457,7 +480,8 @@ def measure_step_overheads(
 def describe(config: StepConfig) -> str:
     """``"8 x row_wise 4096x64 b512 p20"``: a configuration in a line."""
     kinds = ", ".join(f"{config.types.count(t)} {t}" for t in TYPES if t in config.types)
-    return f"{kinds}: {config.rows}x{config.dim} b{config.batch} p{config.pooling}"
+    widths = f"{config.dim}..{config.width(len(config.types) - 1)}" if config.dim_step else f"{config.dim}"
+    return f"{kinds}: {config.rows}x{widths} b{config.batch} p{config.pooling}"
 
 
 __all__ = [

@@ -49,8 +49,18 @@ class CostModel:
             rank holding it (its lookup call, its share of the features' permutes and of the output
             dist's per-table work); a type not named costs ``lookup_overhead_s``.
         replica_grad_passes: passes over a data-parallel replica's whole table per step at
-            ``ddr_lookup_bw`` / ``hbm_lookup_bw`` (its dense gradient buffer is zeroed, concatenated,
-            all-reduced and read back), beside the all-reduce itself.
+            ``ddr_lookup_bw`` / ``hbm_lookup_bw`` when its gradient is a table-sized buffer (zeroed,
+            scattered into, all-reduced, read back): always with the DENSE kernel, with the FUSED
+            kernel only when most rows are touched (its exchange then all-reduces the dense gradient).
+        replica_row_s: seconds per row a FUSED data-parallel replica updates per step, beside the
+            bytes: its backward gathers every rank's touched rows and gradients and applies all of
+            them (``world x`` the rows its own ids touch), so this is paid per row of the global
+            batch, on every rank alike.
+        replica_value_s: seconds per value (row x column) of those gathered rows: unpacking the
+            exchanged gradients, summing and applying them.
+        replica_group_s: seconds per step per group of FUSED data-parallel tables (tables of one
+            width and dtype share a lookup, and its backward runs two all-gathers: the counts, then
+            the rows), charged to every rank.
         id_overhead_s: sharding type -> seconds per id a shard of that type looks up, beside the bytes
             terms (routing work per id: bucketizing, permuting, the input dist's per-id bookkeeping);
             a type not named costs nothing per id.
@@ -76,6 +86,9 @@ class CostModel:
     group_overhead_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
     shard_overhead_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
     replica_grad_passes: float = 0.0
+    replica_row_s: float = 0.0
+    replica_value_s: float = 0.0
+    replica_group_s: float = 0.0
     id_overhead_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
     id_miss_s: float = 0.0
     lookup_cache_bytes: float = 32 * 2**20
@@ -92,6 +105,9 @@ class CostModel:
             "lookup_overhead_s",
             "step_overhead_s",
             "replica_grad_passes",
+            "replica_row_s",
+            "replica_value_s",
+            "replica_group_s",
             "id_miss_s",
         ):
             if not getattr(self, name) >= 0:
@@ -120,10 +136,16 @@ class CostModel:
             return max(0.0, 1.0 - self.lookup_cache_bytes / shard_bytes) if shard_bytes > 0 else 0.0
         return (1.0 - self.lookup_cache_bytes / shard_bytes.clamp(min=1e-30)).clamp(min=0.0)
 
-    def plan_overhead(self, sharding_types) -> float:
+    def plan_overhead(self, sharding_types, replica_groups: int = 0) -> float:
         """Fixed seconds per step every rank pays for a plan using ``sharding_types``: the step's own
-        overhead plus each type's group overhead (once per type)."""
-        return self.step_overhead_s + sum(self.group_overhead_s.get(t, 0.0) for t in set(sharding_types))
+        overhead plus each type's group overhead (once per type), plus ``replica_group_s`` per group of
+        FUSED data-parallel tables (``shardkit.planner.estimators.replica_groups``)."""
+        types = set(sharding_types)
+        return (
+            self.step_overhead_s
+            + sum(self.group_overhead_s.get(t, 0.0) for t in types)
+            + replica_groups * self.replica_group_s
+        )
 
     @classmethod
     def default(cls, compute_device: str) -> CostModel:
@@ -140,6 +162,12 @@ class CostModel:
                 # rows forward and backward): calibrate() fitted 0-16 ms per type (most 2-15) on a loaded
                 # 2-core machine (2 and 4 ranks); 2 ms is a round figure at the low end
                 group_overhead_s={t: 2e-3 for t in _SHARDING_TYPES},
+                # a fused replica's update of every rank's touched rows: refitting the seventh
+                # session's idle calibration timings (2 and 4 ranks on 2 cores) gave 0.6-1.7 us per
+                # row of 64 values; a group's two gloo all-gathers, about a millisecond. Round figures
+                replica_row_s=0.2e-6,
+                replica_value_s=5e-9,
+                replica_group_s=1e-3,
             )
         return cls(
             hbm_lookup_bw=1000 * GB,  # about a third of H100 peak: random rows, not streaming

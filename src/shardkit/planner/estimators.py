@@ -13,6 +13,7 @@ vectorized step: 1000 tables x 64 ranks cost milliseconds, not a torch call per 
 
 from __future__ import annotations
 
+import math
 from typing import Callable, List, Sequence, Tuple
 
 import torch
@@ -64,6 +65,45 @@ def _output_values(o: ShardingOption, world: int) -> Linear:
         return (0.0, 0.0, t.bags if o.sharding_type == _DP else t.bags * world, 0.0)
     ids = _ids(o, world)
     return (ids[1], 0.0, ids[3], 0.0)  # ids x c: the r term becomes r x c, the constant becomes c
+
+
+def distinct_rows(rows: int, ids: float) -> float:
+    """Expected distinct rows ``ids`` uniform random ids touch in a table of ``rows`` rows:
+    ``rows x (1 - (1 - 1/rows)^ids)`` (at most ``min(rows, ids)``)."""
+    if rows <= 0 or ids <= 0:
+        return 0.0
+    if rows == 1:
+        return 1.0
+    return -rows * math.expm1(ids * math.log1p(-1.0 / rows))
+
+
+def replica_exchange(table: TableInfo, world: int) -> Tuple[float, float, bool]:
+    """``(rows applied, bytes received, dense)`` per step of a FUSED data-parallel replica of ``table``
+    (``shardkit.sharding.replicated_fused_lookup``): each rank gathers every rank's touched rows and
+    fp32 gradients (``world x touched x (cols + 2)`` 4-byte words, ``(world - 1)`` ranks' of them from
+    the others) and applies all ``world x touched`` rows; when that is not fewer words than the table's
+    ``rows x (cols + 1)``, it all-reduces the dense gradient instead (``dense``: ``2 (W-1)/W`` of those
+    words on the wire) and applies the distinct rows of the global batch. ``touched``: the distinct rows
+    of one rank's ids (uniform over the rows)."""
+    touched = distinct_rows(table.rows, table.ids)
+    if world <= 1:
+        return touched, 0.0, False
+    if world * touched * (table.cols + 2) < table.rows * (table.cols + 1):
+        return world * touched, 4.0 * (world - 1) * touched * (table.cols + 2), False
+    received = 4.0 * 2.0 * (world - 1) / world * table.rows * (table.cols + 1)
+    return distinct_rows(table.rows, world * table.ids), received, True
+
+
+def replica_groups(options: Sequence[ShardingOption]) -> int:
+    """Groups of FUSED data-parallel tables in a plan's ``options``: one per (width, bytes per value),
+    as the sharded lookup groups tables (``shardkit.sharding.embedding_lookup.group_shards``)."""
+    return len(
+        {
+            (o.table.cols, o.table.element_size)
+            for o in options
+            if o.sharding_type == _DP and o.compute_kernel != _K.DENSE.value
+        }
+    )
 
 
 def load_factor(o: ShardingOption) -> float:
@@ -151,15 +191,19 @@ class EmbeddingPerfEstimator:
               (the last: the memory latency of rows not in the cache; not for offloading kernels)
               (+ 3 x weights / lookup_bw for the DENSE kernel: the optimizer reads and writes the
               whole table and its dense gradient; + replica_grad_passes x weights / lookup_bw for a
-              data-parallel replica, either kernel: its table-sized gradient buffer)
+              data-parallel replica with a table-sized gradient buffer: DENSE always, FUSED when its
+              exchange is the dense all-reduce)
+              + a FUSED data-parallel replica's update: rows applied x (replica_row_s + c x
+              replica_value_s), the rows applied also counted by the miss term (``replica_exchange``)
     comm    = input dist (ids x 8 B / bw; 12 B with per-id weights)
               + output dist forward and backward, by sharding type:
               TABLE_WISE, COLUMN_WISE, TABLE_COLUMN_WISE: all-to-all of the shard's output values;
               ROW_WISE: reduce-scatter of B x c partial sums ((W-1)/W of them cross the wire);
               TABLE_ROW_WISE, GRID_SHARD (per column block): reduce-scatter within the node, then
               all-to-all of 1/L across nodes;
-              DATA_PARALLEL: no forward communication; the backward all-reduce of the gradient
-              (2 (W-1)/W x weights).
+              DATA_PARALLEL: no forward communication; DENSE: the backward all-reduce of the gradient
+              (2 (W-1)/W x weights); FUSED: the gather of every rank's touched rows and gradients, or
+              the dense all-reduce when most rows are touched (``replica_exchange``).
     A sequence (unpooled) table's output values are ``c`` per id instead of ``c`` per bag, and its
     row splits send them back by all-to-all (nothing to reduce).
 
@@ -207,15 +251,28 @@ class EmbeddingPerfEstimator:
             compute = _add(compute, _scale(ids, cm.id_overhead_s.get(o.sharding_type, 0.0)))
             if o.compute_kernel == _K.DENSE.value:  # the dense optimizer's passes over table and gradient
                 compute = _add(compute, (3.0 * e / bw, 0.0, 0.0, 0.0))
-            if o.sharding_type == _DP:
-                # a replica's gradient is a table-sized buffer (zeroed, scattered into, all-reduced, read
-                # back), with either kernel: DENSE's goes through the model's all-reduce, FUSED's through
-                # the replicated lookup's; calibrate() measures the fused one
+            # ids whose rows are read from the table's memory (the miss term's count)
+            touching: Linear = ids
+            replica = o.sharding_type == _DP and o.compute_kernel != _K.DENSE.value
+            exchange = 0.0
+            if replica:
+                # the fused replica's backward (replicated_fused_lookup): every rank applies every
+                # rank's touched rows, after gathering them (or all-reducing the dense gradient)
+                applied, exchange, dense = replica_exchange(t, world)
+                per_row = cm.replica_row_s + t.cols * cm.replica_value_s
+                compute = _add(compute, (0.0, 0.0, 0.0, applied * per_row))
+                touching = _add(ids, (0.0, 0.0, 0.0, applied))
+                if dense:  # the dense gradient buffer: zeroed, scattered into, read back
+                    compute = _add(compute, (cm.replica_grad_passes * e / bw, 0.0, 0.0, 0.0))
+            elif o.sharding_type == _DP:
+                # a DENSE replica's gradient is a table-sized buffer all-reduced by the model's wrapper
                 compute = _add(compute, (cm.replica_grad_passes * e / bw, 0.0, 0.0, 0.0))
             out_bytes = _scale(_output_values(o, world), e)
             input_dist = _scale(ids, t.bytes_per_id / coll)
             st = o.sharding_type
-            if st == _DP:
+            if replica:
+                comm = (0.0, 0.0, 0.0, exchange / coll)
+            elif st == _DP:
                 comm = (2.0 * (world - 1) / world * e / coll, 0.0, 0.0, 0.0)
             elif st == ShardingType.ROW_WISE.value and t.pooled:
                 comm = _add(input_dist, _scale(out_bytes, 2.0 * (world - 1) / world / coll))
@@ -224,7 +281,7 @@ class EmbeddingPerfEstimator:
                 comm = _add(input_dist, _scale(out_bytes, 2.0 * per_byte))
             else:
                 comm = _add(input_dist, _scale(out_bytes, 2.0 / coll))
-            return [compute, comm, ids]
+            return [compute, comm, touching]
 
         for o, values in zip(options, _evaluate(options, coefficients)):
             o.compute, o.comm = values[:, 0], values[:, 1]
@@ -241,5 +298,8 @@ __all__ = [
     "EmbeddingPerfEstimator",
     "EmbeddingStorageEstimator",
     "cached_row_bytes",
+    "distinct_rows",
     "load_factor",
+    "replica_exchange",
+    "replica_groups",
 ]
