@@ -23,9 +23,11 @@ measured time the table prints the planner's estimate of that plan (``EmbeddingS
 the slowest rank's estimated time) with the default and the calibrated constants, the ranks by
 calibrated estimate and by measurement, and whether the planner's calibrated plan is within 10% of the
 fastest measured plan; per case, whether all estimates are within 25%, whether the orders agree
-exactly, and ``misordered_pairs``: of the pairs of plans measured more than 10% apart, how many
-the estimates order the other way. Absolute times on a shared machine are noise; the ranks and
-ratios are the result.
+exactly, ``misordered_pairs``: of the pairs of plans measured more than 10% apart, how many
+the estimates order the other way, and ``order_beyond_noise``: the same over the pairs whose round
+times do not overlap (every round of one plan faster than every round of the other; plans whose
+rounds overlap are ties the measurement cannot order, and are not scored; ``same_order`` scores
+them). Absolute times on a shared machine are noise; the ranks and ratios are the result.
 """
 
 from __future__ import annotations
@@ -244,6 +246,27 @@ def _misordered(estimates: List[float], measured: List[float], margin: float = D
     return f"{wrong}/{pairs}"
 
 
+def _separated(a: List[float], b: List[float]) -> bool:
+    """Whether the measurement orders two plans beyond its noise: every round of one faster than every
+    round of the other (disjoint ranges). Two plans of 5 rounds each drawn from one distribution
+    separate so by chance with probability 2 / C(10, 5) < 1 %; pairs whose ranges overlap are ties."""
+    return max(a) < min(b) or max(b) < min(a)
+
+
+def _order_beyond_noise(estimates: List[float], rounds: List[List[float]]) -> str:
+    """``"k/n"``: of the ``n`` pairs of plans the measurement separates (``_separated``), the ``k`` the
+    estimates order the other way (a tie in the estimates counts as misordered)."""
+    pairs = wrong = 0
+    for i in range(len(rounds)):
+        for j in range(i + 1, len(rounds)):
+            if _separated(rounds[i], rounds[j]):
+                pairs += 1
+                faster_measured = statistics.median(rounds[i]) < statistics.median(rounds[j])
+                faster_estimated = estimates[i] < estimates[j]
+                wrong += faster_measured != faster_estimated
+    return f"{wrong}/{pairs}"
+
+
 def summarize(
     set_name: str, world: int, result: Dict[str, Any]
 ) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
@@ -281,6 +304,7 @@ def summarize(
         "estimates_within_25pct": all(abs(o["cal_err"]) <= 0.25 for o in out),
         "same_order": by_est == by_meas,
         "misordered_pairs": _misordered(cal, measured),
+        "order_beyond_noise": _order_beyond_noise(cal, [r["rounds_s"] for r in rows]),
         "calibrate_s": result["calibrate_s"],
     }
     return out, verdict
