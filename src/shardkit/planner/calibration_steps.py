@@ -8,8 +8,10 @@ all ranks at once (so ranks that share cores are measured sharing them), and fit
     step = step_overhead_s + sum over the types T used of group_overhead_s[T]
            + sum over the slowest rank's shards of (shard_overhead_s[T] + ids x id_overhead_s[T]
              + ids x id_miss_s x miss(shard bytes) + (1 + bwd) ids x c x e / lookup_bw
-             + replica_grad_passes x r c e / lookup_bw (a data-parallel replica))
-           + the dists' bytes (input ids, pooled rows forward and backward, a replica's all-reduce)
+             + for a fused data-parallel replica: rows applied x (replica_row_s + c x replica_value_s)
+             + replica_grad_passes x r c e / lookup_bw (a table-sized gradient buffer))
+           + replica_group_s x the groups of fused replicas (one per width)
+           + the dists' bytes (input ids, pooled rows forward and backward, a replica's exchange)
              / the collective bandwidth
 
 by one non-negative least-squares fit of the relative errors (``fit_constants``). Each feature is the
@@ -23,9 +25,11 @@ The configurations (``calibration_configs``) are synthetic, never the model bein
 type and all four together (the fixed costs); table-wise tables of 1 to ``BIG_BYTES`` at ``BIG_BATCH``
 bags of ``BIG_POOLING`` ids, and at widths 16 and 128 (per id, per miss and per byte costs); row- and
 column-wise tables of ``BIG_BYTES`` / 4 and ``BIG_BYTES`` (their routing per id); one data-parallel table of
-``BIG_BYTES`` / 4 at ``BATCH`` bags of one id (its whole-table passes) and at ``BIG_BATCH`` bags of
-``BIG_POOLING`` ids (its per-id work: the fused replica's backward re-runs the lookup and exchanges every
-rank's touched rows). How the fixed costs grow with the batch is measured only
+``BIG_BYTES`` / 4 at ``BATCH`` bags of one id and at ``BIG_BATCH`` bags of ``BIG_POOLING`` ids (its
+per-id work and its update of every rank's touched rows), the same bytes at 16 columns and one of
+``BIG_BYTES`` at 128 (the update per row against per value, in and out of the caches), one whose rows
+are nearly all touched (the dense all-reduce's table-sized passes), and 4 and 16 tiny replicas of as
+many widths (one lookup group each). How the fixed costs grow with the batch is measured only
 through the per-id terms.
 """
 
