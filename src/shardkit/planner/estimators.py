@@ -101,7 +101,7 @@ def replica_groups(options: Sequence[ShardingOption]) -> int:
         {
             (o.table.cols, o.table.element_size)
             for o in options
-            if o.sharding_type == _DP and o.compute_kernel != _K.DENSE.value
+            if o.sharding_type == _DP and o.compute_kernel == _K.FUSED.value
         }
     )
 
@@ -253,7 +253,9 @@ class EmbeddingPerfEstimator:
                 compute = _add(compute, (3.0 * e / bw, 0.0, 0.0, 0.0))
             # ids whose rows are read from the table's memory (the miss term's count)
             touching: Linear = ids
-            replica = o.sharding_type == _DP and o.compute_kernel != _K.DENSE.value
+            # the replicated fused lookup serves the in-memory FUSED kernel only (sharders offer no
+            # offloading kernel for a replica; any other keeps the table-sized gradient all-reduce)
+            replica = o.sharding_type == _DP and o.compute_kernel == _K.FUSED.value
             exchange = 0.0
             if replica:
                 # the fused replica's backward (replicated_fused_lookup): every rank applies every
@@ -266,6 +268,7 @@ class EmbeddingPerfEstimator:
                     compute = _add(compute, (cm.replica_grad_passes * e / bw, 0.0, 0.0, 0.0))
             elif o.sharding_type == _DP:
                 # a DENSE replica's gradient is a table-sized buffer all-reduced by the model's wrapper
+                # (and so, in this model, any replica but a FUSED one)
                 compute = _add(compute, (cm.replica_grad_passes * e / bw, 0.0, 0.0, 0.0))
             out_bytes = _scale(_output_values(o, world), e)
             input_dist = _scale(ids, t.bytes_per_id / coll)
