@@ -92,6 +92,24 @@ class TwRwPooledEmbeddingSharding(RowBucketRouting):
             self._intra_pg, self.codecs(CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER)
         )
         summed = reduce_scatter(full, input_splits=rows_per_local_rank)
+        if H == 1 and self.codecs(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL) is None:
+            # one node: the reduce-scatter's result is already this rank's [B_me, node dims]; the
+            # cross-node all-to-all over a group of one would only copy it (twice: pack and cat),
+            # and its backward copy the gradient once more. (With a codec it stays: the codec's
+            # rounding is part of the result.)
+            out = summed
+        else:
+            out = self._cross_node_dist(summed, batch)
+        return (
+            MappedAwaitable(out, lambda pooled: self._divide_means(pooled, ctx))
+            if self._mean_features
+            else out
+        )
+
+    def _cross_node_dist(self, summed: Awaitable[torch.Tensor], batch: List[int]) -> Awaitable[torch.Tensor]:
+        """Output dist step 2 (several nodes): each node's columns of rank ``(h, l)``'s samples to it."""
+        H = self._num_nodes
+        L = self._local_size
         dims = [sum(c1 - c0 for _, c0, c1 in self._full_keys(tables)) for tables in self._tables_per_node]
         all_to_all = PooledEmbeddingsAllToAll(
             self._cross_pg, dims, codecs=self.codecs(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL)
@@ -99,12 +117,7 @@ class TwRwPooledEmbeddingSharding(RowBucketRouting):
         cross_batch = [batch[h * L + self._local_rank] for h in range(H)]
         # the second collective needs the first's result; it is started here rather than when the
         # output is first used, so that every rank issues its collectives in the same order
-        out = all_to_all(summed.wait(), batch_size_per_rank=cross_batch)
-        return (
-            MappedAwaitable(out, lambda pooled: self._divide_means(pooled, ctx))
-            if self._mean_features
-            else out
-        )
+        return all_to_all(summed.wait(), batch_size_per_rank=cross_batch)
 
     def output_layout(self) -> List[ColumnBlock]:
         return [key for tables in self._tables_per_node for key in self._full_keys(tables)]
