@@ -14,6 +14,7 @@ import torch
 
 from shardkit.distributed.awaitable import Awaitable, LazyAwaitable
 from shardkit.distributed.codecs import QuantizedCommCodecs
+from shardkit.distributed.comm_ops.placement import ColumnPlacement
 from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.modules import EmbeddingBagCollection, FusedOptimizerConfig
 from shardkit.sharding.column_wise import CwPooledEmbeddingSharding
@@ -74,6 +75,23 @@ def column_runs(permutation: List[int]) -> List[Tuple[int, int]]:
     return runs
 
 
+def column_placement(permutation: List[int], dims_per_rank: List[int]) -> ColumnPlacement:
+    """``permutation`` (see :func:`column_permutation`) of the rank-ordered columns of an all-to-all
+    whose rank ``r`` computes ``dims_per_rank[r]`` columns, as a ``ColumnPlacement``: blocks of the
+    largest width dividing every run edge and rank boundary."""
+    bounds = [0, *itertools.accumulate(dims_per_rank)]
+    edges = [edge for run in column_runs(permutation) for edge in run]
+    width = math.gcd(*edges, *bounds) or 1
+    output_of = [0] * len(permutation)
+    for out_column, source in enumerate(permutation):
+        output_of[source] = out_column
+    dest = [
+        [output_of[c] // width for c in range(bounds[r], bounds[r + 1], width)]
+        for r in range(len(dims_per_rank))
+    ]
+    return ColumnPlacement(width, dest)
+
+
 class ColumnBlocks:
     """The column ranges ``runs`` (a permutation of all ``C`` columns, see :func:`column_runs`) as whole
     blocks: the ranges are cut into blocks of the largest width that divides every range boundary (a
@@ -125,6 +143,7 @@ class _PooledOutputAwaitable(LazyAwaitable[KeyedTensor]):
         runs: Optional[List[Tuple[int, int]]],
         blocks: Dict[torch.device, ColumnBlocks],
     ) -> None:
+        """``runs`` None: the parts' columns are in the module's order already."""
         super().__init__()
         self._parts, self._layout, self._runs, self._blocks = parts, layout, runs, blocks
 
@@ -187,6 +206,12 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
         self._column_blocks: Dict[torch.device, ColumnBlocks] = {}
         dims = [self._dims[f] for f in self._embedding_names]
         self._layout = (self._embedding_names, dims, [0, *itertools.accumulate(dims)])
+        # one table-/column-wise sharding: its all-to-all puts the columns in place as it assembles
+        # them (the permutation costs no copy of its own, either way)
+        self._placement: Optional[ColumnPlacement] = None
+        only = self._shardings[0] if len(self._shardings) == 1 else None
+        if permutation is not None and isinstance(only, TwPooledEmbeddingSharding):
+            self._placement = column_placement(permutation, only.dims_per_rank())
 
     def compute(self, ctx: EmbeddingModuleContext, dist_input: KJTList) -> List[torch.Tensor]:
         return [
@@ -197,13 +222,25 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule):
     def output_dist(
         self, ctx: EmbeddingModuleContext, output: List[torch.Tensor]
     ) -> LazyAwaitable[KeyedTensor]:
+        if self._placement is not None:
+            return self._placed_output_dist(ctx, output[0])
         parts = [s.output_dist(c, out) for s, c, out in zip(self._shardings, ctx.sharding_contexts, output)]
         return self._assemble(parts)
 
     def compute_and_output_dist(
         self, ctx: EmbeddingModuleContext, input: KJTList
     ) -> LazyAwaitable[KeyedTensor]:
+        if self._placement is not None:  # one sharding: its lookup, then its output dist
+            return self._placed_output_dist(ctx, self.compute(ctx, input)[0])
         return self._assemble(self._compute_and_start(ctx, input))
+
+    def _placed_output_dist(
+        self, ctx: EmbeddingModuleContext, output: torch.Tensor
+    ) -> LazyAwaitable[KeyedTensor]:
+        sharding, sharding_ctx = self._shardings[0], ctx.sharding_contexts[0]
+        part = sharding.output_dist(sharding_ctx, output, placement=self._placement)
+        runs = None if sharding.placed(sharding_ctx) else self._column_runs
+        return _PooledOutputAwaitable([part], self._layout, runs, self._column_blocks)
 
     def _assemble(self, parts: List[Awaitable[torch.Tensor]]) -> LazyAwaitable[KeyedTensor]:
         return _PooledOutputAwaitable(parts, self._layout, self._column_runs, self._column_blocks)

@@ -18,6 +18,7 @@ from typing import Dict, List, Optional
 import torch
 
 from shardkit.distributed.awaitable import Awaitable
+from shardkit.distributed.comm_ops.placement import ColumnPlacement
 from shardkit.sharding.dist_data import (
     PooledEmbeddingsAllToAll,
     VariableBatchPooledEmbeddingsAllToAll,
@@ -91,17 +92,34 @@ class TwPooledEmbeddingSharding(PermuteRouting):
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         return self._route(ctx, features, need_recat=False)
 
-    def output_dist(self, ctx: ShardingContext, local_out: torch.Tensor) -> Awaitable[torch.Tensor]:
+    def dims_per_rank(self) -> List[int]:
+        """Columns each rank computes (the widths of its received keys)."""
+        return [sum(c1 - c0 for _, c0, c1 in keys) for keys in self._keys_per_rank]
+
+    def output_dist(
+        self, ctx: ShardingContext, local_out: torch.Tensor, placement: Optional[ColumnPlacement] = None
+    ) -> Awaitable[torch.Tensor]:
+        """``placement``: put the output's columns in its order rather than :meth:`output_layout`'s (not
+        for a variable batch: :meth:`placed` says whether it was applied)."""
         codecs = self.codecs(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL)
         if ctx.variable_batch:
             return self._variable_batch_output_dist(ctx, local_out, codecs)
-        if self._pooled_dist is None or self._pooled_dist[0] is not codecs:
+        if (
+            self._pooled_dist is None
+            or self._pooled_dist[0] is not codecs
+            or self._pooled_dist[1] is not placement
+        ):
             # per plan, not per step: the dims summed and the dist module built once (an nn.Module
             # costs ~20-30 us to construct)
-            self._dims_per_rank = [sum(c1 - c0 for _, c0, c1 in keys) for keys in self._keys_per_rank]
-            dist = PooledEmbeddingsAllToAll(self.pg, self._dims_per_rank, codecs=codecs)
-            self._pooled_dist = (codecs, dist)
-        return self._pooled_dist[1](local_out, batch_size_per_rank=ctx.stride_per_rank)
+            self._dims_per_rank = self.dims_per_rank()
+            dist = PooledEmbeddingsAllToAll(self.pg, self._dims_per_rank, codecs=codecs, placement=placement)
+            self._pooled_dist = (codecs, placement, dist)
+        return self._pooled_dist[2](local_out, batch_size_per_rank=ctx.stride_per_rank)
+
+    @staticmethod
+    def placed(ctx: ShardingContext) -> bool:
+        """Whether :meth:`output_dist` applies a placement to this context's output."""
+        return not ctx.variable_batch
 
     def _variable_batch_output_dist(self, ctx, local_out, codecs) -> Awaitable[torch.Tensor]:
         """Flat per-feature blocks to their ranks, then expanded to ``[B_me, sum widths]``."""

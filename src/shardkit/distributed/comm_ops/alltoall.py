@@ -32,6 +32,7 @@ from shardkit.distributed.comm_ops.infos import (
     All2AllVInfo,
     VariableBatchAll2AllPooledInfo,
 )
+from shardkit.distributed.comm_ops.placement import ColumnPlacement
 from shardkit.distributed.comm_ops.request import CommPlan, Request, start_request
 from shardkit.distributed.tensor_split import split_sizes
 from shardkit.distributed.validation import validation_enabled
@@ -44,11 +45,24 @@ ProcessGroup = dist.ProcessGroup
 
 
 class _PooledPlan(CommPlan):
-    """Input ``[sum_r B_r, D_me]`` -> output ``[B_me, sum_r D_r]``: rows go to their samples' ranks."""
+    """Input ``[sum_r B_r, D_me]`` -> output ``[B_me, sum_r D_r]``: rows go to their samples' ranks.
 
-    def __init__(self, info: All2AllPooledInfo, world: int, rank: int, group, dtype: torch.dtype) -> None:
+    With a ``placement``, the received column blocks go straight to their places in the output (and
+    the gradient's blocks straight into the send buffer) instead of in rank order.
+    """
+
+    def __init__(
+        self,
+        info: All2AllPooledInfo,
+        world: int,
+        rank: int,
+        group,
+        dtype: torch.dtype,
+        placement: Optional[ColumnPlacement] = None,
+    ) -> None:
         super().__init__(world, info)
         self.rank, self.group, self.dtype = rank, group, dtype
+        self.placement = placement
 
     def layout(self) -> Layout:
         batch, dims = self.info.batch_size_per_rank, self.info.dim_sum_per_rank
@@ -63,12 +77,17 @@ class _PooledPlan(CommPlan):
         received = all_to_all(
             chunks, self.layout().recv, self.dtype, forward_codec(self.info.codecs), self.group
         )
+        if self.placement is not None:
+            return received.then(lambda pieces: self.placement.assemble(pieces, b_me))
         return received.then(lambda pieces: torch.cat([p.view(b_me, d) for p, d in zip(pieces, dims)], dim=1))
 
     def start_backward(self, grads):
         batch, dims = self.info.batch_size_per_rank, self.info.dim_sum_per_rank
         d_me = dims[self.rank]
-        chunks = grads[0].split(dims, dim=1)  # [B_me, D_r] column blocks, back to their owners
+        if self.placement is not None:
+            chunks = self.placement.split(grads[0])  # back to back in one buffer: sent as they are
+        else:
+            chunks = grads[0].split(dims, dim=1)  # [B_me, D_r] column blocks, back to their owners
         received = all_to_all(
             chunks, self.layout().send, self.dtype, backward_codec(self.info.codecs), self.group
         )
@@ -93,6 +112,48 @@ def alltoall_pooled(
     ``W`` when gradient division is on. ``dim_sum_per_rank_tensor`` / ``cumsum_dim_sum_per_rank_tensor``
     are kept in the info only (no fused kernel needs them). Saved for backward: the sizes (ints).
     """
+    return _alltoall_pooled(
+        a2a_pooled_embs_tensor,
+        batch_size_per_rank,
+        dim_sum_per_rank,
+        dim_sum_per_rank_tensor,
+        cumsum_dim_sum_per_rank_tensor,
+        group,
+        codecs,
+    )
+
+
+def alltoall_pooled_placed(
+    a2a_pooled_embs_tensor: torch.Tensor,
+    batch_size_per_rank: list[int],
+    placement: ColumnPlacement,
+    group: Optional[ProcessGroup] = None,
+    codecs: Optional[QuantizedCommCodecs] = None,
+) -> Request[torch.Tensor]:
+    """``alltoall_pooled`` whose output columns are ordered by ``placement`` (rank ``r`` computes
+    ``placement.columns(r)`` columns): the result is that of ``alltoall_pooled`` followed by the
+    column permutation, bitwise, with one copy fewer each way."""
+    world = world_of(group)
+    if len(placement.dest) != world:  # the plan's, so the same verdict on every rank
+        raise ValueError(
+            f"alltoall_pooled_placed: the placement has {len(placement.dest)} ranks, the group {world}"
+        )
+    dims = [placement.columns(r) for r in range(world)]
+    return _alltoall_pooled(
+        a2a_pooled_embs_tensor, batch_size_per_rank, dims, None, None, group, codecs, placement
+    )
+
+
+def _alltoall_pooled(
+    x: torch.Tensor,
+    batch_size_per_rank: list[int],
+    dim_sum_per_rank: list[int],
+    dim_sum_per_rank_tensor: Optional[torch.Tensor],
+    cumsum_dim_sum_per_rank_tensor: Optional[torch.Tensor],
+    group: Optional[ProcessGroup],
+    codecs: Optional[QuantizedCommCodecs],
+    placement: Optional[ColumnPlacement] = None,
+) -> Request[torch.Tensor]:
     world, rank = world_of(group), group_rank(group)
     info = All2AllPooledInfo(
         batch_size_per_rank=list(batch_size_per_rank),
@@ -101,7 +162,6 @@ def alltoall_pooled(
         cumsum_dim_sum_per_rank_tensor=cumsum_dim_sum_per_rank_tensor,
         codecs=codecs,
     )
-    x = a2a_pooled_embs_tensor
 
     def build() -> _PooledPlan:
         info.batch_size_per_rank = check_sizes("batch_size_per_rank", batch_size_per_rank, world, rank)
@@ -112,7 +172,7 @@ def alltoall_pooled(
             f"alltoall_pooled on rank {rank}: input of shape {tuple(x.shape)}, expected "
             f"[sum(batch_size_per_rank), dim_sum_per_rank[{rank}]] = {list(expected)}",
         )
-        return _PooledPlan(info, world, rank, group, x.dtype)
+        return _PooledPlan(info, world, rank, group, x.dtype, placement)
 
     plan = checked_plan("alltoall_pooled", group, build, _PooledPlan.layout)
     return start_request(plan, group, (x,))

@@ -24,6 +24,8 @@ from shardkit.distributed.comm_ops import (
     reduce_scatter_base_pooled,
     reduce_scatter_v_pooled,
 )
+from shardkit.distributed.comm_ops.alltoall import alltoall_pooled_placed
+from shardkit.distributed.comm_ops.placement import ColumnPlacement
 
 
 class PooledEmbeddingsAwaitable(Awaitable[torch.Tensor]):
@@ -47,6 +49,8 @@ class PooledEmbeddingsAllToAll(nn.Module):
         device: unused (buffers are allocated where the input lives); kept for the specification.
         callbacks: functions ``[B, D] -> [B, D']`` applied to every result, in order.
         codecs: wire precision of the forward data and of the gradients.
+        placement: (shardkit) a ``ColumnPlacement``: the output's columns in its order instead of rank
+            order (``dim_sum_per_rank`` must agree with it); one copy fewer than permuting after.
 
     ``forward(local_embs [sum(batch_size_per_rank), dim_sum_per_rank[me]], batch_size_per_rank=None)``
     -> awaitable of ``[batch_size_per_rank[me], sum(dim_sum_per_rank)]``, columns in rank order. Without
@@ -60,6 +64,8 @@ class PooledEmbeddingsAllToAll(nn.Module):
         device: Optional[torch.device] = None,
         callbacks: Optional[List[Callable[[torch.Tensor], torch.Tensor]]] = None,
         codecs: Optional[QuantizedCommCodecs] = None,
+        *,
+        placement: Optional[ColumnPlacement] = None,
     ) -> None:
         super().__init__()
         del device
@@ -67,6 +73,13 @@ class PooledEmbeddingsAllToAll(nn.Module):
         self._dim_sum_per_rank = list(dim_sum_per_rank)
         self._callbacks = list(callbacks or [])
         self._codecs = codecs
+        self._placement = placement
+        per_rank = None if placement is None else [placement.columns(r) for r in range(len(placement.dest))]
+        if per_rank is not None and per_rank != self._dim_sum_per_rank:
+            raise ValueError(
+                f"the placement's columns per rank {per_rank} differ from dim_sum_per_rank "
+                f"{self._dim_sum_per_rank}"
+            )
 
     @property
     def callbacks(self) -> List[Callable[[torch.Tensor], torch.Tensor]]:
@@ -81,13 +94,18 @@ class PooledEmbeddingsAllToAll(nn.Module):
             # reports on every rank
             world = group_size(self._pg)
             batch_size_per_rank = [local_embs.size(0) // world] * world
-        request = alltoall_pooled(
-            local_embs,
-            batch_size_per_rank,
-            self._dim_sum_per_rank,
-            group=self._pg,
-            codecs=self._codecs,
-        )
+        if self._placement is not None:
+            request = alltoall_pooled_placed(
+                local_embs, batch_size_per_rank, self._placement, group=self._pg, codecs=self._codecs
+            )
+        else:
+            request = alltoall_pooled(
+                local_embs,
+                batch_size_per_rank,
+                self._dim_sum_per_rank,
+                group=self._pg,
+                codecs=self._codecs,
+            )
         awaitable = PooledEmbeddingsAwaitable(request)
         awaitable.callbacks.extend(self._callbacks)
         return awaitable

@@ -1,0 +1,114 @@
+"""Where each rank's columns land in a pooled all-to-all's output: the concatenation and a column
+permutation of the result done as one copy.
+
+A pooled all-to-all receives, from every rank ``r``, a ``[B, D_r]`` block; the plain op concatenates
+them along columns in rank order (one copy) and a sharded module then permutes the columns into its
+unsharded key order (another copy, and two more in backward). A ``ColumnPlacement`` says, in units of
+``width`` columns, which output block each received block goes to, so that the received blocks are
+copied straight to their places in forward, and in backward the gradient's blocks straight into the
+send buffer. Copies only: the results are bitwise those of the concatenation and permutation.
+
+Each rank's output blocks are cut into arithmetic runs (table-wise tables placed round-robin give one
+run per rank, stride ``W``), each moved by one strided ``copy_``; a rank whose blocks make more than
+``MAX_RUNS`` runs is moved by one ``index_copy_`` / ``index_select`` instead.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+MAX_RUNS = 8
+
+Run = Tuple[int, int, int, int]  # (first source block, blocks, first output block, output stride)
+
+
+def arithmetic_runs(dest: Sequence[int]) -> List[Run]:
+    """``dest`` (the output block of each source block) as maximal runs of a constant positive stride."""
+    runs: List[Run] = []
+    i = 0
+    while i < len(dest):
+        step = dest[i + 1] - dest[i] if i + 1 < len(dest) else 1
+        if step < 1:
+            step, j = 1, i + 1
+        else:
+            j = i + 1
+            while j < len(dest) and dest[j] - dest[j - 1] == step:
+                j += 1
+        runs.append((i, j - i, dest[i], step))
+        i = j
+    return runs
+
+
+class ColumnPlacement:
+    """The output block (of ``width`` columns) of rank ``r``'s received block ``k``: ``dest[r][k]``.
+
+    ``dest`` must cover every output block exactly once (a permutation of ``range(blocks)``).
+    Depends on the plan only: built once, not per step.
+    """
+
+    def __init__(self, width: int, dest: Sequence[Sequence[int]]) -> None:
+        self.width = int(width)
+        self.dest = [list(d) for d in dest]
+        self.blocks = sum(len(d) for d in self.dest)
+        if sorted(b for d in self.dest for b in d) != list(range(self.blocks)):
+            raise ValueError(f"a column placement must put every output block once, got {self.dest}")
+        self._runs = [arithmetic_runs(d) for d in self.dest]
+        self._index: Dict[torch.device, List[torch.Tensor]] = {}
+
+    def columns(self, rank: int) -> int:
+        """Columns rank ``rank`` sends."""
+        return len(self.dest[rank]) * self.width
+
+    def _indexes(self, device: torch.device) -> List[torch.Tensor]:
+        if device not in self._index:
+            self._index[device] = [torch.tensor(d, dtype=torch.int64, device=device) for d in self.dest]
+        return self._index[device]
+
+    def assemble(self, pieces: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
+        """Received flat pieces (rank ``r``'s: ``rows x columns(r)`` values, row-major) ->
+        ``[rows, blocks * width]``."""
+        like = pieces[0]
+        out = like.new_empty(rows, self.blocks * self.width)
+        if rows == 0 or self.blocks == 0:
+            return out
+        out_blocks = out.view(rows, self.blocks, self.width)
+        for r, piece in enumerate(pieces):
+            if not self.dest[r]:
+                continue
+            src = piece.view(rows, len(self.dest[r]), self.width)
+            runs = self._runs[r]
+            if len(runs) > MAX_RUNS:
+                out_blocks.index_copy_(1, self._indexes(out.device)[r], src)
+                continue
+            for s0, n, d0, step in runs:
+                out_blocks[:, d0 : d0 + (n - 1) * step + 1 : step].copy_(src[:, s0 : s0 + n])
+        return out
+
+    def split(self, grad: torch.Tensor) -> List[torch.Tensor]:
+        """Gradient ``[rows, blocks * width]`` -> each rank's ``[rows, columns(r)]`` blocks, back to back
+        in one new buffer (rank order), so that the all-to-all sends them without another copy."""
+        grad = grad.contiguous()
+        rows = grad.size(0)
+        send = grad.new_empty(grad.numel())
+        grad_blocks = grad.view(rows, self.blocks, self.width)
+        chunks, start = [], 0
+        for r, dest in enumerate(self.dest):
+            n_r = len(dest)
+            chunk = send[start : start + rows * n_r * self.width].view(rows, n_r * self.width)
+            start += rows * n_r * self.width
+            chunks.append(chunk)
+            if rows == 0 or n_r == 0:
+                continue
+            chunk_blocks = chunk.view(rows, n_r, self.width)
+            runs = self._runs[r]
+            if len(runs) > MAX_RUNS:
+                torch.index_select(grad_blocks, 1, self._indexes(grad.device)[r], out=chunk_blocks)
+                continue
+            for s0, n, d0, step in runs:
+                chunk_blocks[:, s0 : s0 + n].copy_(grad_blocks[:, d0 : d0 + (n - 1) * step + 1 : step])
+        return chunks
+
+
+__all__ = ["ColumnPlacement", "arithmetic_runs"]

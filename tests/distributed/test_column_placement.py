@@ -1,0 +1,65 @@
+"""ColumnPlacement: the received blocks put in place (and the gradient split back) exactly as the
+concatenation in rank order followed by the column permutation, for strided runs and for the
+index fallback of an irregular placement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardkit.distributed.comm_ops.placement import MAX_RUNS, ColumnPlacement, arithmetic_runs
+
+
+def _reference_order(placement: ColumnPlacement):
+    """Output column -> column of the rank-ordered concatenation."""
+    w = placement.width
+    source = [0] * (placement.blocks * w)
+    start = 0
+    for dest in placement.dest:
+        for k, block in enumerate(dest):
+            for c in range(w):
+                source[block * w + c] = start + k * w + c
+        start += len(dest) * w
+    return torch.tensor(source)
+
+
+@pytest.mark.parametrize(
+    "width, dest",
+    [
+        (4, [[0, 2, 4], [1, 3, 5]]),  # round-robin tables: one strided run per rank
+        (3, [[1, 2], [0], [3, 4, 5]]),  # three ranks, contiguous runs
+        (2, [[], [1, 0, 2]]),  # a rank with nothing, a descending step
+        # more runs than MAX_RUNS on rank 0: the index fallback
+        (
+            1,
+            [
+                list(range(0, 4 * (MAX_RUNS + 2), 4)) + [1],
+                [b for b in range(4 * (MAX_RUNS + 2)) if b % 4 and b != 1],
+            ],
+        ),
+    ],
+)
+@pytest.mark.parametrize("rows", [5, 0])
+def test_assemble_and_split_are_cat_and_permute(width, dest, rows):
+    placement = ColumnPlacement(width, dest)
+    gen = torch.Generator().manual_seed(0)
+    pieces = [torch.randn(rows * len(d) * width, generator=gen) for d in dest]
+    order = _reference_order(placement)
+    expected = torch.cat([p.view(rows, len(d) * width) for p, d in zip(pieces, dest)], dim=1)[:, order]
+    assert torch.equal(placement.assemble(pieces, rows), expected)
+    grad = torch.randn(rows, placement.blocks * width, generator=gen)
+    back = torch.empty_like(grad)
+    back[:, order] = grad
+    expected_chunks = back.split([len(d) * width for d in dest], dim=1)
+    chunks = placement.split(grad)
+    assert all(torch.equal(c, e) for c, e in zip(chunks, expected_chunks))
+    # back to back in one buffer, so that the all-to-all sends them without a copy
+    filled = [c for c in chunks if c.numel()]
+    ends = [c.data_ptr() + c.numel() * c.element_size() for c in filled[:-1]]
+    assert [c.data_ptr() for c in filled[1:]] == ends
+
+
+def test_runs_and_bad_placements():
+    assert arithmetic_runs([0, 2, 4, 5, 6, 3]) == [(0, 3, 0, 2), (3, 2, 5, 1), (5, 1, 3, 1)]
+    with pytest.raises(ValueError, match="every output block once"):
+        ColumnPlacement(2, [[0, 1], [1]])
