@@ -27,7 +27,7 @@ import abc
 import dataclasses
 import functools
 import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -159,6 +159,8 @@ class ShardingContext:
     sent_batches: this rank's bags per sent key.
     input_counts: ids per feature of this sharding's input (row-wise sequence outputs split by it).
     mean_bag_lengths: row-wise pooled: ``[B_me]`` bag lengths of each MEAN feature of the input.
+    input_verdict: the sharded module's input check (``input_checks.InputVerdict``), carried by this
+        sharding's KJT all-to-all header (set by the module before ``input_dist``; None: not carried).
     """
 
     stride_per_rank: Optional[List[int]] = None
@@ -174,6 +176,7 @@ class ShardingContext:
     sent_batches: Optional[List[int]] = None
     input_counts: Optional[List[int]] = None
     mean_bag_lengths: Optional[Dict[str, torch.Tensor]] = None
+    input_verdict: Optional[Any] = None
 
     def record_stream(self, stream: torch.Stream) -> None:
         for tensor in (self.recat, self.unbucketize):
@@ -207,7 +210,7 @@ def start_kjt_all_to_all(
     if ctx.variable_batch:
         ctx.sent_batches = send.stride_per_key()
     # the awaitable KJTAllToAll's forward returns, without constructing the nn.Module every step
-    splits_awaitable = KJTAllToAllSplitsAwaitable(pg, send, list(splits), stagger)
+    splits_awaitable = KJTAllToAllSplitsAwaitable(pg, send, list(splits), stagger, ctx.input_verdict)
 
     def record(tensors: KJTAllToAllTensorsAwaitable) -> KJTAllToAllTensorsAwaitable:
         ctx.stride_per_rank = tensors.stride_per_rank

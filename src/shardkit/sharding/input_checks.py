@@ -57,7 +57,87 @@ def check_input(
     One all-gather of a few integers (and one host sync) per forward, made whether validation is on
     or off, so that ranks set differently still make the same collectives; the error messages are
     gathered only when a rank failed. Validation off skips the content checks (lengths, id ranges)
-    and their host sync. ``rows`` is ``feature_rows(tables, source_feature)`` when the caller keeps it."""
+    and their host sync. ``rows`` is ``feature_rows(tables, source_feature)`` when the caller keeps it.
+    The sharded modules whose input dist starts with a KJT all-to-all skip this all-gather: they
+    send :func:`input_verdict` in that all-to-all's header instead (``InputVerdict``)."""
+    verdict = input_verdict(features, tables, weighted, owner, extra_check, source_feature, rows)
+    rows_of_flags = [verdict.flags]
+    if env.world_size > 1:
+        device = features.values().device if isinstance(features, KeyedJaggedTensor) else torch.device("cpu")
+        flags = verdict.flags
+        out = torch.empty(env.world_size * len(flags), dtype=torch.int64, device=device)
+        all_gather_flat(out, torch.tensor(flags, dtype=torch.int64, device=device), group=env.process_group)
+        rows_of_flags = out.view(env.world_size, len(flags)).tolist()
+    verdict.judge(rows_of_flags, env.process_group if env.world_size > 1 else None)
+
+
+class InputVerdict:
+    """One rank's outcome of the local input checks, to be compared with every other rank's.
+
+    ``error``: ``"Type: message"`` of the first failed check (None: passed); ``flags``: ``[failed,
+    variable batch (-1 unknown, 0, 1), *process-wide switches]`` (ints). ``code()`` packs the flags but
+    ``failed`` into one int64, so that the verdict can ride in another exchange's fixed-size header
+    (the KJT all-to-all's, ``kjt_splits``) instead of costing a collective of its own.
+    """
+
+    def __init__(self, error: Optional[str], flags: List[int]) -> None:
+        self.error = error
+        self.flags = flags
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def code(self) -> int:
+        """``variable + 1`` in bits 0-1, switch ``i`` in bit ``2 + i`` (fewer than 60 switches)."""
+        code = self.flags[1] + 1
+        for i, bit in enumerate(self.flags[2:]):
+            code |= int(bit) << (2 + i)
+        return code
+
+    def flags_of(self, failed: int, code: int) -> List[int]:
+        """Another rank's flags from its ``failed`` status and ``code()`` (this rank's switch count)."""
+        switches = [(code >> (2 + i)) & 1 for i in range(len(self.flags) - 2)]
+        return [int(bool(failed)), (code & 3) - 1, *switches]
+
+    def judge(self, rows: List[List[int]], group, error: Optional[str] = None) -> None:
+        """Raise the same ``ValueError`` on every rank unless every rank passed with these flags.
+
+        ``rows``: every rank's flags, in rank order (the same on every rank); ``group``: where the
+        messages are gathered when some rank failed (None: one rank); ``error``: this rank's message
+        when its own verdict passed but what carried it failed (e.g. the KJT all-to-all's send plan).
+        """
+        flags = self.flags
+        if self.error is None and all(row == flags for row in rows):
+            return  # the common case: every rank passed, with the same flags as this one
+        if any(row[0] for row in rows):
+            mine = self.error or error
+            errors = [mine] if group is None else gather_objects(mine, group)
+            failed = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+            raise ValueError(f"invalid input: {failed}")
+        switches = result_switches()
+        differ = switch_disagreements([dict(zip(switches, map(bool, row[2:]))) for row in rows])
+        if differ:
+            raise ValueError("ranks disagree on process-wide settings: " + "; ".join(differ))
+        if len({row[1] for row in rows}) > 1:
+            per_rank = ", ".join(
+                f"rank {r}: {bool(row[1]) if row[1] >= 0 else None}" for r, row in enumerate(rows)
+            )
+            raise ValueError(
+                f"ranks disagree on whether the input has a variable batch per feature ({per_rank})"
+            )
+
+
+def input_verdict(
+    features: KeyedJaggedTensor,
+    tables: List[ShardedTable],
+    weighted: bool,
+    owner: str,
+    extra_check: Optional[Callable[[KeyedJaggedTensor], None]] = None,
+    source_feature: Optional[Dict[str, str]] = None,
+    rows: Optional[Dict[str, int]] = None,
+) -> InputVerdict:
+    """This rank's part of :func:`check_input`: every local check, no communication; never raises."""
     error = None
     try:
         if rows is None:
@@ -81,32 +161,12 @@ def check_input(
             _check_id_ranges(features, keys, rows, owner)
         if extra_check is not None:
             extra_check(features)
-    except Exception as err:  # noqa: BLE001 - every failure must reach the agreement below
+    except Exception as err:  # noqa: BLE001 - every failure must reach the agreement
         error = f"{type(err).__name__}: {err}"
     variable = features.variable_stride_per_key() if isinstance(features, KeyedJaggedTensor) else None
     switches = result_switches()
-    # one fixed-size all-gather (no pickling) of every rank's flags; the messages travel only when
-    # some rank failed, which every rank learns from the flags, so all make the second exchange
     flags = [int(error is not None), -1 if variable is None else int(variable), *map(int, switches.values())]
-    rows = [flags]
-    if env.world_size > 1:
-        device = features.values().device if isinstance(features, KeyedJaggedTensor) else torch.device("cpu")
-        out = torch.empty(env.world_size * len(flags), dtype=torch.int64, device=device)
-        all_gather_flat(out, torch.tensor(flags, dtype=torch.int64, device=device), group=env.process_group)
-        rows = out.view(env.world_size, len(flags)).tolist()
-    if error is None and all(row == flags for row in rows):
-        return  # the common case: every rank passed, with the same flags as this one
-    if any(row[0] for row in rows):
-        errors = [error] if env.world_size == 1 else gather_objects(error, env.process_group)
-        raise ValueError("invalid input: " + "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
-    differ = switch_disagreements([dict(zip(switches, map(bool, row[2:]))) for row in rows])
-    if differ:
-        raise ValueError("ranks disagree on process-wide settings: " + "; ".join(differ))
-    if len({row[1] for row in rows}) > 1:
-        per_rank = ", ".join(
-            f"rank {r}: {bool(row[1]) if row[1] >= 0 else None}" for r, row in enumerate(rows)
-        )
-        raise ValueError(f"ranks disagree on whether the input has a variable batch per feature ({per_rank})")
+    return InputVerdict(error, flags)
 
 
 def _check_id_ranges(features: KeyedJaggedTensor, keys: List[str], rows: Dict[str, int], owner: str) -> None:
@@ -156,4 +216,4 @@ def _check_lengths(features: KeyedJaggedTensor, owner: str) -> None:
         )
 
 
-__all__ = ["check_input", "feature_rows"]
+__all__ = ["InputVerdict", "check_input", "feature_rows", "input_verdict"]

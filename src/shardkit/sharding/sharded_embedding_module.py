@@ -29,7 +29,9 @@ from shardkit.distributed.switches import result_switches, switch_disagreements
 from shardkit.modules.embedding_configs import BaseEmbeddingConfig, embedding_names_by_table
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig
 from shardkit.modules.offloaded_lookup import sum_cache_stats
+from shardkit.sharding.column_wise import CwPooledEmbeddingSharding, CwSequenceEmbeddingSharding
 from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding, DpSequenceEmbeddingSharding
+from shardkit.sharding.dist_data.kjt_all_to_all import KJTAllToAllSplitsAwaitable
 from shardkit.sharding.ec_index_dedup import dedup_features  # also registers its switch
 from shardkit.sharding.embedding_lookup import ShardedGroupedLookup
 from shardkit.sharding.embedding_sharding import (
@@ -38,10 +40,13 @@ from shardkit.sharding.embedding_sharding import (
     ShardingContext,
     sharded_table,
 )
-from shardkit.sharding.input_checks import check_input, feature_rows
+from shardkit.sharding.input_checks import InputVerdict, check_input, feature_rows, input_verdict
 from shardkit.sharding.kjt_list import KJTList
 from shardkit.sharding.offload_plan import check_offload_space
+from shardkit.sharding.row_wise import RwPooledEmbeddingSharding, RwSequenceEmbeddingSharding
 from shardkit.sharding.sharded_module_state import ShardedFusedOptimizer, TableStates
+from shardkit.sharding.table_row_wise import TwRwPooledEmbeddingSharding, TwRwSequenceEmbeddingSharding
+from shardkit.sharding.table_wise import TwPooledEmbeddingSharding, TwSequenceEmbeddingSharding
 from shardkit.sharding.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
@@ -51,6 +56,20 @@ from shardkit.sharding.types import (
 from shardkit.sparse import KeyedJaggedTensor
 
 _DATA_PARALLEL = (DpPooledEmbeddingSharding, DpSequenceEmbeddingSharding)
+# the shardings (exact types) whose input_dist makes exactly one collective, the KJT all-to-all over
+# the module's process group (``start_kjt_all_to_all``), and raises, if at all, before starting it;
+# the data-parallel ones make none. A module of only these carries its input check in the first
+# all-to-all's header instead of making an all-gather of its own (``_carried_input_dist``).
+_ONE_KJT_ALL_TO_ALL = (
+    TwPooledEmbeddingSharding,
+    TwSequenceEmbeddingSharding,
+    CwPooledEmbeddingSharding,
+    CwSequenceEmbeddingSharding,
+    RwPooledEmbeddingSharding,
+    RwSequenceEmbeddingSharding,
+    TwRwPooledEmbeddingSharding,
+    TwRwSequenceEmbeddingSharding,
+)
 # kernels that apply the module's fused optimizer in backward (the UVM variants behave as FUSED on CPU)
 _FUSED_KERNELS = tuple(
     k.value
@@ -341,6 +360,14 @@ class ShardedEmbeddingModule(ShardedModule):
             for lookup in self.lookups:
                 lookup.load_tables(table_weight)
         self._input_order = [f for s in self._shardings for f in s.feature_names()]
+        # which shardings start a KJT all-to-all (see _ONE_KJT_ALL_TO_ALL); None: some sharding's
+        # input dist is not known to be exactly that, and the input check makes its own all-gather
+        exchanges = [
+            True if type(s) in _ONE_KJT_ALL_TO_ALL else False if type(s) in _DATA_PARALLEL else None
+            for s in self._shardings
+        ]
+        carried = env.world_size > 1 and None not in exchanges and any(exchanges)
+        self._input_exchanges: Optional[List[bool]] = exchanges if carried else None
         self._input_sizes = [len(s.feature_names()) for s in self._shardings]
         self._permutations: Dict[Tuple[str, ...], Optional[List[int]]] = {}
         self._states = TableStates(placed, plan, env.world_size, env.rank, list(self.lookups))
@@ -417,7 +444,13 @@ class ShardedEmbeddingModule(ShardedModule):
     def input_dist(
         self, ctx: EmbeddingModuleContext, features: KeyedJaggedTensor
     ) -> Awaitable[Awaitable[KJTList]]:
-        """Check the input on every rank, split it by sharding and start each sharding's input dist."""
+        """Check the input on every rank, split it by sharding and start each sharding's input dist.
+
+        Bad input on any rank is a ``ValueError`` on every rank: at once (the check's own all-gather),
+        or, when every sharding's input dist is a KJT all-to-all (or none), at the first wait of the
+        returned awaitable (the check carried in those all-to-alls' headers: one collective less)."""
+        if self._input_exchanges is not None:
+            return self._carried_input_dist(ctx, features)
         check_input(
             features,
             self._tables,
@@ -428,6 +461,51 @@ class ShardedEmbeddingModule(ShardedModule):
             self._source_feature,
             self._feature_rows,
         )
+        parts = self._split_by_sharding(ctx, features)
+        return _InputDistAwaitable(
+            [s.input_dist(c, part) for s, c, part in zip(self._shardings, ctx.sharding_contexts, parts)]
+        )
+
+    def _carried_input_dist(
+        self, ctx: EmbeddingModuleContext, features: KeyedJaggedTensor
+    ) -> Awaitable[Awaitable[KJTList]]:
+        """``input_dist`` with the input check's verdict in every KJT all-to-all's header.
+
+        Every rank starts the same all-to-alls in the same order whatever its input: a rank whose
+        check failed, or whose sharding raised before starting its all-to-all, starts the remaining
+        ones with a failed header (status 1), so every rank's first wait raises the same error and
+        the process group stays usable."""
+        verdict = input_verdict(
+            features,
+            self._tables,
+            self._weighted,
+            self._owner,
+            self._extra_input_check,
+            self._source_feature,
+            self._feature_rows,
+        )
+        started: List[Awaitable] = []
+        if not verdict.failed:
+            try:
+                parts = self._split_by_sharding(ctx, features)
+                for s, c, part in zip(self._shardings, ctx.sharding_contexts, parts):
+                    c.input_verdict = verdict
+                    started.append(s.input_dist(c, part))
+            except Exception as err:  # noqa: BLE001 - the other ranks are entering the all-to-alls
+                verdict = InputVerdict(f"{type(err).__name__}: {err}", [1, *verdict.flags[1:]])
+        if verdict.failed:
+            exchanges = self._input_exchanges or []
+            for has_exchange in exchanges[len(started) :]:
+                if has_exchange:
+                    kjt = features if isinstance(features, KeyedJaggedTensor) else None
+                    started.append(KJTAllToAllSplitsAwaitable(self._env.process_group, kjt, [], 1, verdict))
+        return _InputDistAwaitable(started)
+
+    def _split_by_sharding(
+        self, ctx: EmbeddingModuleContext, features: KeyedJaggedTensor
+    ) -> List[KeyedJaggedTensor]:
+        """The checked input permuted into the shardings' order (renamed per lookup, deduplicated when
+        asked) and split by sharding."""
         keys = tuple(features.keys())
         if keys not in self._permutations:
             position = {k: i for i, k in enumerate(keys)}
@@ -440,10 +518,7 @@ class ShardedEmbeddingModule(ShardedModule):
             features = with_keys(features, self._input_order)
         if self._index_dedup:  # after the checks, on the lookup keys: the output expands per key
             features, ctx.index_dedup = dedup_features(features)
-        parts = features.split(self._input_sizes) if len(self._shardings) > 1 else [features]
-        return _InputDistAwaitable(
-            [s.input_dist(c, part) for s, c, part in zip(self._shardings, ctx.sharding_contexts, parts)]
-        )
+        return features.split(self._input_sizes) if len(self._shardings) > 1 else [features]
 
     def _compute_and_start(self, ctx: EmbeddingModuleContext, dist_input: KJTList) -> List[Awaitable]:
         """Each sharding's lookup, its output dist started right after it."""

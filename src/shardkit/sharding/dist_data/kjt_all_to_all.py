@@ -36,6 +36,7 @@ from shardkit.sharding.dist_data.kjt_splits import (
     build_send_plan,
     check_headers,
     header_rows,
+    status_and_check,
 )
 from shardkit.sharding.dist_data.recat import expand_recat, feature_order, get_recat, permute_value_segments
 from shardkit.sparse import KeyedJaggedTensor
@@ -185,10 +186,20 @@ class KJTAllToAllSplitsAwaitable(Awaitable["KJTAllToAllTensorsAwaitable"]):
 
     One host sync in ``wait()`` (reading the received sizes), which phase two needs to size its
     buffers; building the plan reads the input's ``length_per_key`` (cached on most KJTs).
+
+    ``verdict`` (a sharded module's ``InputVerdict``, duck-typed: ``failed``, ``code()``,
+    ``flags_of(status, code)``, ``judge(rows, group, error)``): the module's input check rides in the
+    header (its ``check`` field; a failed verdict sends status 1 and no plan) and ``wait()`` judges
+    every rank's verdict before anything else, so the check costs no collective of its own.
     """
 
     def __init__(
-        self, pg: Optional[dist.ProcessGroup], input: KeyedJaggedTensor, splits: List[int], stagger: int
+        self,
+        pg: Optional[dist.ProcessGroup],
+        input: Optional[KeyedJaggedTensor],
+        splits: List[int],
+        stagger: int,
+        verdict=None,
     ) -> None:
         super().__init__()
         self._pg, self._input, self._stagger = pg, input, stagger
@@ -196,15 +207,18 @@ class KJTAllToAllSplitsAwaitable(Awaitable["KJTAllToAllTensorsAwaitable"]):
         self._world = world
         self._plan: Optional[SendPlan] = None
         self._error: Optional[Exception] = None
-        try:
-            self._plan = build_send_plan(input, splits, stagger, world, rank)
-        except Exception as err:  # any failure: the other ranks must still hear of it
-            if world == 1:
-                raise
-            # keep going: the other ranks are entering the header exchange and would wait for this one
-            self._error = err
+        self._verdict = verdict
+        if verdict is None or not verdict.failed:  # a failed verdict sends status 1, no plan
+            try:
+                self._plan = build_send_plan(input, splits, stagger, world, rank)
+            except Exception as err:  # any failure: the other ranks must still hear of it
+                if world == 1 and verdict is None:
+                    raise
+                # keep going: the other ranks are entering the header exchange and would wait for this one
+                self._error = err
         device = input.device() if isinstance(input, KeyedJaggedTensor) else torch.device("cpu")
-        headers = header_rows(self._plan, world, device).view(-1)
+        check = 0 if verdict is None or verdict.failed else verdict.code()
+        headers = header_rows(self._plan, world, device, check).view(-1)
         width = len(HEADER)
         self._headers, self._work = _start_all_to_all(headers, [width] * world, [width] * world, pg)
 
@@ -212,6 +226,10 @@ class KJTAllToAllSplitsAwaitable(Awaitable["KJTAllToAllTensorsAwaitable"]):
         if self._work is not None:
             self._work.wait()
         rows = self._headers.view(self._world, len(HEADER)).tolist()
+        if self._verdict is not None:  # the sharded module's input check first, as it would have run first
+            error = None if self._error is None else f"{type(self._error).__name__}: {self._error}"
+            flags = [self._verdict.flags_of(status, check) for status, check in status_and_check(rows)]
+            self._verdict.judge(flags, self._pg if self._world > 1 else None, error)
         received = check_headers(rows, self._plan, self._error, self._pg)
         return KJTAllToAllTensorsAwaitable(
             self._pg,

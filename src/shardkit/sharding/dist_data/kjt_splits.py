@@ -22,8 +22,9 @@ from shardkit.distributed.agreement import format_per_rank, gather_objects
 from shardkit.sparse import KeyedJaggedTensor
 
 # fields of one header row, in order
-HEADER = ("status", "keys", "settings", "lengths", "values", "batch", "num_keys")
-_STATUS, _KEYS, _SETTINGS, _LENGTHS, _VALUES, _BATCH, _NUM_KEYS = range(len(HEADER))
+# ("check": the sharded module's input verdict code carried along, ``InputVerdict.code``; else 0)
+HEADER = ("status", "keys", "settings", "lengths", "values", "batch", "num_keys", "check")
+_STATUS, _KEYS, _SETTINGS, _LENGTHS, _VALUES, _BATCH, _NUM_KEYS, _CHECK = range(len(HEADER))
 VARIABLE_BATCH = -1  # the "batch" field of a KJT with a variable batch size per feature
 
 
@@ -114,15 +115,17 @@ def build_send_plan(
     )
 
 
-def header_rows(plan: Optional[SendPlan], world: int, device: torch.device) -> torch.Tensor:
-    """``[world, len(HEADER)]`` int64: row ``r`` goes to rank ``r``. An invalid plan (None) sends status 1."""
+def header_rows(plan: Optional[SendPlan], world: int, device: torch.device, check: int = 0) -> torch.Tensor:
+    """``[world, len(HEADER)]`` int64: row ``r`` goes to rank ``r``. An invalid plan (None) sends status 1;
+    ``check`` goes in the ``check`` field."""
     if plan is None:
         row = [1] + [0] * (len(HEADER) - 1)
         return torch.tensor([row] * world, dtype=torch.int64, device=device)
     # the same keys and settings every step: the hashes come from a small cache (by their repr)
     keys, settings = _cached_fingerprint(repr(plan.keys)), _cached_fingerprint(repr(plan.settings))
     rows = [
-        [0, keys, settings, plan.lengths[r], plan.values[r], plan.batch, plan.splits[r]] for r in range(world)
+        [0, keys, settings, plan.lengths[r], plan.values[r], plan.batch, plan.splits[r], check]
+        for r in range(world)
     ]
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
@@ -134,6 +137,11 @@ class Received:
     lengths: List[int]
     values: List[int]
     batch: List[int]
+
+
+def status_and_check(rows: List[List[int]]) -> List[tuple]:
+    """Each source rank's ``(status, check)`` header fields."""
+    return [(row[_STATUS], row[_CHECK]) for row in rows]
 
 
 def check_headers(
@@ -179,4 +187,13 @@ def check_headers(
     )
 
 
-__all__ = ["HEADER", "Received", "SendPlan", "build_send_plan", "check_headers", "fingerprint", "header_rows"]
+__all__ = [
+    "HEADER",
+    "Received",
+    "SendPlan",
+    "build_send_plan",
+    "check_headers",
+    "fingerprint",
+    "header_rows",
+    "status_and_check",
+]
