@@ -35,6 +35,8 @@ PHASES = [
     ("torch.optim.adagrad", "Adagrad", "step"),
     ("shardkit.sharding.sharded_embedding_module", "ShardedEmbeddingModule", "input_dist"),
     ("shardkit.sharding.sharded_embedding_module", None, "check_input"),
+    # the local part of the check, when its verdict rides in the KJT all-to-all's header (no all-gather)
+    ("shardkit.sharding.sharded_embedding_module", None, "input_verdict"),
     ("shardkit.sharding.sharded_embedding_module", "_InputDistAwaitable", "_wait_impl"),
     ("shardkit.sharding.sharded_embedding_module", "_TensorsAwaitable", "_wait_impl"),
     ("shardkit.sharding.dist_data.kjt_all_to_all", "KJTAllToAllSplitsAwaitable", "__init__"),
