@@ -161,7 +161,10 @@ class CostModel:
                 # a sharding type's group runs its own gloo collectives every step (splits, ids, pooled
                 # rows forward and backward): calibrate() fitted 0-16 ms per type (most 2-15) on a loaded
                 # 2-core machine (2 and 4 ranks); 2 ms is a round figure at the low end
-                group_overhead_s={t: 2e-3 for t in _SHARDING_TYPES},
+                # data-parallel makes one collective a step (the dense kernel's all-reduce; a fused
+                # replica's two all-gathers are replica_group_s) where the others make about four
+                # (splits, ids, pooled rows forward and backward): a quarter of that figure
+                group_overhead_s={t: 0.5e-3 if t == "data_parallel" else 2e-3 for t in _SHARDING_TYPES},
                 # a fused replica's update of every rank's touched rows: refitting the seventh
                 # session's idle calibration timings (2 and 4 ranks on 2 cores) gave 0.6-1.7 us per
                 # row of 64 values; a group's two gloo all-gathers, about a millisecond. Round figures
