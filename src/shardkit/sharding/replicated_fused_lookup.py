@@ -5,10 +5,12 @@ kernel its gradient is averaged by the model's data-parallel wrapper and a dense
 With the FUSED kernel (a collection that asks for a fused optimizer: its own, an in-backward one or
 the sharder's ``fused_params``) this module's backward
 
-1. computes this rank's gradient of the rows its ids touched (fp32 ``[touched, dim]``);
-2. gathers every rank's touched rows and gradients (:func:`rows_of_all_ranks`; the gradient divided
-   by the world size while ``get_gradient_division()``, as the other shardings' output dists divide
-   theirs);
+1. computes this rank's gradient of the rows its ids touched with the kernel backend's fused
+   backward (an SGD step into a zeroed fp32 buffer; the gradient divided by the world size while
+   ``get_gradient_division()``, as the other shardings' output dists divide theirs);
+2. exchanges the ranks' row gradients (:mod:`shardkit.sharding.replicated_exchange`): every rank's
+   touched rows and gradients by all-gather, or, when most rows are touched, one all-reduce of the
+   dense gradient with touched flags and the ranks' counts, in a buffer reused across backwards;
 3. sums each row's gradients and applies the fused optimizer's rule to it (the kernel backend's fused
    backward, ``shardkit.kernels.embedding_fused_backward``), on every rank alike,
 
@@ -16,8 +18,12 @@ so the replicas stay equal and take the step the unsharded module takes on the g
 rules such as ADAM move only touched rows, as there). The weight gets no ``.grad``: it stays out of
 the data-parallel wrapper (``ShardedEmbeddingModule.sharded_parameter_names``).
 Cost per group of tables per backward: two all-gathers (the counts, then ``world x max touched x
-(dim + 2)`` 4-byte words), or, when most rows are touched, one all-reduce of ``rows x (dim + 1)``
-fp32 values (what a dense table's gradient all-reduce costs); every rank must run the backward.
+(dim + 2)`` 4-byte words), or one all-reduce of ``rows x (dim + 1) + world`` fp32 values (what a
+dense table's gradient all-reduce costs) once the last exchange's counts said most rows are touched
+(every rank knows them alike: no collective to agree); every rank must run the backward. With
+trainable per-sample weights the rows' gradient comes from torch autograd over a re-run of the
+lookup on the touched rows (the kernels give that gradient only with an optimizer step), and the
+exchange starts with the counts gather.
 """
 
 from __future__ import annotations
@@ -27,11 +33,17 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from shardkit.distributed.agreement import all_gather_flat
 from shardkit.distributed.comm_ops import get_gradient_division
 from shardkit.kernels import embedding_forward, embedding_fused_backward, embedding_torch
+from shardkit.kernels.row_optimizer import RowOptimizerArgs
 from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup
 from shardkit.sharding.embedding_lookup import ShardedGroupedLookup
+from shardkit.sharding.replicated_exchange import (
+    DenseRowExchange,
+    gather_counts,
+    prefers_dense,
+    rows_of_all_ranks,
+)
 
 
 class _ReplicatedFusedFn(torch.autograd.Function):
@@ -51,73 +63,108 @@ class _ReplicatedFusedFn(torch.autograd.Function):
         lookup: ReplicatedFusedLookup = ctx.lookup
         weight = ctx.weight
         want_psw = weights is not None and ctx.needs_input_grad[1]
-        # this rank's touched rows (sorted) and the gradient of each: the lookup re-run on those rows
-        # only (ids renumbered into them), so nothing of the size of the table is made
-        touched, local_ids = torch.unique(
-            embedding_torch.buffer_rows(ids, offsets, bag_shift), return_inverse=True
-        )
-        with torch.enable_grad():
-            # the rows' values matter to the per-sample weights' gradient only (the rows' gradient is
-            # linear in grad_out): zeros otherwise, not a gather
-            if want_psw:
-                leaf = weight.detach().index_select(0, touched).to(torch.float32).requires_grad_()
-            else:
-                leaf = torch.zeros(touched.numel(), weight.size(1), device=weight.device, requires_grad=True)
-            psw = None if weights is None else weights.detach().requires_grad_(want_psw)
-            out = embedding_torch.embedding_forward(
-                leaf, local_ids, offsets, None, psw, bag_scale, ctx.pooled, ctx.batch_major
-            )
-            grads = torch.autograd.grad(out, [leaf, psw] if want_psw else [leaf], grad_out.to(out.dtype))
-        rows, grad = touched, grads[0]
-        if lookup.world_size > 1:
-            group, world = lookup.process_group, lookup.world_size
-            if get_gradient_division():
-                grad = grad.div_(world)  # before the sum: exact for a world of a power of two
-            rows, grad = rows_of_all_ranks(touched, grad, weight.size(0), group, world)
-        # the kernel backend sums each row's gradients in order (rank 0's first) and steps it once
-        ends = torch.tensor([0, rows.numel()], dtype=torch.int64, device=rows.device)
         step = lookup.optimizer.step_args()
-        embedding_fused_backward(weight, rows, ends, None, None, None, grad, False, step)
-        psw_grad = grads[1].to(weights.dtype) if want_psw else None
-        return None, psw_grad, None, None, None, None, None, None, None
+        if lookup.world_size == 1:  # nothing to exchange: the unsharded module's fused backward
+            psw_grad = embedding_fused_backward(
+                weight,
+                ids,
+                offsets,
+                bag_shift,
+                weights,
+                bag_scale,
+                grad_out,
+                ctx.pooled,
+                step,
+                want_psw,
+                ctx.batch_major,
+            )
+            return None, None if psw_grad is None else psw_grad.to(weights.dtype), *([None] * 7)
+        world = lookup.world_size
+        args = (ids, offsets, bag_shift, weights, bag_scale, grad_out, ctx.pooled, ctx.batch_major)
+        psw_grad = None
+        if want_psw:
+            rows, grad, psw_grad = _touched_grad_autograd(weight, *args, world)
+        elif lookup.dense_next:  # the last exchange's counts: most rows touched, no counts gather
+            exchange = lookup.dense_exchange(weight)
+            exchange.start()
+            _accumulate(exchange.grad, *args, world)
+            rank = dist.get_rank(lookup.process_group)
+            exchange.mark(embedding_torch.buffer_rows(ids, offsets, bag_shift), rank)
+            lookup.step_replicas(exchange, weight, step)
+            return (None,) * 9
+        else:
+            rows, grad = _touched_grad(*args, weight.size(1), world)
+        counts = gather_counts(rows.numel(), rows.device, lookup.process_group, world)
+        if prefers_dense(counts, weight.size(0), weight.size(1)):
+            exchange = lookup.dense_exchange(weight)
+            exchange.start()
+            exchange.grad.index_copy_(0, rows, grad)
+            exchange.mark(rows, dist.get_rank(lookup.process_group))
+            lookup.step_replicas(exchange, weight, step)
+        else:
+            lookup.dense_next = False
+            rows, grad = rows_of_all_ranks(rows, grad, counts, lookup.process_group)
+            # the kernel backend sums each row's gradients in order (rank 0's first) and steps it once
+            ends = torch.tensor([0, rows.numel()], dtype=torch.int64, device=rows.device)
+            embedding_fused_backward(weight, rows, ends, None, None, None, grad, False, step)
+        return None, None if psw_grad is None else psw_grad.to(weights.dtype), *([None] * 7)
 
 
-def rows_of_all_ranks(
-    rows: torch.Tensor, grad: torch.Tensor, num_rows: int, group: Optional[dist.ProcessGroup], world_size: int
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's sparse row gradients, for each rank to sum: ``(rows int64 [K], grad fp32 [K, D])``,
-    rank 0's rows first (a row appears once per rank that sent it), from this rank's distinct sorted
-    ``rows`` ``[U]`` and ``grad`` ``[U, D]``. Equal on every rank.
+def _scale_and_lr(world: int) -> Tuple[float, bool]:
+    """The factor of each rank's gradient (``1 / world`` while ``get_gradient_division()``, as the
+    other shardings' output dists divide theirs) and whether the kernel may apply it: as its SGD
+    step's ``-lr`` only when exact (a power of two), else the caller divides (as torch would)."""
+    if not get_gradient_division():
+        return 1.0, True
+    return 1.0 / world, world & (world - 1) == 0
 
-    Two all-gathers: the ranks' counts (one int64 each), then every rank's rows and gradient rows in
-    one int32 buffer padded to the largest count (a row as two int32 words, fp32 bits as one), so a step
-    moves ``world x max(U) x (D + 2)`` words instead of the table's ``rows x (D + 1)``. When that is
-    not fewer (most rows touched), one all-reduce of the dense ``[rows, D + 1]`` gradient and touched
-    flags instead; every rank sees the same counts, so all take the same branch."""
-    dim = grad.size(1)
-    counts = torch.empty(world_size, dtype=torch.int64, device=grad.device)
-    all_gather_flat(counts, torch.tensor([rows.numel()], dtype=torch.int64, device=grad.device), group=group)
-    counts_list = counts.tolist()
-    most = max(counts_list)
-    if world_size * most * (dim + 2) >= num_rows * (dim + 1):
-        both = torch.zeros(num_rows, dim + 1, dtype=torch.float32, device=grad.device)
-        both[rows, :dim] = grad
-        both[rows, dim] = 1.0
-        dist.all_reduce(both, group=group)
-        summed_rows = both[:, dim].nonzero().squeeze(1)
-        return summed_rows, both[:, :dim].index_select(0, summed_rows)
-    if most == 0:
-        return rows, grad
-    # per rank: [2 x most] int32 words of rows, then [most x dim] words of gradient, each padded
-    count = rows.numel()
-    send = torch.zeros(most * (dim + 2), dtype=torch.int32, device=grad.device)
-    send[: 2 * count] = rows.view(torch.int32)
-    send[2 * most : 2 * most + count * dim] = grad.reshape(-1).view(torch.int32)
-    got = torch.empty(world_size, most * (dim + 2), dtype=torch.int32, device=grad.device)
-    all_gather_flat(got.view(-1), send, group=group)
-    got_rows = torch.cat([got[r, : 2 * c] for r, c in enumerate(counts_list)]).view(torch.int64)
-    got_grad = torch.cat([got[r, 2 * most : 2 * most + c * dim] for r, c in enumerate(counts_list)])
-    return got_rows, got_grad.view(torch.float32).view(-1, dim)
+
+def _accumulate(buffer, ids, offsets, bag_shift, weights, bag_scale, grad_out, pooled, batch_major, world):
+    """Add this rank's gradient of each buffer row (times its factor, :func:`_scale_and_lr`) into
+    ``buffer`` (fp32 ``[rows, D]``, zeros where untouched): the kernel backend's fused backward with
+    an SGD step of ``lr = -factor``, which sums each row's ids in id order like the unsharded
+    module's fused backward and makes nothing of the size of ``[N, D]``."""
+    factor, exact = _scale_and_lr(world)
+    sgd = RowOptimizerArgs("SGD", lr=-(factor if exact else 1.0))
+    embedding_fused_backward(
+        buffer, ids, offsets, bag_shift, weights, bag_scale, grad_out, pooled, sgd, False, batch_major
+    )
+    if not exact:
+        buffer.div_(world)  # before the sum over the ranks, as the other shardings divide
+
+
+def _touched_grad(ids, offsets, bag_shift, weights, bag_scale, grad_out, pooled, batch_major, dim, world):
+    """This rank's distinct sorted touched buffer rows (int64 ``[U]``) and their gradient (fp32
+    ``[U, D]``, already divided, :func:`_scale_and_lr`), with ids renumbered into the touched rows so
+    nothing of the size of the table is made."""
+    touched, local_ids = torch.unique(
+        embedding_torch.buffer_rows(ids, offsets, bag_shift), return_inverse=True
+    )
+    grad = torch.zeros(touched.numel(), dim, dtype=torch.float32, device=grad_out.device)
+    _accumulate(grad, local_ids, offsets, None, weights, bag_scale, grad_out, pooled, batch_major, world)
+    return touched, grad
+
+
+def _touched_grad_autograd(
+    weight, ids, offsets, bag_shift, weights, bag_scale, grad_out, pooled, batch_major, world
+):
+    """:func:`_touched_grad` and the per-sample weights' gradient (fp32 ``[N]``, against the rows
+    before the update), by torch autograd over a re-run of the lookup on the touched rows (the
+    kernels give the per-sample weights' gradient only together with an optimizer step)."""
+    touched, local_ids = torch.unique(
+        embedding_torch.buffer_rows(ids, offsets, bag_shift), return_inverse=True
+    )
+    with torch.enable_grad():
+        leaf = weight.detach().index_select(0, touched).to(torch.float32).requires_grad_()
+        psw = weights.detach().requires_grad_()
+        out = embedding_torch.embedding_forward(
+            leaf, local_ids, offsets, None, psw, bag_scale, pooled, batch_major
+        )
+        grad, psw_grad = torch.autograd.grad(out, [leaf, psw], grad_out.to(out.dtype))
+    factor, _ = _scale_and_lr(world)
+    if factor != 1.0:
+        grad = grad.div_(world)  # before the sum: exact for a world of a power of two
+    return touched, grad, psw_grad
 
 
 class ReplicatedFusedLookup(GroupedEmbeddingLookup):
@@ -127,6 +174,23 @@ class ReplicatedFusedLookup(GroupedEmbeddingLookup):
 
     process_group: Optional[dist.ProcessGroup] = None
     world_size: int = 1
+    # whether the next backward takes the dense exchange: set from the last exchange's counts, which
+    # every rank of the group holds alike (so all take the same way, with no collective to agree)
+    dense_next: bool = False
+    _dense_exchange: Optional[DenseRowExchange] = None
+
+    def dense_exchange(self, weight: torch.Tensor) -> DenseRowExchange:
+        """The reused buffer of the dense exchange for ``weight`` (made on first use)."""
+        sizes = (weight.size(0), weight.size(1), self.world_size, weight.device)
+        if self._dense_exchange is None or not self._dense_exchange.fits(*sizes):
+            self._dense_exchange = DenseRowExchange(*sizes)
+        return self._dense_exchange
+
+    def step_replicas(self, exchange: DenseRowExchange, weight: torch.Tensor, step) -> None:
+        """All-reduce the dense exchange, step the touched rows, and pick the next backward's way
+        from the counts it carried."""
+        counts = exchange.all_reduce_and_step(weight, step, self.process_group)
+        self.dense_next = prefers_dense(counts, weight.size(0), weight.size(1))
 
     def reset_parameters(self) -> None:
         """Initialize (``GroupedEmbeddingLookup``), then take rank 0's weights: the replicas must start
@@ -159,6 +223,7 @@ class ReplicatedShardedLookup(ShardedGroupedLookup):
         """Set the replicas' group and make them equal to its first rank's (a collective)."""
         for lookup in self.lookups:
             lookup.process_group, lookup.world_size = process_group, world_size
+            lookup.dense_next, lookup._dense_exchange = False, None
             lookup.sync_replicas()
 
     def load_tables(self, table_weight) -> None:

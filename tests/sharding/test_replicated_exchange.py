@@ -1,0 +1,95 @@
+"""The FUSED data-parallel replicas' backward: which exchange each step takes, and what it runs.
+
+The replicas must take the unsharded module's step on the global batch whichever exchange a step
+takes (sparse gathers or the dense all-reduce), stay bitwise equal to each other, and, once the last
+exchange said most rows are touched, skip the counts gather; the rows' gradient comes from the kernel
+backend's fused backward, not from torch autograd re-running the lookup.
+"""
+
+import pytest
+
+from shardkit.modules import EmbeddingBagConfig, FusedOptimizerConfig, OptimType
+
+
+def _steps_worker(optimizer, rows, steps):
+    """Train a fused data-parallel table of ``rows x 8`` on ``steps`` (each: per rank, (ids, lengths)
+    of 2 bags) beside the unsharded module on the global batch. Returns, per step, the sizes of the
+    backward's collectives; the calls of torch.autograd.grad; this rank's table and the reference's."""
+    import torch
+    import torch.distributed as dist
+
+    import shardkit.sharding.replicated_exchange as exchange
+    from shardkit.distributed.sharding_env import ShardingEnv
+    from shardkit.modules import EmbeddingBagCollection
+    from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
+    from shardkit.sharding.sharding_plan import construct_module_sharding_plan, data_parallel
+    from shardkit.sparse import KeyedJaggedTensor
+
+    rank, dim = dist.get_rank(), 8
+
+    def ebc():
+        torch.manual_seed(0)
+        config = EmbeddingBagConfig(rows, dim, name="d", feature_names=["f"])
+        return EmbeddingBagCollection([config], fused_optimizer=FusedOptimizerConfig(optimizer, lr=0.1))
+
+    reference, module = ebc(), ebc()
+    plan = construct_module_sharding_plan(module, {"d": data_parallel()})
+    sharded = EmbeddingBagCollectionSharder().shard(module, plan, ShardingEnv.from_process_group(None))
+    sizes, grads = [], []
+
+    def recording(collective):
+        def run(out, *args, **kwargs):
+            sizes[-1].append(out.numel())
+            return collective(out, *args, **kwargs)
+
+        return run
+
+    exchange.all_gather_flat = recording(exchange.all_gather_flat)
+    exchange.dist.all_reduce = recording(exchange.dist.all_reduce)
+    autograd_grad = torch.autograd.grad
+    torch.autograd.grad = lambda *a, **k: grads.append(1) or autograd_grad(*a, **k)
+    grad = torch.arange(4 * dim, dtype=torch.float32).view(4, dim).sin()
+    for step in steps:
+        ids = [torch.tensor(i, dtype=torch.int64) for i, _ in step]
+        lengths = [torch.tensor(n, dtype=torch.int64) for _, n in step]
+        whole = KeyedJaggedTensor(["f"], torch.cat(ids), lengths=torch.cat(lengths))
+        (reference(whole).values() * grad).sum().div(2).backward()
+        sizes.append([])
+        out = sharded(KeyedJaggedTensor(["f"], ids[rank], lengths=lengths[rank])).values()
+        (out * grad[2 * rank : 2 * rank + 2]).sum().backward()
+    got = sharded.local_shards()[("d", 0, rows, 0, dim)].clone()
+    return sizes, len(grads), got, reference.table_weight("d").detach().clone()
+
+
+def _run(optimizer, rows, steps):
+    import torch
+
+    from shardkit.testing import run_world
+
+    results = run_world(_steps_worker, 2, optimizer, rows, steps)
+    for _, _, got, want in results:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(results[0][2], results[1][2]), "the replicas differ"
+    return results
+
+
+# 16 rows: every step below touches most of them (the dense exchange), or 2 of them (the sparse one)
+_MOST = [([0, 1, 2, 3, 4, 5, 6, 7, 3], [4, 5]), ([8, 9, 10, 11, 12, 13, 14, 15], [6, 2])]
+_FEW = [([1, 1], [1, 1]), ([1], [0, 1])]
+
+
+@pytest.mark.parametrize("optimizer", [OptimType.SGD, OptimType.ROWWISE_ADAGRAD, OptimType.ADAM])
+def test_after_a_dense_exchange_the_next_backward_skips_the_counts_gather(optimizer):
+    dense = 16 * (8 + 1) + 2  # the gradient, a flag per row, a count per rank
+    for sizes, _, _, _ in _run(optimizer, 16, [_MOST, _MOST, _MOST, _FEW, _FEW, _MOST]):
+        assert sizes[0] == [2, dense], sizes  # no last exchange yet: the counts say dense
+        assert sizes[1] == [dense] and sizes[2] == [dense], sizes  # the last counts said dense
+        # back to few rows: this dense exchange's counts send the next backward the sparse way
+        assert sizes[3] == [dense], sizes
+        assert sizes[4][0] == 2 and dense not in sizes[4], sizes
+        assert sizes[5] == [2, dense], sizes
+
+
+def test_the_rows_gradient_comes_from_the_kernel_not_from_autograd():
+    for _, autograd_calls, _, _ in _run(OptimType.ADAGRAD, 16, [_FEW, _MOST, _MOST]):
+        assert autograd_calls == 0
