@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from tests.docs.markdown_blocks import DEV
+from tests.docs.paired_runs import PairedRuns
 
 SCRIPT = r"""
 import atexit, gc, os, sys
@@ -60,19 +63,37 @@ report("after destroy")
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
 
 
-def _gloo_threads(tmp_path, order: str, launcher: str = "torchrun") -> dict[str, list[str]]:
+# the five 2-rank jobs are independent: two run at a time (tests/docs/paired_runs.py)
+_CASES = [
+    ("before", "torchrun"),
+    ("after", "torchrun"),
+    ("after", "dev"),
+    ("global", "torchrun"),
+    ("cycle", "torchrun"),
+]
+
+
+def _run(case: tuple[str, str]) -> subprocess.CompletedProcess:
+    order, launcher = case
+    with tempfile.TemporaryDirectory(prefix="clean-exit-") as tmp:
+        (Path(tmp) / "exit.py").write_text(SCRIPT)
+        # plain torchrun, as in a user's own environment; or ./dev launch, which pre-imports for the script
+        launch = (
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+            if launcher == "torchrun"
+            else [str(DEV), "launch", "-n", "2"]
+        )
+        return subprocess.run(
+            [*launch, "exit.py", order], cwd=tmp, capture_output=True, text=True, timeout=180
+        )
+
+
+_RUNS = PairedRuns(_CASES, _run)
+
+
+def _gloo_threads(order: str, launcher: str = "torchrun") -> dict[str, list[str]]:
     """Per rank, the gloo threads running right after ``destroy_process_group`` and at exit."""
-    script = tmp_path / "exit.py"
-    script.write_text(SCRIPT)
-    # plain torchrun, as in a user's own environment; or ./dev launch, which pre-imports for the script
-    launch = (
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-        if launcher == "torchrun"
-        else [str(DEV), "launch", "-n", "2"]
-    )
-    done = subprocess.run(
-        [*launch, script.name, order], cwd=tmp_path, capture_output=True, text=True, timeout=180
-    )
+    done = _RUNS.result((order, launcher))
     counts = {}
     for when in ("after destroy", "at exit"):
         lines = sorted(line for line in done.stdout.splitlines() if f"gloo threads {when}" in line)
@@ -81,33 +102,33 @@ def _gloo_threads(tmp_path, order: str, launcher: str = "torchrun") -> dict[str,
     return counts
 
 
-def _gloo_threads_after_destroy(tmp_path, order: str, launcher: str = "torchrun") -> list[str]:
-    return _gloo_threads(tmp_path, order, launcher)["after destroy"]
+def _gloo_threads_after_destroy(order: str, launcher: str = "torchrun") -> list[str]:
+    return _gloo_threads(order, launcher)["after destroy"]
 
 
-def test_shardkit_imported_before_init_leaves_no_gloo_thread_after_destroy(tmp_path):
-    assert _gloo_threads_after_destroy(tmp_path, "before") == ["0", "0"]
+def test_shardkit_imported_before_init_leaves_no_gloo_thread_after_destroy():
+    assert _gloo_threads_after_destroy("before") == ["0", "0"]
 
 
-def test_shardkit_imported_after_init_keeps_the_group_alive(tmp_path):
+def test_shardkit_imported_after_init_keeps_the_group_alive():
     # the cause docs/running.md names (torch 2.13): if this fails, torch no longer keeps the group
     # alive, and the page's explanation and rule 1 should be revisited
-    counts = _gloo_threads_after_destroy(tmp_path, "after")
+    counts = _gloo_threads_after_destroy("after")
     assert all(int(c) > 0 for c in counts), counts
 
 
-def test_dev_launch_imports_for_the_script_so_a_late_import_leaks_nothing(tmp_path):
-    assert _gloo_threads_after_destroy(tmp_path, "after", launcher="dev") == ["0", "0"]
+def test_dev_launch_imports_for_the_script_so_a_late_import_leaks_nothing():
+    assert _gloo_threads_after_destroy("after", launcher="dev") == ["0", "0"]
 
 
-def test_a_module_level_reference_keeps_the_group_alive(tmp_path):
+def test_a_module_level_reference_keeps_the_group_alive():
     # the reason for rule 2's "when nothing refers to the group any more"
-    counts = _gloo_threads_after_destroy(tmp_path, "global")
+    counts = _gloo_threads_after_destroy("global")
     assert all(int(c) > 0 for c in counts), counts
 
 
-def test_a_group_held_by_a_reference_cycle_is_freed_before_finalization(tmp_path):
-    counts = _gloo_threads(tmp_path, "cycle")
+def test_a_group_held_by_a_reference_cycle_is_freed_before_finalization():
+    counts = _gloo_threads("cycle")
     # destroy_process_group cannot free it (the cycle refers to it); shardkit's exit handler can
     assert all(int(c) > 0 for c in counts["after destroy"]), counts
     assert counts["at exit"] == ["0", "0"], counts

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from tests.docs.markdown_blocks import DEV, python_block_names
+from tests.docs.paired_runs import PairedRuns
 
 # Blocks that do not run yet (page#n: the page's n-th Python block), each with the reason; strict: once
 # a block runs, its entry must go.
@@ -33,22 +36,35 @@ def test_every_python_block_is_found_and_the_exceptions_exist():
     assert set(NOT_YET_RUNNABLE) <= names, set(NOT_YET_RUNNABLE) - names
 
 
+# the blocks are independent programs, each in its own directory: two run at a time (paired_runs.py)
+
+
+def _run_block(block) -> tuple[list[str], subprocess.CompletedProcess]:
+    with tempfile.TemporaryDirectory(prefix="doc-block-") as tmp:
+        script = Path(tmp) / "snippet.py"
+        script.write_text(block.text)
+        ranks = block.ranks()
+        command = (
+            [str(DEV), "python", script.name]
+            if ranks is None
+            else [str(DEV), "launch", "-n", str(ranks), script.name]
+        )
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))
+        }
+        return command, subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True, timeout=240)
+
+
+_RUNS = PairedRuns([block for _, block in BLOCKS], _run_block)
+
+
 @pytest.mark.parametrize(
     "block", [pytest.param(b, id=f"{name} (line {b.line})", marks=_marks(name)) for name, b in BLOCKS]
 )
-def test_python_block_runs_as_written(block, tmp_path):
-    script = tmp_path / "snippet.py"
-    script.write_text(block.text)
-    ranks = block.ranks()
-    command = (
-        [str(DEV), "python", script.name]
-        if ranks is None
-        else [str(DEV), "launch", "-n", str(ranks), script.name]
-    )
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))
-    }
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+def test_python_block_runs_as_written(block):
+    command, done = _RUNS.result(block)
     output = done.stdout + done.stderr
     assert done.returncode == 0, f"{block.where}: {' '.join(command[1:])} exited {done.returncode}\n{output}"
     assert "terminate called" not in output, output
