@@ -8,7 +8,7 @@ backend's fused backward, not from torch autograd re-running the lookup.
 
 import pytest
 
-from shardkit.modules import EmbeddingBagConfig, FusedOptimizerConfig, OptimType
+from shardkit.modules import OptimType
 
 
 def _steps_worker(optimizer, rows, steps):
@@ -19,22 +19,11 @@ def _steps_worker(optimizer, rows, steps):
     import torch.distributed as dist
 
     import shardkit.sharding.replicated_exchange as exchange
-    from shardkit.distributed.sharding_env import ShardingEnv
-    from shardkit.modules import EmbeddingBagCollection
-    from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
-    from shardkit.sharding.sharding_plan import construct_module_sharding_plan, data_parallel
     from shardkit.sparse import KeyedJaggedTensor
+    from tests.sharding._replicated_case import reference_and_replica
 
     rank, dim = dist.get_rank(), 8
-
-    def ebc():
-        torch.manual_seed(0)
-        config = EmbeddingBagConfig(rows, dim, name="d", feature_names=["f"])
-        return EmbeddingBagCollection([config], fused_optimizer=FusedOptimizerConfig(optimizer, lr=0.1))
-
-    reference, module = ebc(), ebc()
-    plan = construct_module_sharding_plan(module, {"d": data_parallel()})
-    sharded = EmbeddingBagCollectionSharder().shard(module, plan, ShardingEnv.from_process_group(None))
+    reference, sharded = reference_and_replica(rows, dim, optimizer)
     sizes, grads = [], []
 
     def recording(collective):
