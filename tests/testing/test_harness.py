@@ -67,6 +67,16 @@ def test_hanging_rank_times_out_and_is_killed():
     assert run_world(_rank_and_sum, 2)[0] == (0, 2, 3.0)
 
 
+def test_a_tasks_timeout_does_not_count_its_workers_start():
+    # fresh workers spend seconds importing torch (~9 s here on a loaded machine): a task's timeout
+    # is its own time, so a short task with a short timeout passes on workers that were just started
+    worker_pool().shutdown_workers()
+    start = time.monotonic()
+    assert run_world(_rank_and_sum, 2, timeout=3)[1] == (1, 2, 3.0)
+    assert worker_pool().pids  # the workers are started and kept for the next task
+    print(f"2 fresh workers plus the task: {time.monotonic() - start:.1f} s")
+
+
 def test_killed_worker_leaves_no_process():
     pids = run_world(_pid, 2)
     with pytest.raises(WorldError):

@@ -204,6 +204,8 @@ def _serve(conn, parent_pid: int) -> None:
     # ranks share 2 cores; intra-op threads per rank only add contention
     torch.set_num_threads(1)
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    # the parent starts a task's clock only now: booting (torch's import) is not the task's time
+    conn.send_bytes(pickle.dumps(("ready", None, None)))
     while True:
         try:
             data = conn.recv_bytes()

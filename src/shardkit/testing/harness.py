@@ -30,6 +30,11 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("SHARDKIT_TEST_TIMEOUT", "120"))
 FAILURE_GRACE_S = 5.0
 
 
+# How long new workers get to start (spawn, import torch) before the pool gives up on them. A task's
+# timeout starts once its workers are up, so a task on freshly started workers on a loaded machine
+# is not failed for the time its workers spent importing torch.
+BOOT_TIMEOUT_S = 300.0
+
 # How often a task whose process group could not be set up is run again (see WorkerPool.run).
 INIT_RETRIES = 2
 _INIT_ERROR = "process group set-up failed:\n"
@@ -42,7 +47,6 @@ _TIMED_OUT = "did not finish within the"
 # before the parent kills a worker that hangs, so that the test's error shows where it hung
 STACKS_AT_FRACTION = 0.9
 _PEER_CLOSED = "Connection closed by peer"
-_NO_MAIN_GUARD = "no __main__ guard:\n"
 # Exit code of a worker that found run_world called while it imported the user's script (no
 # ``if __name__ == "__main__":`` guard); the parent turns it into one line instead of N tracebacks.
 NO_MAIN_GUARD_EXIT = 87
@@ -88,6 +92,7 @@ class _Worker:
         self.process = ctx.Process(target=worker_main, args=(child_conn, os.getpid()), daemon=True)
         self.process.start()
         child_conn.close()
+        self.booted = False  # set once the worker reports that it is ready for tasks
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -121,6 +126,34 @@ class WorkerPool:
         self._workers = [w for w in self._workers if w.process.is_alive()] + []
         while len(self._workers) < n:
             self._workers.append(_Worker(self._ctx))
+        self._wait_booted(self._workers[:n])
+
+    def _wait_booted(self, workers: list) -> None:
+        """Wait until every worker in ``workers`` has started; raise if one dies or never starts."""
+        starting = {w.conn: w for w in workers if not w.booted}
+        deadline = time.monotonic() + BOOT_TIMEOUT_S
+        while starting:
+            ready = wait(list(starting), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self.shutdown_workers()
+                raise RuntimeError(
+                    f"run_world: {len(starting)} worker process(es) did not start within "
+                    f"{BOOT_TIMEOUT_S:.0f} s (spawn + import torch)"
+                )
+            for conn in ready:
+                worker = starting.pop(conn)
+                try:
+                    worker.booted = pickle.loads(conn.recv_bytes())[0] == "ready"
+                except (EOFError, OSError):
+                    worker.process.join(timeout=5)  # the exit code is known once the process is reaped
+                    code = worker.process.exitcode
+                    self.shutdown_workers()  # new workers would fail the same way
+                    if code == NO_MAIN_GUARD_EXIT:
+                        raise RuntimeError(NO_MAIN_GUARD_MESSAGE) from None
+                    raise RuntimeError(
+                        f"run_world: a worker process died while starting (exit code {code}); "
+                        "its output above says why"
+                    ) from None
 
     def _replace(self, index: int) -> None:
         self._workers[index].kill()
@@ -151,9 +184,6 @@ class WorkerPool:
             ) from err
         for attempt in range(1 + INIT_RETRIES):
             results, errors = self._run_once(world_size, payload, timeout, backend, local, env)
-            if any(body.startswith(_NO_MAIN_GUARD) for body in errors.values()):
-                self.shutdown_workers()  # new workers would import the script and fail the same way
-                raise RuntimeError(NO_MAIN_GUARD_MESSAGE)
             if errors:
                 for rank in range(world_size):
                     self._replace(rank)  # a failed task may leave a worker in any state
@@ -240,8 +270,6 @@ class WorkerPool:
                     process.join(timeout=5)  # the exit code is known once the process is reaped
                     code = process.exitcode
                     status, body = "error", f"worker process died (exit code {code})\n"
-                    if code == NO_MAIN_GUARD_EXIT:
-                        body = _NO_MAIN_GUARD + body
                 if status == "ok":
                     results[rank] = pickle.loads(body)
                 else:
