@@ -8,13 +8,25 @@ import torch
 from shardkit.kernels import cpu_cache
 from shardkit.kernels.cpu_cache import (
     FALLBACK,
+    OVERRIDE_ENV,
     CacheSizes,
     columns_in_cache,
+    override_sizes,
     parse_size,
     rows_in_cache,
     sysfs_cache_sizes,
 )
+from shardkit.losses import cross_entropy as ce
 from shardkit.losses import statistics as st
+
+
+@pytest.fixture(autouse=True)
+def no_override(monkeypatch):
+    # the machine's own sizes unless a test sets the override; every test starts and ends uncached
+    monkeypatch.delenv(OVERRIDE_ENV, raising=False)
+    cpu_cache.cache_sizes.cache_clear()
+    yield
+    cpu_cache.cache_sizes.cache_clear()
 
 
 def _fake_sysfs(root, entries):
@@ -51,6 +63,54 @@ def test_sysfs_sizes_pick_the_data_and_unified_caches(tmp_path):
     assert sysfs_cache_sizes(root) == CacheSizes(l1d=32 * 1024, l2=1 << 20, source="sysfs")
 
 
+# cpu0's cache/index* entries as Linux writes them on other x86 server CPUs (L3: one per CCX / CCD on
+# AMD, listed last and never read)
+OTHER_CPUS = {
+    "AMD EPYC Zen 2 (Rome)": (
+        [(1, "Data", "32K"), (1, "Instruction", "32K"), (2, "Unified", "512K"), (3, "Unified", "16384K")],
+        32 << 10,
+        512 << 10,
+    ),
+    "AMD EPYC Zen 4 (Genoa)": (
+        [(1, "Data", "32K"), (1, "Instruction", "32K"), (2, "Unified", "1024K"), (3, "Unified", "32768K")],
+        32 << 10,
+        1 << 20,
+    ),
+    "AMD EPYC Zen 5 (Turin)": (
+        [(1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "1024K"), (3, "Unified", "32768K")],
+        48 << 10,
+        1 << 20,
+    ),
+    "Intel Xeon Ice Lake-SP": (
+        [(1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "1280K"), (3, "Unified", "49152K")],
+        48 << 10,
+        1280 << 10,
+    ),
+    "Intel Xeon Skylake-SP": (
+        [(1, "Data", "32K"), (1, "Instruction", "32K"), (2, "Unified", "1024K"), (3, "Unified", "39424K")],
+        32 << 10,
+        1 << 20,
+    ),
+}
+
+
+@pytest.mark.parametrize("cpu", sorted(OTHER_CPUS))
+def test_sysfs_sizes_of_other_x86_server_cpus(tmp_path, cpu):
+    entries, l1d, l2 = OTHER_CPUS[cpu]
+    assert sysfs_cache_sizes(_fake_sysfs(tmp_path, entries)) == CacheSizes(l1d, l2, "sysfs")
+    # and the native statistics chunk follows the L1d: half of it, a multiple of 64 columns
+    assert columns_in_cache(4, l1d) == l1d // 8 and columns_in_cache(2, l1d) == l1d // 4
+
+
+def test_an_l2_below_the_l1d_is_not_believed(tmp_path, monkeypatch):
+    # e.g. a hypervisor that reports a bogus L2: the pair is not used, the next source answers
+    bogus = _fake_sysfs(tmp_path, [(1, "Data", "48K"), (2, "Unified", "16K")])
+    assert sysfs_cache_sizes(bogus) is None
+    sysconf = {"SC_LEVEL1_DCACHE_SIZE": 32 << 10, "SC_LEVEL2_CACHE_SIZE": 4 << 10}
+    monkeypatch.setattr(cpu_cache.os, "sysconf", sysconf.__getitem__)
+    assert cpu_cache.sysconf_cache_sizes() is None
+
+
 def test_missing_or_invalid_sysfs_is_not_used(tmp_path):
     assert sysfs_cache_sizes(str(tmp_path / "absent")) is None
     assert sysfs_cache_sizes(_fake_sysfs(tmp_path / "no_l2", [(1, "Data", "32K")])) is None
@@ -64,16 +124,72 @@ def test_missing_or_invalid_sysfs_is_not_used(tmp_path):
 
 
 def test_cache_sizes_fall_back_in_order(monkeypatch):
+    # e.g. a container or VM without cpu0's sysfs cache entries (sysconf asks CPUID), then neither
+    monkeypatch.setattr(cpu_cache, "sysfs_cache_sizes", lambda: None)
+    monkeypatch.setattr(cpu_cache, "sysconf_cache_sizes", lambda: CacheSizes(1024, 4096, "sysconf"))
+    assert cpu_cache.cache_sizes().source == "sysconf"
     cpu_cache.cache_sizes.cache_clear()
-    try:
-        monkeypatch.setattr(cpu_cache, "sysfs_cache_sizes", lambda: None)
-        monkeypatch.setattr(cpu_cache, "sysconf_cache_sizes", lambda: CacheSizes(1024, 4096, "sysconf"))
-        assert cpu_cache.cache_sizes().source == "sysconf"
-        cpu_cache.cache_sizes.cache_clear()
-        monkeypatch.setattr(cpu_cache, "sysconf_cache_sizes", lambda: None)
-        assert cpu_cache.cache_sizes() == FALLBACK
-    finally:
-        cpu_cache.cache_sizes.cache_clear()
+    monkeypatch.setattr(cpu_cache, "sysconf_cache_sizes", lambda: None)
+    assert cpu_cache.cache_sizes() == FALLBACK
+
+
+def test_override_parses_and_names_what_is_wrong():
+    assert override_sizes("l1d=32K,l2=512K") == {"l1d": 32 << 10, "l2": 512 << 10}
+    assert override_sizes(" L2 = 2M ") == {"l2": 2 << 20}
+    assert override_sizes("l1d=49152,") == {"l1d": 48 << 10}
+    for bad, why in (
+        ("l3=32M", "'l3=32M' is not"),
+        ("l1d=32K,l2=lots", "'l2=lots' is not"),
+        ("l1d", "'l1d' is not"),
+        ("l2=0", "'l2=0' is not"),
+        ("l2=1M,l2=2M", "l2 is given twice"),
+        (" , ", "names no size"),
+    ):
+        with pytest.raises(ValueError, match=OVERRIDE_ENV) as info:
+            override_sizes(bad)
+        assert why in str(info.value), (bad, str(info.value))
+
+
+def test_override_replaces_the_detected_sizes(monkeypatch):
+    detected = CacheSizes(48 << 10, 2 << 20, "sysfs")
+    monkeypatch.setattr(cpu_cache, "detected_cache_sizes", lambda: detected)
+    assert cpu_cache.cache_sizes() == detected
+    monkeypatch.setenv(OVERRIDE_ENV, "l1d=32K,l2=512K")
+    cpu_cache.cache_sizes.cache_clear()
+    assert cpu_cache.cache_sizes() == CacheSizes(32 << 10, 512 << 10, OVERRIDE_ENV)
+    # one key: the other is the detected one
+    monkeypatch.setenv(OVERRIDE_ENV, "l2=256K")
+    cpu_cache.cache_sizes.cache_clear()
+    assert cpu_cache.cache_sizes() == CacheSizes(48 << 10, 256 << 10, OVERRIDE_ENV)
+    # a bad value is an error naming the variable, not a silent fallback
+    monkeypatch.setenv(OVERRIDE_ENV, "l2=big")
+    cpu_cache.cache_sizes.cache_clear()
+    with pytest.raises(ValueError, match=OVERRIDE_ENV):
+        cpu_cache.cache_sizes()
+
+
+class _RecordingOps:
+    """Stands in for the native ops: records the chunk the statistics are asked to use."""
+
+    def __init__(self):
+        self.chunks = []
+
+    def ce_statistics(self, logits2d, index, owned, real, inv_t, with_sum, chunk):
+        self.chunks.append(chunk)
+        return torch.zeros(logits2d.size(0), 3)
+
+
+@pytest.mark.parametrize(("value", "fp32", "bf16"), [("l1d=32K", 4096, 8192), ("l1d=48K", 6144, 12288)])
+def test_the_native_statistics_chunk_follows_the_override(monkeypatch, value, fp32, bf16):
+    # the block the loss actually passes to the kernel, not only the rule's arithmetic
+    monkeypatch.setenv(OVERRIDE_ENV, value)
+    ops = _RecordingOps()
+    target = torch.zeros(2, dtype=torch.long)
+    owned = torch.ones(2, dtype=torch.bool)
+    opts = ce.prepare_cross_entropy("test", torch.zeros(2, 64000), target, None, 0, 64000)[2]
+    for dtype in (torch.float32, torch.bfloat16):
+        ce.native_statistics(ops, torch.zeros(2, 64000, dtype=dtype), target, owned, opts)
+    assert ops.chunks == [fp32, bf16]
 
 
 def test_this_machine_has_sizes():

@@ -5,11 +5,18 @@ tuned to one CPU: a block tuned on one cache size (4 MiB of fp32 per block, size
 sat in L3) ran the vocab-parallel cross-entropy's backward at 0.6x Megatron's speed on a CPU with
 another cache hierarchy.
 
-Sources, in order: Linux sysfs (``/sys/devices/system/cpu/cpu0/cache/index*/{level,type,size}``), then
-``os.sysconf`` (``SC_LEVEL1_DCACHE_SIZE`` / ``SC_LEVEL2_CACHE_SIZE`` where the platform has them), then
-:data:`FALLBACK` (32 KiB L1d, 1 MiB L2: at or below the per-core caches of every x86 server CPU of the
-last decade, so a fallback block is never too large for the cache, only possibly smaller than best).
-The sizes are read once per process (:func:`cache_sizes`).
+Sources, in order: the ``SHARDKIT_CPU_CACHES`` variable when set (e.g. ``"l1d=32K,l2=512K"``: an
+override for a machine that reports wrong sizes, and how ``benchmarks/ce_cache_sensitivity.py``
+emulates other CPUs' block choices; a key left out is detected), Linux sysfs
+(``/sys/devices/system/cpu/cpu0/cache/index*/{level,type,size}``), then ``os.sysconf``
+(``SC_LEVEL1_DCACHE_SIZE`` / ``SC_LEVEL2_CACHE_SIZE`` where the platform has them: glibc asks CPUID,
+which also answers in a container or VM without the sysfs cache entries, e.g. an AMD guest without
+``topoext``), then :data:`FALLBACK` (32 KiB L1d, 1 MiB L2: at or below the per-core caches of every x86
+server CPU of the last decade, so a fallback block is never too large for the cache, only possibly
+smaller than best). A detected pair whose L2 is smaller than its L1d (no real CPU's per-core
+hierarchy) is not used: the next source answers. The sizes are read once per process
+(:func:`cache_sizes`). ``lscpu`` is not read: its summary gives each level's total over all instances
+("L2 cache: 4 MiB (2 instances)" on a 2-core VM with 2 MiB per core), not the per-core size.
 """
 
 from __future__ import annotations
@@ -21,11 +28,13 @@ from pathlib import Path
 from typing import Optional
 
 SYSFS_CACHE = "/sys/devices/system/cpu/cpu0/cache"
+OVERRIDE_ENV = "SHARDKIT_CPU_CACHES"
 
 
 @dataclass(frozen=True)
 class CacheSizes:
-    """Per-core data-cache sizes in bytes and where they came from ("sysfs", "sysconf", "fallback")."""
+    """Per-core data-cache sizes in bytes and where they came from ("sysfs", "sysconf", "fallback", or
+    ``SHARDKIT_CPU_CACHES``)."""
 
     l1d: int
     l2: int
@@ -71,7 +80,12 @@ def sysfs_cache_sizes(root: str = SYSFS_CACHE) -> Optional[CacheSizes]:
         found.setdefault(level, value)
     if "1" not in found or "2" not in found:
         return None
-    return CacheSizes(l1d=found["1"], l2=found["2"], source="sysfs")
+    return _plausible(CacheSizes(l1d=found["1"], l2=found["2"], source="sysfs"))
+
+
+def _plausible(sizes: CacheSizes) -> Optional[CacheSizes]:
+    # an L2 below the L1d is no CPU's per-core hierarchy (a hypervisor's or a parser's error): not used
+    return sizes if sizes.l2 >= sizes.l1d else None
 
 
 def sysconf_cache_sizes() -> Optional[CacheSizes]:
@@ -83,13 +97,47 @@ def sysconf_cache_sizes() -> Optional[CacheSizes]:
         return None
     if l1d <= 0 or l2 <= 0:
         return None
-    return CacheSizes(l1d=int(l1d), l2=int(l2), source="sysconf")
+    return _plausible(CacheSizes(l1d=int(l1d), l2=int(l2), source="sysconf"))
+
+
+def override_sizes(text: str) -> dict[str, int]:
+    """``{"l1d": bytes, "l2": bytes}`` (either key may be absent) from a ``SHARDKIT_CPU_CACHES`` value
+    such as ``"l1d=32K,l2=512K"`` (keys case-insensitive, sizes as sysfs writes them or ``M``).
+    Raises ValueError naming the variable and the part that is wrong."""
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        key = key.strip().lower()
+        size = parse_size(value) if sep else None
+        if key not in ("l1d", "l2") or size is None:
+            raise ValueError(
+                f"{OVERRIDE_ENV}={text!r}: {part!r} is not l1d=SIZE or l2=SIZE with SIZE > 0 such as "
+                "48K, 2048K, 2M or a byte count"
+            )
+        if key in sizes:
+            raise ValueError(f"{OVERRIDE_ENV}={text!r}: {key} is given twice")
+        sizes[key] = size
+    if not sizes:
+        raise ValueError(f"{OVERRIDE_ENV}={text!r}: names no size (e.g. l1d=32K,l2=512K)")
+    return sizes
+
+
+def detected_cache_sizes() -> CacheSizes:
+    """The machine's own sizes: sysfs, then sysconf, then :data:`FALLBACK` (no override)."""
+    return sysfs_cache_sizes() or sysconf_cache_sizes() or FALLBACK
 
 
 @functools.cache
 def cache_sizes() -> CacheSizes:
-    """This machine's per-core L1d and L2 sizes (sysfs, then sysconf, then :data:`FALLBACK`)."""
-    return sysfs_cache_sizes() or sysconf_cache_sizes() or FALLBACK
+    """This process's per-core L1d and L2 sizes: ``SHARDKIT_CPU_CACHES`` where set (a key it leaves out
+    is detected), else :func:`detected_cache_sizes`. Read once; ``cache_sizes.cache_clear()`` re-reads.
+    """
+    text = os.environ.get(OVERRIDE_ENV, "").strip()
+    if not text:
+        return detected_cache_sizes()
+    given = override_sizes(text)
+    base = detected_cache_sizes() if len(given) < 2 else FALLBACK
+    return CacheSizes(l1d=given.get("l1d", base.l1d), l2=given.get("l2", base.l2), source=OVERRIDE_ENV)
 
 
 def rows_in_cache(row_bytes: int, cache_bytes: int, limit: int) -> int:
@@ -111,9 +159,12 @@ def columns_in_cache(item_bytes: int, cache_bytes: int, minimum: int = 256) -> i
 
 __all__ = [
     "FALLBACK",
+    "OVERRIDE_ENV",
     "CacheSizes",
     "cache_sizes",
     "columns_in_cache",
+    "detected_cache_sizes",
+    "override_sizes",
     "parse_size",
     "rows_in_cache",
     "sysconf_cache_sizes",
