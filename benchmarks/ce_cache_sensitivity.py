@@ -29,14 +29,16 @@ the round with the least fwd + bwd (the order of the methods rotates by one each
 Megatron's fwd + bwd / this row's (above 1: faster); ``bwd_over_megatron``: this row's backward time over
 Megatron's (below 1: faster). ``cpu_*``: the same from each rank's process CPU time (user + system,
 the barriers' waits excluded; the slowest rank per round): on a loaded machine the wall time also
-counts other processes' turns. ``loss diff`` /
-``grad diff``: max abs difference from Megatron's loss and gradient on the first (warm-up) call.
+counts other processes' turns. ``loss_diff`` / ``grad_diff``: max abs difference from Megatron's loss
+and gradient on the first (warm-up) call. Without megatron-core importable (this checkout's own venv,
+``./dev bench``) only shardkit's rows run, their values checked against the first emulated size's.
 Results: a table and ``--out DIR/ce_cache_sensitivity.json`` (``benchmarks/common.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import socket
 import sys
@@ -86,13 +88,14 @@ def worker(rank, args, port, q):
     torch.set_num_threads(args.threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
     from shardkit.distributed.validation import set_validation
     from shardkit.losses import vocab_parallel_cross_entropy as sk_ce
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.world_size)
+    if args.megatron:
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.world_size)
     set_validation(False)
 
     def shardkit_ce(x, t):
@@ -104,7 +107,9 @@ def worker(rank, args, port, q):
         gen = torch.Generator().manual_seed(100 + rank)
         shard = (torch.randn(args.tokens, width, generator=gen) * 2.0).to(DTYPES[dname])
         target = torch.randint(0, width * ws, (args.tokens,), generator=torch.Generator().manual_seed(0))
-        methods = {"megatron": None, **{spec: spec for spec in args.caches}}
+        # the first method is the reference of the values check
+        methods = {**({"megatron": None} if args.megatron else {}), **{spec: spec for spec in args.caches}}
+        first = next(iter(methods))
         times = {m: [] for m in methods}
         cpu = {m: [] for m in methods}
         info = {}
@@ -133,10 +138,10 @@ def worker(rank, args, port, q):
                 c2 = time.process_time()
                 dist.barrier()
                 t2 = time.perf_counter()
-                if it == 0:  # warm-up: the check against Megatron's values (Megatron runs first)
-                    if spec is None:
+                if it == 0:  # warm-up: the check against the reference's values (it runs first)
+                    if m == first:
                         ref_loss, ref_grad = loss.detach().float(), x.grad.float()
-                    else:
+                    if spec is not None:
                         info[m]["loss_diff"] = (loss.detach().float() - ref_loss).abs().max().item()
                         info[m]["grad_diff"] = (x.grad.float() - ref_grad).abs().max().item()
                 else:
@@ -153,7 +158,8 @@ def worker(rank, args, port, q):
     if rank == 0:
         q.put(res)
     dist.barrier()
-    parallel_state.destroy_model_parallel()
+    if args.megatron:
+        parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 
@@ -193,6 +199,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         args.caches = _caches(args.caches)
     except ValueError as e:
         parser.error(f"--caches: {e}")
+    args.megatron = importlib.util.find_spec("megatron") is not None
+    if not args.megatron:
+        print("megatron-core does not import here: shardkit's rows only (run it in the Megatron peer venv)")
     detected = cpu_cache.detected_cache_sizes()
     load_before = list(os.getloadavg())
     start = time.perf_counter()
@@ -207,28 +216,33 @@ def main(argv: Optional[List[str]] = None) -> None:
     )
     rows = []
     for dname in args.dtypes:
-        mf, mb = _slowest(res, dname, "megatron")
-        cf, cb = _slowest(res, dname, "megatron", "cpu")
-        rows.append({
-            "name": f"{dname} megatron", "fwd_ms": mf * 1e3, "bwd_ms": mb * 1e3,
-            "cpu_fwd_ms": cf * 1e3, "cpu_bwd_ms": cb * 1e3,
-        })  # fmt: skip
+        if args.megatron:
+            mf, mb = _slowest(res, dname, "megatron")
+            cf, cb = _slowest(res, dname, "megatron", "cpu")
+            rows.append({
+                "name": f"{dname} megatron", "fwd_ms": mf * 1e3, "bwd_ms": mb * 1e3,
+                "cpu_fwd_ms": cf * 1e3, "cpu_bwd_ms": cb * 1e3,
+            })  # fmt: skip
         for spec in args.caches:
             f, b = _slowest(res, dname, spec)
             sf, sb = _slowest(res, dname, spec, "cpu")
             info = res[0][dname]["info"][spec]
+            ratios = {}
+            if args.megatron:
+                ratios = {
+                    "vs_megatron": (mf + mb) / (f + b), "bwd_over_megatron": b / mb,
+                    "cpu_vs_megatron": (cf + cb) / (sf + sb), "cpu_bwd_over_megatron": sb / cb,
+                }  # fmt: skip
             rows.append({
                 "name": f"{dname} shardkit, emulated L1d/L2 {spec}", "chunk": info["chunk"],
                 "torch_rows": info["torch_rows"], "fwd_ms": f * 1e3, "bwd_ms": b * 1e3,
-                "cpu_fwd_ms": sf * 1e3, "cpu_bwd_ms": sb * 1e3,
-                "vs_megatron": (mf + mb) / (f + b), "bwd_over_megatron": b / mb,
-                "cpu_vs_megatron": (cf + cb) / (sf + sb), "cpu_bwd_over_megatron": sb / cb,
+                "cpu_fwd_ms": sf * 1e3, "cpu_bwd_ms": sb * 1e3, **ratios,
                 "loss_diff": max(r[dname]["info"][spec]["loss_diff"] for r in res),
                 "grad_diff": max(r[dname]["info"][spec]["grad_diff"] for r in res),
             })  # fmt: skip
     config = {
         "tokens": args.tokens, "vocab": args.vocab, "world_size": args.world_size, "threads": args.threads,
-        "rounds": args.rounds, "caches": args.caches,
+        "rounds": args.rounds, "caches": args.caches, "megatron": args.megatron,
         "detected": {"l1d": detected.l1d, "l2": detected.l2, "source": detected.source},
         "timer": "wall (barrier-synchronised) and process CPU time, slowest rank; per method the round "
         "with the least fwd+bwd; method order rotated each round",

@@ -79,6 +79,10 @@ QUICK_ARGS: Dict[str, List[str]] = {
     # its megatron method runs only where megatron-core imports (the peer venv): skipped elsewhere
     "ce_backward_ab": ["--tokens", "64", "--width", "512", "--rounds", "1"],
     "ce_block_sweep": ["--tokens", "16", "--width", "4096", "--repeats", "1"],
+    # its megatron rows run only where megatron-core imports (the peer venv)
+    "ce_cache_sensitivity": [
+        *("--tokens", "16", "--vocab", "4096", "--rounds", "1", "--caches", "32K/512K,48K/2M"),
+    ],
     "offload_miss_path": ["--quick"],
     "step_phases": ["--steps", "3", "--warmup", "1"],
 }
