@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -107,8 +109,37 @@ def test_an_l2_below_the_l1d_is_not_believed(tmp_path, monkeypatch):
     bogus = _fake_sysfs(tmp_path, [(1, "Data", "48K"), (2, "Unified", "16K")])
     assert sysfs_cache_sizes(bogus) is None
     sysconf = {"SC_LEVEL1_DCACHE_SIZE": 32 << 10, "SC_LEVEL2_CACHE_SIZE": 4 << 10}
+    monkeypatch.setattr(cpu_cache.os, "sysconf_names", dict.fromkeys(sysconf, 0))
     monkeypatch.setattr(cpu_cache.os, "sysconf", sysconf.__getitem__)
     assert cpu_cache.sysconf_cache_sizes() is None
+
+
+def test_sysconf_by_glibc_number_where_python_lacks_the_names(monkeypatch):
+    # CPython's os.sysconf_names has no SC_LEVEL*_CACHE names: by name, this source never answered
+    asked = []
+
+    def sysconf(code):
+        asked.append(code)
+        return {188: 48 << 10, 191: 2 << 20}[code]
+
+    monkeypatch.setattr(cpu_cache.os, "sysconf_names", {})
+    monkeypatch.setattr(cpu_cache.os, "sysconf", sysconf)
+    monkeypatch.setattr(cpu_cache, "_is_glibc", lambda: True)
+    assert cpu_cache.sysconf_cache_sizes() == CacheSizes(48 << 10, 2 << 20, "sysconf")
+    assert asked == [188, 191]
+    # not glibc (musl, macOS): the numbers mean nothing there, so they are never asked
+    asked.clear()
+    monkeypatch.setattr(cpu_cache, "_is_glibc", lambda: False)
+    assert cpu_cache.sysconf_cache_sizes() is None and asked == []
+
+
+@pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and cpu_cache._is_glibc()), reason="glibc's sysconf only"
+)
+def test_sysconf_answers_on_this_glibc_machine():
+    # where sysfs has no cache entries (some containers and VMs), this is the source that answers
+    sizes = cpu_cache.sysconf_cache_sizes()
+    assert sizes is not None and 0 < sizes.l1d <= sizes.l2
 
 
 def test_missing_or_invalid_sysfs_is_not_used(tmp_path):

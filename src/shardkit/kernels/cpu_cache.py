@@ -8,13 +8,13 @@ another cache hierarchy.
 Sources, in order: the ``SHARDKIT_CPU_CACHES`` variable when set (e.g. ``"l1d=32K,l2=512K"``: an
 override for a machine that reports wrong sizes, and how ``benchmarks/ce_cache_sensitivity.py``
 emulates other CPUs' block choices; a key left out is detected), Linux sysfs
-(``/sys/devices/system/cpu/cpu0/cache/index*/{level,type,size}``), then ``os.sysconf``
-(``SC_LEVEL1_DCACHE_SIZE`` / ``SC_LEVEL2_CACHE_SIZE`` where the platform has them: glibc asks CPUID,
-which also answers in a container or VM without the sysfs cache entries, e.g. an AMD guest without
-``topoext``), then :data:`FALLBACK` (32 KiB L1d, 1 MiB L2: at or below the per-core caches of every x86
-server CPU of the last decade, so a fallback block is never too large for the cache, only possibly
-smaller than best). A detected pair whose L2 is smaller than its L1d (no real CPU's per-core
-hierarchy) is not used: the next source answers. The sizes are read once per process
+(``/sys/devices/system/cpu/cpu0/cache/index*/{level,type,size}``), then ``sysconf``
+(``SC_LEVEL1_DCACHE_SIZE`` / ``SC_LEVEL2_CACHE_SIZE``, by glibc's numbers where CPython lacks the names:
+glibc asks CPUID, which also answers in a container or VM without the sysfs cache entries, e.g. an AMD
+guest without ``topoext``), then :data:`FALLBACK` (32 KiB L1d, 1 MiB L2: at or below the per-core
+caches of every x86 server CPU of the last decade, so a fallback block is never too large for the
+cache, only possibly smaller than best). A detected pair whose L2 is smaller than its L1d (no real
+CPU's per-core hierarchy) is not used: the next source answers. The sizes are read once per process
 (:func:`cache_sizes`). ``lscpu`` is not read: its summary gives each level's total over all instances
 ("L2 cache: 4 MiB (2 instances)" on a 2-core VM with 2 MiB per core), not the per-core size.
 """
@@ -88,13 +88,40 @@ def _plausible(sizes: CacheSizes) -> Optional[CacheSizes]:
     return sizes if sizes.l2 >= sizes.l1d else None
 
 
-def sysconf_cache_sizes() -> Optional[CacheSizes]:
-    """The sizes from ``os.sysconf`` (glibc on some platforms), or None when unavailable or 0."""
+# glibc's numbers for the two names (an enum in <bits/confname.h>, the same on every Linux architecture).
+# CPython's os.sysconf_names lacks them (3.11-3.13 at least): os.sysconf("SC_LEVEL1_DCACHE_SIZE") raises
+# ValueError there, so without the numbers this source never answered
+GLIBC_SYSCONF = {"SC_LEVEL1_DCACHE_SIZE": 188, "SC_LEVEL2_CACHE_SIZE": 191}
+
+
+def _is_glibc() -> bool:
     try:
-        l1d = os.sysconf("SC_LEVEL1_DCACHE_SIZE")
-        l2 = os.sysconf("SC_LEVEL2_CACHE_SIZE")
+        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
     except (ValueError, OSError, AttributeError):
-        return None
+        return False
+
+
+def sysconf_cache_sizes() -> Optional[CacheSizes]:
+    """The sizes from ``sysconf`` (glibc asks CPUID on x86), or None when unavailable or 0.
+
+    By name where Python knows it, else by glibc's number on glibc (:data:`GLIBC_SYSCONF`); elsewhere
+    (musl, macOS) None.
+    """
+    names = getattr(os, "sysconf_names", {})
+    glibc = None
+    sizes = []
+    for name in ("SC_LEVEL1_DCACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
+        code = name if name in names else None
+        if code is None:
+            glibc = _is_glibc() if glibc is None else glibc
+            if not glibc:
+                return None
+            code = GLIBC_SYSCONF[name]
+        try:
+            sizes.append(os.sysconf(code))
+        except (ValueError, OSError, AttributeError):
+            return None
+    l1d, l2 = sizes
     if l1d <= 0 or l2 <= 0:
         return None
     return _plausible(CacheSizes(l1d=int(l1d), l2=int(l2), source="sysconf"))
@@ -159,6 +186,7 @@ def columns_in_cache(item_bytes: int, cache_bytes: int, minimum: int = 256) -> i
 
 __all__ = [
     "FALLBACK",
+    "GLIBC_SYSCONF",
     "OVERRIDE_ENV",
     "CacheSizes",
     "cache_sizes",
