@@ -16,12 +16,11 @@ sizes with the same chunk run the same code: their spread is the run's noise. Tw
 (an 8 KiB and a 1 MiB L1d: chunks of 1024 columns and the whole row) show what a wrong detection
 would cost.
 
-Run with the Megatron peer venv, this checkout first on the path (about 2 minutes idle on a 2-core VM
-at the defaults)::
+Run with the Megatron peer venv, this checkout first on the path (3.6-4.3 minutes at the defaults on
+the 2-core VM with a load average of 13-30; ``--quick``: 2 rounds, 4 sizes, about half that)::
 
     PYTHONPATH=src:. $HOME/peers/megatron/bin/python benchmarks/ce_cache_sensitivity.py
-    PYTHONPATH=src:. $HOME/peers/megatron/bin/python benchmarks/ce_cache_sensitivity.py \\
-        --tokens 1024 --rounds 2  # quicker
+    PYTHONPATH=src:. $HOME/peers/megatron/bin/python benchmarks/ce_cache_sensitivity.py --quick
 
 Timing as ``../shared/peers/vs_megatron_ce.py``: each iteration a fresh copy of the shard (outside the
 timed region), ``loss.mean()`` forward and backward, barrier-synchronised, the slowest rank; per method
@@ -62,6 +61,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # (L1d, L2) per core: AMD Zen 2/3 EPYC; Zen 4 EPYC / Skylake-SP Xeon (also the detection's fallback);
 # this machine (Sapphire Rapids-class Xeon); then two sizes no x86 CPU has, standing for a wrong detection
 DEFAULT_CACHES = "32K/256K,32K/512K,32K/1M,48K/2M,8K/2M,1M/32M"
+# --quick: two sizes with the same chunk (their spread is the noise), this machine's, the whole row
+QUICK_CACHES = "32K/512K,32K/1M,48K/2M,1M/32M"
 
 
 def _caches(text: str) -> List[str]:
@@ -188,7 +189,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--caches", default=DEFAULT_CACHES, help="emulated L1D/L2 per core, comma-separated")
     parser.add_argument("--out", type=Path, default=None, help="directory for ce_cache_sensitivity.json")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"--rounds 2 --caches {QUICK_CACHES} (same shape, half the time)"
+    )
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.caches = 2, QUICK_CACHES
     if args.vocab % args.world_size:
         parser.error(f"--vocab {args.vocab} is not divisible by --world-size {args.world_size}")
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
