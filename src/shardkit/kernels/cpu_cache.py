@@ -89,7 +89,7 @@ def _plausible(sizes: CacheSizes) -> Optional[CacheSizes]:
 
 
 # glibc's numbers for the two names (an enum in <bits/confname.h>, the same on every Linux architecture).
-# CPython's os.sysconf_names lacks them (3.11-3.13 at least): os.sysconf("SC_LEVEL1_DCACHE_SIZE") raises
+# CPython's os.sysconf_names lacks them (seen in CPython 3.11.7 here): os.sysconf by name raises
 # ValueError there, so without the numbers this source never answered
 GLIBC_SYSCONF = {"SC_LEVEL1_DCACHE_SIZE": 188, "SC_LEVEL2_CACHE_SIZE": 191}
 
