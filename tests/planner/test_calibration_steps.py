@@ -26,6 +26,8 @@ TRUE = CostModel.default("cpu").replace(
     replica_row_s=3e-7,
     replica_value_s=2e-9,
     replica_group_s=4e-4,
+    output_value_s=5e-9,
+    miss_latency_bytes=128.0,
 )
 # what calibrate knows before the fit: the measured collective bandwidth, a lone lookup's bandwidth
 BEFORE = CostModel.default("cpu").replace(ddr_lookup_bw=3e9, intra_node_bw=0.3e9)
@@ -37,6 +39,8 @@ def _check(fitted, true: CostModel, rel: float = 1e-6) -> None:
         assert fitted[name] == pytest.approx(getattr(true, name), rel=rel), name
     assert fitted["id_miss_s"] == pytest.approx(true.id_miss_s, rel=rel)
     assert fitted["lookup_cache_bytes"] == true.lookup_cache_bytes
+    assert fitted["miss_latency_bytes"] == true.miss_latency_bytes
+    assert fitted["output_value_s"] == pytest.approx(true.output_value_s, rel=rel)
     assert fitted["lookup_bw"] == pytest.approx(true.ddr_lookup_bw, rel=rel)
     assert fitted["comm_bw"] == pytest.approx(true.intra_node_bw, rel=rel)
     assert fitted["replica_grad_passes"] == pytest.approx(true.replica_grad_passes, rel=rel)
@@ -129,6 +133,7 @@ def test_calibrate_fits_the_slowest_ranks_step_times_on_every_rank(run_world):
         "replica_row_s",
         "replica_value_s",
         "replica_group_s",
+        "output_value_s",
         "ddr_lookup_bw",
     ):
         assert got[name] == pytest.approx(true[name], rel=1e-6), name

@@ -349,3 +349,41 @@ def test_replica_groups_are_the_fused_replicas_widths_and_the_plan_pays_each():
     model = MODEL.replace(step_overhead_s=1e-3, replica_group_s=2e-3)
     assert model.plan_overhead(["data_parallel"] * 4, replica_groups(fused)) == pytest.approx(1e-3 + 3 * 2e-3)
     assert model.plan_overhead(["table_wise"]) == pytest.approx(1e-3)
+
+
+def test_every_output_value_a_shard_writes_costs_local_time_not_only_the_share_sent():
+    base = _options(_cpu())
+    model = MODEL.replace(output_value_s=1e-9)
+    got = _options(Topology(world_size=2, compute_device="cpu", cost_model=model))
+    tw, rw, dp = ("table_wise", "fused"), ("row_wise", "fused"), ("data_parallel", "fused")
+    # table-wise: the B = 20 bags x 10 columns it pools for both ranks
+    assert got[tw].compute.tolist() == pytest.approx([base[tw].compute.item() + 20 * 10 * 1e-9])
+    # row-wise: each shard writes partial sums for all 20 bags, though half of them stay on its rank
+    # (the reduce-scatter's wire bytes, in comm, are (W-1)/W of them)
+    assert got[rw].compute.tolist() == pytest.approx([c + 20 * 10 * 1e-9 for c in base[rw].compute.tolist()])
+    # a replica pools its own rank's b = 10 bags only
+    assert got[dp].compute.tolist() == pytest.approx([c + 10 * 10 * 1e-9 for c in base[dp].compute.tolist()])
+    for key in (tw, rw, dp):
+        assert got[key].comm.tolist() == base[key].comm.tolist()  # a compute cost only
+    with pytest.raises(ValueError, match="output_value_s"):
+        MODEL.replace(output_value_s=-1e-9)
+
+
+def test_a_missed_row_wider_than_the_latency_costs_its_bytes():
+    # rows of 10 fp32 columns are 40 bytes; each of 40 ids misses with probability 1 - 1000 / 4000
+    def miss_time(key, latency_bytes):
+        model = MISS.replace(miss_latency_bytes=latency_bytes)
+        got = _options(Topology(world_size=2, compute_device="cpu", cost_model=model))[key]
+        return got.compute.sum().item() - base[key].compute.sum().item()
+
+    base = _options(_cpu())
+    tw, rw = ("table_wise", "fused"), ("row_wise", "fused")
+    assert miss_time(tw, float("inf")) == pytest.approx(40 * 1e-6 * 0.75)  # per id, as before
+    assert miss_time(tw, 40.0) == pytest.approx(40 * 1e-6 * 0.75)  # a row in one latency
+    assert miss_time(tw, 10.0) == pytest.approx(4 * 40 * 1e-6 * 0.75)  # its bytes take 4 latencies
+    # row-wise: 2 shards of 50 rows (miss 1 - 1000 / 2000), 20 ids each, rows as wide as the table's
+    assert miss_time(rw, 10.0) == pytest.approx(4 * 2 * 20 * 1e-6 * 0.5)
+    assert MISS.miss_cost(80.0) == MISS.id_miss_s  # inf: per id whatever the width
+    assert MISS.replace(miss_latency_bytes=40.0).miss_cost(80.0) == pytest.approx(2 * MISS.id_miss_s)
+    with pytest.raises(ValueError, match="miss_latency_bytes"):
+        MODEL.replace(miss_latency_bytes=0.0)

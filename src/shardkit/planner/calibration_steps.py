@@ -72,6 +72,8 @@ MIB = 1 << 20
 BIG_BYTES = 64 * MIB  # the largest lookup table (beyond a CPU's per-core caches)
 BIG_DIM, BIG_BATCH, BIG_POOLING = 64, 512, 20
 CACHE_CANDIDATES = tuple(float(MIB << k) for k in range(10))  # 1 MiB .. 512 MiB
+# the row bytes a miss latency streams (CostModel.miss_latency_bytes): one cache line .. 8, or per id
+MISS_LATENCY_CANDIDATES = (64.0, 128.0, 256.0, 512.0, float("inf"))
 _INF = 1e30  # a bandwidth that makes its bytes free
 
 
@@ -114,7 +116,11 @@ def calibration_configs(world: int, big_bytes: int = BIG_BYTES) -> List[StepConf
     configs.append(StepConfig(tw, big_bytes // 512, 128, **big))
     # one id per bag at many bags: the pooled rows sent (bags x columns) against the ids and bytes read
     # (at 20 ids per bag the dists' bytes are a fixed mix of the two; the tiny steps have too few)
-    configs.append(StepConfig(tw, max(64, (big_bytes >> 2) // row_bytes), BIG_DIM, BIG_BATCH * 8, 1))
+    many_bags = dict(batch=BIG_BATCH * 8, pooling=1)
+    configs.append(StepConfig(tw, max(64, (big_bytes >> 2) // row_bytes), BIG_DIM, **many_bags))
+    # the same as one row-wise table: every rank writes partial sums for all the bags and sends
+    # (W-1)/W of them, so the output values' local work and their wire bytes separate
+    configs.append(StepConfig(("row_wise",), max(64, (big_bytes >> 2) // row_bytes), BIG_DIM, **many_bags))
     for shift in (2, 0):  # two sizes each: one timed step alone would carry its noise into the fit
         rows = max(64, (big_bytes >> shift) // row_bytes)
         configs.append(StepConfig(("row_wise",) * world, rows, BIG_DIM, **big))
@@ -233,7 +239,8 @@ def feature_names() -> List[str]:
         + [f"group:{t}" for t in TYPES]
         + [f"shard:{t}" for t in TYPES]
         + [f"id:{t}" for t in ID_TYPES]
-        + ["id_miss", "lookup", "replica", "replica_row", "replica_value", "replica_group", "comm"]
+        + ["id_miss", "output_value", "lookup", "replica", "replica_row", "replica_value", "replica_group"]
+        + ["comm"]
     )
 
 
@@ -251,6 +258,7 @@ def _zero(model: CostModel) -> CostModel:
         shard_overhead_s={},
         id_overhead_s={},
         id_miss_s=0.0,
+        output_value_s=0.0,
         replica_grad_passes=0.0,
         replica_row_s=0.0,
         replica_value_s=0.0,
@@ -259,12 +267,17 @@ def _zero(model: CostModel) -> CostModel:
 
 
 def config_features(
-    config: StepConfig, world: int, model: CostModel, caches: Sequence[float] = CACHE_CANDIDATES
+    config: StepConfig,
+    world: int,
+    model: CostModel,
+    caches: Sequence[float] = CACHE_CANDIDATES,
+    miss_widths: Sequence[float] = MISS_LATENCY_CANDIDATES,
 ) -> Tuple[float, List[float], List[float]]:
     """``(known, features, miss)`` of a configuration: the seconds no fitted constant explains (0: every
     term of the estimator is fitted), the estimator's seconds per unit of each constant of
     ``feature_names()`` but ``id_miss`` (0 there; ``lookup`` and ``comm``: seconds at 1 byte/s), and the
-    ``id_miss`` feature at each cache size of ``caches``."""
+    ``id_miss`` feature at each cache size of ``caches`` and ``miss_latency_bytes`` of ``miss_widths``
+    (cache-major: ``miss[i * len(miss_widths) + j]``)."""
     est = estimator(config, world)
     zero = _zero(model)
     # the dists' bytes, at 1 byte/s: fitted in the same rounds as the rest (the lone all-to-all of
@@ -285,11 +298,16 @@ def config_features(
     )
     for name in ("replica_row", "replica_value", "replica_group"):
         values[name] = est(zero.replace(**{f"{name}_s": 1.0})) if "data_parallel" in used else 0.0
+    values["output_value"] = est(zero.replace(output_value_s=1.0))
     values["id_miss"] = 0.0
     # no shard is larger than its table: a cache of the largest table's bytes serves every id
     widest = max(config.width(i) for i in range(len(config.types)))
     largest = config.rows * widest * (world if "column_wise" in used else 1) * 4
-    miss = [est(zero.replace(id_miss_s=1.0, lookup_cache_bytes=c)) if c < largest else 0.0 for c in caches]
+    miss = [
+        est(zero.replace(id_miss_s=1.0, lookup_cache_bytes=c, miss_latency_bytes=k)) if c < largest else 0.0
+        for c in caches
+        for k in miss_widths
+    ]
     return known, [values[name] for name in feature_names()], miss
 
 
@@ -334,6 +352,7 @@ def fit_constants(
     model: CostModel,
     caches: Sequence[float] = CACHE_CANDIDATES,
     device_type: str = "cpu",
+    miss_widths: Sequence[float] = MISS_LATENCY_CANDIDATES,
 ) -> Dict[str, object]:
     """The constants (module doc) that fit the configurations' measured step ``times`` best in relative
     error, every one >= 0. ``model``: the lone measurements of the lookup bandwidth (``hbm_lookup_bw``
@@ -344,16 +363,17 @@ def fit_constants(
     ``lookup_cache_bytes``, ``lookup_bw``, ``comm_bw``, ``replica_grad_passes``, ``residual`` (the root
     mean square relative error of the fit) and ``fitted_s`` (the fitted model's time of each
     configuration)."""
-    rows = [config_features(c, world, model, caches) for c in configs]
+    rows = [config_features(c, world, model, caches, miss_widths) for c in configs]
     t = torch.tensor(list(times), dtype=torch.float64)
     known = torch.tensor([r[0] for r in rows], dtype=torch.float64)
     base = torch.tensor([r[1] for r in rows], dtype=torch.float64)
     names = feature_names()
     miss_col = names.index("id_miss")
 
-    def base_with_miss(cache: float) -> torch.Tensor:
+    def base_with_miss(pair: int) -> torch.Tensor:
+        """The features with the miss column of (cache, miss width) pair ``pair`` (cache-major)."""
         a = base.clone()
-        a[:, miss_col] = torch.tensor([r[2][list(caches).index(cache)] for r in rows], dtype=torch.float64)
+        a[:, miss_col] = torch.tensor([r[2][pair] for r in rows], dtype=torch.float64)
         return a
 
     # the bandwidths calibrate() measured alone: the lookup's (ddr on CPU, hbm on CUDA), the all-to-all's
@@ -391,13 +411,14 @@ def fit_constants(
         return x
 
     best = None
-    for cache in caches:
-        a = base_with_miss(cache)
+    for pair in range(len(caches) * len(miss_widths)):
+        a = base_with_miss(pair)
         x = solve(a)
         residual = float((((a @ x + known) / t - 1.0) ** 2).mean().sqrt())
         if best is None or residual < best[0] - 1e-12:
-            best = (residual, cache, x)
-    residual, cache, x = best
+            best = (residual, pair, x)
+    residual, pair, x = best
+    cache, miss_width = caches[pair // len(miss_widths)], miss_widths[pair % len(miss_widths)]
     v = dict(zip(names, x.tolist()))
     lookup_bw = 1.0 / v["lookup"]
     comm_bw = 1.0 / v["comm"]
@@ -408,6 +429,8 @@ def fit_constants(
         "id_overhead_s": {t: v[f"id:{t}"] for t in ID_TYPES},
         "id_miss_s": v["id_miss"],
         "lookup_cache_bytes": cache,
+        "miss_latency_bytes": miss_width,
+        "output_value_s": v["output_value"],
         "lookup_bw": lookup_bw,
         "comm_bw": comm_bw,
         # the feature was seconds per pass at a bandwidth of 1 byte/s
@@ -416,7 +439,7 @@ def fit_constants(
         "replica_value_s": v["replica_value"],
         "replica_group_s": v["replica_group"],
         "residual": residual,
-        "fitted_s": (base_with_miss(cache) @ x + known).tolist(),
+        "fitted_s": (base_with_miss(pair) @ x + known).tolist(),
     }
 
 

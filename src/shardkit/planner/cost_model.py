@@ -71,6 +71,17 @@ class CostModel:
             are not charged it (their tiers have their own bandwidths).
         lookup_cache_bytes: the cache a rank's lookups are served from (the ``C`` above; calibrate()
             picks it among powers of two by the fit's residual).
+        miss_latency_bytes: the bytes of a missed row that stream from memory in one ``id_miss_s``:
+            a missed row of ``row_bytes`` (the shard's columns x bytes per value) costs
+            ``id_miss_s x max(1, row_bytes / miss_latency_bytes)``. The lookup kernels prefetch the
+            next id's row while summing this one, so a narrow row costs the memory latency (per id)
+            and a wide one the time its bytes take (per byte): two column shards of half the width
+            miss as much as the whole table, not twice as much. ``inf``: per id whatever the width.
+        output_value_s: seconds per output value (pooled: bag x column; sequence: id x column) a
+            shard produces per step, forward and backward, beside the bytes its output dist puts on
+            the wire: the kernel writes each value and its backward reads its gradient, and the dist
+            pads, copies and sums them locally. A row-wise shard writes partial sums for every bag of
+            the global batch, of which only ``(W-1)/W`` cross the wire; this term charges all of them.
     """
 
     hbm_lookup_bw: float
@@ -92,14 +103,17 @@ class CostModel:
     id_overhead_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
     id_miss_s: float = 0.0
     lookup_cache_bytes: float = 32 * 2**20
+    miss_latency_bytes: float = float("inf")
+    output_value_s: float = 0.0
 
     def __post_init__(self) -> None:
         bandwidths = ("hbm_lookup_bw", "ddr_lookup_bw", "uvm_lookup_bw", "intra_node_bw", "cross_node_bw")
         for name in (*bandwidths, "disk_lookup_bw"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"CostModel.{name} must be positive, got {getattr(self, name)}")
-        if not self.lookup_cache_bytes > 0:
-            raise ValueError(f"CostModel.lookup_cache_bytes must be positive, got {self.lookup_cache_bytes}")
+        for name in ("lookup_cache_bytes", "miss_latency_bytes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"CostModel.{name} must be positive, got {getattr(self, name)}")
         for name in (
             "bwd_compute_factor",
             "lookup_overhead_s",
@@ -109,6 +123,7 @@ class CostModel:
             "replica_value_s",
             "replica_group_s",
             "id_miss_s",
+            "output_value_s",
         ):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"CostModel.{name} must be >= 0, got {getattr(self, name)}")
@@ -135,6 +150,14 @@ class CostModel:
         if isinstance(shard_bytes, (int, float)):
             return max(0.0, 1.0 - self.lookup_cache_bytes / shard_bytes) if shard_bytes > 0 else 0.0
         return (1.0 - self.lookup_cache_bytes / shard_bytes.clamp(min=1e-30)).clamp(min=0.0)
+
+    def miss_cost(self, row_bytes):
+        """Seconds per id whose row of ``row_bytes`` misses the cache: ``id_miss_s x max(1, row_bytes /
+        miss_latency_bytes)`` (the latency, or the row's bytes when they take longer); a float or a
+        float64 tensor of shards' row bytes."""
+        if isinstance(row_bytes, (int, float)):
+            return self.id_miss_s * max(1.0, row_bytes / self.miss_latency_bytes)
+        return self.id_miss_s * (row_bytes / self.miss_latency_bytes).clamp(min=1.0)
 
     def plan_overhead(self, sharding_types, replica_groups: int = 0) -> float:
         """Fixed seconds per step every rank pays for a plan using ``sharding_types``: the step's own

@@ -187,8 +187,10 @@ class EmbeddingPerfEstimator:
     """Seconds per training step per shard, split into compute and communication.
 
     compute = (1 + bwd_compute_factor) * (ids x c x e) / lookup_bw + shard_overhead(type)
-              + ids x id_overhead_s[type] + ids x id_miss_s x max(0, 1 - lookup_cache_bytes / (r c e))
-              (the last: the memory latency of rows not in the cache; not for offloading kernels)
+              + ids x id_overhead_s[type] + output values x output_value_s
+              + ids x max(0, 1 - lookup_cache_bytes / (r c e)) x id_miss_s x max(1, c e / miss_latency_bytes)
+              (the last: the memory latency, or for a wide row its bytes, of rows not in the cache;
+              not for offloading kernels)
               (+ 3 x weights / lookup_bw for the DENSE kernel: the optimizer reads and writes the
               whole table and its dense gradient; + replica_grad_passes x weights / lookup_bw for a
               data-parallel replica with a table-sized gradient buffer: DENSE always, FUSED when its
@@ -249,6 +251,9 @@ class EmbeddingPerfEstimator:
                 (0, 0, 0, cm.shard_overhead(o.sharding_type)),
             )
             compute = _add(compute, _scale(ids, cm.id_overhead_s.get(o.sharding_type, 0.0)))
+            # every output value is written, and its gradient read, on the rank that computes it,
+            # whatever share of it the output dist sends away (a row split: all bags' partial sums)
+            compute = _add(compute, _scale(_output_values(o, world), cm.output_value_s))
             if o.compute_kernel == _K.DENSE.value:  # the dense optimizer's passes over table and gradient
                 compute = _add(compute, (3.0 * e / bw, 0.0, 0.0, 0.0))
             # ids whose rows are read from the table's memory (the miss term's count)
@@ -292,8 +297,9 @@ class EmbeddingPerfEstimator:
                 # not linear in the shard's size: each id misses the cache with probability
                 # 1 - cache / (the shard's weight bytes), evaluated per shard
                 sizes = o.sizes.to(torch.float64)
-                shard_bytes = sizes[:, 0] * sizes[:, 1] * float(o.table.element_size)
-                o.compute = o.compute + values[:, 2] * cm.miss_rate(shard_bytes) * cm.id_miss_s
+                row_bytes = sizes[:, 1] * float(o.table.element_size)
+                miss = cm.miss_rate(sizes[:, 0] * row_bytes) * cm.miss_cost(row_bytes)
+                o.compute = o.compute + values[:, 2] * miss
 
 
 __all__ = [
