@@ -73,10 +73,11 @@ class CostModel:
             picks it among powers of two by the fit's residual).
         miss_latency_bytes: the bytes of a missed row that stream from memory in one ``id_miss_s``:
             a missed row of ``row_bytes`` (the shard's columns x bytes per value) costs
-            ``id_miss_s x max(1, row_bytes / miss_latency_bytes)``. The lookup kernels prefetch the
-            next id's row while summing this one, so a narrow row costs the memory latency (per id)
-            and a wide one the time its bytes take (per byte): two column shards of half the width
-            miss as much as the whole table, not twice as much. ``inf``: per id whatever the width.
+            ``id_miss_s x max(1, row_bytes / miss_latency_bytes)``. The CPU lookup kernel prefetches
+            the row 16 ids ahead while summing this one, so a narrow row costs the memory latency
+            (per id) and a wide one the time its bytes take (per byte): two column shards of half the
+            width then miss about as much as the whole table, not twice as much. ``inf``: per id
+            whatever the width.
         output_value_s: seconds per output value (pooled: bag x column; sequence: id x column) a
             shard produces per step, forward and backward, beside the bytes its output dist puts on
             the wire: the kernel writes each value and its backward reads its gradient, and the dist
