@@ -32,6 +32,7 @@ _SOURCES = [
     "quant_embedding.cpp",
     "row_io.cpp",
     "row_cache.cpp",
+    "row_cache_queue.cpp",
     "cross_entropy.cpp",
 ]
 _LOCK = threading.Lock()

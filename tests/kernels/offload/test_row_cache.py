@@ -17,13 +17,28 @@ from typing import Dict, List
 import pytest
 import torch
 
-from shardkit.kernels.embedding import RowOutOfRange
+from shardkit.kernels import kernel_backend
+from shardkit.kernels.embedding import RowOutOfRange, native_for
 from shardkit.kernels.offload.cache_counters import CacheCounters
 from shardkit.kernels.offload.row_cache import RowCache
 
 ROW_BYTES = 4 * 4 + 4 + 3  # weight float32 [4] + state float32 [] + codes uint8 [3]
 COUNTS = ["lookups", "hits", "misses", "evictions", "rows_read", "rows_written", "bytes_read"]
 COUNTS += ["bytes_written"]
+
+BACKENDS = ["torch"] + (["native"] if native_for(torch.device("cpu")) is not None else [])
+
+
+@pytest.fixture(autouse=True, params=BACKENDS)
+def backend(request):
+    """Every test on both bookkeeping paths: the native ops and queue (csrc/row_cache*.cpp) where built,
+    and the pure-torch path (``kernel_backend("torch")``, as ``SHARDKIT_NATIVE=0``)."""
+    if request.param == "torch":
+        with kernel_backend("torch"):
+            yield request.param
+    else:
+        yield request.param
+
 
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device (tools/device_check.sh runs these)"
@@ -234,17 +249,18 @@ def test_random_sequences_match_the_model_and_a_reference_table(capacity, algori
 def test_lru_queue_rebuilt_often_still_matches_the_model(capacity, monkeypatch):
     # the LRU victims come from a recency queue rebuilt from the stamps when it grows: rebuild it after
     # a few acquires, so that the sequences cross many rebuilds (and shrinks, which rebuild it too)
-    monkeypatch.setattr(RowCache, "LRU_REBUILD_MIN_ENTRIES", 2)
+    monkeypatch.setattr(RowCache, "QUEUE_REBUILD_MIN_ENTRIES", 2)
     rebuilds = [0]
-    rebuild = RowCache._rebuild_lru
+    rebuild = RowCache._rebuild_queue
 
     def counted(self):
         rebuilds[0] += 1
         rebuild(self)
 
-    monkeypatch.setattr(RowCache, "_rebuild_lru", counted)
+    monkeypatch.setattr(RowCache, "_rebuild_queue", counted)
     for seed in range(3, 6):
-        _run_random_sequence(capacity, "lru", seed, "cpu", steps=300)
+        for algorithm in ("lru", "lfu"):
+            _run_random_sequence(capacity, algorithm, seed, "cpu", steps=300)
     assert rebuilds[0] > 10, rebuilds
 
 
@@ -284,10 +300,10 @@ def test_lru_choice_when_the_recency_queue_runs_out():
     cache = RowCache(_backing(10), 3, algorithm="lru")
     _acquire_release(cache, [0, 1, 2])
     _acquire_release(cache, [0])  # recency now 1 < 2 < 0
-    cache._lru, cache._lru_entries = [], 0
+    cache._queue.clear()
     _acquire_release(cache, [5])
     assert cache.resident_rows().tolist() == [0, 2, 5]
-    assert cache._lru_entries == 3
+    assert cache._queue.entries == 3
     _acquire_release(cache, [6])  # from the rebuilt queue: 2 is the least recent
     assert cache.resident_rows().tolist() == [0, 5, 6]
     ticket, _ = cache.acquire(torch.tensor([0, 5]))  # pinned: only 6 is evictable

@@ -108,3 +108,89 @@ def test_native_lookup_rejects_a_row_outside_the_table_without_pinning():
     assert pins.tolist() == [0, 0]
     slots, missing = NATIVE.row_cache_lookup(slot_of_row, pins, torch.tensor([2, 1, 0]))
     assert slots.tolist() == [1, -1, 0] and missing.tolist() == [1] and pins.tolist() == [1, 1]
+
+
+def _zipf_rows(rng: random.Random, num_rows: int, count: int) -> torch.Tensor:
+    # skewed (the square of a uniform draw): hot rows hit, the others miss and evict
+    return torch.tensor(sorted({int(num_rows * rng.random() ** 2) for _ in range(count)}))
+
+
+@needs_native
+@pytest.mark.parametrize("algorithm", ["lru", "lfu"])
+def test_native_steady_state_evicts_from_the_queue_without_a_full_selection(algorithm, monkeypatch):
+    """In the steady state (a full cache, nothing pinned beyond the batch) the native path takes LRU and
+    LFU victims from its replacement queue: the selection over every evictable slot (row_cache_victims,
+    a pass over the whole cache) never runs, and the victims are still the torch path's."""
+    selections = [0]
+    victims = RowCache._victims
+
+    def counted(self, candidates, count):
+        if self.use_native:
+            selections[0] += 1
+        return victims(self, candidates, count)
+
+    monkeypatch.setattr(RowCache, "_victims", counted)
+    rng = random.Random(7)
+    pure, native = _pair(400, 40, algorithm)
+    for _ in range(60):
+        rows = _zipf_rows(rng, 400, 30)
+        for cache in (pure, native):
+            ticket, _ = cache.acquire(rows)
+            cache.release(ticket, dirty=True)
+        _same(pure, native)
+    assert native.counters.evictions > 200, native.counters
+    assert selections[0] == 0
+
+
+@needs_native
+@pytest.mark.parametrize("algorithm", ["lru", "lfu"])
+def test_switching_paths_between_acquires_keeps_the_choices(algorithm):
+    """use_native may change between acquires (kernel_backend("torch") around some steps): the path's
+    replacement queue is rebuilt from the stamps, and the victims stay those of a cache that never
+    switched."""
+    rng = random.Random(11)
+    pure, native = _pair(300, 25, algorithm)
+    for step in range(80):
+        native.use_native = step % 7 < 4  # runs of each path
+        rows = _zipf_rows(rng, 300, 20)
+        held = []
+        for cache in (pure, native):
+            ticket, _ = cache.acquire(rows)
+            held.append(ticket)
+        if step % 3 == 0:  # a second batch while the first is pinned: evictions skip pinned slots
+            extra = _zipf_rows(rng, 300, 12)
+            for cache in (pure, native):
+                ticket, _ = cache.acquire(extra)
+                cache.release(ticket, dirty=False)
+        for cache, ticket in zip((pure, native), held):
+            cache.release(ticket, dirty=True)
+        _same(pure, native)
+    assert native.counters.evictions > 100, native.counters
+
+
+@needs_native
+@pytest.mark.parametrize("lfu", [False, True])
+def test_native_slot_queue_takes_the_full_selections_victims(lfu):
+    """The native SlotQueue against select_victims on random stamps / counts / pins: rebuilt from the
+    state, then its take() == the full selection over the unpinned resident slots; a take asking for
+    more than is evictable reports that it ran out."""
+    from shardkit.kernels.offload.slot_queue import NativeSlotQueue
+    from shardkit.kernels.offload.victims import select_victims
+
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(20):
+        size = 200
+        row_of_slot = torch.where(torch.rand(size, generator=gen) < 0.8, torch.arange(size), -1)
+        stamp = (torch.randperm(size, generator=gen) + 1) * (row_of_slot >= 0)
+        freq = torch.randint(1, 4, (size,), generator=gen) * (row_of_slot >= 0)
+        pins = (torch.rand(size, generator=gen) < 0.2).to(torch.int32)
+        evictable = ((row_of_slot >= 0) & (pins == 0)).nonzero().flatten()
+        queue = NativeSlotQueue(lfu)
+        queue.rebuild(row_of_slot, stamp, freq)
+        assert queue.entries == int((row_of_slot >= 0).sum())
+        count = 1 + trial * 5
+        got = queue.take(count, stamp, pins)
+        expected = select_victims(evictable, stamp, freq, count, lfu).sort().values
+        assert torch.equal(got, expected), trial
+        assert queue.entries == int((row_of_slot >= 0).sum()) - count  # pinned entries kept
+        assert queue.take(evictable.numel() - count + 1, stamp, pins) is None

@@ -94,10 +94,14 @@ def test_a_row_asked_again_before_its_write_lands_reads_the_new_value(tmp_path):
 
 def test_a_failed_write_is_raised_by_the_next_call(tmp_path):
     store = _store(tmp_path / "s")
-    writer = WriteBehind(SlowIO(store.row_io(), fail=True), keepalive=store)
+    # the failure waits for the gate: without it, a failure that lands before step 2's own load made
+    # that load raise it (a race that the loaded test machine lost now and then)
+    gate = threading.Event()
+    writer = WriteBehind(SlowIO(store.row_io(), gate=gate, fail=True), keepalive=store)
     cache = RowCache(dict(store.tensors), 1, "lru", row_io=store.row_io(), write_behind=writer)
     _step(cache, torch.tensor([1]), 1.0)
     _step(cache, torch.tensor([2]), 1.0)  # evicts row 1: its write fails in the background
+    gate.set()
     with pytest.raises(OSError, match="No space left"):
         cache.flush()
     cache.flush()  # raised once; the cache itself is consistent

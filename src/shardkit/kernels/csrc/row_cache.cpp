@@ -11,6 +11,17 @@
 // row_cache_victims(candidates int64 [n], stamp int64 [C], freq int64 [C], count, lfu)
 //     -> the `count` candidates with the smallest (freq, stamp) (lfu) or stamp (lru), ascending slot
 //        order; ties (never among stamped slots: stamps are distinct) broken by the smaller slot.
+// row_cache_victim_rows(victims int64 [n], row_of_slot int64 [C], dirty bool [C])
+//     -> (dirty_rows int64 [d], dirty_slots int64 [d]): the victims holding a dirty row, ascending by row
+//        (the order they are written back in). Reads only: the write-back comes before row_cache_drop.
+// row_cache_drop(victims, slot_of_row (written), row_of_slot (written), dirty (written), stamp (written),
+//                freq (written)): the victims' rows forgotten: slot_of_row[row] = -1, row_of_slot = -1,
+//                dirty = false, stamp = freq = 0.
+// row_cache_install(rows int64 [n], slots int64 [n], slot_of_row, row_of_slot, dirty, stamp, freq, pins,
+//                   pin): loaded rows made resident in their (free) slots, clean, unstamped, pinned `pin`
+//                   times (an acquire pins its misses).
+// row_cache_release(slots int64 [n], pins (written), dirty (written), mark_dirty): a ticket's slots
+//     unpinned once each, marked dirty when its kernel updated them.
 //
 // The caller holds the cache's lock; the Python interpreter's lock is released by the dispatcher
 // (torch.ops calls drop the GIL), so a thread running a kernel on pinned slots keeps going meanwhile.
@@ -150,16 +161,151 @@ at::Tensor row_cache_victims(const at::Tensor& candidates, const at::Tensor& sta
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> row_cache_victim_rows(const at::Tensor& victims, const at::Tensor& row_of_slot,
+                                                         const at::Tensor& dirty) {
+  check_1d(victims, at::kLong, "victims");
+  check_1d(row_of_slot, at::kLong, "row_of_slot");
+  check_1d(dirty, at::kBool, "dirty");
+  TORCH_CHECK(dirty.numel() == row_of_slot.numel(), "row_cache_victim_rows: dirty and row_of_slot disagree");
+  const int64_t n = victims.numel();
+  const int64_t size = row_of_slot.numel();
+  const int64_t* v = victims.data_ptr<int64_t>();
+  const int64_t* row = row_of_slot.data_ptr<int64_t>();
+  const bool* d = dirty.data_ptr<bool>();
+  std::vector<std::pair<int64_t, int64_t>> out;  // (row, slot) of the dirty victims
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(v[i] >= 0 && v[i] < size && row[v[i]] >= 0, "row_cache_victim_rows: slot ", v[i],
+                " holds no row");
+    if (d[v[i]]) out.emplace_back(row[v[i]], v[i]);
+  }
+  std::sort(out.begin(), out.end());
+  const int64_t count = static_cast<int64_t>(out.size());
+  at::Tensor rows = at::empty({count}, victims.options());
+  at::Tensor slots = at::empty({count}, victims.options());
+  int64_t* r = rows.data_ptr<int64_t>();
+  int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    r[i] = out[i].first;
+    s[i] = out[i].second;
+  }
+  return {rows, slots};
+}
+
+void row_cache_drop(const at::Tensor& victims, at::Tensor slot_of_row, at::Tensor row_of_slot, at::Tensor dirty,
+                    at::Tensor stamp, at::Tensor freq) {
+  check_1d(victims, at::kLong, "victims");
+  check_1d(slot_of_row, at::kInt, "slot_of_row");
+  check_1d(row_of_slot, at::kLong, "row_of_slot");
+  check_1d(dirty, at::kBool, "dirty");
+  check_1d(stamp, at::kLong, "stamp");
+  check_1d(freq, at::kLong, "freq");
+  const int64_t size = row_of_slot.numel();
+  TORCH_CHECK(dirty.numel() == size && stamp.numel() == size && freq.numel() == size,
+              "row_cache_drop: the per-slot tensors disagree on the slots");
+  const int64_t n = victims.numel();
+  const int64_t num_rows = slot_of_row.numel();
+  const int64_t* v = victims.data_ptr<int64_t>();
+  int64_t* row = row_of_slot.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {  // checked before anything is written
+    TORCH_CHECK(v[i] >= 0 && v[i] < size && row[v[i]] >= 0 && row[v[i]] < num_rows, "row_cache_drop: slot ",
+                v[i], " holds no row");
+  }
+  int32_t* map = slot_of_row.data_ptr<int32_t>();
+  bool* d = dirty.data_ptr<bool>();
+  int64_t* st = stamp.data_ptr<int64_t>();
+  int64_t* fr = freq.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = v[i];
+    map[row[s]] = -1;
+    row[s] = -1;
+    d[s] = false;
+    st[s] = 0;
+    fr[s] = 0;
+  }
+}
+
+void row_cache_install(const at::Tensor& rows, const at::Tensor& slots, at::Tensor slot_of_row,
+                       at::Tensor row_of_slot, at::Tensor dirty, at::Tensor stamp, at::Tensor freq, at::Tensor pins,
+                       int64_t pin) {
+  check_1d(rows, at::kLong, "rows");
+  check_1d(slots, at::kLong, "slots");
+  check_1d(slot_of_row, at::kInt, "slot_of_row");
+  check_1d(row_of_slot, at::kLong, "row_of_slot");
+  check_1d(dirty, at::kBool, "dirty");
+  check_1d(stamp, at::kLong, "stamp");
+  check_1d(freq, at::kLong, "freq");
+  check_1d(pins, at::kInt, "pins");
+  const int64_t size = row_of_slot.numel();
+  TORCH_CHECK(dirty.numel() == size && stamp.numel() == size && freq.numel() == size && pins.numel() == size,
+              "row_cache_install: the per-slot tensors disagree on the slots");
+  TORCH_CHECK(rows.numel() == slots.numel(), "row_cache_install: ", rows.numel(), " rows but ", slots.numel(),
+              " slots");
+  const int64_t n = rows.numel();
+  const int64_t num_rows = slot_of_row.numel();
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  int32_t* map = slot_of_row.data_ptr<int32_t>();
+  int64_t* row = row_of_slot.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(r[i] >= 0 && r[i] < num_rows && map[r[i]] < 0, "row_cache_install: row ", r[i],
+                " is outside the table or already resident");
+    TORCH_CHECK(s[i] >= 0 && s[i] < size && row[s[i]] < 0, "row_cache_install: slot ", s[i], " is not free");
+  }
+  bool* d = dirty.data_ptr<bool>();
+  int64_t* st = stamp.data_ptr<int64_t>();
+  int64_t* fr = freq.data_ptr<int64_t>();
+  int32_t* p = pins.data_ptr<int32_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    map[r[i]] = static_cast<int32_t>(s[i]);
+    row[s[i]] = r[i];
+    d[s[i]] = false;
+    st[s[i]] = 0;
+    fr[s[i]] = 0;
+    p[s[i]] += static_cast<int32_t>(pin);
+  }
+}
+
+void row_cache_release(const at::Tensor& slots, at::Tensor pins, at::Tensor dirty, bool mark_dirty) {
+  check_1d(slots, at::kLong, "slots");
+  check_1d(pins, at::kInt, "pins");
+  check_1d(dirty, at::kBool, "dirty");
+  const int64_t n = slots.numel();
+  const int64_t size = pins.numel();
+  TORCH_CHECK(dirty.numel() == size, "row_cache_release: pins and dirty disagree on the slots");
+  const int64_t* s = slots.data_ptr<int64_t>();
+  int32_t* p = pins.data_ptr<int32_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(s[i] >= 0 && s[i] < size && p[s[i]] > 0, "row_cache_release: slot ", s[i], " is not pinned");
+  }
+  bool* d = dirty.data_ptr<bool>();
+  for (int64_t i = 0; i < n; ++i) {
+    p[s[i]] -= 1;
+    if (mark_dirty) d[s[i]] = true;
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(shardkit_native, m) {
   m.def("row_cache_lookup(Tensor slot_of_row, Tensor(a!) pins, Tensor rows) -> (Tensor, Tensor)");
   m.def("row_cache_commit(Tensor slot_of_row, Tensor rows, Tensor(a!) stamp, Tensor(b!) freq, int clock) -> Tensor");
   m.def("row_cache_victims(Tensor candidates, Tensor stamp, Tensor freq, int count, bool lfu) -> Tensor");
+  m.def("row_cache_victim_rows(Tensor victims, Tensor row_of_slot, Tensor dirty) -> (Tensor, Tensor)");
+  m.def(
+      "row_cache_drop(Tensor victims, Tensor(a!) slot_of_row, Tensor(b!) row_of_slot, Tensor(c!) dirty, "
+      "Tensor(d!) stamp, Tensor(e!) freq) -> ()");
+  m.def(
+      "row_cache_install(Tensor rows, Tensor slots, Tensor(a!) slot_of_row, Tensor(b!) row_of_slot, "
+      "Tensor(c!) dirty, Tensor(d!) stamp, Tensor(e!) freq, Tensor(f!) pins, int pin) -> ()");
+  m.def("row_cache_release(Tensor slots, Tensor(a!) pins, Tensor(b!) dirty, bool mark_dirty) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(shardkit_native, CPU, m) {
   m.impl("row_cache_lookup", &row_cache_lookup);
   m.impl("row_cache_commit", &row_cache_commit);
   m.impl("row_cache_victims", &row_cache_victims);
+  m.impl("row_cache_victim_rows", &row_cache_victim_rows);
+  m.impl("row_cache_drop", &row_cache_drop);
+  m.impl("row_cache_install", &row_cache_install);
+  m.impl("row_cache_release", &row_cache_release);
 }

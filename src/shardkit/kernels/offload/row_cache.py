@@ -45,11 +45,18 @@ concurrent acquire writes only free or evicted (unpinned) slots, never the rows 
 
 Bookkeeping lives on the host: ``slot_of_row`` int32 ``[R]`` (4 bytes per row of the table; -1 = not
 cached) and per-slot ``row_of_slot`` int64, recency stamp int64, frequency int64, pin count int32 and
-dirty flag, all ``[C]``. Every operation is vectorized (sort, topk, index_select / index_copy_); misses
-are read and victims written back in ascending row order (sequential access on an mmap'd file). Where
-the native kernels are built, the hit / miss split, an acquire's stamps and counts, and the victim
-selection run as native ops (``csrc/row_cache.cpp``, one loop each, the GIL released), with the same
-results as the torch path (:attr:`RowCache.use_native` = False forces the torch path).
+dirty flag, all ``[C]``; a replacement queue (``slot_queue.py``) hands out the victims in eviction order
+without a selection over the cache. Misses are read and victims written back in ascending row order
+(``row_moves.py``); growth and shrinking are in ``cache_resize.py``.
+
+Two paths, the same results (tests/kernels/offload/test_row_cache_native.py): where the native kernels
+are built, every per-batch step of the bookkeeping is a native op, one C++ loop each (``csrc/row_cache.cpp``:
+the hit / miss split with the hits' pins, the victims' dirty rows and their removal from the maps, the
+loaded rows' installation and pins, an acquire's stamps and counts, a release; ``csrc/row_cache_queue.cpp``:
+the LRU and LFU queue), so the Python code of an acquire is a fixed handful of calls whatever the batch;
+otherwise (``SHARDKIT_NATIVE=0``, ``kernel_backend("torch")``, :attr:`RowCache.use_native` = False) the
+pure-torch path does the same with vectorized torch ops (index_select / index_copy_, an LRU queue of
+tensors, LFU by a selection over the evictable slots).
 """
 
 from __future__ import annotations
@@ -63,7 +70,10 @@ import torch
 
 from shardkit.kernels.embedding import native_for
 from shardkit.kernels.offload.cache_counters import CacheCounters
+from shardkit.kernels.offload.cache_resize import CacheResize
 from shardkit.kernels.offload.row_checks import checked_rows
+from shardkit.kernels.offload.row_moves import RowMoves
+from shardkit.kernels.offload.slot_queue import NativeSlotQueue, TorchLruQueue
 from shardkit.kernels.offload.victims import select_victims
 
 ALGORITHMS = ("lru", "lfu")
@@ -81,7 +91,7 @@ def _ones(count: int, value: int = 1) -> torch.Tensor:
     return torch.full((count,), value, dtype=torch.int32)
 
 
-class RowCache:
+class RowCache(RowMoves, CacheResize):
     """A cache of ``capacity`` rows of ``backing`` in buffers on ``device`` (see the module docstring).
 
     Args:
@@ -116,9 +126,9 @@ class RowCache:
         row_bytes: bytes of one row over all fields.
     """
 
-    # the LRU queue is rebuilt from the stamps once it holds 3x this many entries or 3x the slots (its
-    # stale entries are otherwise dropped only when they reach the front)
-    LRU_REBUILD_MIN_ENTRIES = 1024
+    # the replacement queue is rebuilt from the stamps once it holds 3x this many entries or 3x the slots
+    # (its stale entries are otherwise dropped only when they reach the front)
+    QUEUE_REBUILD_MIN_ENTRIES = 1024
 
     def __init__(
         self,
@@ -185,10 +195,10 @@ class RowCache:
         self._stamp = torch.zeros(self.capacity, dtype=torch.int64)  # recency: larger = acquired later
         self._freq = torch.zeros(self.capacity, dtype=torch.int64)  # acquisitions since loaded
         self._clock = 1  # stamps start at 1: 0 marks a slot never stamped since loaded / freed
-        # LRU: (slots, their stamps) of every acquire, in stamp order; a slot's entry is current while
-        # its stamp is unchanged (see _lru_victims)
-        self._lru: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        self._lru_entries = 0
+        # the replacement queue (slot_queue.py): the victims in eviction order, without a selection over
+        # the cache; which one depends on the path (native or torch), set by the first acquire
+        self._queue: Optional[Union[NativeSlotQueue, TorchLruQueue]] = None
+        self._queue_kind: Optional[str] = None
         self._tickets: Dict[int, torch.Tensor] = {}  # ticket -> its slots, int64 [U] on the host
         self._next_ticket = 0
         # one thread at a time in the bookkeeping (a background prefetch acquires while the main thread
@@ -254,6 +264,7 @@ class RowCache:
 
     def _acquire(self, rows: torch.Tensor, ascending: bool) -> Tuple[int, torch.Tensor]:
         native = self._native()
+        self._sync_queue(native)
         if native is not None:
             # one pass: slots (-1 = miss), the hits pinned, the missing rows in the order of rows
             looked, miss_rows = native.row_cache_lookup(self.slot_of_row, self._pins, rows)
@@ -270,32 +281,26 @@ class RowCache:
             if not ascending:
                 miss_rows = miss_rows.sort().values  # ascending: sequential reads of the backing store
             if miss_rows.numel():
-                miss_slots = self._free_slots(miss_rows.numel())
-                self._load(miss_rows, miss_slots)
-                self._pins.index_add_(0, miss_slots, _ones(miss_slots.numel()))
+                self._load(miss_rows, self._free_slots(miss_rows.numel()))  # pins them
         except BaseException:
             hit_slots = looked[looked >= 0]
             self._pins.index_add_(0, hit_slots, _ones(hit_slots.numel(), -1))
+            if self._queue is not None:  # rows loaded before the failure stay, unstamped: first in line
+                self._rebuild_queue()
             raise
         count = rows.numel()
         if native is not None:
             # one pass: the slots, stamped clock, clock + 1, ... in the order of rows, frequencies + 1
             slots = native.row_cache_commit(self.slot_of_row, rows, self._stamp, self._freq, self._clock)
-            stamps = None
         else:
             slots = self.slot_of_row.index_select(0, rows).long() if miss_rows.numel() else looked
-            stamps = self._clock + torch.arange(count, dtype=torch.int64)
-            self._stamp.index_copy_(0, slots, stamps)
+            self._stamp.index_copy_(0, slots, self._clock + torch.arange(count, dtype=torch.int64))
             self._freq.index_add_(0, slots, torch.ones(count, dtype=torch.int64))
-        if self.algorithm == "lru" and count:
-            if stamps is None:
-                stamps = self._clock + torch.arange(count, dtype=torch.int64)
-            self._lru.append((slots, stamps))
-            self._lru_entries += count
+        if self._queue is not None and count:
+            self._queue.push(slots, self._clock, self._freq)
+            if self._queue.entries > 3 * max(self.size, self.QUEUE_REBUILD_MIN_ENTRIES):
+                self._rebuild_queue()
         self._clock += count
-        if self.algorithm == "lru" and count:
-            if self._lru_entries > 3 * max(self.size, self.LRU_REBUILD_MIN_ENTRIES):
-                self._rebuild_lru()
         misses = int(miss_rows.numel())
         self.counters.lookups += count
         self.counters.hits += count - misses
@@ -337,9 +342,13 @@ class RowCache:
         slots = self._tickets.pop(ticket, None)
         if slots is None:
             self._raise_bad_ticket(ticket)
-        if dirty:
-            self._dirty.index_fill_(0, slots, True)
-        self._pins.index_add_(0, slots, _ones(slots.numel(), -1))
+        native = self._native()
+        if native is not None:  # one pass: unpinned, marked dirty
+            native.row_cache_release(slots, self._pins, self._dirty, dirty)
+        else:
+            if dirty:
+                self._dirty.index_fill_(0, slots, True)
+            self._pins.index_add_(0, slots, _ones(slots.numel(), -1))
         if not self._tickets and self.size > self.capacity:
             self._shrink()
 
@@ -378,7 +387,8 @@ class RowCache:
         self._resident = 0
         self._stamp.zero_()
         self._freq.zero_()
-        self._lru, self._lru_entries = [], 0
+        if self._queue is not None:
+            self._queue.clear()
 
     def resident_rows(self) -> torch.Tensor:
         """The rows cached now, ascending, int64 ``[n]`` on the host (``n <= size``)."""
@@ -394,8 +404,27 @@ class RowCache:
             return None
         return native_for(torch.device("cpu"))
 
+    def _sync_queue(self, native: Optional[Any]) -> None:
+        """The replacement queue of this path (native: ``NativeSlotQueue``, LRU or LFU; torch: a
+        ``TorchLruQueue`` for LRU, none for LFU, which selects over the cache), rebuilt from the stamps
+        when the path changed since the last acquire (``use_native``, ``kernel_backend``)."""
+        kind = "native" if native is not None else ("torch" if self.algorithm == "lru" else None)
+        if kind == self._queue_kind:
+            return
+        if kind == "native":
+            self._queue = NativeSlotQueue(self.algorithm == "lfu")
+        else:
+            self._queue = TorchLruQueue() if kind == "torch" else None
+        self._queue_kind = kind
+        if self._queue is not None:
+            self._rebuild_queue()
+
+    def _rebuild_queue(self) -> None:
+        """The replacement queue from the stamps: one entry per resident slot, in eviction order."""
+        self._queue.rebuild(self.row_of_slot, self._stamp, self._freq)
+
     def _free_slots(self, count: int) -> torch.Tensor:
-        """``count`` free slots (int64, host), evicting unpinned rows or growing the buffers as needed."""
+        """``count`` free slots (int64, host, ascending), evicting unpinned rows or growing the buffers."""
         if self._resident >= self.size:  # a full cache (the steady state): no scan of the slot map
             free = torch.zeros(0, dtype=torch.int64)
         else:
@@ -403,72 +432,31 @@ class RowCache:
         if free.numel() >= count:
             return free[:count]
         needed = count - free.numel()
-        # LRU, the common case: the least recent from the front of the recency queue, no scan or
-        # selection over the whole cache, not even a count of the evictable slots (None: the queue ran
-        # out, see _take_lru)
-        victims = self._take_lru(needed) if self.algorithm == "lru" else None
+        # the common case: the victims from the front of the replacement queue, no scan or selection
+        # over the whole cache, not even a count of the evictable slots (None: the queue ran out)
+        victims = self._queue.take(needed, self._stamp, self._pins) if self._queue is not None else None
         if victims is None:
             evictable = ((self.row_of_slot >= 0) & (self._pins == 0)).nonzero().flatten()
             if evictable.numel() < needed:
                 # the pinned working set exceeds the capacity: grow so the whole request fits (every
-                # evictable slot goes: the LRU entries a failed _take_lru took out were all theirs)
+                # evictable slot goes: the entries a failed take removed were all theirs)
                 self._grow(self.size + needed - evictable.numel())
                 self._evict(evictable)
                 return (self.row_of_slot < 0).nonzero().flatten()[:count]
-            victims = self._victims(evictable, needed)  # the LRU queue's choice, had it been whole
-            if self.algorithm == "lru":
-                self._evict(victims)
-                self._rebuild_lru()  # the failed _take_lru took entries of slots that stay
-                return torch.cat([free, victims]).sort().values
+            victims = self._victims(evictable, needed)  # the queue's choice, had it been whole
+            self._evict(victims)
+            if self._queue is not None:
+                self._rebuild_queue()  # the failed take removed entries of slots that stay
+            return torch.cat([free, victims]).sort().values
         self._evict(victims)
         # the free slots now are exactly the old free ones and the victims (count of them): no second
         # scan of the slot map, the same ascending slots
-        return torch.cat([free, victims]).sort().values
-
-    def _take_lru(self, count: int) -> Optional[torch.Tensor]:
-        """The ``count`` least recently acquired unpinned resident slots (as :meth:`_victims` chooses
-        them), taken from the front of the recency queue, or None if the queue runs out first.
-
-        Every acquire appends its slots with their new stamps, so the queue is in stamp order, and each
-        resident slot has exactly one *current* entry (the one whose stamp it still has: stamps never
-        repeat, and an evicted slot's stamp is reset). Entries that are no longer current are dropped as
-        the front is scanned; current pinned entries stay, in their place; the taken ones are removed.
-        The queue runs out when fewer than ``count`` slots are evictable, or when a row was left resident
-        without a stamp by an acquire that failed halfway; the caller then chooses by :meth:`_victims`
-        and rebuilds the queue unless every evictable slot is evicted.
-        """
-        taken: List[torch.Tensor] = []
-        got, index = 0, 0
-        while got < count:
-            if index >= len(self._lru):
-                return None
-            slots, stamps = self._lru[index]
-            current = self._stamp.index_select(0, slots) == stamps
-            free_to_take = current & (self._pins.index_select(0, slots) == 0)
-            positions = free_to_take.nonzero().flatten()[: count - got]
-            taken.append(slots.index_select(0, positions))
-            got += positions.numel()
-            current.index_fill_(0, positions, False)  # what stays: current entries not taken
-            kept = current.nonzero().flatten()
-            self._lru_entries -= slots.numel() - kept.numel()
-            if kept.numel():
-                self._lru[index] = (slots.index_select(0, kept), stamps.index_select(0, kept))
-                index += 1
-            else:
-                del self._lru[index]
-        return torch.cat(taken) if len(taken) > 1 else taken[0]
-
-    def _rebuild_lru(self) -> None:
-        """The recency queue from the stamps: one entry per resident slot, in stamp order."""
-        resident = (self.row_of_slot >= 0).nonzero().flatten()
-        stamps, order = self._stamp.index_select(0, resident).sort()
-        self._lru = [(resident.index_select(0, order), stamps)] if resident.numel() else []
-        self._lru_entries = resident.numel()
+        return torch.cat([free, victims]).sort().values if free.numel() else victims.sort().values
 
     def _victims(self, candidates: torch.Tensor, count: int) -> torch.Tensor:
         """The ``count`` slots among ``candidates`` (int64 [n]) to evict first under the algorithm (a set:
         callers do not depend on its order; the native op returns it ascending). Slots tied on the
-        stamp (only rows left unstamped by a failed acquire) may be chosen differently by the paths."""
+        stamp (only rows left unstamped by a failed acquire) are chosen by the smaller slot natively."""
         if count >= candidates.numel():
             return candidates
         if count == 0:
@@ -483,135 +471,48 @@ class RowCache:
         """Drop the rows in slots ``victims`` (int64 [n]), writing the dirty ones back first."""
         if not victims.numel():
             return
-        rows = self.row_of_slot[victims]
-        dirty = self._dirty[victims]
-        if self._write_behind is not None:
-            self._stage_write_back(rows[dirty], victims[dirty])
+        native = self._native()
+        if native is not None:
+            # one pass each: the dirty victims' rows and slots (ascending rows), then, once written, the
+            # rows forgotten (slot map, dirty flags, stamps, counts)
+            rows, slots = native.row_cache_victim_rows(victims, self.row_of_slot, self._dirty)
+            if self._write_behind is not None:
+                self._stage_write_back(rows, slots, ordered=True)
+            else:
+                self._write_back(rows, slots, ordered=True)
+            native.row_cache_drop(
+                victims, self.slot_of_row, self.row_of_slot, self._dirty, self._stamp, self._freq
+            )
         else:
-            self._write_back(rows[dirty], victims[dirty])
-        # index_fill_ rather than indexed assignment: the same values, no index_put_ machinery
-        self.slot_of_row.index_fill_(0, rows, -1)
-        self.row_of_slot.index_fill_(0, victims, -1)
+            rows = self.row_of_slot[victims]
+            dirty = self._dirty[victims]
+            if self._write_behind is not None:
+                self._stage_write_back(rows[dirty], victims[dirty])
+            else:
+                self._write_back(rows[dirty], victims[dirty])
+            # index_fill_ rather than indexed assignment: the same values, no index_put_ machinery
+            self.slot_of_row.index_fill_(0, rows, -1)
+            self.row_of_slot.index_fill_(0, victims, -1)
+            self._dirty.index_fill_(0, victims, False)
+            self._stamp.index_fill_(0, victims, 0)
+            self._freq.index_fill_(0, victims, 0)
         self._resident -= victims.numel()
-        self._dirty.index_fill_(0, victims, False)
-        self._stamp.index_fill_(0, victims, 0)
-        self._freq.index_fill_(0, victims, 0)
         self.counters.evictions += victims.numel()
 
-    def _write_back(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Copy slots ``slots`` to backing rows ``rows`` (int64 [n] each, host), in ascending row order."""
-        count = rows.numel()
-        if self._write_behind is not None:  # one writer of the file at a time, in eviction order
-            self._write_behind.wait()
-        if not count:
-            return
-        rows, order = rows.sort()
-        slots = slots[order]
-        for start, stop in self._io_chunks(count):
-            cache_slots = slots[start:stop].to(self.device)
-            if self._row_io is not None:
-                self._row_io.write_from(rows[start:stop], self.tensors, cache_slots)
-                continue
-            for name, store in self.backing.items():
-                values = self.tensors[name].index_select(0, cache_slots).to(store.device)
-                store.index_copy_(0, rows[start:stop].to(store.device), values)
-            if self._after_io is not None:
-                self._after_io()
-        self.counters.rows_written += count
-        self.counters.bytes_written += count * self.row_bytes
-
-    def _stage_write_back(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """:meth:`_write_back` through the write-behind thread: the slots' rows copied out (the slots are
-        free for reuse at once), then written in the background, in ascending row order."""
-        count = rows.numel()
-        if not count:
-            return
-        rows, order = rows.sort()
-        slots = slots.index_select(0, order)
-        staging = {name: buffer.index_select(0, slots) for name, buffer in self.tensors.items()}
-        self._write_behind.submit(rows, staging)
-        self.counters.rows_written += count
-        self.counters.bytes_written += count * self.row_bytes
-
     def _load(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Copy backing rows ``rows`` (ascending int64 [n], host) into free slots ``slots`` (int64 [n])."""
-        if self._write_behind is not None:  # a row evicted and asked again: its write lands first
-            self._write_behind.wait_for(rows)
-        for start, stop in self._io_chunks(rows.numel()):
-            cache_slots = slots[start:stop].to(self.device)
-            if self._row_io is not None:
-                self._row_io.read_into(rows[start:stop], self.tensors, cache_slots)
-                continue
-            for name, store in self.backing.items():
-                values = store.index_select(0, rows[start:stop].to(store.device)).to(self.device)
-                self.tensors[name].index_copy_(0, cache_slots, values)
-            if self._after_io is not None:
-                self._after_io()
-        # index_copy_ / index_fill_ rather than indexed assignment: the same values, cheaper
-        self.slot_of_row.index_copy_(0, rows, slots.to(torch.int32))
-        self.row_of_slot.index_copy_(0, slots, rows)
+        """Read backing rows ``rows`` (ascending int64 [n], host) into free slots ``slots`` (int64 [n])
+        and make them resident, clean, unstamped and pinned once (by the acquire that loads them)."""
+        self._read_rows(rows, slots)
+        native = self._native()
+        if native is not None:
+            state = (self.slot_of_row, self.row_of_slot, self._dirty, self._stamp, self._freq, self._pins)
+            native.row_cache_install(rows, slots, *state, 1)
+        else:
+            # index_copy_ / index_fill_ rather than indexed assignment: the same values, cheaper
+            self.slot_of_row.index_copy_(0, rows, slots.to(torch.int32))
+            self.row_of_slot.index_copy_(0, slots, rows)
+            self._dirty.index_fill_(0, slots, False)
+            self._stamp.index_fill_(0, slots, 0)
+            self._freq.index_fill_(0, slots, 0)
+            self._pins.index_add_(0, slots, _ones(slots.numel()))
         self._resident += rows.numel()
-        self._dirty.index_fill_(0, slots, False)
-        self._stamp.index_fill_(0, slots, 0)
-        self._freq.index_fill_(0, slots, 0)
-        count = rows.numel()
-        self.counters.rows_read += count
-        self.counters.bytes_read += count * self.row_bytes
-
-    def _io_chunks(self, count: int):
-        """``(start, stop)`` ranges covering ``[0, count)``, ``io_chunk_rows`` long (one range if None)."""
-        step = self.io_chunk_rows or max(count, 1)
-        return [(start, min(start + step, count)) for start in range(0, count, step)]
-
-    def _grow(self, size: int) -> None:
-        """Reallocate every buffer with ``size`` slots; the existing slots keep their rows and state."""
-        if size >= 2**31:
-            raise RuntimeError(f"RowCache: {size} slots do not fit the int32 slot map")
-        with self._buffers_lock:  # a kernel updating pinned rows in place finishes first
-            self._grow_buffers(size)
-
-    def _grow_buffers(self, size: int) -> None:
-        old = self.size
-        extra = size - old
-        for name, buffer in self.tensors.items():
-            grown = torch.zeros((size, *buffer.shape[1:]), dtype=buffer.dtype, device=self.device)
-            grown[:old] = buffer
-            self.tensors[name] = grown
-        self.row_of_slot = torch.cat([self.row_of_slot, torch.full((extra,), -1, dtype=torch.int64)])
-        self._dirty = torch.cat([self._dirty, torch.zeros(extra, dtype=torch.bool)])
-        self._pins = torch.cat([self._pins, torch.zeros(extra, dtype=torch.int32)])
-        self._stamp = torch.cat([self._stamp, torch.zeros(extra, dtype=torch.int64)])
-        self._freq = torch.cat([self._freq, torch.zeros(extra, dtype=torch.int64)])
-        self.buffers_version += 1
-
-    def _shrink(self) -> None:
-        """Back to ``capacity`` slots (no ticket pinned): evict the excess by the algorithm, then compact."""
-        with self._buffers_lock:
-            self._shrink_buffers()
-
-    def _shrink_buffers(self) -> None:
-        resident = (self.row_of_slot >= 0).nonzero().flatten()
-        self._evict(self._victims(resident, max(resident.numel() - self.capacity, 0)))
-        kept = (self.row_of_slot >= 0).nonzero().flatten()  # ascending slots, at most capacity of them
-        count = kept.numel()
-        cache_kept = kept.to(self.device)
-        for name, buffer in self.tensors.items():
-            shrunk = torch.zeros((self.capacity, *buffer.shape[1:]), dtype=buffer.dtype, device=self.device)
-            shrunk[:count] = buffer.index_select(0, cache_kept)
-            self.tensors[name] = shrunk
-
-        def compact(values: torch.Tensor, fill: int) -> torch.Tensor:
-            out = torch.full((self.capacity,), fill, dtype=values.dtype)
-            out[:count] = values[kept]
-            return out
-
-        self.row_of_slot = compact(self.row_of_slot, -1)
-        self._resident = count
-        self._dirty = compact(self._dirty, 0)
-        self._stamp = compact(self._stamp, 0)
-        self._freq = compact(self._freq, 0)
-        self._pins = torch.zeros(self.capacity, dtype=torch.int32)
-        self.slot_of_row[self.row_of_slot[:count]] = torch.arange(count, dtype=torch.int32)
-        self.buffers_version += 1
-        if self.algorithm == "lru":  # the slots moved
-            self._rebuild_lru()
