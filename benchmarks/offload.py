@@ -20,7 +20,9 @@ spread over the table by a random permutation):
   RSS); and at ``--in-step-write-back-load-factors`` (default 0.2): ``in-step write-back``, without the
   write-behind thread (``SHARDKIT_OFFLOAD_WRITE_BEHIND=0``), the same step as the default rows but
   evicted rows written in the step; ``main_cpu_ms/step`` is the main thread's CPU alone (docs/offload.md,
-  "Write-behind and kept mappings");
+  "Write-behind and kept mappings"); and at ``--one-read-thread-load-factors`` (default 0.2): ``1 read
+  thread``, a step's misses read on one thread (``SHARDKIT_OFFLOAD_READ_THREADS=1``) instead of the
+  default two (docs/offload.md, "Native bookkeeping and reader threads");
 - the same table trained through ``PrefetchTrainPipelineSparseDist``: in memory, and offloaded with
   ``prefetch_pipeline`` at ``--pipeline-load-factors`` (default 0.2), the prefetch of batch i+1 run
   synchronously and on the background thread (``benchmarks/offload_pipeline.py``);
@@ -130,6 +132,8 @@ VARIANTS = {
     "mapped": {"SHARDKIT_OFFLOAD_RESIDENT_MAP": "1024G"},
     # evicted dirty rows written in the step, as before the write-behind thread
     "in-step write-back": {"SHARDKIT_OFFLOAD_WRITE_BEHIND": "0"},
+    # a step's misses read on one thread, as before the reader threads (row_io.read_threads_default)
+    "1 read thread": {"SHARDKIT_OFFLOAD_READ_THREADS": "1"},
 }
 
 
@@ -150,6 +154,8 @@ def _table_variant(kernel: str, rows: int, dim: int, load_factor: float, offload
         assert offloaded_lookup(module).store.resident, "the mapped table did not keep its mapping"
     if variant == "in-step write-back":
         assert offloaded_lookup(module).cache._write_behind is None
+    if variant == "1 read thread":
+        assert offloaded_lookup(module).cache._row_io.read_threads == 1
     return module
 
 
@@ -239,6 +245,7 @@ def step_rows(args, offload_dir: str) -> List[Dict[str, Any]]:
     configs += [
         ("fused_uvm_caching", lf, "in-step write-back") for lf in args.in_step_write_back_load_factors
     ]
+    configs += [("fused_uvm_caching", lf, "1 read thread") for lf in args.one_read_thread_load_factors]
     modules = [
         _table_variant(kernel, args.rows, args.dim, lf, offload_dir, variant)
         for kernel, lf, variant in configs
@@ -533,6 +540,13 @@ def main(argv: Optional[List[str]] = None) -> None:
         nargs="*",
         default=[0.2],
         help="load factors also run without the write-behind thread (rows 'in-step write-back'; none: skip)",
+    )
+    parser.add_argument(
+        "--one-read-thread-load-factors",
+        type=float,
+        nargs="*",
+        default=[0.2],
+        help="load factors also run with misses read on one thread (rows '1 read thread'; none: skip)",
     )
     parser.add_argument("--steps", type=int, default=10, help="measured steps (median)")
     parser.add_argument(

@@ -336,7 +336,8 @@ def test_native_op_reads_and_writes_one_record_per_row(tmp_path):
         rows = torch.tensor([4, 5, 6, 20, 2])
         slots = torch.tensor([0, 3, 1, 2, 4])
         weight, state = torch.zeros(5, 5), torch.zeros(5)
-        calls = native_ops().file_read_rows(fd, rows, slots, [weight, state], [header, header + 20], [24, 24])
+        offsets = [header, header + 20]
+        calls, _ = native_ops().file_read_rows(fd, rows, slots, [weight, state], offsets, [24, 24])
         assert calls == 3  # runs 4..6, 20, 2: both fields in one call each
         assert torch.equal(weight[slots], record[rows, :5]) and torch.equal(state[slots], record[rows, 5])
         weight.add_(1.0)
@@ -374,3 +375,91 @@ def test_backing_store_descriptor_is_advised_random(tmp_path, monkeypatch):
     advised.clear()
     opened = BackingStore.open(store.path, FIELDS, {"t": 1})
     assert (opened.row_io().fd, 0, 0, os.POSIX_FADV_RANDOM) in advised
+
+
+# ---- native reads on several threads
+
+
+def _big_store(tmp_path, rows=3000):
+    fields = {"weight": ((rows, 6), torch.float32), "state": ((rows,), torch.float32)}
+    store = BackingStore.create(fields, {"t": "threads"}, str(tmp_path))
+    gen = torch.Generator().manual_seed(1)
+    store.tensors["weight"].copy_(torch.randn(rows, 6, generator=gen))
+    store.tensors["state"].copy_(torch.rand(rows, generator=gen))
+    return store
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_native_reads_on_several_threads_equal_one_thread(tmp_path, threads):
+    """A read of many rows shared among reader threads (each a part of the file order) lands the same
+    bytes in the same slots as one thread, and only there, with the same (merged) calls."""
+    if "native" not in _backends():
+        pytest.skip("native kernels not built")
+    store = _big_store(tmp_path)
+    gen = torch.Generator().manual_seed(threads)
+    rows = torch.randperm(3000, generator=gen)[:1500].sort().values
+    slots = torch.randperm(2000, generator=gen)[:1500]
+    io = store.row_io()
+    io.read_threads = threads
+    got = {"weight": torch.full((2000, 6), -1.0), "state": torch.full((2000,), -1.0)}
+    calls = io.read_into(rows, got, slots, backend="native")
+    io.read_threads = 1
+    want = {"weight": torch.full((2000, 6), -1.0), "state": torch.full((2000,), -1.0)}
+    single = io.read_into(rows, want, slots, backend="native")
+    for name in got:
+        assert torch.equal(got[name], want[name]), name
+        assert torch.equal(got[name].index_select(0, slots), store.tensors[name].index_select(0, rows))
+    assert calls == single  # the parts are cut between calls
+
+
+def test_native_read_error_on_a_reader_thread_is_an_oserror_naming_the_file(tmp_path):
+    if "native" not in _backends():
+        pytest.skip("native kernels not built")
+    store = _big_store(tmp_path)
+    io = store.row_io()
+    io.read_threads, io.merge_gap = 4, 0  # 3000 calls: the state field's are the helper threads' parts
+    offset, shape, dtype = io.regions["state"]
+    io.regions["state"] = (offset + 10**9, shape, dtype)  # the state field's part: beyond the end
+    rows = torch.arange(0, 3000, 2)
+    buffers = {"weight": torch.zeros(1500, 6), "state": torch.zeros(1500)}
+    with pytest.raises(OSError, match="short read") as e:
+        io.read_into(rows, buffers, torch.arange(1500), backend="native")
+    assert store.path in str(e.value)
+    assert torch.equal(buffers["weight"][:750], store.tensors["weight"][rows[:750]])  # the caller's part
+
+
+def test_read_threads_default_and_environment(monkeypatch):
+    from shardkit.kernels.offload import row_io
+
+    monkeypatch.delenv(row_io.READ_THREADS_ENV, raising=False)
+    monkeypatch.setattr(row_io.os, "cpu_count", lambda: 1)
+    assert row_io.read_threads_default() == 1
+    monkeypatch.setattr(row_io.os, "cpu_count", lambda: 16)
+    assert row_io.read_threads_default() == 2
+    monkeypatch.setenv(row_io.READ_THREADS_ENV, "3")
+    assert row_io.read_threads_default() == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(row_io.READ_THREADS_ENV, bad)
+        with pytest.raises(ValueError, match=row_io.READ_THREADS_ENV):
+            row_io.read_threads_default()
+
+
+def test_native_reads_of_many_calls_share_them_among_threads(tmp_path):
+    """Reader threads really share a read: 1500 rows, every other one, with merging off, are 3000
+    calls; on 3 threads each makes a third of them (the same calls as one thread makes); a read of fewer
+    than 128 calls a thread stays on one thread."""
+    if "native" not in _backends():
+        pytest.skip("native kernels not built")
+    store = _big_store(tmp_path)
+    io = store.row_io()
+    io.merge_gap = 0
+    rows, slots = torch.arange(0, 3000, 2), torch.randperm(1500, generator=torch.Generator().manual_seed(0))
+    for threads in (1, 3):
+        io.read_threads = threads
+        buffers = {"weight": torch.zeros(1500, 6), "state": torch.zeros(1500)}
+        assert io.read_into(rows, buffers, slots, backend="native") == 3000
+        assert io.last_read_threads == threads
+        assert torch.equal(buffers["weight"].index_select(0, slots), store.tensors["weight"][rows])
+    io.read_threads = 8
+    assert io.read_into(rows[:100], buffers, slots[:100], backend="native") == 200
+    assert io.last_read_threads == 1

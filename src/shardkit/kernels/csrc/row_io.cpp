@@ -27,6 +27,8 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <thread>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -38,6 +40,8 @@ constexpr int64_t kMaxPieces = 1024;
 #endif
 // a read-modify-write span (a write that also rewrites gaps) moves at most this many bytes
 constexpr int64_t kMaxWriteSpan = int64_t{1} << 20;
+// a reader thread is started for at least this many system calls of its own
+constexpr int64_t kMinCallsPerThread = 128;
 
 struct Extent {
   int64_t pos;  // byte offset in the file
@@ -81,8 +85,8 @@ std::string transfer(int fd, std::vector<iovec>& pieces, int64_t total, int64_t 
   return "";
 }
 
-int64_t move_rows(int64_t fd, const at::Tensor& rows, const at::Tensor& slots, at::TensorList buffers,
-                  at::IntArrayRef offsets, at::IntArrayRef strides, int64_t max_gap, bool write) {
+std::tuple<int64_t, int64_t> move_rows(int64_t fd, const at::Tensor& rows, const at::Tensor& slots, at::TensorList buffers,
+                  at::IntArrayRef offsets, at::IntArrayRef strides, int64_t max_gap, bool write, int64_t threads) {
   const char* op = write ? "file_write_rows" : "file_read_rows";
   TORCH_CHECK(rows.device().is_cpu() && slots.device().is_cpu() && rows.scalar_type() == at::kLong &&
                   slots.scalar_type() == at::kLong && rows.dim() == 1 && slots.dim() == 1 &&
@@ -105,7 +109,7 @@ int64_t move_rows(int64_t fd, const at::Tensor& rows, const at::Tensor& slots, a
     TORCH_CHECK(offsets[f] >= 0 && strides[f] >= row_bytes[f], op, ": field ", f, " offset ", offsets[f],
                 " stride ", strides[f], " (rows of ", row_bytes[f], " bytes)");
   }
-  if (n == 0 || fields == 0) return 0;
+  if (n == 0 || fields == 0) return {0, 1};
   const int64_t* row = rows.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
@@ -134,70 +138,118 @@ int64_t move_rows(int64_t fd, const at::Tensor& rows, const at::Tensor& slots, a
     for (int64_t f = 0; f < fields; ++f)
       for (int64_t i = 0; i < n; ++i) add(i, f);
   }
-  int64_t calls = 0;
-  std::vector<iovec> pieces;
   // a gap of at most max_gap bytes between two extents is moved too, so that both go in one call: read
   // into `junk` (its bytes are never used), written back as read (read-modify-write through `scratch`,
   // a span of at most kMaxWriteSpan bytes: the caller is the file's only writer meanwhile)
   const int64_t gap_limit = std::max<int64_t>(max_gap, 0);
-  std::vector<char> junk(static_cast<size_t>(gap_limit));
-  std::vector<char> scratch;
-  size_t start = 0;  // first extent of the current call
-  while (start < extents.size()) {
-    pieces.clear();
-    const int64_t pos = extents[start].pos;
-    int64_t end = pos;
-    bool gaps = false;
-    size_t k = start;
-    for (; k < extents.size(); ++k) {
-      const Extent& e = extents[k];
-      const int64_t gap = e.pos - end;
-      if (gap < 0 || gap > gap_limit) break;
-      if (write && (gaps || gap > 0) && e.pos + e.len - pos > kMaxWriteSpan) break;
-      if (gap > 0) {
-        if (!write) pieces.push_back({junk.data(), static_cast<size_t>(gap)});
-        gaps = true;
+  // the calls for extents [from, to): returns "" or what went wrong (never throws: it may run on a
+  // reader thread); `calls` counts the system calls
+  auto run = [&](size_t from, size_t to, int64_t& calls) -> std::string {
+    std::vector<iovec> pieces;
+    std::vector<char> junk(static_cast<size_t>(gap_limit));
+    std::vector<char> scratch;
+    size_t start = from;  // first extent of the current call
+    while (start < to) {
+      pieces.clear();
+      const int64_t pos = extents[start].pos;
+      int64_t end = pos;
+      bool gaps = false;
+      size_t k = start;
+      for (; k < to; ++k) {
+        const Extent& e = extents[k];
+        const int64_t gap = e.pos - end;
+        if (gap < 0 || gap > gap_limit) break;
+        if (write && (gaps || gap > 0) && e.pos + e.len - pos > kMaxWriteSpan) break;
+        if (gap > 0) {
+          if (!write) pieces.push_back({junk.data(), static_cast<size_t>(gap)});
+          gaps = true;
+        }
+        if (!pieces.empty() && static_cast<char*>(pieces.back().iov_base) + pieces.back().iov_len == e.mem) {
+          pieces.back().iov_len += e.len;
+        } else {
+          pieces.push_back({e.mem, static_cast<size_t>(e.len)});
+        }
+        end = e.pos + e.len;
       }
-      if (!pieces.empty() && static_cast<char*>(pieces.back().iov_base) + pieces.back().iov_len == e.mem) {
-        pieces.back().iov_len += e.len;
+      std::string error;
+      if (write && gaps) {
+        // read the span, put the extents' bytes in their places, write the span back
+        scratch.resize(static_cast<size_t>(end - pos));
+        std::vector<iovec> whole{{scratch.data(), scratch.size()}};
+        error = transfer(static_cast<int>(fd), whole, end - pos, pos, false);
+        if (error.empty()) {
+          for (size_t j = start; j < k; ++j) std::memcpy(scratch.data() + (extents[j].pos - pos), extents[j].mem, extents[j].len);
+          whole.assign(1, {scratch.data(), scratch.size()});
+          error = transfer(static_cast<int>(fd), whole, end - pos, pos, true);
+          ++calls;
+        }
       } else {
-        pieces.push_back({e.mem, static_cast<size_t>(e.len)});
+        error = transfer(static_cast<int>(fd), pieces, end - pos, pos, write);
       }
-      end = e.pos + e.len;
-    }
-    std::string error;
-    if (write && gaps) {
-      // read the span, put the extents' bytes in their places, write the span back
-      scratch.resize(static_cast<size_t>(end - pos));
-      std::vector<iovec> whole{{scratch.data(), scratch.size()}};
-      error = transfer(static_cast<int>(fd), whole, end - pos, pos, false);
-      if (error.empty()) {
-        for (size_t j = start; j < k; ++j) std::memcpy(scratch.data() + (extents[j].pos - pos), extents[j].mem, extents[j].len);
-        whole.assign(1, {scratch.data(), scratch.size()});
-        error = transfer(static_cast<int>(fd), whole, end - pos, pos, true);
-        ++calls;
+      if (!error.empty()) {
+        return std::string(op) + ": " + error + " at file bytes " + std::to_string(pos) + ".." +
+               std::to_string(end - 1) + " (rows " + std::to_string(extents[start].row) + ".." +
+               std::to_string(extents[k - 1].row) + ")";
       }
-    } else {
-      error = transfer(static_cast<int>(fd), pieces, end - pos, pos, write);
+      ++calls;
+      start = k;
     }
-    TORCH_CHECK(error.empty(), op, ": ", error, " at file bytes ", pos, "..", end - 1, " (rows ",
-                extents[start].row, "..", extents[k - 1].row, ")");
-    ++calls;
-    start = k;
+    return "";
+  };
+  // reads of many calls are shared among `threads` threads, each a contiguous part of the file order cut
+  // at call boundaries (the same calls as on one thread: page-cache reads of disjoint bytes into
+  // disjoint slots, independent of each other), each part as many calls. Writes stay on one thread:
+  // the write-behind thread already takes them off the step.
+  const size_t total = extents.size();
+  std::vector<size_t> call_start;  // the first extent of each call (reads on several threads only)
+  if (!write && threads > 1) {
+    for (size_t i = 0; i < total;) {
+      call_start.push_back(i);
+      int64_t end = extents[i].pos + extents[i].len;
+      size_t k = i + 1;
+      for (; k < total; ++k) {
+        const int64_t gap = extents[k].pos - end;
+        if (gap < 0 || gap > gap_limit) break;
+        end = extents[k].pos + extents[k].len;
+      }
+      i = k;
+    }
   }
-  return calls;
+  const int64_t groups = static_cast<int64_t>(call_start.size());
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, groups / kMinCallsPerThread));
+  auto bound = [&](int64_t part) -> size_t {
+    return part == parts ? total : (part == 0 ? 0 : call_start[static_cast<size_t>(groups * part / parts)]);
+  };
+  std::vector<int64_t> calls(static_cast<size_t>(parts), 0);
+  std::vector<std::string> errors(static_cast<size_t>(parts));
+  std::vector<std::thread> helpers;
+  for (int64_t part = 1; part < parts; ++part) {
+    helpers.emplace_back([&, part] { errors[part] = run(bound(part), bound(part + 1), calls[part]); });
+  }
+  errors[0] = run(bound(0), bound(1), calls[0]);
+  for (auto& helper : helpers) helper.join();
+  int64_t sum = 0;
+  for (int64_t part = 0; part < parts; ++part) {
+    TORCH_CHECK(errors[part].empty(), errors[part]);
+    sum += calls[part];
+  }
+  return {sum, parts};
 }
 
-// Reads file rows rows[i] into slot slots[i] of every buffer; returns the number of preadv calls.
-int64_t file_read_rows(int64_t fd, const at::Tensor& rows, const at::Tensor& slots, at::TensorList buffers,
-                       at::IntArrayRef offsets, at::IntArrayRef strides, int64_t max_gap) {
-  return move_rows(fd, rows, slots, buffers, offsets, strides, max_gap, false);
+// Reads file rows rows[i] into slot slots[i] of every buffer, on up to `threads` threads (the caller's
+// and threads - 1 started for the call, each for at least kMinCallsPerThread calls); returns the number
+// of preadv calls and the threads that made them.
+std::tuple<int64_t, int64_t> file_read_rows(int64_t fd, const at::Tensor& rows, const at::Tensor& slots,
+                                            at::TensorList buffers, at::IntArrayRef offsets,
+                                            at::IntArrayRef strides, int64_t max_gap, int64_t threads) {
+  TORCH_CHECK(threads >= 1, "file_read_rows: threads must be >= 1, got ", threads);
+  return move_rows(fd, rows, slots, buffers, offsets, strides, max_gap, false, threads);
 }
 
 // Writes slot slots[i] of every buffer to file row rows[i]; returns the number of pwritev calls.
 int64_t file_write_rows(int64_t fd, const at::Tensor& rows, const at::Tensor& slots, at::TensorList buffers,
                         at::IntArrayRef offsets, at::IntArrayRef strides, int64_t max_gap) {
-  return move_rows(fd, rows, slots, buffers, offsets, strides, max_gap, true);
+  return std::get<0>(move_rows(fd, rows, slots, buffers, offsets, strides, max_gap, true, 1));
 }
 
 }  // namespace
@@ -205,7 +257,7 @@ int64_t file_write_rows(int64_t fd, const at::Tensor& rows, const at::Tensor& sl
 TORCH_LIBRARY_FRAGMENT(shardkit_native, m) {
   m.def(
       "file_read_rows(int fd, Tensor rows, Tensor slots, Tensor(a!)[] buffers, int[] offsets, int[] strides, "
-      "int max_gap=0) -> int");
+      "int max_gap=0, int threads=1) -> (int, int)");
   m.def(
       "file_write_rows(int fd, Tensor rows, Tensor slots, Tensor[] buffers, int[] offsets, int[] strides, "
       "int max_gap=0) -> int");
