@@ -47,7 +47,8 @@ Bookkeeping lives on the host: ``slot_of_row`` int32 ``[R]`` (4 bytes per row of
 cached) and per-slot ``row_of_slot`` int64, recency stamp int64, frequency int64, pin count int32 and
 dirty flag, all ``[C]``; a replacement queue (``slot_queue.py``) hands out the victims in eviction order
 without a selection over the cache. Misses are read and victims written back in ascending row order
-(``row_moves.py``); growth and shrinking are in ``cache_resize.py``.
+(``row_moves.py``); a batch's bookkeeping steps on both paths are in ``cache_slots.py``, growth and
+shrinking in ``cache_resize.py``.
 
 Two paths, the same results (tests/kernels/offload/test_row_cache_native.py): where the native kernels
 are built, every per-batch step of the bookkeeping is a native op, one C++ loop each (``csrc/row_cache.cpp``:
@@ -68,13 +69,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from shardkit.kernels.embedding import native_for
 from shardkit.kernels.offload.cache_counters import CacheCounters
 from shardkit.kernels.offload.cache_resize import CacheResize
+from shardkit.kernels.offload.cache_slots import CacheSlots, ones_int32
 from shardkit.kernels.offload.row_checks import checked_rows
 from shardkit.kernels.offload.row_moves import RowMoves
 from shardkit.kernels.offload.slot_queue import NativeSlotQueue, TorchLruQueue
-from shardkit.kernels.offload.victims import select_victims
 
 ALGORITHMS = ("lru", "lfu")
 
@@ -87,11 +87,7 @@ def _algorithm_name(algorithm: object) -> str:
     return name.lower()
 
 
-def _ones(count: int, value: int = 1) -> torch.Tensor:
-    return torch.full((count,), value, dtype=torch.int32)
-
-
-class RowCache(RowMoves, CacheResize):
+class RowCache(CacheSlots, RowMoves, CacheResize):
     """A cache of ``capacity`` rows of ``backing`` in buffers on ``device`` (see the module docstring).
 
     Args:
@@ -265,18 +261,7 @@ class RowCache(RowMoves, CacheResize):
     def _acquire(self, rows: torch.Tensor, ascending: bool) -> Tuple[int, torch.Tensor]:
         native = self._native()
         self._sync_queue(native)
-        if native is not None:
-            # one pass: slots (-1 = miss), the hits pinned, the missing rows in the order of rows
-            looked, miss_rows = native.row_cache_lookup(self.slot_of_row, self._pins, rows)
-        else:
-            # index_select / index_add_ / index_copy_ rather than advanced indexing: the same values (the
-            # slots are distinct), several times faster on CPU, and no parallel section that a loaded
-            # machine stretches to a scheduler time slice
-            looked = self.slot_of_row.index_select(0, rows).long()
-            hit = looked >= 0
-            hit_slots = looked[hit]
-            self._pins.index_add_(0, hit_slots, _ones(hit_slots.numel()))  # first: never victims below
-            miss_rows = rows[~hit]
+        looked, miss_rows = self._lookup(rows, native)
         try:
             if not ascending:
                 miss_rows = miss_rows.sort().values  # ascending: sequential reads of the backing store
@@ -284,18 +269,12 @@ class RowCache(RowMoves, CacheResize):
                 self._load(miss_rows, self._free_slots(miss_rows.numel()))  # pins them
         except BaseException:
             hit_slots = looked[looked >= 0]
-            self._pins.index_add_(0, hit_slots, _ones(hit_slots.numel(), -1))
+            self._pins.index_add_(0, hit_slots, ones_int32(hit_slots.numel(), -1))
             if self._queue is not None:  # rows loaded before the failure stay, unstamped: first in line
                 self._rebuild_queue()
             raise
         count = rows.numel()
-        if native is not None:
-            # one pass: the slots, stamped clock, clock + 1, ... in the order of rows, frequencies + 1
-            slots = native.row_cache_commit(self.slot_of_row, rows, self._stamp, self._freq, self._clock)
-        else:
-            slots = self.slot_of_row.index_select(0, rows).long() if miss_rows.numel() else looked
-            self._stamp.index_copy_(0, slots, self._clock + torch.arange(count, dtype=torch.int64))
-            self._freq.index_add_(0, slots, torch.ones(count, dtype=torch.int64))
+        slots = self._commit(rows, looked, miss_rows, native)
         if self._queue is not None and count:
             self._queue.push(slots, self._clock, self._freq)
             if self._queue.entries > 3 * max(self.size, self.QUEUE_REBUILD_MIN_ENTRIES):
@@ -342,13 +321,7 @@ class RowCache(RowMoves, CacheResize):
         slots = self._tickets.pop(ticket, None)
         if slots is None:
             self._raise_bad_ticket(ticket)
-        native = self._native()
-        if native is not None:  # one pass: unpinned, marked dirty
-            native.row_cache_release(slots, self._pins, self._dirty, dirty)
-        else:
-            if dirty:
-                self._dirty.index_fill_(0, slots, True)
-            self._pins.index_add_(0, slots, _ones(slots.numel(), -1))
+        self._unpin(slots, dirty)
         if not self._tickets and self.size > self.capacity:
             self._shrink()
 
@@ -394,125 +367,3 @@ class RowCache(RowMoves, CacheResize):
         """The rows cached now, ascending, int64 ``[n]`` on the host (``n <= size``)."""
         with self._locked():
             return self.row_of_slot[self.row_of_slot >= 0].sort().values
-
-    # ------------------------------------------------------------------ internals
-
-    def _native(self) -> Optional[Any]:
-        """The native bookkeeping ops (``torch.ops.shardkit_native``), or None: the pure-torch path (not
-        built, ``SHARDKIT_NATIVE=0``, or ``kernel_backend("torch")``; the bookkeeping is on the host)."""
-        if not self.use_native:
-            return None
-        return native_for(torch.device("cpu"))
-
-    def _sync_queue(self, native: Optional[Any]) -> None:
-        """The replacement queue of this path (native: ``NativeSlotQueue``, LRU or LFU; torch: a
-        ``TorchLruQueue`` for LRU, none for LFU, which selects over the cache), rebuilt from the stamps
-        when the path changed since the last acquire (``use_native``, ``kernel_backend``)."""
-        kind = "native" if native is not None else ("torch" if self.algorithm == "lru" else None)
-        if kind == self._queue_kind:
-            return
-        if kind == "native":
-            self._queue = NativeSlotQueue(self.algorithm == "lfu")
-        else:
-            self._queue = TorchLruQueue() if kind == "torch" else None
-        self._queue_kind = kind
-        if self._queue is not None:
-            self._rebuild_queue()
-
-    def _rebuild_queue(self) -> None:
-        """The replacement queue from the stamps: one entry per resident slot, in eviction order."""
-        self._queue.rebuild(self.row_of_slot, self._stamp, self._freq)
-
-    def _free_slots(self, count: int) -> torch.Tensor:
-        """``count`` free slots (int64, host, ascending), evicting unpinned rows or growing the buffers."""
-        if self._resident >= self.size:  # a full cache (the steady state): no scan of the slot map
-            free = torch.zeros(0, dtype=torch.int64)
-        else:
-            free = (self.row_of_slot < 0).nonzero().flatten()
-        if free.numel() >= count:
-            return free[:count]
-        needed = count - free.numel()
-        # the common case: the victims from the front of the replacement queue, no scan or selection
-        # over the whole cache, not even a count of the evictable slots (None: the queue ran out)
-        victims = self._queue.take(needed, self._stamp, self._pins) if self._queue is not None else None
-        if victims is None:
-            evictable = ((self.row_of_slot >= 0) & (self._pins == 0)).nonzero().flatten()
-            if evictable.numel() < needed:
-                # the pinned working set exceeds the capacity: grow so the whole request fits (every
-                # evictable slot goes: the entries a failed take removed were all theirs)
-                self._grow(self.size + needed - evictable.numel())
-                self._evict(evictable)
-                return (self.row_of_slot < 0).nonzero().flatten()[:count]
-            victims = self._victims(evictable, needed)  # the queue's choice, had it been whole
-            self._evict(victims)
-            if self._queue is not None:
-                self._rebuild_queue()  # the failed take removed entries of slots that stay
-            return torch.cat([free, victims]).sort().values
-        self._evict(victims)
-        # the free slots now are exactly the old free ones and the victims (count of them): no second
-        # scan of the slot map, the same ascending slots
-        return torch.cat([free, victims]).sort().values if free.numel() else victims.sort().values
-
-    def _victims(self, candidates: torch.Tensor, count: int) -> torch.Tensor:
-        """The ``count`` slots among ``candidates`` (int64 [n]) to evict first under the algorithm (a set:
-        callers do not depend on its order; the native op returns it ascending). Slots tied on the
-        stamp (only rows left unstamped by a failed acquire) are chosen by the smaller slot natively."""
-        if count >= candidates.numel():
-            return candidates
-        if count == 0:
-            return candidates[:0]
-        lfu = self.algorithm == "lfu"
-        native = self._native()
-        if native is not None:  # one selection over (freq, stamp) keys: the same slots, ascending
-            return native.row_cache_victims(candidates, self._stamp, self._freq, count, lfu)
-        return select_victims(candidates, self._stamp, self._freq, count, lfu)
-
-    def _evict(self, victims: torch.Tensor) -> None:
-        """Drop the rows in slots ``victims`` (int64 [n]), writing the dirty ones back first."""
-        if not victims.numel():
-            return
-        native = self._native()
-        if native is not None:
-            # one pass each: the dirty victims' rows and slots (ascending rows), then, once written, the
-            # rows forgotten (slot map, dirty flags, stamps, counts)
-            rows, slots = native.row_cache_victim_rows(victims, self.row_of_slot, self._dirty)
-            if self._write_behind is not None:
-                self._stage_write_back(rows, slots, ordered=True)
-            else:
-                self._write_back(rows, slots, ordered=True)
-            native.row_cache_drop(
-                victims, self.slot_of_row, self.row_of_slot, self._dirty, self._stamp, self._freq
-            )
-        else:
-            rows = self.row_of_slot[victims]
-            dirty = self._dirty[victims]
-            if self._write_behind is not None:
-                self._stage_write_back(rows[dirty], victims[dirty])
-            else:
-                self._write_back(rows[dirty], victims[dirty])
-            # index_fill_ rather than indexed assignment: the same values, no index_put_ machinery
-            self.slot_of_row.index_fill_(0, rows, -1)
-            self.row_of_slot.index_fill_(0, victims, -1)
-            self._dirty.index_fill_(0, victims, False)
-            self._stamp.index_fill_(0, victims, 0)
-            self._freq.index_fill_(0, victims, 0)
-        self._resident -= victims.numel()
-        self.counters.evictions += victims.numel()
-
-    def _load(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Read backing rows ``rows`` (ascending int64 [n], host) into free slots ``slots`` (int64 [n])
-        and make them resident, clean, unstamped and pinned once (by the acquire that loads them)."""
-        self._read_rows(rows, slots)
-        native = self._native()
-        if native is not None:
-            state = (self.slot_of_row, self.row_of_slot, self._dirty, self._stamp, self._freq, self._pins)
-            native.row_cache_install(rows, slots, *state, 1)
-        else:
-            # index_copy_ / index_fill_ rather than indexed assignment: the same values, cheaper
-            self.slot_of_row.index_copy_(0, rows, slots.to(torch.int32))
-            self.row_of_slot.index_copy_(0, slots, rows)
-            self._dirty.index_fill_(0, slots, False)
-            self._stamp.index_fill_(0, slots, 0)
-            self._freq.index_fill_(0, slots, 0)
-            self._pins.index_add_(0, slots, _ones(slots.numel()))
-        self._resident += rows.numel()

@@ -57,6 +57,7 @@ def read_threads_default() -> int:
         raise ValueError(f"${READ_THREADS_ENV} must be an int >= 1 (threads), got {value!r}")
     return threads
 
+
 # the kernel's default fault-around window: what one page fault on a cached file maps
 FAULT_AROUND_BYTES = 64 << 10
 # windows read through the mapping between two drops (4 MiB mapped at most: the 10x-budget run of
