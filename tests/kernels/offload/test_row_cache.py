@@ -545,3 +545,41 @@ def test_io_in_chunks_moves_the_same_rows_and_calls_after_io_per_chunk():
     _assert_fields_equal(backing, plain_backing, "chunked vs unchunked write-back")
     with pytest.raises(ValueError, match="io_chunk_rows"):
         RowCache(_backing(4), 2, io_chunk_rows=0)
+
+
+class _FailingWriteIO:
+    """A row_io over in-memory tensors whose next write fails once ``armed``."""
+
+    def __init__(self, backing: Dict[str, torch.Tensor]) -> None:
+        self.backing, self.armed = backing, False
+
+    def read_into(self, rows, buffers, slots) -> None:
+        for name, store in self.backing.items():
+            buffers[name].index_copy_(0, slots, store.index_select(0, rows))
+
+    def write_from(self, rows, buffers, slots) -> None:
+        if self.armed:
+            self.armed = False
+            raise OSError(28, "No space left on device")
+        for name, store in self.backing.items():
+            store.index_copy_(0, rows, buffers[name].index_select(0, slots))
+
+
+@pytest.mark.parametrize("algorithm", ["lru", "lfu"])
+def test_a_failed_eviction_leaves_its_victims_first_in_line(algorithm):
+    """An acquire whose victim's write-back fails leaves the victim resident and dirty; the next eviction
+    still takes the least recent (LFU: least frequent) row, as if the failed acquire never ran. Before,
+    the replacement queue had lost the failed victim's entry: the next eviction took another row and the
+    failed victim stayed until the queue ran out."""
+    backing = _backing(10)
+    io = _FailingWriteIO(backing)
+    cache = RowCache(backing, 3, algorithm=algorithm, row_io=io)
+    _acquire_release(cache, [0, 1, 2], dirty=True)
+    _acquire_release(cache, [1, 2], dirty=True)  # recency 0 < 1 < 2; counts 0 -> 1, 1 -> 2, 2 -> 2
+    io.armed = True
+    with pytest.raises(OSError, match="No space left"):
+        cache.acquire(torch.tensor([5]))  # victim 0: its write-back fails
+    assert cache.resident_rows().tolist() == [0, 1, 2] and cache.pinned_tickets == ()
+    _acquire_release(cache, [6])
+    assert cache.resident_rows().tolist() == [1, 2, 6]  # 0 went first, written back this time
+    assert cache.counters.evictions == 1 and cache.counters.rows_written == 1  # the failed write not counted
