@@ -18,6 +18,7 @@ from shardkit.distributed.comm_ops.exchange import (
     Layout,
     agree_values,
     all_to_all,
+    all_to_all_flat,
     backward_codec,
     check_local,
     check_sizes,
@@ -63,20 +64,29 @@ class _PooledPlan(CommPlan):
         super().__init__(world, info)
         self.rank, self.group, self.dtype = rank, group, dtype
         self.placement = placement
+        batch, dims = info.batch_size_per_rank, info.dim_sum_per_rank
+        # elements sent to / received from each rank, worked out once (both passes read them)
+        self._send = tuple(b * dims[rank] for b in batch)
+        self._recv = tuple(batch[rank] * d for d in dims)
 
     def layout(self) -> Layout:
-        batch, dims = self.info.batch_size_per_rank, self.info.dim_sum_per_rank
-        send = tuple(b * dims[self.rank] for b in batch)
-        recv = tuple(batch[self.rank] * d for d in dims)
-        return Layout(send, recv, agree_values(self.dtype, self.info.codecs))
+        return Layout(self._send, self._recv, agree_values(self.dtype, self.info.codecs))
 
     def start_forward(self, inputs):
         batch, dims = self.info.batch_size_per_rank, self.info.dim_sum_per_rank
         b_me = batch[self.rank]
+        codec = forward_codec(self.info.codecs)
+        if codec is None and inputs[0].is_contiguous():
+            # the [B_r, D_me] row chunks tile the input in order: send it as it is
+            received = all_to_all_flat(inputs[0].view(-1), self._send, self._recv, self.group, self.world)
+            sizes = self._recv
+            if self.placement is not None:
+                return received.then(lambda flat: self.placement.assemble(flat.split(sizes), b_me))
+            return received.then(
+                lambda flat: torch.cat([p.view(b_me, d) for p, d in zip(flat.split(sizes), dims)], dim=1)
+            )
         chunks = inputs[0].split(batch, dim=0)  # [B_r, D_me] rows: contiguous, sent without a copy
-        received = all_to_all(
-            chunks, self.layout().recv, self.dtype, forward_codec(self.info.codecs), self.group
-        )
+        received = all_to_all(chunks, self._recv, self.dtype, codec, self.group)
         if self.placement is not None:
             return received.then(lambda pieces: self.placement.assemble(pieces, b_me))
         return received.then(lambda pieces: torch.cat([p.view(b_me, d) for p, d in zip(pieces, dims)], dim=1))
@@ -84,14 +94,19 @@ class _PooledPlan(CommPlan):
     def start_backward(self, grads):
         batch, dims = self.info.batch_size_per_rank, self.info.dim_sum_per_rank
         d_me = dims[self.rank]
+        rows = sum(batch)
+        codec = backward_codec(self.info.codecs)
+        if codec is None and self.placement is not None:
+            # the blocks land back to back in one new buffer, sent as it is
+            send = self.placement.split_flat(grads[0])
+            received = all_to_all_flat(send, self._recv, self._send, self.group, self.world)
+            return received.then(lambda flat: (flat.view(rows, d_me),))
         if self.placement is not None:
             chunks = self.placement.split(grads[0])  # back to back in one buffer: sent as they are
         else:
             chunks = grads[0].split(dims, dim=1)  # [B_me, D_r] column blocks, back to their owners
-        received = all_to_all(
-            chunks, self.layout().send, self.dtype, backward_codec(self.info.codecs), self.group
-        )
-        return received.then(lambda pieces: (join(pieces).view(sum(batch), d_me),))
+        received = all_to_all(chunks, self._send, self.dtype, codec, self.group)
+        return received.then(lambda pieces: (join(pieces).view(rows, d_me),))
 
 
 def alltoall_pooled(
@@ -167,11 +182,11 @@ def _alltoall_pooled(
         info.batch_size_per_rank = check_sizes("batch_size_per_rank", batch_size_per_rank, world, rank)
         info.dim_sum_per_rank = check_sizes("dim_sum_per_rank", dim_sum_per_rank, world, rank)
         expected = (sum(info.batch_size_per_rank), info.dim_sum_per_rank[rank])
-        check_local(
-            x.dim() == 2 and tuple(x.shape) == expected,
-            f"alltoall_pooled on rank {rank}: input of shape {tuple(x.shape)}, expected "
-            f"[sum(batch_size_per_rank), dim_sum_per_rank[{rank}]] = {list(expected)}",
-        )
+        if x.dim() != 2 or tuple(x.shape) != expected:  # the message formatted only on failure
+            raise ValueError(
+                f"alltoall_pooled on rank {rank}: input of shape {tuple(x.shape)}, expected "
+                f"[sum(batch_size_per_rank), dim_sum_per_rank[{rank}]] = {list(expected)}"
+            )
         return _PooledPlan(info, world, rank, group, x.dtype, placement)
 
     plan = checked_plan("alltoall_pooled", group, build, _PooledPlan.layout)

@@ -239,6 +239,35 @@ def all_to_all(
     return Pending(work, finish)
 
 
+def all_to_all_flat(
+    flat: torch.Tensor,
+    send_numels: Sequence[int],
+    recv_numels: Sequence[int],
+    group: Optional[ProcessGroup],
+    world: int,
+) -> Pending[torch.Tensor]:
+    """``all_to_all`` without a codec for chunks already back to back in one contiguous tensor: the
+    first ``send_numels[0]`` elements of ``flat`` to rank 0, the next ``send_numels[1]`` to rank 1, ...
+
+    ``wait()`` gives the received ``[sum(recv_numels)]`` tensor of ``flat``'s dtype (source ranks in
+    order; split it by ``recv_numels``). ``world`` is the group's size (the caller knows it). Sent
+    as bytes like ``all_to_all``, without a copy; with one rank the received tensor is ``flat``.
+    """
+    if world == 1:
+        return Pending(None, lambda: flat)
+    item = flat.element_size()
+    recv = flat.new_empty(sum(recv_numels))
+    work = dist.all_to_all_single(
+        recv.view(torch.uint8),
+        flat.view(torch.uint8),
+        [n * item for n in recv_numels],
+        [n * item for n in send_numels],
+        group=group,
+        async_op=True,
+    )
+    return Pending(work, lambda: recv)
+
+
 def reduce_scatter(
     chunks: Sequence[torch.Tensor],
     dtype: torch.dtype,
@@ -342,11 +371,13 @@ def backward_codec(codecs: Optional[QuantizedCommCodecs]) -> Optional[QuantizedC
 def check_sizes(name: str, sizes: Sequence[int], world: int, rank: int) -> list[int]:
     """``sizes`` as a list of ints, checked to have one non-negative entry per rank."""
     sizes = [int(size) for size in sizes]
-    check_local(
-        len(sizes) == world,
-        f"{name} has {len(sizes)} entries {sizes} on rank {rank}, but the group has {world} ranks",
-    )
-    check_local(all(size >= 0 for size in sizes), f"{name} {sizes} on rank {rank} has a negative entry")
+    # the messages are formatted only on failure: this runs on every step's output dist
+    if len(sizes) != world:
+        raise ValueError(
+            f"{name} has {len(sizes)} entries {sizes} on rank {rank}, but the group has {world} ranks"
+        )
+    if min(sizes, default=0) < 0:
+        raise ValueError(f"{name} {sizes} on rank {rank} has a negative entry")
     return sizes
 
 

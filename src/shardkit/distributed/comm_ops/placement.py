@@ -89,6 +89,14 @@ class ColumnPlacement:
     def split(self, grad: torch.Tensor) -> List[torch.Tensor]:
         """Gradient ``[rows, blocks * width]`` -> each rank's ``[rows, columns(r)]`` blocks, back to back
         in one new buffer (rank order), so that the all-to-all sends them without another copy."""
+        return self._split(grad)[1]
+
+    def split_flat(self, grad: torch.Tensor) -> torch.Tensor:
+        """:meth:`split`'s buffer itself: ``[rows * blocks * width]``, rank ``r``'s ``rows x columns(r)``
+        block (row-major) after those of the ranks before it."""
+        return self._split(grad)[0]
+
+    def _split(self, grad: torch.Tensor) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         grad = grad.contiguous()
         rows = grad.size(0)
         send = grad.new_empty(grad.numel())
@@ -108,7 +116,7 @@ class ColumnPlacement:
                 continue
             for s0, n, d0, step in runs:
                 chunk_blocks[:, s0 : s0 + n].copy_(grad_blocks[:, d0 : d0 + (n - 1) * step + 1 : step])
-        return chunks
+        return send, chunks
 
 
 __all__ = ["ColumnPlacement", "arithmetic_runs"]
