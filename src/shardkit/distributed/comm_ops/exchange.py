@@ -32,6 +32,7 @@ from shardkit.distributed.agreement import (
     reduce_scatter_flat,
 )
 from shardkit.distributed.codecs import QuantizedCommCodec, QuantizedCommCodecs
+from shardkit.distributed.direct_collectives import all_to_all_single
 from shardkit.distributed.validation import validation_enabled
 
 ProcessGroup = dist.ProcessGroup
@@ -230,7 +231,7 @@ def all_to_all(
         recv, work = send, None
     else:
         recv = send.new_empty(sum(recv_bytes))
-        work = dist.all_to_all_single(recv, send, recv_bytes, send_bytes, group=group, async_op=True)
+        work = all_to_all_single(recv, send, recv_bytes, send_bytes, group)
 
     def finish() -> list[torch.Tensor]:
         pieces = recv.split(recv_bytes)
@@ -257,13 +258,12 @@ def all_to_all_flat(
         return Pending(None, lambda: flat)
     item = flat.element_size()
     recv = flat.new_empty(sum(recv_numels))
-    work = dist.all_to_all_single(
+    work = all_to_all_single(
         recv.view(torch.uint8),
         flat.view(torch.uint8),
         [n * item for n in recv_numels],
         [n * item for n in send_numels],
-        group=group,
-        async_op=True,
+        group,
     )
     return Pending(work, lambda: recv)
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from shardkit.distributed.agreement import group_rank, group_size
 from shardkit.distributed.awaitable import Awaitable
+from shardkit.distributed.direct_collectives import all_to_all_single
 from shardkit.sharding.dist_data.kjt_splits import (
     HEADER,
     SendPlan,
@@ -58,13 +59,8 @@ def _start_all_to_all(
     # contiguous() keeps a one-element expanded tensor (e.g. a gradient of a sum) at stride 0,
     # which cannot be viewed as bytes
     flat = tensor.clone(memory_format=torch.contiguous_format) if tensor.stride() != (1,) else tensor
-    work = dist.all_to_all_single(
-        out,
-        flat.view(torch.uint8),
-        [n * item for n in recv],
-        [n * item for n in send],
-        group=pg,
-        async_op=True,
+    work = all_to_all_single(
+        out, flat.view(torch.uint8), [n * item for n in recv], [n * item for n in send], pg
     )
     return out.view(tensor.dtype), work
 
@@ -105,9 +101,7 @@ class _PackedAllToAll:
         device = next(iter(tensors.values())).device
         self._out = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=device)
         self._items = items
-        self._work = dist.all_to_all_single(
-            self._out, torch.cat(pieces), recv_bytes, send_bytes, group=pg, async_op=True
-        )
+        self._work = all_to_all_single(self._out, torch.cat(pieces), recv_bytes, send_bytes, pg)
 
     def wait(self) -> Dict[str, torch.Tensor]:
         if self._work is None:  # one rank: what it sends is what it receives
