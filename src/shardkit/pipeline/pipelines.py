@@ -46,8 +46,10 @@ def _every_rank_drew(drew: bool, device: torch.device) -> bool:
 
     The default group's ranks exchange a flag (skipped when validation is off or on a single rank).
     """
+    if not validation_enabled():  # checked first: it costs less than asking the group's size
+        return drew
     world = group_size(None)
-    if world == 1 or not validation_enabled():
+    if world == 1:
         return drew
     flags = torch.empty(world, dtype=torch.int64, device=device)
     all_gather_flat(flags, torch.tensor([int(drew)], dtype=torch.int64, device=device))
