@@ -226,6 +226,18 @@ def test_to_keeps_data_and_caches():
     assert jt_rows(moved["a"]) == [[5, 6], []]
 
 
+def test_to_the_device_it_is_on_returns_itself():
+    # as torch.Tensor.to: nothing to move, nothing built (the pipeline moves every batch each step)
+    kjt = KeyedJaggedTensor(["a"], torch.tensor([5, 6]), lengths=torch.tensor([2, 0]))
+    assert kjt.to(torch.device("cpu")) is kjt
+    assert kjt.to("cpu", non_blocking=True) is kjt
+    converted = kjt.to("cpu", dtype=torch.float64)  # a dtype asks for a new one (weights converted)
+    assert converted is not kjt and converted.values() is kjt.values()
+    on_meta = kjt.to(torch.device("meta"))
+    assert on_meta is not kjt and on_meta.values().device.type == "meta"
+    assert on_meta.to("meta") is on_meta
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_round_trip_pin_memory_and_record_stream():

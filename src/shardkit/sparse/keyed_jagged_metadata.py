@@ -10,15 +10,22 @@ from typing import List, Optional, Tuple
 
 import torch
 
-try:
-    from torch.fx.experimental.symbolic_shapes import guard_or_false
-except ImportError:  # older torch releases: no unbacked symbols to guard on, a plain bool does
-
-    def guard_or_false(condition) -> bool:
-        return bool(condition)
-
-
 from shardkit.sparse.validation import check_tensor
+
+try:
+    from torch.fx.experimental.symbolic_shapes import guard_or_false as _symbolic_guard_or_false
+except ImportError:  # older torch releases: no unbacked symbols to guard on, a plain bool does
+    _symbolic_guard_or_false = bool
+
+
+def guard_or_false(condition) -> bool:
+    """torch's ``guard_or_false``: a symbolic condition that cannot be decided is False. A plain bool
+    (plain ints compared, every KJT built outside ``torch.export``) is answered without torch's
+    symbolic machinery, which costs a few Python calls per KJT."""
+    if condition is True or condition is False:
+        return condition
+    return _symbolic_guard_or_false(condition)
+
 
 _OWNER = "KeyedJaggedTensor"
 

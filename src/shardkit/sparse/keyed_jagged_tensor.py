@@ -448,7 +448,12 @@ class KeyedJaggedTensor(JaggedFields):
     def to(
         self, device: torch.device, non_blocking: bool = False, dtype: Optional[torch.dtype] = None
     ) -> KeyedJaggedTensor:
-        """A copy on ``device``; ``dtype`` (if given) converts the weights. Caches are kept."""
+        """A copy on ``device``; ``dtype`` (if given) converts the weights. Caches are kept.
+
+        Already there (and no ``dtype``): ``self``, as ``torch.Tensor.to`` returns the tensor itself,
+        so that a pipeline's per-batch move of a CPU batch to the CPU builds nothing."""
+        if dtype is None and self._on(device):
+            return self
 
         def move(tensor: torch.Tensor, convert: bool = False) -> torch.Tensor:
             return tensor.to(device, dtype=dtype if convert else None, non_blocking=non_blocking)
@@ -469,6 +474,15 @@ class KeyedJaggedTensor(JaggedFields):
                 tensor.record_stream(stream)
 
     # ---- internals ----------------------------------------------------------------------------
+
+    def _on(self, device) -> bool:
+        """Whether every tensor is on ``device`` exactly (``torch.device`` equality: "cuda" is not
+        "cuda:0", so an unindexed device counts as elsewhere and gets the copy path)."""
+        device = torch.device(device) if not isinstance(device, torch.device) else device
+        tensors = (self._values, self._weights, self._lengths, self._offsets)
+        if self._inverse_indices is not None:
+            tensors = (*tensors, self._inverse_indices[1])
+        return all(t is None or t.device == device for t in tensors)
 
     def _drop_unused_tail(self) -> None:
         """Values past the last key's end belong to no key (torchrec ignores them): drop them (views)
