@@ -77,7 +77,8 @@ class Awaitable(abc.ABC, Generic[W]):
         return self._run_callbacks(self._wait_impl())
 
     def _run_callbacks(self, result: W) -> W:
-        for callback in self.callbacks:
+        # the list itself, not the property: a step waits ~7 awaitables, most without callbacks
+        for callback in self._callbacks:
             result = callback(result)
         return result
 

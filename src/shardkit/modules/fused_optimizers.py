@@ -117,7 +117,9 @@ class SparseRowOptimizer(nn.Module):
         """Count one step and describe it for a kernel backend (state tensors by reference)."""
         self.step_count += 1
         beta1, beta2 = self.config.betas
-        state = tuple(buf for _, buf in self.named_buffers(recurse=False))
+        # this module's own buffers (it has no submodules), in registration order, as
+        # named_buffers(recurse=False) gives them, without its generator machinery (every step)
+        state = tuple(buf for buf in self._buffers.values() if buf is not None)
         return RowOptimizerArgs(
             self.config.optimizer.value, self.lr, self.config.get_eps(), beta1, beta2, self.step_count, state
         )
