@@ -31,6 +31,25 @@ def test_interaction_is_dense_then_pairwise_dots_upper_triangle():
     torch.testing.assert_close(out, torch.cat([dense, torch.stack(dots, 1)], 1))
 
 
+def test_interaction_is_bitwise_the_two_index_pick_with_its_gradients():
+    # the arch picks the pairs from the flattened dots; torchrec indexes with the two triu rows
+    torch.manual_seed(0)
+    features = 26
+    arch = InteractionArch(num_sparse_features=features)
+    dense = torch.randn(32, 16, requires_grad=True)
+    sparse = torch.randn(32, features, 16, requires_grad=True)
+    out = arch(dense, sparse)
+    rows, cols = torch.triu_indices(features + 1, features + 1, offset=1)
+    combined = torch.cat((dense.unsqueeze(1), sparse), dim=1)
+    dots = torch.bmm(combined, combined.transpose(1, 2))
+    reference = torch.cat((dense, dots[:, rows, cols]), dim=1)
+    assert torch.equal(out, reference)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (dense, sparse), grad)
+    expected = torch.autograd.grad(reference, (dense, sparse), grad)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
 class _FixedPooled(torch.nn.Module):
     """An EBC stand-in returning fixed pooled values under the given keys (order and dims)."""
 

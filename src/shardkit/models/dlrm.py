@@ -78,13 +78,19 @@ class InteractionArch(nn.Module):
         self.register_buffer(
             "triu_indices", torch.triu_indices(self.F + 1, self.F + 1, offset=1), persistent=False
         )
+        # the same pairs as positions in the flattened [F + 1, F + 1] dots: one index_select picks
+        # them (half the forward time of indexing with two index tensors at B = 32, F = 26, and an
+        # index_add backward instead of an accumulating index_put; same values, bitwise)
+        self.register_buffer(
+            "triu_flat_indices", self.triu_indices[0] * (self.F + 1) + self.triu_indices[1], persistent=False
+        )
 
     def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
         if self.F <= 0:
             return dense_features
         combined = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)  # [B, F + 1, D]
         dots = torch.bmm(combined, combined.transpose(1, 2))
-        return torch.cat((dense_features, dots[:, self.triu_indices[0], self.triu_indices[1]]), dim=1)
+        return torch.cat((dense_features, dots.flatten(1).index_select(1, self.triu_flat_indices)), dim=1)
 
 
 class OverArch(nn.Module):
