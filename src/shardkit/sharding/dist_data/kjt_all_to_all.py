@@ -335,7 +335,12 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
             )
         if recat != sorted(recat):
             values, weights = permute_value_segments(lengths, values, weights, rows, recat)
-            lengths = take_segments(lengths, rows, recat)
+            if self._stagger == 1 and len(set(rows)) == 1:
+                # [W sources, L keys, B rows] -> [L, W, B]: the same order as take_segments, in one
+                # copy instead of a split into L * W views and a concatenation
+                lengths = lengths.view(world, local, rows[0]).transpose(0, 1).reshape(-1)
+            else:
+                lengths = take_segments(lengths, rows, recat)
         return KeyedJaggedTensor(
             self.keys,
             values,
