@@ -32,6 +32,7 @@ from shardkit.sharding.embedding_sharding import (
     record_input,
     start_kjt_all_to_all,
 )
+from shardkit.sharding.key_permutation import KeyPermutation
 from shardkit.sharding.types import CommOp
 from shardkit.sharding.variable_batch import (
     bags_per_rank_per_feature,
@@ -59,6 +60,7 @@ class PermuteRouting(EmbeddingShardingImpl):
         position = {f: i for i, f in enumerate(self._feature_names)}
         self._permute = [position[f] for keys in self._keys_per_rank for f, _, _ in keys]
         self._identity = self._permute == list(range(len(self._feature_names)))
+        self._key_permutation = KeyPermutation(self._permute)  # its index tensors built once
         self._splits = [len(keys) for keys in self._keys_per_rank]
         self._dims_per_rank: Optional[List[int]] = None
         self._pooled_dist: Optional[tuple] = None  # (codecs, PooledEmbeddingsAllToAll), built once
@@ -70,7 +72,7 @@ class PermuteRouting(EmbeddingShardingImpl):
 
     def _route(self, ctx: ShardingContext, features: KeyedJaggedTensor, need_recat: bool):
         record_input(ctx, features)
-        send = features if self._identity else features.permute(self._permute)
+        send = features if self._identity else self._key_permutation.apply(features)
         return start_kjt_all_to_all(ctx, self.pg, send, self._splits, need_recat=need_recat)
 
 
