@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from shardkit.datasets.utils import Batch
+from shardkit.distributed.awaitable import LazyAwaitable
 from shardkit.modules import EmbeddingBagCollection
 from shardkit.modules.mlp import MLP
 from shardkit.sparse import KeyedJaggedTensor, KeyedTensor
@@ -43,6 +44,8 @@ class SparseArch(nn.Module):
 def _features_by_name(pooled: KeyedTensor, names: List[str], num: int, dim: int) -> torch.Tensor:
     """The pooled embeddings of ``names`` in that order, ``[B, num, dim]``. A leaf of fx traces
     (``torch.fx.wrap`` below): it looks at the pooled keys, which a trace does not know."""
+    if isinstance(pooled, LazyAwaitable):  # a sharded collection's: wait once here rather than
+        pooled = pooled.wait()  # forwarding each of the attribute reads below through the awaitable
     if pooled.key_dim() == 1 and pooled.keys() == names and pooled.length_per_key() == [dim] * num:
         # the values already hold the features in this order, dim columns each: a per-feature split
         # and concatenation would copy them into the same [B, num * dim] (and add a split and a cat
