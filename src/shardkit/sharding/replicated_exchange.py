@@ -5,8 +5,14 @@ row any rank touched, then apply the same fused optimizer step (``replicated_fus
 ways, chosen by :func:`prefers_dense` from the ranks' counts of touched rows (which every rank knows
 alike, so all take the same way):
 
-- sparse (:func:`rows_of_all_ranks`): the counts, then every rank's rows and gradients in one
-  all-gather: ``world x max(touched) x (dim + 2)`` 4-byte words;
+- sparse: the counts, then every rank's rows and gradients in one all-gather: ``world x
+  max(touched) x (dim + 2)`` 4-byte words. A table whose :class:`DenseRowExchange` buffer is at most
+  ``SCRATCH_LIMIT_BYTES`` (:func:`uses_scratch`) sums into that buffer, kept across backwards and
+  zero between them (:meth:`DenseRowExchange.gather_and_step`): its touched rows are the flagged
+  ones (no sort of the ids), the gathered rows are added in place (no concatenation, no second
+  sort) and the wire buffers are reused (a fresh buffer of that size costs page faults every step);
+  a larger table sorts its touched rows and gathers them in fresh buffers
+  (:func:`rows_of_all_ranks`);
 - dense (:class:`DenseRowExchange`): one all-reduce of a reused fp32 buffer holding the table's
   gradient ``[rows, dim]``, a touched flag per row and each rank's count (``rows x (dim + 1) +
   world`` words), the counts telling the next backward which way to take without a counts gather.
@@ -22,6 +28,20 @@ import torch.distributed as dist
 from shardkit.distributed.agreement import all_gather_flat
 from shardkit.kernels import embedding_fused_backward
 from shardkit.kernels.row_optimizer import RowOptimizerArgs
+
+# the sparse way sums in the dense exchange's buffer (kept across backwards, as large as the table's
+# fp32 gradient) when that buffer is at most this big; a larger table sorts its touched rows instead
+SCRATCH_LIMIT_BYTES = 256 << 20
+
+
+_ADD = RowOptimizerArgs("SGD", lr=-1.0)  # a fused "step" that adds the gradient to the buffer
+
+
+def uses_scratch(num_rows: int, dim: int, world: int) -> bool:
+    """Whether a table of ``[num_rows, dim]`` replicated on ``world`` ranks takes the sparse way in the
+    kept :class:`DenseRowExchange` buffer (``rows x (dim + 1) + world`` fp32 values at most
+    ``SCRATCH_LIMIT_BYTES``), not in fresh buffers of its touched rows."""
+    return 4 * (num_rows * (dim + 1) + world) <= SCRATCH_LIMIT_BYTES
 
 
 def prefers_dense(counts: List[int], num_rows: int, dim: int) -> bool:
@@ -65,27 +85,35 @@ def rows_of_all_ranks(
 class DenseRowExchange:
     """One reused fp32 buffer of ``rows x (dim + 1) + world`` words: the table's gradient ``[rows,
     dim]`` (:attr:`grad`), a touched flag per row (:attr:`flags`) and one count slot per rank, summed
-    over the ranks by one all-reduce (:meth:`all_reduce_and_step`).
+    over the ranks by one all-reduce (:meth:`all_reduce_and_step`) or, the sparse way, by adding
+    every rank's gathered rows into it (:meth:`gather_and_step`).
 
-    Kept across backwards (a fresh buffer of the table's size costs page faults every step) and
-    zeroed by :meth:`start`; made only for a table whose rows most steps touch (the dense way), so
-    it costs what the table's dense gradient would.
+    Kept across backwards (a fresh buffer of the table's size costs page faults every step) and zero
+    between them: each step clears what it wrote (the touched rows, or the whole buffer when most
+    rows were touched); :meth:`start` zeroes it all only after a backward that did not finish.
     """
 
     def __init__(self, num_rows: int, dim: int, world: int, device: torch.device) -> None:
         self.num_rows, self.dim, self.world = num_rows, dim, world
-        self.buffer = torch.empty(num_rows * (dim + 1) + world, dtype=torch.float32, device=device)
+        self.buffer = torch.zeros(num_rows * (dim + 1) + world, dtype=torch.float32, device=device)
         self.grad = self.buffer[: num_rows * dim].view(num_rows, dim)
         self.flags = self.buffer[num_rows * dim : num_rows * (dim + 1)]
         self.counts = self.buffer[num_rows * (dim + 1) :]
+        self._clean = True  # the buffer is all zeros
+        # the sparse way's all-gather: this rank's words, then every rank's (grown, never shrunk)
+        self._wire = torch.empty(0, dtype=torch.int32, device=device)
+        self._ends = torch.zeros(num_rows + 1, dtype=torch.int64, device=device)
 
     def fits(self, num_rows: int, dim: int, world: int, device: torch.device) -> bool:
         """Whether this buffer serves a table of these sizes on ``device``."""
         return (num_rows, dim, world, device) == (self.num_rows, self.dim, self.world, self.buffer.device)
 
     def start(self) -> None:
-        """Zero the buffer before this rank writes its gradient, flags and count into it."""
-        self.buffer.zero_()
+        """Make sure the buffer is zero before this rank writes its gradient, flags and count into it
+        (a no-op unless the last backward stopped half-way)."""
+        if not self._clean:
+            self.buffer.zero_()
+        self._clean = False
 
     def mark(self, rows: torch.Tensor, rank: int) -> None:
         """Flag this rank's touched buffer ``rows`` (int64, repeats allowed) and write its count of
@@ -97,16 +125,79 @@ class DenseRowExchange:
         self, weight: torch.Tensor, step: RowOptimizerArgs, group: Optional[dist.ProcessGroup]
     ) -> List[int]:
         """Sum the buffer over the ranks, then apply ``step`` to every row some rank touched, with its
-        summed gradient (the kernel backend's fused backward, one bag per row, no copy of the
-        gradient). Returns every rank's count of touched rows, rank 0's first."""
+        summed gradient. Returns every rank's count of touched rows, rank 0's first."""
         dist.all_reduce(self.buffer, group=group)
+        counts = [int(c) for c in self.counts.tolist()]
+        self._step_flagged(weight, step)
+        return counts
+
+    def gather_and_step(
+        self,
+        rows: torch.Tensor,
+        counts: List[int],
+        rank: int,
+        weight: torch.Tensor,
+        step: RowOptimizerArgs,
+        group: Optional[dist.ProcessGroup],
+    ) -> None:
+        """The sparse way: this rank's distinct sorted touched ``rows`` (int64 ``[U]``, their gradient
+        in :attr:`grad`, flagged) and every rank's ``U`` in ``counts`` (this rank's at ``rank``) ->
+        one all-gather of every rank's rows and gradient rows (one int32 buffer per rank padded to
+        the largest count: a row as two int32 words, fp32 bits as one), each row's gradients summed
+        in rank order (rank 0's first: the same sum, bit for bit, on every rank) and ``step`` applied
+        to them."""
+        dim, world, most = self.dim, len(counts), max(counts)
+        if most == 0:  # no rank touched a row: nothing to gather or step
+            self._step_flagged(weight, step)
+            return
+        # an even width: every rank's rows start on an 8-byte boundary (viewed as int64)
+        width = most * (dim + 2) + most * dim % 2
+        if self._wire.numel() < (world + 1) * width:
+            self._wire = torch.empty((world + 1) * width, dtype=torch.int32, device=rows.device)
+        send = self._wire[:width]
+        got = self._wire[width : (world + 1) * width].view(world, width)
+        count = rows.numel()
+        # the padding past each count is never read: no zeroing
+        send[: 2 * count].copy_(rows.view(torch.int32))
+        mine = send[2 * most : 2 * most + count * dim].view(torch.float32).view(count, dim)
+        torch.index_select(self.grad, 0, rows, out=mine)
+        all_gather_flat(got.view(-1), send, group=group)
+        if world > 2:  # the sum starts from zero; with two ranks it is one addition, either way round
+            self.grad.index_fill_(0, rows, 0.0)
+        for r, c in enumerate(counts):
+            if c == 0 or (world == 2 and r == rank):
+                continue
+            their_rows = got[r, : 2 * c].view(torch.int64)
+            their_grad = got[r, 2 * most : 2 * most + c * dim].view(torch.float32).view(c, dim)
+            # grad[row] += their gradient: the kernel backend's fused backward as an SGD step of
+            # lr -1 (fma(1, g, p) is p + g exactly), faster than index_add_ on CPU
+            ends = torch.tensor([0, c], dtype=torch.int64, device=rows.device)
+            embedding_fused_backward(self.grad, their_rows, ends, None, None, None, their_grad, False, _ADD)
+            self.flags.index_fill_(0, their_rows, 1.0)
+        self._step_flagged(weight, step)
+
+    def _step_flagged(self, weight: torch.Tensor, step: RowOptimizerArgs) -> None:
+        """Apply ``step`` to every flagged row with its gradient in :attr:`grad` (the kernel backend's
+        fused backward, one bag per row, no copy of the gradient), then zero the buffer again."""
         touched = self.flags > 0
         rows = touched.nonzero().squeeze(1)
         # bag r holds row r when some rank touched it, else nothing: grad row r is bag r's gradient
-        ends = torch.zeros(self.num_rows + 1, dtype=torch.int64, device=rows.device)
-        torch.cumsum(touched, 0, out=ends[1:])
-        embedding_fused_backward(weight, rows, ends, None, None, None, self.grad, True, step)
-        return [int(c) for c in self.counts.tolist()]
+        torch.cumsum(touched, 0, out=self._ends[1:])
+        embedding_fused_backward(weight, rows, self._ends, None, None, None, self.grad, True, step)
+        if 6 * rows.numel() >= self.num_rows:  # one memset beats per-row fills from about 1 row in 6
+            self.buffer.zero_()
+        else:
+            self.grad.index_fill_(0, rows, 0.0)
+            self.flags.index_fill_(0, rows, 0.0)
+            self.counts.zero_()
+        self._clean = True
 
 
-__all__ = ["DenseRowExchange", "gather_counts", "prefers_dense", "rows_of_all_ranks"]
+__all__ = [
+    "DenseRowExchange",
+    "SCRATCH_LIMIT_BYTES",
+    "gather_counts",
+    "prefers_dense",
+    "rows_of_all_ranks",
+    "uses_scratch",
+]

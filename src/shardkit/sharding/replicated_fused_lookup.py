@@ -43,6 +43,7 @@ from shardkit.sharding.replicated_exchange import (
     gather_counts,
     prefers_dense,
     rows_of_all_ranks,
+    uses_scratch,
 )
 
 
@@ -92,6 +93,9 @@ class _ReplicatedFusedFn(torch.autograd.Function):
             exchange.mark(embedding_torch.buffer_rows(ids, offsets, bag_shift), rank)
             lookup.step_replicas(exchange, weight, step)
             return (None,) * 9
+        elif uses_scratch(weight.size(0), weight.size(1), world):
+            _sparse_in_scratch(lookup, weight, args, world, step)
+            return (None,) * 9
         else:
             rows, grad = _touched_grad(*args, weight.size(1), world)
         counts = gather_counts(rows.numel(), rows.device, lookup.process_group, world)
@@ -110,6 +114,28 @@ class _ReplicatedFusedFn(torch.autograd.Function):
         return None, None if psw_grad is None else psw_grad.to(weights.dtype), *([None] * 7)
 
 
+def _sparse_in_scratch(lookup, weight, args, world, step) -> None:
+    """The backward of a table that :func:`uses_scratch`: this rank's gradient summed into the kept
+    exchange buffer, its touched rows read off the flags (sorted, with no sort of the ids), then the
+    counts gather and the dense all-reduce or the sparse gather of the flagged rows."""
+    ids, offsets, bag_shift = args[:3]
+    exchange = lookup.dense_exchange(weight)
+    exchange.start()
+    exact = _accumulate(exchange.grad, *args, world, divide=False)
+    exchange.flags.index_fill_(0, embedding_torch.buffer_rows(ids, offsets, bag_shift), 1.0)
+    rows = exchange.flags.nonzero().squeeze(1)
+    if not exact:  # only the touched rows: the others are zero
+        exchange.grad.index_copy_(0, rows, exchange.grad.index_select(0, rows).div_(world))
+    counts = gather_counts(rows.numel(), rows.device, lookup.process_group, world)
+    rank = dist.get_rank(lookup.process_group)
+    if prefers_dense(counts, weight.size(0), weight.size(1)):
+        exchange.counts[rank] = rows.numel()
+        lookup.step_replicas(exchange, weight, step)
+    else:
+        lookup.dense_next = False
+        exchange.gather_and_step(rows, counts, rank, weight, step, lookup.process_group)
+
+
 def _scale_and_lr(world: int) -> Tuple[float, bool]:
     """The factor of each rank's gradient (``1 / world`` while ``get_gradient_division()``, as the
     other shardings' output dists divide theirs) and whether the kernel may apply it: as its SGD
@@ -119,18 +145,22 @@ def _scale_and_lr(world: int) -> Tuple[float, bool]:
     return 1.0 / world, world & (world - 1) == 0
 
 
-def _accumulate(buffer, ids, offsets, bag_shift, weights, bag_scale, grad_out, pooled, batch_major, world):
+def _accumulate(
+    buffer, ids, offsets, bag_shift, weights, bag_scale, grad_out, pooled, batch_major, world, divide=True
+) -> bool:
     """Add this rank's gradient of each buffer row (times its factor, :func:`_scale_and_lr`) into
     ``buffer`` (fp32 ``[rows, D]``, zeros where untouched): the kernel backend's fused backward with
     an SGD step of ``lr = -factor``, which sums each row's ids in id order like the unsharded
-    module's fused backward and makes nothing of the size of ``[N, D]``."""
+    module's fused backward and makes nothing of the size of ``[N, D]``. Returns whether the factor
+    was applied; when not (a world not a power of two) and not ``divide``, the caller divides."""
     factor, exact = _scale_and_lr(world)
     sgd = RowOptimizerArgs("SGD", lr=-(factor if exact else 1.0))
     embedding_fused_backward(
         buffer, ids, offsets, bag_shift, weights, bag_scale, grad_out, pooled, sgd, False, batch_major
     )
-    if not exact:
+    if not exact and divide:
         buffer.div_(world)  # before the sum over the ranks, as the other shardings divide
+    return exact or divide
 
 
 def _touched_grad(ids, offsets, bag_shift, weights, bag_scale, grad_out, pooled, batch_major, dim, world):

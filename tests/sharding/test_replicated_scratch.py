@@ -1,0 +1,74 @@
+"""The sparse exchange of a FUSED data-parallel table in the kept exchange buffer (``uses_scratch``).
+
+A table whose buffer fits ``SCRATCH_LIMIT_BYTES`` finds its touched rows from the buffer's flags
+(no ``torch.unique``) and adds the gathered rows in place; a larger one sorts its touched rows. Both
+must take the unsharded module's step on the global batch and keep the replicas bitwise equal, for
+any world size (the rank-order sum of three ranks, the division by a world that is not a power of
+two) and any width (an odd one packs rows at odd offsets of the wire buffer).
+"""
+
+import pytest
+
+from shardkit.sharding.replicated_exchange import SCRATCH_LIMIT_BYTES, uses_scratch
+
+
+def test_uses_scratch_while_the_exchange_buffer_fits_the_limit():
+    rows = SCRATCH_LIMIT_BYTES // 4 // 9  # dim 8: 9 words a row, plus one count per rank
+    assert uses_scratch(rows - 1, 8, 2)
+    assert not uses_scratch(rows + 1, 8, 2)
+    assert uses_scratch(1000, 16, 2) and not uses_scratch(10**8, 16, 2)
+
+
+def _train_worker(rows, dim, steps, limit):
+    """Train a fused data-parallel table of ``rows x dim`` (row-wise Adagrad) beside the unsharded one
+    on the global batch for ``steps`` random steps of 2 bags per rank (some empty). Returns this
+    rank's table, the reference's, and how many backwards sorted their touched rows."""
+    import torch
+    import torch.distributed as dist
+
+    import shardkit.sharding.replicated_exchange as exchange
+    import shardkit.sharding.replicated_fused_lookup as fused
+    from shardkit.modules import OptimType
+    from shardkit.sparse import KeyedJaggedTensor
+    from tests.sharding._replicated_case import reference_and_replica
+
+    if limit is not None:
+        exchange.SCRATCH_LIMIT_BYTES = limit
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference, sharded = reference_and_replica(rows, dim, OptimType.ROWWISE_ADAGRAD)
+    sorted_calls = []
+    touched_grad = fused._touched_grad
+    fused._touched_grad = lambda *a: sorted_calls.append(1) or touched_grad(*a)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        lengths = torch.randint(0, 4, (world, 2), generator=gen)
+        ids = torch.randint(0, rows, (int(lengths.sum()),), generator=gen)
+        grad = torch.randn(2 * world, dim, generator=gen)
+        whole = KeyedJaggedTensor(["f"], ids, lengths=lengths.view(-1))
+        (reference(whole).values() * grad).sum().div(world).backward()
+        start = int(lengths[:rank].sum())
+        mine = ids[start : start + int(lengths[rank].sum())]
+        out = sharded(KeyedJaggedTensor(["f"], mine, lengths=lengths[rank])).values()
+        (out * grad[2 * rank : 2 * rank + 2]).sum().backward()
+    got = sharded.local_shards()[("d", 0, rows, 0, dim)].clone()
+    return got, reference.table_weight("d").detach().clone(), len(sorted_calls)
+
+
+@pytest.mark.parametrize(
+    "world, dim, limit",
+    [(2, 5, None), (3, 8, None), (3, 5, None), (3, 5, 0)],
+    ids=["2ranks-dim5", "3ranks-dim8", "3ranks-dim5", "3ranks-dim5-over-limit"],
+)
+def test_sparse_exchange_trains_like_the_unsharded_module(world, dim, limit):
+    import torch
+
+    from shardkit.testing import run_world
+
+    steps = 6
+    results = run_world(_train_worker, world, 64, dim, steps, limit)
+    for got, want, sorted_calls in results:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        # in the kept buffer no backward sorts its touched rows; over the limit every one does
+        assert sorted_calls == (steps if limit == 0 else 0), sorted_calls
+    for got, _, _ in results[1:]:
+        assert torch.equal(got, results[0][0]), "the replicas differ"
