@@ -9,8 +9,9 @@ alike, so all take the same way):
   max(touched) x (dim + 2)`` 4-byte words. A table whose :class:`DenseRowExchange` buffer is at most
   ``SCRATCH_LIMIT_BYTES`` (:func:`uses_scratch`) sums into that buffer, kept across backwards and
   zero between them (:meth:`DenseRowExchange.gather_and_step`): its touched rows are the flagged
-  ones (no sort of the ids), the gathered rows are added in place (no concatenation, no second
-  sort) and the wire buffers are reused (a fresh buffer of that size costs page faults every step);
+  ones (no sort of the ids), one fused backward steps every gathered row reading the gradients
+  where they landed (no concatenation of gradients) and the wire buffer is reused (a fresh buffer
+  of that size costs page faults every step);
   a larger table sorts its touched rows and gathers them in fresh buffers
   (:func:`rows_of_all_ranks`);
 - dense (:class:`DenseRowExchange`): one all-reduce of a reused fp32 buffer holding the table's
@@ -32,9 +33,6 @@ from shardkit.kernels.row_optimizer import RowOptimizerArgs
 # the sparse way sums in the dense exchange's buffer (kept across backwards, as large as the table's
 # fp32 gradient) when that buffer is at most this big; a larger table sorts its touched rows instead
 SCRATCH_LIMIT_BYTES = 256 << 20
-
-
-_ADD = RowOptimizerArgs("SGD", lr=-1.0)  # a fused "step" that adds the gradient to the buffer
 
 
 def uses_scratch(num_rows: int, dim: int, world: int) -> bool:
@@ -135,46 +133,46 @@ class DenseRowExchange:
         self,
         rows: torch.Tensor,
         counts: List[int],
-        rank: int,
         weight: torch.Tensor,
         step: RowOptimizerArgs,
         group: Optional[dist.ProcessGroup],
     ) -> None:
         """The sparse way: this rank's distinct sorted touched ``rows`` (int64 ``[U]``, their gradient
-        in :attr:`grad`, flagged) and every rank's ``U`` in ``counts`` (this rank's at ``rank``) ->
-        one all-gather of every rank's rows and gradient rows (one int32 buffer per rank padded to
-        the largest count: a row as two int32 words, fp32 bits as one), each row's gradients summed
-        in rank order (rank 0's first: the same sum, bit for bit, on every rank) and ``step`` applied
-        to them."""
+        in :attr:`grad`, flagged) and every rank's ``U`` in ``counts`` -> one all-gather of every
+        rank's rows and gradient rows, then ``step`` applied to each row with its gradients summed in
+        rank order (rank 0's first: the same sum, bit for bit, on every rank) by ONE fused backward
+        reading the gathered gradient rows where they landed; the buffer is zero again after.
+
+        A rank's block of the wire buffer, in units of ``dim`` words: ``head`` of them holding its
+        rows as int64 (two int32 words each; padded so that every block starts on an 8-byte
+        boundary), then ``max(counts)`` gradient rows (fp32 bits) of which its count are sent; the
+        padding is never read. The fused backward sees the gathered buffer as ``[world x slots, dim]``
+        bags, bag ``(r, head + i)`` holding rank r's i-th row and every other bag nothing."""
         dim, world, most = self.dim, len(counts), max(counts)
         if most == 0:  # no rank touched a row: nothing to gather or step
-            self._step_flagged(weight, step)
+            self._clear(rows)
             return
-        # an even width: every rank's rows start on an 8-byte boundary (viewed as int64)
-        width = most * (dim + 2) + most * dim % 2
+        head = -(-2 * most // dim)
+        head += (head + most) * dim % 2  # an even block: int64 rows at 8-byte boundaries
+        slots = head + most
+        width = slots * dim
         if self._wire.numel() < (world + 1) * width:
             self._wire = torch.empty((world + 1) * width, dtype=torch.int32, device=rows.device)
         send = self._wire[:width]
-        got = self._wire[width : (world + 1) * width].view(world, width)
+        got = self._wire[width : (world + 1) * width]
         count = rows.numel()
-        # the padding past each count is never read: no zeroing
         send[: 2 * count].copy_(rows.view(torch.int32))
-        mine = send[2 * most : 2 * most + count * dim].view(torch.float32).view(count, dim)
+        mine = send[head * dim : (head + count) * dim].view(torch.float32).view(count, dim)
         torch.index_select(self.grad, 0, rows, out=mine)
-        all_gather_flat(got.view(-1), send, group=group)
-        if world > 2:  # the sum starts from zero; with two ranks it is one addition, either way round
-            self.grad.index_fill_(0, rows, 0.0)
+        all_gather_flat(got, send, group=group)
+        self._clear(rows)
+        ids = torch.cat([got[r * width : r * width + 2 * c].view(torch.int64) for r, c in enumerate(counts)])
+        ends = torch.zeros(world * slots + 1, dtype=torch.int64, device=rows.device)
         for r, c in enumerate(counts):
-            if c == 0 or (world == 2 and r == rank):
-                continue
-            their_rows = got[r, : 2 * c].view(torch.int64)
-            their_grad = got[r, 2 * most : 2 * most + c * dim].view(torch.float32).view(c, dim)
-            # grad[row] += their gradient: the kernel backend's fused backward as an SGD step of
-            # lr -1 (fma(1, g, p) is p + g exactly), faster than index_add_ on CPU
-            ends = torch.tensor([0, c], dtype=torch.int64, device=rows.device)
-            embedding_fused_backward(self.grad, their_rows, ends, None, None, None, their_grad, False, _ADD)
-            self.flags.index_fill_(0, their_rows, 1.0)
-        self._step_flagged(weight, step)
+            ends[1 + r * slots + head : 1 + r * slots + head + c] = 1
+        ends.cumsum_(0)
+        grads = got.view(torch.float32).view(world * slots, dim)
+        embedding_fused_backward(weight, ids, ends, None, None, None, grads, True, step)
 
     def _step_flagged(self, weight: torch.Tensor, step: RowOptimizerArgs) -> None:
         """Apply ``step`` to every flagged row with its gradient in :attr:`grad` (the kernel backend's
@@ -184,6 +182,10 @@ class DenseRowExchange:
         # bag r holds row r when some rank touched it, else nothing: grad row r is bag r's gradient
         torch.cumsum(touched, 0, out=self._ends[1:])
         embedding_fused_backward(weight, rows, self._ends, None, None, None, self.grad, True, step)
+        self._clear(rows)
+
+    def _clear(self, rows: torch.Tensor) -> None:
+        """Zero the buffer again, where only ``rows`` (int64) hold gradients and flags."""
         if 6 * rows.numel() >= self.num_rows:  # one memset beats per-row fills from about 1 row in 6
             self.buffer.zero_()
         else:

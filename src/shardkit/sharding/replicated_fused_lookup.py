@@ -133,7 +133,7 @@ def _sparse_in_scratch(lookup, weight, args, world, step) -> None:
         lookup.step_replicas(exchange, weight, step)
     else:
         lookup.dense_next = False
-        exchange.gather_and_step(rows, counts, rank, weight, step, lookup.process_group)
+        exchange.gather_and_step(rows, counts, weight, step, lookup.process_group)
 
 
 def _scale_and_lr(world: int) -> Tuple[float, bool]:
