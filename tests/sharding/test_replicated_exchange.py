@@ -73,10 +73,27 @@ def test_after_a_dense_exchange_the_next_backward_skips_the_counts_gather(optimi
     for sizes, _, _, _ in _run(optimizer, 16, [_MOST, _MOST, _MOST, _FEW, _FEW, _MOST]):
         assert sizes[0] == [2, dense], sizes  # no last exchange yet: the counts say dense
         assert sizes[1] == [dense] and sizes[2] == [dense], sizes  # the last counts said dense
-        # back to few rows: this dense exchange's counts send the next backward the sparse way
+        # back to few rows: this dense exchange's counts send the next backward the sparse way, with
+        # room for gather_bound([1, 1]) = 2 rows a rank in its one all-gather (no counts gather):
+        # per rank 1 head block (count + 2 rows as int64 in 6 of its 8 words) + 2 gradient rows
         assert sizes[3] == [dense], sizes
-        assert sizes[4][0] == 2 and dense not in sizes[4], sizes
-        assert sizes[5] == [2, dense], sizes
+        assert sizes[4] == [2 * (1 + 2) * 8], sizes
+        # most rows again: the counts ride in that gather and say dense
+        assert sizes[5] == [2 * (1 + 2) * 8, dense], sizes
+
+
+def test_a_sparse_backward_sends_its_count_with_its_rows_and_gathers_again_when_it_outgrows_the_room():
+    # per rank, for room for m rows: head blocks of 8 words holding the count and m rows as int64
+    # (2 + 2m words), then m gradient rows of 8 words
+    def gathered(m):
+        return 2 * (-(-(2 + 2 * m) // 8) + m) * 8
+
+    some = ([1, 2, 3], [2, 1]), ([4, 5, 6], [1, 2])  # 3 rows a rank: still the sparse way
+    for sizes, _, _, _ in _run(OptimType.ADAGRAD, 16, [_FEW, _FEW, some, _FEW]):
+        assert sizes[0] == [2, gathered(1)], sizes  # no exchange yet: the counts first
+        assert sizes[1] == [gathered(2)], sizes  # room for gather_bound([1, 1]) = 2: one collective
+        assert sizes[2] == [gathered(2), gathered(3)], sizes  # 3 > 2: again, sized to fit
+        assert sizes[3] == [gathered(4)], sizes  # gather_bound([3, 3]) = 4
 
 
 def test_the_rows_gradient_comes_from_the_kernel_not_from_autograd():

@@ -8,7 +8,7 @@ alike, so all take the same way):
 - sparse: the counts, then every rank's rows and gradients in one all-gather: ``world x
   max(touched) x (dim + 2)`` 4-byte words. A table whose :class:`DenseRowExchange` buffer is at most
   ``SCRATCH_LIMIT_BYTES`` (:func:`uses_scratch`) sums into that buffer, kept across backwards and
-  zero between them (:meth:`DenseRowExchange.gather_and_step`): its touched rows are the flagged
+  zero between them (:meth:`DenseRowExchange.gather`): its touched rows are the flagged
   ones (no sort of the ids), one fused backward steps every gathered row reading the gradients
   where they landed (no concatenation of gradients) and the wire buffer is reused (a fresh buffer
   of that size costs page faults every step);
@@ -40,6 +40,14 @@ def uses_scratch(num_rows: int, dim: int, world: int) -> bool:
     kept :class:`DenseRowExchange` buffer (``rows x (dim + 1) + world`` fp32 values at most
     ``SCRATCH_LIMIT_BYTES``), not in fresh buffers of its touched rows."""
     return 4 * (num_rows * (dim + 1) + world) <= SCRATCH_LIMIT_BYTES
+
+
+def gather_bound(counts: List[int]) -> int:
+    """The rows per rank the next sparse gather makes room for, from the last exchange's ``counts``
+    (every rank's, known alike): their largest and 1/16 more, so that the ranks' counts ride in that
+    gather (no counts gather first) unless a rank touches more rows than that."""
+    most = max(counts, default=0)
+    return most + most // 16 + 1
 
 
 def prefers_dense(counts: List[int], num_rows: int, dim: int) -> bool:
@@ -84,7 +92,7 @@ class DenseRowExchange:
     """One reused fp32 buffer of ``rows x (dim + 1) + world`` words: the table's gradient ``[rows,
     dim]`` (:attr:`grad`), a touched flag per row (:attr:`flags`) and one count slot per rank, summed
     over the ranks by one all-reduce (:meth:`all_reduce_and_step`) or, the sparse way, by adding
-    every rank's gathered rows into it (:meth:`gather_and_step`).
+    every rank's gathered rows (:meth:`gather`, :meth:`step_gathered`).
 
     Kept across backwards (a fresh buffer of the table's size costs page faults every step) and zero
     between them: each step clears what it wrote (the touched rows, or the whole buffer when most
@@ -101,6 +109,7 @@ class DenseRowExchange:
         # the sparse way's all-gather: this rank's words, then every rank's (grown, never shrunk)
         self._wire = torch.empty(0, dtype=torch.int32, device=device)
         self._ends = torch.zeros(num_rows + 1, dtype=torch.int64, device=device)
+        self._gathered = (0, 0, 0)  # the last gather's (head, slots, width)
 
     def fits(self, num_rows: int, dim: int, world: int, device: torch.device) -> bool:
         """Whether this buffer serves a table of these sizes on ``device``."""
@@ -129,49 +138,52 @@ class DenseRowExchange:
         self._step_flagged(weight, step)
         return counts
 
-    def gather_and_step(
-        self,
-        rows: torch.Tensor,
-        counts: List[int],
-        weight: torch.Tensor,
-        step: RowOptimizerArgs,
-        group: Optional[dist.ProcessGroup],
-    ) -> None:
-        """The sparse way: this rank's distinct sorted touched ``rows`` (int64 ``[U]``, their gradient
-        in :attr:`grad`, flagged) and every rank's ``U`` in ``counts`` -> one all-gather of every
-        rank's rows and gradient rows, then ``step`` applied to each row with its gradients summed in
-        rank order (rank 0's first: the same sum, bit for bit, on every rank) by ONE fused backward
-        reading the gathered gradient rows where they landed; the buffer is zero again after.
+    def gather(self, rows: torch.Tensor, most: int, group: Optional[dist.ProcessGroup]) -> List[int]:
+        """The sparse way's one all-gather: every rank's count of touched rows and, when at most
+        ``most`` (the same on every rank), its rows and gradient rows; returns every rank's count,
+        rank 0's first (a caller seeing one above ``most`` gathers again with the largest).
 
-        A rank's block of the wire buffer, in units of ``dim`` words: ``head`` of them holding its
-        rows as int64 (two int32 words each; padded so that every block starts on an 8-byte
-        boundary), then ``max(counts)`` gradient rows (fp32 bits) of which its count are sent; the
-        padding is never read. The fused backward sees the gathered buffer as ``[world x slots, dim]``
-        bags, bag ``(r, head + i)`` holding rank r's i-th row and every other bag nothing."""
-        dim, world, most = self.dim, len(counts), max(counts)
-        if most == 0:  # no rank touched a row: nothing to gather or step
-            self._clear(rows)
-            return
-        head = -(-2 * most // dim)
-        head += (head + most) * dim % 2  # an even block: int64 rows at 8-byte boundaries
+        ``rows``: this rank's distinct sorted touched rows (int64 ``[U]``, their gradient in
+        :attr:`grad`). A rank's block of the wire buffer, in units of ``dim`` words: ``head`` of them
+        holding its count and rows as int64 (two int32 words each; padded so that every block starts
+        on an 8-byte boundary), then ``most`` gradient rows (fp32 bits) of which its count are
+        sent; the padding is never read."""
+        dim, world, count = self.dim, self.world, rows.numel()
+        head = -(-(2 + 2 * most) // dim)
+        head += (head + most) * dim % 2  # an even block: int64 words at 8-byte boundaries
         slots = head + most
         width = slots * dim
         if self._wire.numel() < (world + 1) * width:
             self._wire = torch.empty((world + 1) * width, dtype=torch.int32, device=rows.device)
         send = self._wire[:width]
+        send[:2].view(torch.int64).fill_(count)
+        if count <= most:
+            send[2 : 2 + 2 * count].copy_(rows.view(torch.int32))
+            mine = send[head * dim : (head + count) * dim].view(torch.float32).view(count, dim)
+            torch.index_select(self.grad, 0, rows, out=mine)
         got = self._wire[width : (world + 1) * width]
-        count = rows.numel()
-        send[: 2 * count].copy_(rows.view(torch.int32))
-        mine = send[head * dim : (head + count) * dim].view(torch.float32).view(count, dim)
-        torch.index_select(self.grad, 0, rows, out=mine)
         all_gather_flat(got, send, group=group)
+        self._gathered = (head, slots, width)
+        return got.view(world, width)[:, :2].view(torch.int64).squeeze(1).tolist()
+
+    def step_gathered(
+        self, rows: torch.Tensor, counts: List[int], weight: torch.Tensor, step: RowOptimizerArgs
+    ) -> None:
+        """After :meth:`gather` (``counts``: its result, none above its ``most``): zero this rank's
+        ``rows`` of the buffer, then apply ``step`` to every gathered row with its gradients summed
+        in rank order (rank 0's first: the same sum, bit for bit, on every rank) by ONE fused
+        backward reading the gradient rows where they landed: the wire buffer as ``[world x slots,
+        dim]`` bags, bag ``(r, head + i)`` holding rank r's i-th row and every other bag nothing."""
+        head, slots, width = self._gathered
         self._clear(rows)
-        ids = torch.cat([got[r * width : r * width + 2 * c].view(torch.int64) for r, c in enumerate(counts)])
-        ends = torch.zeros(world * slots + 1, dtype=torch.int64, device=rows.device)
+        got = self._wire[width : (self.world + 1) * width]
+        pieces = [got[r * width + 2 : r * width + 2 + 2 * c] for r, c in enumerate(counts)]
+        ids = torch.cat(pieces).view(torch.int64)
+        ends = torch.zeros(self.world * slots + 1, dtype=torch.int64, device=rows.device)
         for r, c in enumerate(counts):
             ends[1 + r * slots + head : 1 + r * slots + head + c] = 1
         ends.cumsum_(0)
-        grads = got.view(torch.float32).view(world * slots, dim)
+        grads = got.view(torch.float32).view(self.world * slots, self.dim)
         embedding_fused_backward(weight, ids, ends, None, None, None, grads, True, step)
 
     def _step_flagged(self, weight: torch.Tensor, step: RowOptimizerArgs) -> None:
@@ -198,6 +210,7 @@ class DenseRowExchange:
 __all__ = [
     "DenseRowExchange",
     "SCRATCH_LIMIT_BYTES",
+    "gather_bound",
     "gather_counts",
     "prefers_dense",
     "rows_of_all_ranks",

@@ -40,6 +40,7 @@ from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup
 from shardkit.sharding.embedding_lookup import ShardedGroupedLookup
 from shardkit.sharding.replicated_exchange import (
     DenseRowExchange,
+    gather_bound,
     gather_counts,
     prefers_dense,
     rows_of_all_ranks,
@@ -116,8 +117,11 @@ class _ReplicatedFusedFn(torch.autograd.Function):
 
 def _sparse_in_scratch(lookup, weight, args, world, step) -> None:
     """The backward of a table that :func:`uses_scratch`: this rank's gradient summed into the kept
-    exchange buffer, its touched rows read off the flags (sorted, with no sort of the ids), then the
-    counts gather and the dense all-reduce or the sparse gather of the flagged rows."""
+    exchange buffer, its touched rows read off the flags (sorted, with no sort of the ids), then one
+    all-gather of every rank's count, rows and gradient rows sized by the last exchange's counts
+    (:func:`gather_bound`; the first backward gathers the counts first, and a rank touching more
+    rows than that makes every rank gather again, sized to fit) and the fused step of the gathered
+    rows, or the dense all-reduce when the counts say most rows are touched."""
     ids, offsets, bag_shift = args[:3]
     exchange = lookup.dense_exchange(weight)
     exchange.start()
@@ -126,14 +130,20 @@ def _sparse_in_scratch(lookup, weight, args, world, step) -> None:
     rows = exchange.flags.nonzero().squeeze(1)
     if not exact:  # only the touched rows: the others are zero
         exchange.grad.index_copy_(0, rows, exchange.grad.index_select(0, rows).div_(world))
-    counts = gather_counts(rows.numel(), rows.device, lookup.process_group, world)
-    rank = dist.get_rank(lookup.process_group)
-    if prefers_dense(counts, weight.size(0), weight.size(1)):
-        exchange.counts[rank] = rows.numel()
-        lookup.step_replicas(exchange, weight, step)
-    else:
-        lookup.dense_next = False
-        exchange.gather_and_step(rows, counts, weight, step, lookup.process_group)
+    most = lookup.next_gather_rows
+    if most is None:  # no exchange yet: the counts first (they may say dense)
+        counts = gather_counts(rows.numel(), rows.device, lookup.process_group, world)
+        most = max(counts) if not prefers_dense(counts, weight.size(0), weight.size(1)) else -1
+    if most >= 0:
+        counts = exchange.gather(rows, most, lookup.process_group)
+    if not prefers_dense(counts, weight.size(0), weight.size(1)):
+        if max(counts) > most:  # a rank touched more rows than there was room for: again, to fit
+            exchange.gather(rows, max(counts), lookup.process_group)
+        lookup.dense_next, lookup.next_gather_rows = False, gather_bound(counts)
+        exchange.step_gathered(rows, counts, weight, step)
+        return
+    exchange.counts[dist.get_rank(lookup.process_group)] = rows.numel()
+    lookup.step_replicas(exchange, weight, step)
 
 
 def _scale_and_lr(world: int) -> Tuple[float, bool]:
@@ -207,6 +217,9 @@ class ReplicatedFusedLookup(GroupedEmbeddingLookup):
     # whether the next backward takes the dense exchange: set from the last exchange's counts, which
     # every rank of the group holds alike (so all take the same way, with no collective to agree)
     dense_next: bool = False
+    # the rows per rank the next sparse gather makes room for (gather_bound of the last exchange's
+    # counts, alike on every rank); None: no exchange yet, gather the counts first
+    next_gather_rows: Optional[int] = None
     _dense_exchange: Optional[DenseRowExchange] = None
 
     def dense_exchange(self, weight: torch.Tensor) -> DenseRowExchange:
@@ -221,6 +234,7 @@ class ReplicatedFusedLookup(GroupedEmbeddingLookup):
         from the counts it carried."""
         counts = exchange.all_reduce_and_step(weight, step, self.process_group)
         self.dense_next = prefers_dense(counts, weight.size(0), weight.size(1))
+        self.next_gather_rows = gather_bound(counts)
 
     def reset_parameters(self) -> None:
         """Initialize (``GroupedEmbeddingLookup``), then take rank 0's weights: the replicas must start
@@ -253,7 +267,7 @@ class ReplicatedShardedLookup(ShardedGroupedLookup):
         """Set the replicas' group and make them equal to its first rank's (a collective)."""
         for lookup in self.lookups:
             lookup.process_group, lookup.world_size = process_group, world_size
-            lookup.dense_next, lookup._dense_exchange = False, None
+            lookup.dense_next, lookup._dense_exchange, lookup.next_gather_rows = False, None, None
             lookup.sync_replicas()
 
     def load_tables(self, table_weight) -> None:
