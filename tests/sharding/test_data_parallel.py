@@ -253,6 +253,7 @@ def _sparse_exchange_worker(optimizer, rows=1000):
         return run
 
     replicated.all_gather_flat = recording(replicated.all_gather_flat)
+    replicated.all_gather_blocks = recording(replicated.all_gather_blocks)
     replicated.dist.all_reduce = recording(replicated.dist.all_reduce)
     ids = [torch.tensor([3, 7, 7, 999, 3]) % rows, torch.tensor([7, 500, 0]) % rows]
     lengths = [torch.tensor([2, 3]), torch.tensor([1, 2])]

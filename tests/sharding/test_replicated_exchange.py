@@ -34,6 +34,7 @@ def _steps_worker(optimizer, rows, steps):
         return run
 
     exchange.all_gather_flat = recording(exchange.all_gather_flat)
+    exchange.all_gather_blocks = recording(exchange.all_gather_blocks)
     exchange.dist.all_reduce = recording(exchange.dist.all_reduce)
     autograd_grad = torch.autograd.grad
     torch.autograd.grad = lambda *a, **k: grads.append(1) or autograd_grad(*a, **k)

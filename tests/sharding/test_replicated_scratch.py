@@ -72,3 +72,32 @@ def test_sparse_exchange_trains_like_the_unsharded_module(world, dim, limit):
         assert sorted_calls == (steps if limit == 0 else 0), sorted_calls
     for got, _, _ in results[1:]:
         assert torch.equal(got, results[0][0]), "the replicas differ"
+
+
+def _blocks_worker():
+    """Each rank fills its block of 5 int32 words; returns what every rank holds after
+    ``all_gather_blocks`` and how many all-gathers it ran."""
+    import torch
+    import torch.distributed as dist
+
+    import shardkit.sharding.replicated_exchange as exchange
+
+    calls = []
+    flat = exchange.all_gather_flat
+    exchange.all_gather_flat = lambda *a, **k: calls.append(1) or flat(*a, **k)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = torch.full((world * 5,), -1, dtype=torch.int32)
+    out[rank * 5 : (rank + 1) * 5] = torch.arange(5, dtype=torch.int32) + 10 * rank
+    exchange.all_gather_blocks(out, None)
+    return out, len(calls)
+
+
+def test_blocks_reach_every_rank_point_to_point_on_gloo():
+    import torch
+
+    from shardkit.testing import run_world
+
+    want = (torch.arange(5) + 10 * torch.arange(3)[:, None]).view(-1).to(torch.int32)
+    for out, all_gathers in run_world(_blocks_worker, 3):
+        assert torch.equal(out, want), out
+        assert all_gathers == 0  # gloo: sends and receives, not its (slower) all-gather
