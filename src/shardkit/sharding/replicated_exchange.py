@@ -5,15 +5,16 @@ row any rank touched, then apply the same fused optimizer step (``replicated_fus
 ways, chosen by :func:`prefers_dense` from the ranks' counts of touched rows (which every rank knows
 alike, so all take the same way):
 
-- sparse: the counts, then every rank's rows and gradients in one all-gather: ``world x
-  max(touched) x (dim + 2)`` 4-byte words. A table whose :class:`DenseRowExchange` buffer is at most
+- sparse: every rank's touched rows and gradients in one gather (:func:`all_gather_blocks`: on gloo
+  point-to-point transfers, else an all-gather) of ``world x max(touched) x (dim + 2)`` 4-byte words
+  and the counts before it. A table whose :class:`DenseRowExchange` buffer is at most
   ``SCRATCH_LIMIT_BYTES`` (:func:`uses_scratch`) sums into that buffer, kept across backwards and
-  zero between them (:meth:`DenseRowExchange.gather`): its touched rows are the flagged
-  ones (no sort of the ids), one fused backward steps every gathered row reading the gradients
-  where they landed (no concatenation of gradients) and the wire buffer is reused (a fresh buffer
-  of that size costs page faults every step);
-  a larger table sorts its touched rows and gathers them in fresh buffers
-  (:func:`rows_of_all_ranks`);
+  zero between them (:meth:`DenseRowExchange.gather`): its touched rows are the flagged ones (no
+  sort of the ids), the counts ride in the gather sized by the last exchange's counts
+  (:func:`gather_bound`; a rank that outgrows it makes every rank gather again), one fused backward
+  steps every gathered row reading the gradients where they landed (no concatenation of gradients)
+  and the wire buffer is reused (a fresh buffer of that size costs page faults every step); a
+  larger table sorts its touched rows and gathers them in fresh buffers (:func:`rows_of_all_ranks`);
 - dense (:class:`DenseRowExchange`): one all-reduce of a reused fp32 buffer holding the table's
   gradient ``[rows, dim]``, a touched flag per row and each rank's count (``rows x (dim + 1) +
   world`` words), the counts telling the next backward which way to take without a counts gather.

@@ -17,9 +17,11 @@ the sharder's ``fused_params``) this module's backward
 so the replicas stay equal and take the step the unsharded module takes on the global batch (lazy
 rules such as ADAM move only touched rows, as there). The weight gets no ``.grad``: it stays out of
 the data-parallel wrapper (``ShardedEmbeddingModule.sharded_parameter_names``).
-Cost per group of tables per backward: two all-gathers (the counts, then ``world x max touched x
-(dim + 2)`` 4-byte words), or one all-reduce of ``rows x (dim + 1) + world`` fp32 values (what a
-dense table's gradient all-reduce costs) once the last exchange's counts said most rows are touched
+Cost per group of tables per backward: one gather of ``world x max touched x (dim + 2)`` 4-byte
+words carrying the counts too (sized by the last exchange's counts; the first backward, a larger
+table's and one that outgrows that size gather the counts or the rows once more), or one
+all-reduce of ``rows x (dim + 1) + world`` fp32 values (what a dense table's gradient all-reduce
+costs) once the last exchange's counts said most rows are touched
 (every rank knows them alike: no collective to agree); every rank must run the backward. With
 trainable per-sample weights the rows' gradient comes from torch autograd over a re-run of the
 lookup on the touched rows (the kernels give that gradient only with an optimizer step), and the
