@@ -22,7 +22,8 @@ def test_uses_scratch_while_the_exchange_buffer_fits_the_limit():
 def _train_worker(rows, dim, steps, limit):
     """Train a fused data-parallel table of ``rows x dim`` (row-wise Adagrad) beside the unsharded one
     on the global batch for ``steps`` random steps of 2 bags per rank (some empty). Returns this
-    rank's table, the reference's, and how many backwards sorted their touched rows."""
+    rank's table, the reference's, how many backwards sorted their touched rows, and the most rows
+    of a buffer this rank's gradient was summed into."""
     import torch
     import torch.distributed as dist
 
@@ -36,9 +37,11 @@ def _train_worker(rows, dim, steps, limit):
         exchange.SCRATCH_LIMIT_BYTES = limit
     rank, world = dist.get_rank(), dist.get_world_size()
     reference, sharded = reference_and_replica(rows, dim, OptimType.ROWWISE_ADAGRAD)
-    sorted_calls = []
+    sorted_calls, targets = [], []
     touched_grad = fused._touched_grad
     fused._touched_grad = lambda *a: sorted_calls.append(1) or touched_grad(*a)
+    accumulate = fused._accumulate
+    fused._accumulate = lambda buffer, *a, **k: targets.append(buffer.size(0)) or accumulate(buffer, *a, **k)
     gen = torch.Generator().manual_seed(7)
     for _ in range(steps):
         lengths = torch.randint(0, 4, (world, 2), generator=gen)
@@ -51,7 +54,7 @@ def _train_worker(rows, dim, steps, limit):
         out = sharded(KeyedJaggedTensor(["f"], mine, lengths=lengths[rank])).values()
         (out * grad[2 * rank : 2 * rank + 2]).sum().backward()
     got = sharded.local_shards()[("d", 0, rows, 0, dim)].clone()
-    return got, reference.table_weight("d").detach().clone(), len(sorted_calls)
+    return got, reference.table_weight("d").detach().clone(), len(sorted_calls), max(targets)
 
 
 @pytest.mark.parametrize(
@@ -66,11 +69,14 @@ def test_sparse_exchange_trains_like_the_unsharded_module(world, dim, limit):
 
     steps = 6
     results = run_world(_train_worker, world, 64, dim, steps, limit)
-    for got, want, sorted_calls in results:
+    for got, want, sorted_calls, target_rows in results:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         # in the kept buffer no backward sorts its touched rows; over the limit every one does
         assert sorted_calls == (steps if limit == 0 else 0), sorted_calls
-    for got, _, _ in results[1:]:
+        # either way the gradient is summed into a block of the touched rows (at most 2 bags of 3
+        # ids a rank), never into a buffer of the table's 64 rows
+        assert target_rows <= 6, target_rows
+    for got, *_ in results[1:]:
         assert torch.equal(got, results[0][0]), "the replicas differ"
 
 
@@ -101,3 +107,15 @@ def test_blocks_reach_every_rank_point_to_point_on_gloo():
     for out, all_gathers in run_world(_blocks_worker, 3):
         assert torch.equal(out, want), out
         assert all_gathers == 0  # gloo: sends and receives, not its (slower) all-gather
+
+
+def test_ids_are_renumbered_into_the_touched_rows_by_the_kept_map():
+    import torch
+
+    from shardkit.sharding.replicated_exchange import DenseRowExchange
+
+    exchange = DenseRowExchange(10, 2, 2, torch.device("cpu"))
+    rows = torch.tensor([2, 5, 7])
+    assert exchange.local_ids(rows, torch.tensor([7, 2, 2, 5])).tolist() == [2, 0, 0, 1]
+    # kept across backwards: another step's rows renumber from scratch
+    assert exchange.local_ids(torch.tensor([5, 9]), torch.tensor([9, 5])).tolist() == [1, 0]

@@ -8,10 +8,12 @@ alike, so all take the same way):
 - sparse: every rank's touched rows and gradients in one gather (:func:`all_gather_blocks`: on gloo
   point-to-point transfers, else an all-gather) of ``world x max(touched) x (dim + 2)`` 4-byte words
   and the counts before it. A table whose :class:`DenseRowExchange` buffer is at most
-  ``SCRATCH_LIMIT_BYTES`` (:func:`uses_scratch`) sums into that buffer, kept across backwards and
-  zero between them (:meth:`DenseRowExchange.gather`): its touched rows are the flagged ones (no
-  sort of the ids), the counts ride in the gather sized by the last exchange's counts
-  (:func:`gather_bound`; a rank that outgrows it makes every rank gather again), one fused backward
+  ``SCRATCH_LIMIT_BYTES`` (:func:`uses_scratch`) keeps that buffer across backwards, zero between
+  them (:meth:`DenseRowExchange.gather`): its touched rows are the flagged ones (no sort of the
+  ids), their gradient is computed straight into this rank's block of the wire buffer (ids
+  renumbered by a kept map, :meth:`DenseRowExchange.local_ids`), the counts ride in the gather
+  sized by the last exchange's counts (:func:`gather_bound`; a rank that outgrows it makes every
+  rank gather again), one fused backward
   steps every gathered row reading the gradients where they landed (no concatenation of gradients)
   and the wire buffer is reused (a fresh buffer of that size costs page faults every step); a
   larger table sorts its touched rows and gathers them in fresh buffers (:func:`rows_of_all_ranks`);
@@ -22,7 +24,7 @@ alike, so all take the same way):
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,8 +33,9 @@ from shardkit.distributed.agreement import all_gather_flat
 from shardkit.kernels import embedding_fused_backward
 from shardkit.kernels.row_optimizer import RowOptimizerArgs
 
-# the sparse way sums in the dense exchange's buffer (kept across backwards, as large as the table's
-# fp32 gradient) when that buffer is at most this big; a larger table sorts its touched rows instead
+# the sparse way flags its touched rows in the dense exchange's buffer (kept across backwards, as
+# large as the table's fp32 gradient, which the dense way fills) when that buffer is at most this
+# big; a larger table sorts its touched rows instead
 SCRATCH_LIMIT_BYTES = 256 << 20
 
 
@@ -133,6 +136,7 @@ class DenseRowExchange:
         self._wire = torch.empty(0, dtype=torch.int32, device=device)
         self._ends = torch.zeros(num_rows + 1, dtype=torch.int64, device=device)
         self._gathered = (0, 0, 0)  # the last gather's (head, slots, width)
+        self._position: Optional[torch.Tensor] = None  # buffer row -> its index among the touched rows
 
     def fits(self, num_rows: int, dim: int, world: int, device: torch.device) -> bool:
         """Whether this buffer serves a table of these sizes on ``device``."""
@@ -161,16 +165,22 @@ class DenseRowExchange:
         self._step_flagged(weight, step)
         return counts
 
-    def gather(self, rows: torch.Tensor, most: int, group: Optional[dist.ProcessGroup]) -> List[int]:
+    def gather(
+        self,
+        rows: torch.Tensor,
+        most: int,
+        group: Optional[dist.ProcessGroup],
+        fill: Callable[[torch.Tensor], None],
+    ) -> List[int]:
         """The sparse way's one all-gather: every rank's count of touched rows and, when at most
         ``most`` (the same on every rank), its rows and gradient rows; returns every rank's count,
         rank 0's first (a caller seeing one above ``most`` gathers again with the largest).
 
-        ``rows``: this rank's distinct sorted touched rows (int64 ``[U]``, their gradient in
-        :attr:`grad`). A rank's block of the wire buffer, in units of ``dim`` words: ``head`` of them
-        holding its count and rows as int64 (two int32 words each; padded so that every block starts
-        on an 8-byte boundary), then ``most`` gradient rows (fp32 bits) of which its count are
-        sent; the padding is never read."""
+        ``rows``: this rank's distinct sorted touched rows (int64 ``[U]``); ``fill(out)`` writes their
+        gradient into ``out`` (fp32 ``[U, dim]``, a view of the wire buffer). A rank's block of the
+        wire buffer, in units of ``dim`` words: ``head`` of them holding its count and rows as int64
+        (two int32 words each; padded so that every block starts on an 8-byte boundary), then
+        ``most`` gradient rows (fp32 bits) of which its count are sent; the padding is never read."""
         dim, world, count = self.dim, self.world, rows.numel()
         head = -(-(2 + 2 * most) // dim)
         head += (head + most) * dim % 2  # an even block: int64 words at 8-byte boundaries
@@ -185,7 +195,7 @@ class DenseRowExchange:
         if count <= most:
             send[2 : 2 + 2 * count].copy_(rows.view(torch.int32))
             mine = send[head * dim : (head + count) * dim].view(torch.float32).view(count, dim)
-            torch.index_select(self.grad, 0, rows, out=mine)
+            fill(mine)
         all_gather_blocks(got, group)
         self._gathered = (head, slots, width)
         return got.view(world, width)[:, :2].view(torch.int64).squeeze(1).tolist()
@@ -193,13 +203,14 @@ class DenseRowExchange:
     def step_gathered(
         self, rows: torch.Tensor, counts: List[int], weight: torch.Tensor, step: RowOptimizerArgs
     ) -> None:
-        """After :meth:`gather` (``counts``: its result, none above its ``most``): zero this rank's
-        ``rows`` of the buffer, then apply ``step`` to every gathered row with its gradients summed
-        in rank order (rank 0's first: the same sum, bit for bit, on every rank) by ONE fused
-        backward reading the gradient rows where they landed: the wire buffer as ``[world x slots,
-        dim]`` bags, bag ``(r, head + i)`` holding rank r's i-th row and every other bag nothing."""
+        """After :meth:`gather` (``counts``: its result, none above its ``most``): clear the flags of
+        this rank's ``rows`` (its gradient went straight to the wire), then apply ``step`` to every
+        gathered row with its gradients summed in rank order (rank 0's first: the same sum, bit for
+        bit, on every rank) by ONE fused backward reading the gradient rows where they landed: the
+        wire buffer as ``[world x slots, dim]`` bags, bag ``(r, head + i)`` holding rank r's i-th row
+        and every other bag nothing."""
         head, slots, width = self._gathered
-        self._clear(rows)
+        self._clear_flags(rows)
         got = self._wire[: self.world * width]
         pieces = [got[r * width + 2 : r * width + 2 + 2 * c] for r, c in enumerate(counts)]
         ids = torch.cat(pieces).view(torch.int64)
@@ -219,6 +230,22 @@ class DenseRowExchange:
         torch.cumsum(touched, 0, out=self._ends[1:])
         embedding_fused_backward(weight, rows, self._ends, None, None, None, self.grad, True, step)
         self._clear(rows)
+
+    def local_ids(self, rows: torch.Tensor, id_rows: torch.Tensor) -> torch.Tensor:
+        """Each id's position among the touched ``rows`` (distinct sorted int64 ``[U]``), from its
+        buffer row ``id_rows`` (int64 ``[N]``), by a kept ``[rows]`` map (no sort)."""
+        if self._position is None:
+            self._position = torch.empty(self.num_rows, dtype=torch.int64, device=rows.device)
+        self._position.index_copy_(0, rows, torch.arange(rows.numel(), device=rows.device))
+        return self._position.index_select(0, id_rows)
+
+    def _clear_flags(self, rows: torch.Tensor) -> None:
+        """Zero the flags of ``rows`` (int64), the only part of the buffer the sparse way writes."""
+        if 16 * rows.numel() >= self.num_rows:
+            self.flags.zero_()
+        else:
+            self.flags.index_fill_(0, rows, 0.0)
+        self._clean = True
 
     def _clear(self, rows: torch.Tensor) -> None:
         """Zero the buffer again, where only ``rows`` (int64) hold gradients and flags."""

@@ -118,32 +118,42 @@ class _ReplicatedFusedFn(torch.autograd.Function):
 
 
 def _sparse_in_scratch(lookup, weight, args, world, step) -> None:
-    """The backward of a table that :func:`uses_scratch`: this rank's gradient summed into the kept
-    exchange buffer, its touched rows read off the flags (sorted, with no sort of the ids), then one
-    all-gather of every rank's count, rows and gradient rows sized by the last exchange's counts
-    (:func:`gather_bound`; the first backward gathers the counts first, and a rank touching more
-    rows than that makes every rank gather again, sized to fit) and the fused step of the gathered
-    rows, or the dense all-reduce when the counts say most rows are touched."""
-    ids, offsets, bag_shift = args[:3]
+    """The backward of a table that :func:`uses_scratch`: this rank's touched rows read off the kept
+    exchange buffer's flags (sorted, with no sort of the ids), then one all-gather of every rank's
+    count, rows and gradient rows sized by the last exchange's counts (:func:`gather_bound`; the
+    first backward gathers the counts first, and a rank touching more rows than that makes every
+    rank gather again, sized to fit), this rank's rows' gradient computed straight into its block of
+    the wire buffer (ids renumbered into the touched rows by the buffer's kept map), and the fused
+    step of the gathered rows; or, when the counts say most rows are touched, the gradient summed
+    into the buffer and the dense all-reduce."""
+    ids, offsets, bag_shift, weights, bag_scale, grad_out, pooled, batch_major = args
     exchange = lookup.dense_exchange(weight)
     exchange.start()
-    exact = _accumulate(exchange.grad, *args, world, divide=False)
-    exchange.flags.index_fill_(0, embedding_torch.buffer_rows(ids, offsets, bag_shift), 1.0)
+    id_rows = embedding_torch.buffer_rows(ids, offsets, bag_shift)
+    exchange.flags.index_fill_(0, id_rows, 1.0)
     rows = exchange.flags.nonzero().squeeze(1)
-    if not exact:  # only the touched rows: the others are zero
-        exchange.grad.index_copy_(0, rows, exchange.grad.index_select(0, rows).div_(world))
+    local_ids = []
+
+    def fill(out: torch.Tensor) -> None:
+        if not local_ids:
+            local_ids.append(exchange.local_ids(rows, id_rows))
+        out.zero_()
+        kernel_args = (offsets, None, weights, bag_scale, grad_out, pooled, batch_major, world)
+        _accumulate(out, local_ids[0], *kernel_args)
+
     most = lookup.next_gather_rows
     if most is None:  # no exchange yet: the counts first (they may say dense)
         counts = gather_counts(rows.numel(), rows.device, lookup.process_group, world)
         most = max(counts) if not prefers_dense(counts, weight.size(0), weight.size(1)) else -1
     if most >= 0:
-        counts = exchange.gather(rows, most, lookup.process_group)
+        counts = exchange.gather(rows, most, lookup.process_group, fill)
     if not prefers_dense(counts, weight.size(0), weight.size(1)):
         if max(counts) > most:  # a rank touched more rows than there was room for: again, to fit
-            exchange.gather(rows, max(counts), lookup.process_group)
+            exchange.gather(rows, max(counts), lookup.process_group, fill)
         lookup.dense_next, lookup.next_gather_rows = False, gather_bound(counts)
         exchange.step_gathered(rows, counts, weight, step)
         return
+    _accumulate(exchange.grad, *args, world)
     exchange.counts[dist.get_rank(lookup.process_group)] = rows.numel()
     lookup.step_replicas(exchange, weight, step)
 
