@@ -22,8 +22,8 @@ def test_uses_scratch_while_the_exchange_buffer_fits_the_limit():
 def _train_worker(rows, dim, steps, limit):
     """Train a fused data-parallel table of ``rows x dim`` (row-wise Adagrad) beside the unsharded one
     on the global batch for ``steps`` random steps of 2 bags per rank (some empty). Returns this
-    rank's table, the reference's, how many backwards sorted their touched rows, and the most rows
-    of a buffer this rank's gradient was summed into."""
+    rank's table, the reference's, how many backwards sorted their touched rows, the most rows of a
+    buffer this rank's gradient was summed into, and whether a dense exchange buffer was made."""
     import torch
     import torch.distributed as dist
 
@@ -54,7 +54,12 @@ def _train_worker(rows, dim, steps, limit):
         out = sharded(KeyedJaggedTensor(["f"], mine, lengths=lengths[rank])).values()
         (out * grad[2 * rank : 2 * rank + 2]).sum().backward()
     got = sharded.local_shards()[("d", 0, rows, 0, dim)].clone()
-    return got, reference.table_weight("d").detach().clone(), len(sorted_calls), max(targets)
+    dense = [
+        m._dense_exchange.buffer is not None
+        for m in sharded.modules()
+        if isinstance(m, fused.ReplicatedFusedLookup) and m._dense_exchange is not None
+    ]
+    return got, reference.table_weight("d").detach().clone(), len(sorted_calls), max(targets), any(dense)
 
 
 @pytest.mark.parametrize(
@@ -69,13 +74,14 @@ def test_sparse_exchange_trains_like_the_unsharded_module(world, dim, limit):
 
     steps = 6
     results = run_world(_train_worker, world, 64, dim, steps, limit)
-    for got, want, sorted_calls, target_rows in results:
+    for got, want, sorted_calls, target_rows, dense_buffer in results:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         # in the kept buffer no backward sorts its touched rows; over the limit every one does
         assert sorted_calls == (steps if limit == 0 else 0), sorted_calls
         # either way the gradient is summed into a block of the touched rows (at most 2 bags of 3
         # ids a rank), never into a buffer of the table's 64 rows
         assert target_rows <= 6, target_rows
+        assert not dense_buffer  # every step took the sparse way: no table-sized buffer was made
     for got, *_ in results[1:]:
         assert torch.equal(got, results[0][0]), "the replicas differ"
 

@@ -8,9 +8,9 @@ alike, so all take the same way):
 - sparse: every rank's touched rows and gradients in one gather (:func:`all_gather_blocks`: on gloo
   point-to-point transfers, else an all-gather) of ``world x max(touched) x (dim + 2)`` 4-byte words
   and the counts before it. A table whose :class:`DenseRowExchange` buffer is at most
-  ``SCRATCH_LIMIT_BYTES`` (:func:`uses_scratch`) keeps that buffer across backwards, zero between
-  them (:meth:`DenseRowExchange.gather`): its touched rows are the flagged ones (no sort of the
-  ids), their gradient is computed straight into this rank's block of the wire buffer (ids
+  ``SCRATCH_LIMIT_BYTES`` (:func:`uses_scratch`) keeps per-row marks across backwards
+  (:meth:`DenseRowExchange.touched`): its touched rows are the marked ones (no sort of the ids),
+  their gradient is computed straight into this rank's block of the wire buffer (ids
   renumbered by a kept map, :meth:`DenseRowExchange.local_ids`), the counts ride in the gather
   sized by the last exchange's counts (:func:`gather_bound`; a rank that outgrows it makes every
   rank gather again), one fused backward
@@ -33,16 +33,16 @@ from shardkit.distributed.agreement import all_gather_flat
 from shardkit.kernels import embedding_fused_backward
 from shardkit.kernels.row_optimizer import RowOptimizerArgs
 
-# the sparse way flags its touched rows in the dense exchange's buffer (kept across backwards, as
-# large as the table's fp32 gradient, which the dense way fills) when that buffer is at most this
-# big; a larger table sorts its touched rows instead
+# the sparse way marks its touched rows in kept per-row arrays (DenseRowExchange.touched, local_ids:
+# 9 bytes a row) for tables whose dense exchange buffer would be at most this big; a larger table
+# sorts its touched rows instead
 SCRATCH_LIMIT_BYTES = 256 << 20
 
 
 def uses_scratch(num_rows: int, dim: int, world: int) -> bool:
-    """Whether a table of ``[num_rows, dim]`` replicated on ``world`` ranks takes the sparse way in the
-    kept :class:`DenseRowExchange` buffer (``rows x (dim + 1) + world`` fp32 values at most
-    ``SCRATCH_LIMIT_BYTES``), not in fresh buffers of its touched rows."""
+    """Whether a table of ``[num_rows, dim]`` replicated on ``world`` ranks takes the sparse way with
+    the kept :class:`DenseRowExchange` parts (its dense buffer, ``rows x (dim + 1) + world`` fp32
+    values, at most ``SCRATCH_LIMIT_BYTES``), not in fresh buffers of its sorted touched rows."""
     return 4 * (num_rows * (dim + 1) + world) <= SCRATCH_LIMIT_BYTES
 
 
@@ -115,39 +115,53 @@ def rows_of_all_ranks(
 
 
 class DenseRowExchange:
-    """One reused fp32 buffer of ``rows x (dim + 1) + world`` words: the table's gradient ``[rows,
-    dim]`` (:attr:`grad`), a touched flag per row (:attr:`flags`) and one count slot per rank, summed
-    over the ranks by one all-reduce (:meth:`all_reduce_and_step`) or, the sparse way, by adding
-    every rank's gathered rows (:meth:`gather`, :meth:`step_gathered`).
+    """The dense way's reused fp32 buffer of ``rows x (dim + 1) + world`` words: the table's gradient
+    ``[rows, dim]`` (:attr:`grad`), a touched flag per row (:attr:`flags`) and one count slot per
+    rank, summed over the ranks by one all-reduce (:meth:`all_reduce_and_step`); and the sparse
+    way's kept parts (:meth:`gather`, :meth:`step_gathered`): a touched mark per row
+    (:attr:`marks`, bool), a row -> position map (:meth:`local_ids`) and the wire buffer.
 
-    Kept across backwards (a fresh buffer of the table's size costs page faults every step) and zero
-    between them: each step clears what it wrote (the touched rows, or the whole buffer when most
-    rows were touched); :meth:`start` zeroes it all only after a backward that did not finish.
+    Kept across backwards (a fresh buffer of the table's size costs page faults every step). The
+    dense buffer is made on the first dense backward (a table that stays sparse never holds it) and
+    is zero between backwards: each step clears what it wrote (the touched rows, or the whole buffer
+    when most rows were touched); :meth:`start` zeroes it all only after a backward that did not
+    finish.
     """
 
     def __init__(self, num_rows: int, dim: int, world: int, device: torch.device) -> None:
-        self.num_rows, self.dim, self.world = num_rows, dim, world
-        self.buffer = torch.zeros(num_rows * (dim + 1) + world, dtype=torch.float32, device=device)
-        self.grad = self.buffer[: num_rows * dim].view(num_rows, dim)
-        self.flags = self.buffer[num_rows * dim : num_rows * (dim + 1)]
-        self.counts = self.buffer[num_rows * (dim + 1) :]
+        self.num_rows, self.dim, self.world, self.device = num_rows, dim, world, device
+        self.buffer: Optional[torch.Tensor] = None  # made by start()
         self._clean = True  # the buffer is all zeros
-        # the sparse way's all-gather: this rank's words, then every rank's (grown, never shrunk)
+        self.marks = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        # the sparse way's gather: every rank's block, this rank's written in place (grown, never shrunk)
         self._wire = torch.empty(0, dtype=torch.int32, device=device)
-        self._ends = torch.zeros(num_rows + 1, dtype=torch.int64, device=device)
         self._gathered = (0, 0, 0)  # the last gather's (head, slots, width)
         self._position: Optional[torch.Tensor] = None  # buffer row -> its index among the touched rows
 
     def fits(self, num_rows: int, dim: int, world: int, device: torch.device) -> bool:
         """Whether this buffer serves a table of these sizes on ``device``."""
-        return (num_rows, dim, world, device) == (self.num_rows, self.dim, self.world, self.buffer.device)
+        return (num_rows, dim, world, device) == (self.num_rows, self.dim, self.world, self.device)
 
     def start(self) -> None:
-        """Make sure the buffer is zero before this rank writes its gradient, flags and count into it
-        (a no-op unless the last backward stopped half-way)."""
-        if not self._clean:
+        """Make sure the dense buffer exists and is zero before this rank writes its gradient, flags
+        and count into it (no memset unless the last backward stopped half-way)."""
+        if self.buffer is None:
+            rows, dim = self.num_rows, self.dim
+            self.buffer = torch.zeros(rows * (dim + 1) + self.world, dtype=torch.float32, device=self.device)
+            self.grad = self.buffer[: rows * dim].view(rows, dim)
+            self.flags = self.buffer[rows * dim : rows * (dim + 1)]
+            self.counts = self.buffer[rows * (dim + 1) :]
+            self._ends = torch.zeros(rows + 1, dtype=torch.int64, device=self.device)
+        elif not self._clean:
             self.buffer.zero_()
         self._clean = False
+
+    def touched(self, id_rows: torch.Tensor) -> torch.Tensor:
+        """The sparse way's distinct sorted touched rows (int64 ``[U]``) of the buffer rows ``id_rows``
+        (int64 ``[N]``, repeats allowed): marked in :attr:`marks`, read back in order (no sort)."""
+        self.marks.zero_()  # cleared here, not after: a backward that stopped half-way left marks
+        self.marks.index_fill_(0, id_rows, True)
+        return self.marks.nonzero().squeeze(1)
 
     def mark(self, rows: torch.Tensor, rank: int) -> None:
         """Flag this rank's touched buffer ``rows`` (int64, repeats allowed) and write its count of
@@ -203,14 +217,13 @@ class DenseRowExchange:
     def step_gathered(
         self, rows: torch.Tensor, counts: List[int], weight: torch.Tensor, step: RowOptimizerArgs
     ) -> None:
-        """After :meth:`gather` (``counts``: its result, none above its ``most``): clear the flags of
-        this rank's ``rows`` (its gradient went straight to the wire), then apply ``step`` to every
+        """After :meth:`gather` (``counts``: its result, none above its ``most``; ``rows``: this
+        rank's touched rows, whose gradient went straight to the wire), apply ``step`` to every
         gathered row with its gradients summed in rank order (rank 0's first: the same sum, bit for
         bit, on every rank) by ONE fused backward reading the gradient rows where they landed: the
         wire buffer as ``[world x slots, dim]`` bags, bag ``(r, head + i)`` holding rank r's i-th row
         and every other bag nothing."""
         head, slots, width = self._gathered
-        self._clear_flags(rows)
         got = self._wire[: self.world * width]
         pieces = [got[r * width + 2 : r * width + 2 + 2 * c] for r, c in enumerate(counts)]
         ids = torch.cat(pieces).view(torch.int64)
@@ -238,14 +251,6 @@ class DenseRowExchange:
             self._position = torch.empty(self.num_rows, dtype=torch.int64, device=rows.device)
         self._position.index_copy_(0, rows, torch.arange(rows.numel(), device=rows.device))
         return self._position.index_select(0, id_rows)
-
-    def _clear_flags(self, rows: torch.Tensor) -> None:
-        """Zero the flags of ``rows`` (int64), the only part of the buffer the sparse way writes."""
-        if 16 * rows.numel() >= self.num_rows:
-            self.flags.zero_()
-        else:
-            self.flags.index_fill_(0, rows, 0.0)
-        self._clean = True
 
     def _clear(self, rows: torch.Tensor) -> None:
         """Zero the buffer again, where only ``rows`` (int64) hold gradients and flags."""

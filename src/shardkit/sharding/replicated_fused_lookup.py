@@ -119,7 +119,7 @@ class _ReplicatedFusedFn(torch.autograd.Function):
 
 def _sparse_in_scratch(lookup, weight, args, world, step) -> None:
     """The backward of a table that :func:`uses_scratch`: this rank's touched rows read off the kept
-    exchange buffer's flags (sorted, with no sort of the ids), then one all-gather of every rank's
+    exchange's marks (sorted, with no sort of the ids), then one all-gather of every rank's
     count, rows and gradient rows sized by the last exchange's counts (:func:`gather_bound`; the
     first backward gathers the counts first, and a rank touching more rows than that makes every
     rank gather again, sized to fit), this rank's rows' gradient computed straight into its block of
@@ -128,10 +128,8 @@ def _sparse_in_scratch(lookup, weight, args, world, step) -> None:
     into the buffer and the dense all-reduce."""
     ids, offsets, bag_shift, weights, bag_scale, grad_out, pooled, batch_major = args
     exchange = lookup.dense_exchange(weight)
-    exchange.start()
     id_rows = embedding_torch.buffer_rows(ids, offsets, bag_shift)
-    exchange.flags.index_fill_(0, id_rows, 1.0)
-    rows = exchange.flags.nonzero().squeeze(1)
+    rows = exchange.touched(id_rows)
     local_ids = []
 
     def fill(out: torch.Tensor) -> None:
@@ -153,7 +151,9 @@ def _sparse_in_scratch(lookup, weight, args, world, step) -> None:
         lookup.dense_next, lookup.next_gather_rows = False, gather_bound(counts)
         exchange.step_gathered(rows, counts, weight, step)
         return
+    exchange.start()
     _accumulate(exchange.grad, *args, world)
+    exchange.flags.index_fill_(0, rows, 1.0)
     exchange.counts[dist.get_rank(lookup.process_group)] = rows.numel()
     lookup.step_replicas(exchange, weight, step)
 
