@@ -34,7 +34,9 @@ def _by_definition(values, offsets, bags, block_starts, block_keys, key_feature)
     for f, count in enumerate(bags):
         for _ in range(count):
             for i in range(off[bag], off[bag + 1]):
-                block = max(j for j, start in enumerate(block_starts[f]) if start <= int(values[i]))
+                # the last block starting at or before the id; the first block for smaller ids
+                starts = block_starts[f]
+                block = max((j for j, start in enumerate(starts) if start <= int(values[i])), default=0)
                 segments.append(key_base[block_keys[f][block]] + bag - feature_first_bag[f])
             bag += 1
     order = sorted(range(len(segments)), key=lambda i: segments[i])
@@ -52,3 +54,55 @@ def test_bucketize_matches_its_definition(backend, dtype, seed):
     assert order.tolist() == want_order
     assert lengths.tolist() == want_lengths
     assert sent.dtype == dtype and torch.equal(sent, case[0][order])
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("native", marks=needs_native)])
+def test_without_order_the_same_lengths_and_ids(backend):
+    case = _case(0, torch.int64)
+    order, lengths, sent = bucketize_blocks(*case, backend=backend)
+    no_order, lengths2, sent2 = bucketize_blocks(*case, backend=backend, need_order=False)
+    assert no_order is None
+    assert torch.equal(lengths, lengths2) and torch.equal(sent, sent2)
+
+
+def _random_case(seed: int, dtype: torch.dtype):
+    """Many features of 1 to 4 blocks (empty bags, features without bags, ids below a block's start)."""
+    gen = torch.Generator().manual_seed(seed)
+    features = 9
+    bags = torch.randint(0, 6, (features,), generator=gen).tolist()
+    bags[3] = 0
+    block_starts, block_keys, key_feature = [], [], []
+    for f in range(features):
+        count = int(torch.randint(1, 5, (1,), generator=gen))
+        starts = sorted(torch.randperm(50, generator=gen)[: count - 1].add(1).tolist())
+        block_starts.append([0, *starts] if f % 2 else [5, *[s + 5 for s in starts]])
+        block_keys.append(list(range(len(key_feature), len(key_feature) + count)))
+        key_feature += [f] * count
+    # keys in a shuffled order (as rank by rank sends them), the blocks' keys renamed to match
+    perm = torch.randperm(len(key_feature), generator=gen).tolist()
+    block_keys = [[perm[k] for k in keys] for keys in block_keys]
+    key_feature = [key_feature[perm.index(k)] for k in range(len(key_feature))]
+    lengths = torch.randint(0, 6, (sum(bags),), generator=gen)
+    values = torch.randint(0, 60, (int(lengths.sum()),), generator=gen).to(dtype)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    return values, offsets, bags, block_starts, block_keys, key_feature
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("native", marks=needs_native)])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("seed", range(6))
+def test_bucketize_random_features_match_the_definition(backend, dtype, seed):
+    case = _random_case(seed, dtype)
+    order, lengths, sent = bucketize_blocks(*case, backend=backend)
+    want_order, want_lengths = _by_definition(*case)
+    assert order.tolist() == want_order
+    assert lengths.tolist() == want_lengths
+    assert torch.equal(sent, case[0][order])
+
+
+@needs_native
+def test_native_refuses_blocks_that_share_a_segment():
+    values, offsets, bags, block_starts, block_keys, key_feature = _case(0, torch.int64)
+    block_keys = [[0, 3, 5], [1], [2, 6], [1]]  # features 1 and 3 both send under key 1
+    with pytest.raises(RuntimeError, match="more than one block"):
+        bucketize_blocks(values, offsets, bags, block_starts, block_keys, key_feature, backend="native")

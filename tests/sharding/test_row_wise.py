@@ -45,6 +45,22 @@ def test_ids_go_to_the_block_holding_their_row_in_bag_order():
     assert send.stride() == 2
 
 
+def test_bucketize_without_order_sends_the_same_kjt():
+    # a pooled unweighted lookup needs no order (the kernel then does not write it); with weights the
+    # order is still computed, since it permutes them
+    kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([0, 5, 3, 9, 4, 0]), lengths=torch.tensor([3, 1, 2, 0]))
+    send, order = _sharding().bucketize(kjt)
+    bare, none = _sharding().bucketize(kjt, need_order=False)
+    assert none is None and order is not None
+    assert bare.keys() == send.keys() and torch.equal(bare.lengths(), send.lengths())
+    assert torch.equal(bare.values(), send.values())
+    weighted = KeyedJaggedTensor(
+        ["a", "b"], torch.tensor([7, 1]), torch.tensor([0.5, 2.0]), lengths=torch.tensor([2, 0, 0, 0])
+    )
+    _, kept = _sharding().bucketize(weighted, need_order=False)
+    assert kept is not None
+
+
 def test_splits_and_output_layout_do_not_depend_on_the_rank():
     layouts = [_sharding(r).output_layout() for r in range(3)]
     assert layouts[0] == layouts[1] == layouts[2] == [("a", 0, 2), ("b", 0, 2)]

@@ -31,7 +31,8 @@ def bucketize_blocks(
     key_feature: Sequence[int],
     ids_per_feature: Optional[Sequence[int]] = None,
     backend: str = "auto",
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    need_order: bool = True,
+) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Returns (order int64 ``[N]``, lengths int64 ``[S]``, ``values[order]``).
 
     values: int32 / int64 ``[N]``; offsets: ``[sum(bags_per_feature) + 1]``; block_starts / block_keys:
@@ -39,7 +40,8 @@ def bucketize_blocks(
     key (keys numbered 0..K-1). ``S = sum(bags_per_feature[key_feature[k]] for k)``. ids_per_feature:
     the number of ids of each feature if known (the torch path reads it from offsets otherwise).
     backend: "auto" (native when it can run and :func:`~shardkit.kernels.kernel_backend` does not force
-    another), "native" or "torch".
+    another), "native" or "torch". need_order: False returns None for ``order`` (the native kernel
+    then does not write it: a pooled unweighted row-wise lookup only sends the sorted ids).
     """
     offsets = offsets.to(torch.int64)
     key_bags = [bags_per_feature[f] for f in key_feature]
@@ -53,7 +55,7 @@ def bucketize_blocks(
         def tensor(data: List[int]) -> torch.Tensor:
             return torch.tensor(data, dtype=torch.int64, device=device)
 
-        return native.bucketize_blocks(
+        order, lengths, sent = native.bucketize_blocks(
             values.contiguous(),
             offsets.contiguous(),
             tensor([0, *accumulate(bags_per_feature)]),
@@ -62,10 +64,13 @@ def bucketize_blocks(
             tensor([k for keys in block_keys for k in keys]),
             tensor([0, *accumulate(key_bags)][:-1]),
             num_segments,
+            need_order,
         )
-    return _bucketize_torch(
+        return (order if need_order else None), lengths, sent
+    order, lengths, sent = _bucketize_torch(
         values, offsets, bags_per_feature, block_starts, block_keys, key_feature, ids_per_feature
     )
+    return (order if need_order else None), lengths, sent
 
 
 def _bucketize_torch(values, offsets, bags_per_feature, block_starts, block_keys, key_feature, counts):

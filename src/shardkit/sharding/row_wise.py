@@ -108,17 +108,21 @@ class RowBucketRouting(EmbeddingShardingImpl):
 
     def _route(self, ctx: ShardingContext, features: KeyedJaggedTensor, need_recat: bool):
         record_input(ctx, features)
-        send, order = self.bucketize(features)
+        send, order = self.bucketize(features, need_order=need_recat)
         if need_recat:
             ctx.unbucketize = torch.empty_like(order).index_copy_(
                 0, order, torch.arange(order.numel(), device=order.device)
             )
         return start_kjt_all_to_all(ctx, self.pg, send, self._splits, self.stagger, need_recat)
 
-    def bucketize(self, features: KeyedJaggedTensor) -> Tuple[KeyedJaggedTensor, torch.Tensor]:
+    def bucketize(
+        self, features: KeyedJaggedTensor, need_order: bool = True
+    ) -> Tuple[KeyedJaggedTensor, Optional[torch.Tensor]]:
         """The KJT to send (keys ``feature@rank``, rank by rank) and the sort ``order`` of the input ids
-        (sent ids = ``values[order]``). No host sync beyond the input's cached ``length_per_key``.
+        (sent ids = ``values[order]``; None when not ``need_order`` and the input has no weights, which
+        the order permutes). No host sync beyond the input's cached ``length_per_key``.
         """
+        weights = features.weights_or_none()
         order, lengths, sent_values = bucketize_blocks(
             features.values(),
             features.offsets(),
@@ -127,8 +131,8 @@ class RowBucketRouting(EmbeddingShardingImpl):
             self._block_keys,
             self._sent_feature,
             features.length_per_key(),
+            need_order=need_order or weights is not None,
         )
-        weights = features.weights_or_none()
         spkpr = features.stride_per_key_per_rank() if features.variable_stride_per_key() else None
         send = KeyedJaggedTensor(
             self._sent_names,

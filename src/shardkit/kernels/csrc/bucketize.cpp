@@ -24,7 +24,7 @@ template <typename index_t>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bucketize_impl(
     const at::Tensor& values, const at::Tensor& offsets, const at::Tensor& feature_bag_start,
     const at::Tensor& block_starts, const at::Tensor& block_ptr, const at::Tensor& block_keys,
-    const at::Tensor& key_base, int64_t num_segments) {
+    const at::Tensor& key_base, int64_t num_segments, bool need_order) {
   const int64_t n = values.numel();
   const int64_t features = feature_bag_start.numel() - 1;
   const index_t* v = values.data_ptr<index_t>();
@@ -36,6 +36,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bucketize_impl(
   const int64_t* kbase = key_base.data_ptr<int64_t>();
   // the key tables are small: check them once, so no id needs a check of its own
   const int64_t keys = key_base.numel();
+  TORCH_CHECK(num_segments < (int64_t(1) << 31), "bucketize: at most 2^31 segments");
+  // every segment belongs to at most one block (the segments of a one-block feature then hold its
+  // ids only, which are copied whole)
+  std::vector<char> owned(num_segments, 0);
   for (int64_t f = 0; f < features; ++f) {
     TORCH_CHECK(bptr[f] < bptr[f + 1] && bptr[f + 1] <= block_keys.numel(),
                 "bucketize: feature ", f, " needs at least one block");
@@ -44,41 +48,70 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bucketize_impl(
                       kbase[bkey[j]] + (fbag[f + 1] - fbag[f]) <= num_segments,
                   "bucketize: block ", j, " of feature ", f, " sends to a segment range outside [0, ",
                   num_segments, ")");
-    }
-  }
-  std::vector<int32_t> segment(n);
-  TORCH_CHECK(num_segments < (int64_t(1) << 31), "bucketize: at most 2^31 segments");
-  at::parallel_for(0, features, 1, [&](int64_t f0, int64_t f1) {
-    for (int64_t f = f0; f < f1; ++f) {
-      const int64_t* first = starts + bptr[f];
-      const int64_t* last = starts + bptr[f + 1];
-      const bool one_block = last - first == 1;
-      for (int64_t b = fbag[f]; b < fbag[f + 1]; ++b) {
-        const int64_t sample = b - fbag[f];
-        for (int64_t i = off[b]; i < off[b + 1]; ++i) {
-          int64_t block = 0;
-          if (!one_block) {
-            block = std::upper_bound(first, last, static_cast<int64_t>(v[i])) - first - 1;
-            block = std::max<int64_t>(block, 0);
-          }
-          segment[i] = static_cast<int32_t>(kbase[bkey[bptr[f] + block]] + sample);
-        }
+      for (int64_t seg = kbase[bkey[j]]; seg < kbase[bkey[j]] + (fbag[f + 1] - fbag[f]); ++seg) {
+        TORCH_CHECK(!owned[seg], "bucketize: segment ", seg, " is sent by more than one block");
+        owned[seg] = 1;
       }
     }
-  });
+  }
+  // Two passes over the ids, no per-id scratch: count every segment's ids, then place them (a
+  // counting sort, stable). A feature of one block sends each bag whole to one key, in bag order, so
+  // its ids are counted per bag and placed with one copy per feature.
   at::Tensor lengths = at::zeros({num_segments}, offsets.options());
   int64_t* len = lengths.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) ++len[segment[i]];
+  auto segment_of = [&](int64_t f, int64_t sample, int64_t id) -> int64_t {
+    const int64_t* first = starts + bptr[f];
+    const int64_t count = bptr[f + 1] - bptr[f];
+    int64_t block = 0;
+    if (count == 2) {
+      block = id >= first[1] ? 1 : 0;
+    } else if (count > 2) {
+      block = std::upper_bound(first, first + count, id) - first - 1;
+      block = std::max<int64_t>(block, 0);
+    }
+    return kbase[bkey[bptr[f] + block]] + sample;
+  };
+  for (int64_t f = 0; f < features; ++f) {
+    const bool one_block = bptr[f + 1] - bptr[f] == 1;
+    const int64_t base = kbase[bkey[bptr[f]]];
+    for (int64_t b = fbag[f]; b < fbag[f + 1]; ++b) {
+      const int64_t sample = b - fbag[f];
+      if (one_block) {
+        len[base + sample] += off[b + 1] - off[b];
+        continue;
+      }
+      for (int64_t i = off[b]; i < off[b + 1]; ++i) ++len[segment_of(f, sample, v[i])];
+    }
+  }
   std::vector<int64_t> cursor(num_segments + 1, 0);
   for (int64_t s = 0; s < num_segments; ++s) cursor[s + 1] = cursor[s] + len[s];
-  at::Tensor order = at::empty({n}, offsets.options());
+  at::Tensor order = need_order ? at::empty({n}, offsets.options()) : at::empty({0}, offsets.options());
   at::Tensor sorted = at::empty({n}, values.options());
-  int64_t* ord = order.data_ptr<int64_t>();
+  int64_t* ord = need_order ? order.data_ptr<int64_t>() : nullptr;
   index_t* out = sorted.data_ptr<index_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t pos = cursor[segment[i]]++;
-    ord[pos] = i;
-    out[pos] = v[i];
+  for (int64_t f = 0; f < features; ++f) {
+    if (fbag[f] == fbag[f + 1]) continue;
+    if (bptr[f + 1] - bptr[f] == 1) {
+      // the feature's segments are consecutive and its ids arrive in their order: one block copy
+      const int64_t first_id = off[fbag[f]];
+      const int64_t count = off[fbag[f + 1]] - first_id;
+      const int64_t seg = kbase[bkey[bptr[f]]];
+      const int64_t pos = cursor[seg];
+      std::copy(v + first_id, v + first_id + count, out + pos);
+      if (ord != nullptr) {
+        for (int64_t j = 0; j < count; ++j) ord[pos + j] = first_id + j;
+      }
+      for (int64_t s = seg; s < seg + (fbag[f + 1] - fbag[f]); ++s) cursor[s] += len[s];
+      continue;
+    }
+    for (int64_t b = fbag[f]; b < fbag[f + 1]; ++b) {
+      const int64_t sample = b - fbag[f];
+      for (int64_t i = off[b]; i < off[b + 1]; ++i) {
+        const int64_t pos = cursor[segment_of(f, sample, v[i])]++;
+        out[pos] = v[i];
+        if (ord != nullptr) ord[pos] = i;
+      }
+    }
   }
   return {order, lengths, sorted};
 }
@@ -86,7 +119,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bucketize_impl(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bucketize_blocks(
     const at::Tensor& values, const at::Tensor& offsets, const at::Tensor& feature_bag_start,
     const at::Tensor& block_starts, const at::Tensor& block_ptr, const at::Tensor& block_keys,
-    const at::Tensor& key_base, int64_t num_segments) {
+    const at::Tensor& key_base, int64_t num_segments, bool need_order) {
   for (const at::Tensor* t : {&offsets, &feature_bag_start, &block_starts, &block_ptr, &block_keys, &key_base}) {
     TORCH_CHECK(t->dim() == 1 && t->scalar_type() == at::kLong && t->is_contiguous(),
                 "bucketize: index arguments must be contiguous 1-d int64");
@@ -97,11 +130,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bucketize_blocks(
   TORCH_CHECK(feature_bag_start.numel() == block_ptr.numel(), "bucketize: one block range per feature");
   if (values.scalar_type() == at::kLong) {
     return bucketize_impl<int64_t>(values, offsets, feature_bag_start, block_starts, block_ptr, block_keys,
-                                   key_base, num_segments);
+                                   key_base, num_segments, need_order);
   }
   TORCH_CHECK(values.scalar_type() == at::kInt, "bucketize: values must be int32 or int64");
   return bucketize_impl<int32_t>(values, offsets, feature_bag_start, block_starts, block_ptr, block_keys,
-                                 key_base, num_segments);
+                                 key_base, num_segments, need_order);
 }
 
 }  // namespace
@@ -109,7 +142,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bucketize_blocks(
 TORCH_LIBRARY_FRAGMENT(shardkit_native, m) {
   m.def(
       "bucketize_blocks(Tensor values, Tensor offsets, Tensor feature_bag_start, Tensor block_starts, "
-      "Tensor block_ptr, Tensor block_keys, Tensor key_base, int num_segments) -> (Tensor, Tensor, Tensor)");
+      "Tensor block_ptr, Tensor block_keys, Tensor key_base, int num_segments, bool need_order) -> "
+      "(Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(shardkit_native, CPU, m) { m.impl("bucketize_blocks", &bucketize_blocks); }
