@@ -553,3 +553,38 @@ def test_two_pieces_sum_to_the_stacked_reduction():
         assert torch.equal(_sum_pieces(pieces, a.numel()), torch.stack([a, b]).sum(dim=0))
     three = [torch.randn(5, generator=gen) for _ in range(3)]
     assert torch.equal(_sum_pieces(three, 5), torch.stack(three).sum(dim=0))
+
+
+def _reduce_scatters_reuse_the_receive_buffer():
+    from shardkit.distributed.comm_ops import scratch
+
+    scratch.clear()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows, cols = 4 * world, 65_536  # 1 MiB of fp32 per piece: above scratch.MIN_BYTES
+
+    def data(seed: int, r: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed * 10 + r))
+
+    def expected(seed: int) -> torch.Tensor:
+        return torch.stack([data(seed, r) for r in range(world)]).sum(dim=0)[rank * 4 : rank * 4 + 4]
+
+    # one after the other: the second receives into the first's buffer, and its sum is its own
+    first = reduce_scatter_base_pooled(data(1, rank)).wait()
+    kept = scratch.kept_bytes()
+    buffer = scratch.take(kept, torch.device("cpu"))
+    scratch.give_back(buffer)
+    second = reduce_scatter_base_pooled(data(2, rank)).wait()
+    reused = scratch.take(kept, torch.device("cpu")).data_ptr() == buffer.data_ptr()
+    # two in flight at once: the second gets a buffer of its own
+    third, fourth = (reduce_scatter_base_pooled(data(s, rank)) for s in (3, 4))
+    outputs = [first, second, third.wait(), fourth.wait()]
+    ok = [torch.equal(out, expected(seed)) for seed, out in zip((1, 2, 3, 4), outputs)]
+    scratch.clear()
+    return kept, reused, ok
+
+
+def test_reduce_scatters_reuse_the_receive_buffer():
+    results = run_world(_reduce_scatters_reuse_the_receive_buffer, 2)
+    for kept, reused, ok in results:
+        assert kept == 2 * 4 * 65_536 * 4  # the two ranks' pieces, fp32
+        assert reused and ok == [True] * 4

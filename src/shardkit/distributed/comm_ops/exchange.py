@@ -32,6 +32,7 @@ from shardkit.distributed.agreement import (
     reduce_scatter_flat,
 )
 from shardkit.distributed.codecs import QuantizedCommCodec, QuantizedCommCodecs
+from shardkit.distributed.comm_ops import scratch
 from shardkit.distributed.direct_collectives import all_to_all_single
 from shardkit.distributed.validation import validation_enabled
 
@@ -212,11 +213,13 @@ def all_to_all(
     codec: Optional[QuantizedCommCodec],
     group: Optional[ProcessGroup],
     decode_to: Optional[torch.dtype] = None,
+    recv: Optional[torch.Tensor] = None,
 ) -> Pending[list[torch.Tensor]]:
     """Send ``chunks[r]`` (``dtype``, any shape, sent flat) to rank ``r``, get ``recv_numels[s]`` from ``s``.
 
     ``wait()`` gives one flat tensor per source rank, of ``decode_to`` (default ``dtype``); views of
-    one receive buffer when no codec and no cast is involved.
+    one receive buffer when no codec and no cast is involved. ``recv``: that buffer (``uint8``, the
+    received bytes exactly), else a new one.
     """
     wire_dtype = _wire_dtype(codec, dtype)
     item = torch.empty(0, dtype=wire_dtype).element_size()
@@ -230,11 +233,13 @@ def all_to_all(
     if world == 1:
         recv, work = send, None
     else:
-        recv = send.new_empty(sum(recv_bytes))
+        if recv is None:
+            recv = send.new_empty(sum(recv_bytes))
         work = all_to_all_single(recv, send, recv_bytes, send_bytes, group)
+    received = recv
 
     def finish() -> list[torch.Tensor]:
-        pieces = recv.split(recv_bytes)
+        pieces = received.split(recv_bytes)
         return [_decode(_from_bytes(piece, wire_dtype), codec, decode_to or dtype) for piece in pieces]
 
     return Pending(work, finish)
@@ -291,9 +296,21 @@ def reduce_scatter(
         work = reduce_scatter_flat(out, send, group=group, async_op=True)
         return Pending(work, lambda: _decode(out[: _wire_numel(own, codec)], codec, dtype))
     accumulate = _accumulate_dtype(dtype)
-    received = all_to_all(chunks, [own] * world, dtype, codec, group, decode_to=accumulate)
-    # the pieces are views of one receive buffer when no codec or cast is involved: no stacking copy
-    return received.then(lambda pieces: _sum_pieces(pieces, own).to(dtype))
+    # the receive buffer is scratch (the pieces are summed into a new tensor): reused across calls
+    wire_bytes = (
+        world * _wire_numel(own, codec) * torch.empty(0, dtype=_wire_dtype(codec, dtype)).element_size()
+    )
+    buffer = scratch.take(wire_bytes, device) if world > 1 else None
+    received = all_to_all(chunks, [own] * world, dtype, codec, group, decode_to=accumulate, recv=buffer)
+
+    def summed(pieces: list[torch.Tensor]) -> torch.Tensor:
+        # the pieces are views of the receive buffer when no codec or cast is involved: no stacking copy
+        total = _sum_pieces(pieces, own).to(dtype)
+        if buffer is not None:
+            scratch.give_back(buffer)  # the sum is a new tensor: nothing reads the buffer any more
+        return total
+
+    return received.then(summed)
 
 
 def _sum_pieces(pieces: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
