@@ -588,3 +588,32 @@ def test_reduce_scatters_reuse_the_receive_buffer():
     for kept, reused, ok in results:
         assert kept == 2 * 4 * 65_536 * 4  # the two ranks' pieces, fp32
         assert reused and ok == [True] * 4
+
+
+def _pooled_all_to_alls_reuse_the_receive_buffer():
+    from shardkit.distributed.comm_ops import scratch
+
+    scratch.clear()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    batch, dims = [64] * world, [4096 + 64 * r for r in range(world)]  # >= 1 MiB received
+
+    def data(seed: int, r: int) -> torch.Tensor:
+        return torch.randn(sum(batch), dims[r], generator=torch.Generator().manual_seed(seed * 10 + r))
+
+    def expected(seed: int) -> torch.Tensor:
+        return torch.cat([data(seed, r)[rank * 64 : rank * 64 + 64] for r in range(world)], dim=1)
+
+    first = alltoall_pooled(data(1, rank), batch, dims).wait()
+    buffer = scratch.take(scratch.kept_bytes(), torch.device("cpu"))
+    scratch.give_back(buffer)
+    second = alltoall_pooled(data(2, rank), batch, dims).wait()
+    reused = scratch.take(buffer.numel(), torch.device("cpu")).data_ptr() == buffer.data_ptr()
+    ok = [torch.equal(first, expected(1)), torch.equal(second, expected(2))]
+    scratch.clear()
+    return buffer.numel(), reused, ok
+
+
+def test_pooled_all_to_alls_reuse_the_receive_buffer():
+    for kept, reused, ok in run_world(_pooled_all_to_alls_reuse_the_receive_buffer, 2):
+        assert kept == 64 * (4096 + 4096 + 64) * 4  # what rank 0 / 1 receives: 64 rows of every rank's dims
+        assert reused and ok == [True, True]

@@ -18,7 +18,9 @@ from shardkit.distributed.comm_ops.exchange import (
     Layout,
     agree_values,
     all_to_all,
+    all_to_all_consumed,
     all_to_all_flat,
+    all_to_all_flat_consumed,
     backward_codec,
     check_local,
     check_sizes,
@@ -76,23 +78,24 @@ class _PooledPlan(CommPlan):
         batch, dims = self.info.batch_size_per_rank, self.info.dim_sum_per_rank
         b_me = batch[self.rank]
         codec = forward_codec(self.info.codecs)
+        if self.placement is not None:
+            placement = self.placement
+
+            def assemble(pieces):
+                return placement.assemble(pieces, b_me)
+        else:
+
+            def assemble(pieces):
+                return torch.cat([p.view(b_me, d) for p, d in zip(pieces, dims)], dim=1)
+
+        # both copy the pieces into a new output: the receive buffer is reused across calls
         if codec is None and inputs[0].is_contiguous():
             # the [B_r, D_me] row chunks tile the input in order: send it as it is
-            received = all_to_all_flat(inputs[0].view(-1), self._send, self._recv, self.group, self.world)
-            # split_with_sizes: Tensor.split's Python wrapper costs more than the split itself here
-            sizes = self._recv
-            if self.placement is not None:
-                return received.then(lambda flat: self.placement.assemble(flat.split_with_sizes(sizes), b_me))
-            return received.then(
-                lambda flat: torch.cat(
-                    [p.view(b_me, d) for p, d in zip(flat.split_with_sizes(sizes), dims)], dim=1
-                )
+            return all_to_all_flat_consumed(
+                inputs[0].view(-1), self._send, self._recv, self.group, self.world, assemble
             )
         chunks = inputs[0].split(batch, dim=0)  # [B_r, D_me] rows: contiguous, sent without a copy
-        received = all_to_all(chunks, self._recv, self.dtype, codec, self.group)
-        if self.placement is not None:
-            return received.then(lambda pieces: self.placement.assemble(pieces, b_me))
-        return received.then(lambda pieces: torch.cat([p.view(b_me, d) for p, d in zip(pieces, dims)], dim=1))
+        return all_to_all_consumed(chunks, self._recv, self.dtype, codec, self.group, assemble)
 
     def start_backward(self, grads):
         batch, dims = self.info.batch_size_per_rank, self.info.dim_sum_per_rank

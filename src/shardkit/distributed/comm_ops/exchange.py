@@ -251,18 +251,21 @@ def all_to_all_flat(
     recv_numels: Sequence[int],
     group: Optional[ProcessGroup],
     world: int,
+    recv: Optional[torch.Tensor] = None,
 ) -> Pending[torch.Tensor]:
     """``all_to_all`` without a codec for chunks already back to back in one contiguous tensor: the
     first ``send_numels[0]`` elements of ``flat`` to rank 0, the next ``send_numels[1]`` to rank 1, ...
 
     ``wait()`` gives the received ``[sum(recv_numels)]`` tensor of ``flat``'s dtype (source ranks in
-    order; split it by ``recv_numels``). ``world`` is the group's size (the caller knows it). Sent
-    as bytes like ``all_to_all``, without a copy; with one rank the received tensor is ``flat``.
+    order; split it by ``recv_numels``), ``recv`` when given. ``world`` is the group's size (the caller
+    knows it). Sent as bytes like ``all_to_all``, without a copy; with one rank the received tensor is
+    ``flat``.
     """
     if world == 1:
         return Pending(None, lambda: flat)
     item = flat.element_size()
-    recv = flat.new_empty(sum(recv_numels))
+    if recv is None:
+        recv = flat.new_empty(sum(recv_numels))
     work = all_to_all_single(
         recv.view(torch.uint8),
         flat.view(torch.uint8),
@@ -296,21 +299,74 @@ def reduce_scatter(
         work = reduce_scatter_flat(out, send, group=group, async_op=True)
         return Pending(work, lambda: _decode(out[: _wire_numel(own, codec)], codec, dtype))
     accumulate = _accumulate_dtype(dtype)
-    # the receive buffer is scratch (the pieces are summed into a new tensor): reused across calls
-    wire_bytes = (
-        world * _wire_numel(own, codec) * torch.empty(0, dtype=_wire_dtype(codec, dtype)).element_size()
+    # the pieces are views of the receive buffer when no codec or cast is involved: no stacking
+    # copy; the sum is a new tensor, so the buffer is scratch
+    return all_to_all_consumed(
+        chunks,
+        [own] * world,
+        dtype,
+        codec,
+        group,
+        lambda pieces: _sum_pieces(pieces, own).to(dtype),
+        decode_to=accumulate,
     )
-    buffer = scratch.take(wire_bytes, device) if world > 1 else None
-    received = all_to_all(chunks, [own] * world, dtype, codec, group, decode_to=accumulate, recv=buffer)
 
-    def summed(pieces: list[torch.Tensor]) -> torch.Tensor:
-        # the pieces are views of the receive buffer when no codec or cast is involved: no stacking copy
-        total = _sum_pieces(pieces, own).to(dtype)
+
+def all_to_all_consumed(
+    chunks: Sequence[torch.Tensor],
+    recv_numels: Sequence[int],
+    dtype: torch.dtype,
+    codec: Optional[QuantizedCommCodec],
+    group: Optional[ProcessGroup],
+    consume: Callable[[list[torch.Tensor]], U],
+    decode_to: Optional[torch.dtype] = None,
+) -> Pending[U]:
+    """``all_to_all(...).then(consume)`` for a ``consume`` that copies what it keeps of the pieces
+    into new tensors (a sum, a concatenation): the receive buffer then comes from
+    ``comm_ops.scratch`` and goes back to it once ``consume`` has run, for the next call of the same
+    size (a fresh buffer of tens of MiB is pages the receiving thread faults in, one by one).
+    """
+    world = world_of(group)
+    buffer = None
+    if world > 1:
+        item = torch.empty(0, dtype=_wire_dtype(codec, dtype)).element_size()
+        nbytes = sum(_wire_numel(n, codec) for n in recv_numels) * item
+        buffer = scratch.take(nbytes, chunks[0].device if chunks else None)
+    received = all_to_all(chunks, recv_numels, dtype, codec, group, decode_to=decode_to, recv=buffer)
+
+    def finish(pieces: list[torch.Tensor]) -> U:
+        kept = consume(pieces)
         if buffer is not None:
-            scratch.give_back(buffer)  # the sum is a new tensor: nothing reads the buffer any more
-        return total
+            scratch.give_back(buffer)
+        return kept
 
-    return received.then(summed)
+    return received.then(finish)
+
+
+def all_to_all_flat_consumed(
+    flat: torch.Tensor,
+    send_numels: Sequence[int],
+    recv_numels: Sequence[int],
+    group: Optional[ProcessGroup],
+    world: int,
+    consume: Callable[[Sequence[torch.Tensor]], U],
+) -> Pending[U]:
+    """``all_to_all_flat`` whose received pieces (``recv_numels``, source ranks in order) go to
+    ``consume``, which copies what it keeps: the receive buffer comes from ``comm_ops.scratch`` and
+    goes back to it once ``consume`` has run (as in :func:`all_to_all_consumed`)."""
+    buffer = None
+    if world > 1:
+        buffer = scratch.take(sum(recv_numels) * flat.element_size(), flat.device).view(flat.dtype)
+    received = all_to_all_flat(flat, send_numels, recv_numels, group, world, recv=buffer)
+
+    def finish(recv: torch.Tensor) -> U:
+        # split_with_sizes: Tensor.split's Python wrapper costs more than the split itself here
+        kept = consume(recv.split_with_sizes(recv_numels))
+        if buffer is not None:
+            scratch.give_back(buffer.view(torch.uint8))
+        return kept
+
+    return received.then(finish)
 
 
 def _sum_pieces(pieces: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
