@@ -617,3 +617,47 @@ def test_pooled_all_to_alls_reuse_the_receive_buffer():
     for kept, reused, ok in run_world(_pooled_all_to_alls_reuse_the_receive_buffer, 2):
         assert kept == 64 * (4096 + 4096 + 64) * 4  # what rank 0 / 1 receives: 64 rows of every rank's dims
         assert reused and ok == [True, True]
+
+
+def _placed_backward_reuses_the_send_buffer():
+    from shardkit.distributed.comm_ops import scratch
+    from shardkit.distributed.comm_ops.alltoall import alltoall_pooled_placed
+    from shardkit.distributed.comm_ops.placement import ColumnPlacement
+
+    scratch.clear()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    width, blocks = 64, 4 * world  # rank r computes blocks r, r + W, ...: interleaved in the output
+    placement = ColumnPlacement(width, [list(range(r, blocks, world)) for r in range(world)])
+    batch = [1024] * world  # each rank's gradient [1024, blocks * width] fp32: 2 MiB with 2 ranks
+    taken, real_take = [], scratch.take
+
+    def recording_take(nbytes, device):
+        buffer = real_take(nbytes, device)
+        taken.append(buffer.data_ptr())
+        return buffer
+
+    scratch.take = recording_take
+    results = []
+    try:
+        for seed in (1, 2):
+            gen = torch.Generator().manual_seed(seed * 10 + rank)
+            x = torch.randn(sum(batch), placement.columns(rank), generator=gen, requires_grad=True)
+            out = alltoall_pooled_placed(x, batch, placement).wait()
+            weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+            (out * weight).sum().backward()
+            # x's rows of rank s got rank s's gradient of x's blocks (weight is the same on every
+            # rank), divided by the world size (gradient division is on by default)
+            mine = torch.cat([weight[:, b * width : (b + 1) * width] for b in placement.dest[rank]], dim=1)
+            results.append(torch.equal(x.grad, mine.repeat(world, 1) / world))
+    finally:
+        scratch.take = real_take
+        scratch.clear()
+    # forward, backward, forward, backward: one buffer (the forward receives [1024, blocks * width],
+    # the backward sends as much)
+    return taken, results
+
+
+def test_placed_backward_reuses_the_send_buffer():
+    for taken, exact in run_world(_placed_backward_reuses_the_send_buffer, 2):
+        assert len(taken) == 4 and len(set(taken)) == 1
+        assert exact == [True, True]

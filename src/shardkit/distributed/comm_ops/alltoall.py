@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from shardkit.distributed.agreement import group_rank
 from shardkit.distributed.codecs import QuantizedCommCodecs
+from shardkit.distributed.comm_ops import scratch
 from shardkit.distributed.comm_ops.exchange import (
     Layout,
     agree_values,
@@ -102,17 +103,39 @@ class _PooledPlan(CommPlan):
         d_me = dims[self.rank]
         rows = sum(batch)
         codec = backward_codec(self.info.codecs)
-        if codec is None and self.placement is not None:
-            # the blocks land back to back in one new buffer, sent as it is
-            send = self.placement.split_flat(grads[0])
-            received = all_to_all_flat(send, self._recv, self._send, self.group, self.world)
-            return received.then(lambda flat: (flat.view(rows, d_me),))
+        buffer = None
+
+        def give_back() -> None:
+            if buffer is not None:
+                scratch.give_back(buffer)
+
         if self.placement is not None:
-            chunks = self.placement.split(grads[0])  # back to back in one buffer: sent as they are
+            grad = grads[0]
+            if self.world > 1:
+                # only read by the collective: scratch once it has completed (with one rank the
+                # "received" pieces would be this buffer)
+                buffer = scratch.take(grad.numel() * grad.element_size(), grad.device)
+            send = None if buffer is None else buffer.view(grad.dtype)
+            if codec is None:
+                # the blocks land back to back in one buffer, sent as it is
+                flat = self.placement.split_flat(grad, send)
+                received = all_to_all_flat(flat, self._recv, self._send, self.group, self.world)
+
+                def finish_flat(out):
+                    give_back()
+                    return (out.view(rows, d_me),)
+
+                return received.then(finish_flat)
+            chunks = self.placement.split(grad, send)  # back to back in one buffer: sent as they are
         else:
             chunks = grads[0].split(dims, dim=1)  # [B_me, D_r] column blocks, back to their owners
         received = all_to_all(chunks, self._send, self.dtype, codec, self.group)
-        return received.then(lambda pieces: (join(pieces).view(rows, d_me),))
+
+        def finish(pieces):
+            give_back()
+            return (join(pieces).view(rows, d_me),)
+
+        return received.then(finish)
 
 
 def alltoall_pooled(

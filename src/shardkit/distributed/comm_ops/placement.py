@@ -15,7 +15,7 @@ run per rank, stride ``W``), each moved by one strided ``copy_``; a rank whose b
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -86,20 +86,24 @@ class ColumnPlacement:
                 out_blocks[:, d0 : d0 + (n - 1) * step + 1 : step].copy_(src[:, s0 : s0 + n])
         return out
 
-    def split(self, grad: torch.Tensor) -> List[torch.Tensor]:
+    def split(self, grad: torch.Tensor, send: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
         """Gradient ``[rows, blocks * width]`` -> each rank's ``[rows, columns(r)]`` blocks, back to back
-        in one new buffer (rank order), so that the all-to-all sends them without another copy."""
-        return self._split(grad)[1]
+        in one buffer (rank order), so that the all-to-all sends them without another copy: ``send``
+        (flat, ``grad.numel()`` elements of grad's dtype) or a new one."""
+        return self._split(grad, send)[1]
 
-    def split_flat(self, grad: torch.Tensor) -> torch.Tensor:
+    def split_flat(self, grad: torch.Tensor, send: Optional[torch.Tensor] = None) -> torch.Tensor:
         """:meth:`split`'s buffer itself: ``[rows * blocks * width]``, rank ``r``'s ``rows x columns(r)``
         block (row-major) after those of the ranks before it."""
-        return self._split(grad)[0]
+        return self._split(grad, send)[0]
 
-    def _split(self, grad: torch.Tensor) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    def _split(
+        self, grad: torch.Tensor, send: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         grad = grad.contiguous()
         rows = grad.size(0)
-        send = grad.new_empty(grad.numel())
+        if send is None:
+            send = grad.new_empty(grad.numel())
         grad_blocks = grad.view(rows, self.blocks, self.width)
         chunks, start = [], 0
         for r, dest in enumerate(self.dest):
