@@ -661,3 +661,20 @@ def test_placed_backward_reuses_the_send_buffer():
     for taken, exact in run_world(_placed_backward_reuses_the_send_buffer, 2):
         assert len(taken) == 4 and len(set(taken)) == 1
         assert exact == [True, True]
+
+
+def test_scratch_keeps_large_cpu_buffers_only():
+    from shardkit.distributed.comm_ops import scratch
+
+    scratch.clear()
+    scratch.give_back(torch.empty(scratch.MIN_BYTES, dtype=torch.uint8, device="meta"))
+    scratch.give_back(torch.empty(scratch.MIN_BYTES - 1, dtype=torch.uint8))
+    assert scratch.kept_bytes() == 0
+    kept = torch.empty(scratch.MIN_BYTES, dtype=torch.uint8)
+    scratch.give_back(kept)
+    assert scratch.take(scratch.MIN_BYTES, torch.device("cpu")) is kept
+    for n in range(scratch.MAX_KEPT + 1):  # the oldest is dropped beyond MAX_KEPT
+        scratch.give_back(torch.empty(scratch.MIN_BYTES + n, dtype=torch.uint8))
+    assert scratch.kept_bytes() == sum(scratch.MIN_BYTES + n for n in range(1, scratch.MAX_KEPT + 1))
+    scratch.clear()
+    assert scratch.kept_bytes() == 0

@@ -37,8 +37,9 @@ def take(nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 def give_back(buffer: torch.Tensor) -> None:
-    """Keep ``buffer`` (from :func:`take`, no longer read or written) for a later :func:`take`."""
-    if buffer.numel() < MIN_BYTES:
+    """Keep ``buffer`` (from :func:`take`, no longer read or written) for a later :func:`take`; only
+    a CPU buffer is kept (a GPU's caching allocator already reuses its memory without faults)."""
+    if buffer.numel() < MIN_BYTES or buffer.device.type != "cpu":
         return
     key = (buffer.numel(), str(buffer.device))
     _kept.pop(key, None)
