@@ -14,10 +14,13 @@ all ranks at once (so ranks that share cores are measured sharing them), and fit
            + the dists' bytes (input ids, pooled rows forward and backward, a replica's exchange)
              / the collective bandwidth
 
-by one non-negative least-squares fit of the relative errors (``fit_constants``). Each feature is the
-estimator's own figure for the configuration with that constant set to 1 and the others to 0, so the
-fit and the planner's estimates cannot disagree on what a constant multiplies. ``lookup_cache_bytes``
-(the ``miss`` function's cache) is not linear: the fit is made for each of ``CACHE_CANDIDATES`` and the
+by one non-negative least-squares fit of the relative errors (``fit_constants``). A column-wise
+table is the table-wise dists and lookup over its column blocks, so table-wise's group, shard and id
+constants are charged to column-wise too, and column-wise's fitted ones are its extra on top
+(``TW_EXTENDED_BY``). Each feature is the estimator's own figure for the configuration with that
+constant set to 1 and the others to 0, so the fit and the planner's estimates cannot disagree on what
+a constant multiplies. ``lookup_cache_bytes`` (the ``miss`` function's cache) is not linear: the fit is
+made for each of ``CACHE_CANDIDATES`` and the
 smallest residual wins.
 
 The configurations (``calibration_configs``) are synthetic, never the model being planned: tiny tables
@@ -63,6 +66,11 @@ from shardkit.sparse import KeyedJaggedTensor
 
 TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel")
 ID_TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel")
+# type -> the types whose groups and shards run its code and then some: a column-wise table is looked up
+# and exchanged by the table-wise dists over its column blocks (shardkit.sharding.column_wise), so
+# table-wise's fitted constants are charged to column-wise as well, and column-wise's fitted ones are
+# its extra cost on top (so a column block can never be fitted cheaper than a table-wise shard)
+TW_EXTENDED_BY = {"table_wise": ("column_wise",)}
 COUNTS = (1, 4, 16, 48)  # shards of one type per rank in the tiny steps the per-shard cost is fitted from
 ROUNDS = 5  # alternating rounds of the timed steps
 STEPS_PER_ROUND = 2
@@ -286,10 +294,18 @@ def config_features(
     used = set(config.types)
     values: Dict[str, float] = {"step": 1.0}
     for t in TYPES:
-        values[f"group:{t}"] = 1.0 if t in used else 0.0
-        values[f"shard:{t}"] = est(zero.replace(shard_overhead_s={t: 1.0})) if t in used else 0.0
+        # a column-wise table runs the table-wise dists and lookup over its column blocks
+        # (CwPooledEmbeddingSharding is TwPooledEmbeddingSharding): table-wise's constants count for
+        # column-wise groups and shards too, and column-wise's own are what it costs beyond them
+        # (its features repeated once per block, more pieces per output dist), >= 0 as every one
+        covered = (t,) + TW_EXTENDED_BY.get(t, ())
+        values[f"group:{t}"] = float(sum(1 for c in covered if c in used))
+        shard = {c: 1.0 for c in covered}
+        values[f"shard:{t}"] = est(zero.replace(shard_overhead_s=shard)) if used & set(covered) else 0.0
     for t in ID_TYPES:
-        values[f"id:{t}"] = est(zero.replace(id_overhead_s={t: 1.0})) if t in used else 0.0
+        covered = (t,) + TW_EXTENDED_BY.get(t, ())
+        ids = {c: 1.0 for c in covered}
+        values[f"id:{t}"] = est(zero.replace(id_overhead_s=ids)) if used & set(covered) else 0.0
     unit_bw = zero.replace(ddr_lookup_bw=1.0, hbm_lookup_bw=1.0)
     values["lookup"] = est(unit_bw)
     values["comm"] = est(zero.replace(intra_node_bw=1.0, cross_node_bw=1.0))
@@ -366,6 +382,17 @@ def _robust(solve, a: torch.Tensor, known: torch.Tensor, t: torch.Tensor, x: tor
             return refit
         x = refit
     return x
+
+
+def _extended(fitted: Dict[str, float]) -> Dict[str, float]:
+    """Per-type constants from the fitted ones: a type's own plus those of the types it extends
+    (``TW_EXTENDED_BY``: column-wise = table-wise's + its extra)."""
+    out = dict(fitted)
+    for base, extensions in TW_EXTENDED_BY.items():
+        for t in extensions:
+            if t in out:
+                out[t] = fitted[t] + fitted.get(base, 0.0)
+    return out
 
 
 def fit_constants(
@@ -451,9 +478,9 @@ def fit_constants(
     comm_bw = 1.0 / v["comm"]
     return {
         "step_overhead_s": v["step"],
-        "group_overhead_s": {t: v[f"group:{t}"] for t in TYPES},
-        "shard_overhead_s": {t: v[f"shard:{t}"] for t in TYPES},
-        "id_overhead_s": {t: v[f"id:{t}"] for t in ID_TYPES},
+        "group_overhead_s": _extended({t: v[f"group:{t}"] for t in TYPES}),
+        "shard_overhead_s": _extended({t: v[f"shard:{t}"] for t in TYPES}),
+        "id_overhead_s": _extended({t: v[f"id:{t}"] for t in ID_TYPES}),
         "id_miss_s": v["id_miss"],
         "lookup_cache_bytes": cache,
         "miss_latency_bytes": miss_width,
