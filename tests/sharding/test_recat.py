@@ -69,3 +69,30 @@ def test_permute_value_segments_native_and_torch_agree(monkeypatch, with_weights
     monkeypatch.setattr(recat_module, "native_for", lambda device: None)
     torch_values, _ = recat_module.permute_value_segments(lengths, values, weights, segment_rows, order)
     assert torch.equal(torch_values, got_values)
+
+
+def test_permute_value_segments_builds_its_index_tensors_once(monkeypatch):
+    """The native path keeps the segment sizes and order as tensors between calls (a step repeats them):
+    a second call with the same segments builds no tensor from host lists, and gives the same result."""
+    from shardkit.kernels import native_for
+    from shardkit.sharding.dist_data import recat as recat_module
+
+    if native_for(torch.device("cpu")) is None:
+        pytest.skip("no native kernels in this build")
+    built = []
+    real = recat_module.host_list_to_device
+
+    def counting(values, device):
+        built.append(list(values))
+        return real(values, device)
+
+    monkeypatch.setattr(recat_module, "host_list_to_device", counting)
+    segment_rows, order = [2, 3, 1, 2], get_recat(2, 2)
+    lengths = torch.tensor([1, 0, 2, 1, 3, 0, 1, 2])
+    values = torch.arange(int(lengths.sum()))
+    first, _ = recat_module.permute_value_segments(lengths, values, None, segment_rows, order)
+    count = len(built)
+    second, _ = recat_module.permute_value_segments(lengths, values.clone(), None, list(segment_rows), order)
+    assert len(built) == count  # nothing built again
+    index = recat_module.jagged_segment_index(lengths, segment_rows, order, values.numel())
+    assert torch.equal(first, values[index]) and torch.equal(second, first)

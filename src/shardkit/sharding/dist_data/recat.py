@@ -13,7 +13,7 @@ are wanted interleaved).
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -69,6 +69,33 @@ def jagged_segment_index(
     return shift + torch.arange(num_values, device=device)
 
 
+# (segment rows, recat, device) -> their int64 tensors: a training step's input dist reorders the same
+# segments every step (the batch sizes and the plan repeat), so the two small tensors are built once
+# instead of twice a step; bounded (cleared when full) since a variable batch may bring new sizes
+_SegmentKey = Tuple[Tuple[int, ...], Tuple[int, ...], torch.device]
+_SEGMENT_TENSORS: Dict[_SegmentKey, Tuple[torch.Tensor, torch.Tensor]] = {}
+SEGMENT_TENSORS_LIMIT = 64
+
+
+def segment_tensors(
+    segment_rows: Sequence[int], recat: Sequence[int], device: torch.device
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``segment_rows`` and ``recat`` as int64 tensors on ``device`` (``[S]`` each), kept between calls.
+
+    The tensors are shared by every caller with the same arguments: read them, never write them.
+    """
+    key = (tuple(segment_rows), tuple(recat), device)
+    found = _SEGMENT_TENSORS.get(key)
+    if found is None:
+        if len(_SEGMENT_TENSORS) >= SEGMENT_TENSORS_LIMIT:
+            _SEGMENT_TENSORS.clear()
+        found = _SEGMENT_TENSORS[key] = (
+            host_list_to_device(segment_rows, device),
+            host_list_to_device(recat, device),
+        )
+    return found
+
+
 def permute_value_segments(
     lengths: torch.Tensor,
     values: torch.Tensor,
@@ -84,16 +111,23 @@ def permute_value_segments(
     differentiable = weights is not None and weights.requires_grad and torch.is_grad_enabled()
     native = None if differentiable else native_for(values.device)
     if native is not None:
-        device = lengths.device
+        rows_tensor, recat_tensor = segment_tensors(segment_rows, recat, lengths.device)
         return native.permute_segments(
             lengths.contiguous(),
             values.contiguous(),
             None if weights is None else weights.contiguous(),
-            host_list_to_device(segment_rows, device),
-            host_list_to_device(recat, device),
+            rows_tensor,
+            recat_tensor,
         )
     index = jagged_segment_index(lengths, segment_rows, recat, values.numel())
     return values[index], None if weights is None else weights[index]
 
 
-__all__ = ["expand_recat", "feature_order", "get_recat", "jagged_segment_index", "permute_value_segments"]
+__all__ = [
+    "expand_recat",
+    "feature_order",
+    "get_recat",
+    "jagged_segment_index",
+    "permute_value_segments",
+    "segment_tensors",
+]
