@@ -678,3 +678,59 @@ def test_scratch_keeps_large_cpu_buffers_only():
     assert scratch.kept_bytes() == sum(scratch.MIN_BYTES + n for n in range(1, scratch.MAX_KEPT + 1))
     scratch.clear()
     assert scratch.kept_bytes() == 0
+
+
+def _placed_plans_reused_while_validation_is_off():
+    from shardkit.distributed.comm_ops import alltoall as alltoall_module
+    from shardkit.distributed.comm_ops.placement import ColumnPlacement
+    from shardkit.distributed.comm_ops.request import set_gradient_division
+    from shardkit.distributed.validation import set_validation, validation_enabled
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    width, blocks = 3, 2 * world
+    placement = ColumnPlacement(width, [list(range(r, blocks, world)) for r in range(world)])
+    built, real_plan = [], alltoall_module._PooledPlan
+
+    class CountingPlan(real_plan):
+        def __init__(self, *args, **kwargs):
+            built.append(1)
+            super().__init__(*args, **kwargs)
+
+    def step(plans, batch, seed):
+        """One forward and backward; (output, input gradient) and the plans built by it."""
+        before = len(built)
+        gen = torch.Generator().manual_seed(seed * 10 + rank)
+        x = torch.randn(sum(batch), placement.columns(rank), generator=gen, requires_grad=True)
+        out = alltoall_module.alltoall_pooled_placed(x, batch, placement, plans=plans).wait()
+        weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+        (out * weight).sum().backward()
+        return out.detach(), x.grad, len(built) - before
+
+    previous = validation_enabled()
+    alltoall_module._PooledPlan = CountingPlan
+    counts, same = [], []
+    try:
+        set_validation(False)
+        plans: dict = {}
+        for seed in (1, 2):  # the same sizes twice: one plan
+            cached = step(plans, [2] * world, seed)
+            fresh = step(None, [2] * world, seed)  # no cache: built anew
+            counts.append(cached[2])
+            same.append(torch.equal(cached[0], fresh[0]) and torch.equal(cached[1], fresh[1]))
+        counts.append(step(plans, [3] * world, 3)[2])  # other sizes: a plan of their own
+        set_gradient_division(False)  # part of the plan: a new one
+        counts.append(step(plans, [2] * world, 4)[2])
+        set_gradient_division(True)
+        set_validation(True)  # every call checked against the other ranks: built each time
+        counts.append(step(plans, [2] * world, 5)[2])
+    finally:
+        alltoall_module._PooledPlan = real_plan
+        set_gradient_division(True)
+        set_validation(previous)
+    return counts, same
+
+
+def test_placed_pooled_all_to_all_reuses_its_plan_while_validation_is_off():
+    for counts, same in run_world(_placed_plans_reused_while_validation_is_off, 2):
+        assert counts == [1, 0, 1, 1, 1]
+        assert same == [True, True]

@@ -7,7 +7,7 @@ as its backward. Sizes below: ``W`` ranks, this rank ``me``, ``B_r`` rank ``r``'
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ from shardkit.distributed.comm_ops.infos import (
     VariableBatchAll2AllPooledInfo,
 )
 from shardkit.distributed.comm_ops.placement import ColumnPlacement
-from shardkit.distributed.comm_ops.request import CommPlan, Request, start_request
+from shardkit.distributed.comm_ops.request import CommPlan, Request, get_gradient_division, start_request
 from shardkit.distributed.tensor_split import split_sizes
 from shardkit.distributed.validation import validation_enabled
 
@@ -46,6 +46,10 @@ ProcessGroup = dist.ProcessGroup
 
 # --------------------------------------------------------------------------------------------------
 # alltoall_pooled
+
+# a caller's reused plans (see _alltoall_pooled): sizes, shape, dtype, gradient division -> plan
+PlanCache = Dict[tuple, "_PooledPlan"]
+PLAN_CACHE_LIMIT = 16
 
 
 class _PooledPlan(CommPlan):
@@ -173,10 +177,11 @@ def alltoall_pooled_placed(
     placement: ColumnPlacement,
     group: Optional[ProcessGroup] = None,
     codecs: Optional[QuantizedCommCodecs] = None,
+    plans: Optional[PlanCache] = None,
 ) -> Request[torch.Tensor]:
     """``alltoall_pooled`` whose output columns are ordered by ``placement`` (rank ``r`` computes
     ``placement.columns(r)`` columns): the result is that of ``alltoall_pooled`` followed by the
-    column permutation, bitwise, with one copy fewer each way."""
+    column permutation, bitwise, with one copy fewer each way. ``plans``: see :func:`_alltoall_pooled`."""
     world = world_of(group)
     if len(placement.dest) != world:  # the plan's, so the same verdict on every rank
         raise ValueError(
@@ -184,7 +189,7 @@ def alltoall_pooled_placed(
         )
     dims = [placement.columns(r) for r in range(world)]
     return _alltoall_pooled(
-        a2a_pooled_embs_tensor, batch_size_per_rank, dims, None, None, group, codecs, placement
+        a2a_pooled_embs_tensor, batch_size_per_rank, dims, None, None, group, codecs, placement, plans
     )
 
 
@@ -197,7 +202,39 @@ def _alltoall_pooled(
     group: Optional[ProcessGroup],
     codecs: Optional[QuantizedCommCodecs],
     placement: Optional[ColumnPlacement] = None,
+    plans: Optional[PlanCache] = None,
 ) -> Request[torch.Tensor]:
+    """``plans``: a caller's cache (one per output dist) of the plans it built, reused while
+    validation is off: a training step repeats the same sizes every step, and with validation off a
+    plan is only the sizes worked out and checked locally, so the same plan serves again (its checks
+    passed for these very sizes). With validation on, every call checks its sizes against the other
+    ranks' and builds its plan. The plan's ``info`` is then shared by the requests that reuse it."""
+    key = None
+    if (
+        plans is not None
+        and dim_sum_per_rank_tensor is None
+        and cumsum_dim_sum_per_rank_tensor is None
+        and all(type(n) is int for n in batch_size_per_rank)
+        and all(type(n) is int for n in dim_sum_per_rank)
+        and not validation_enabled()
+    ):
+        key = (
+            tuple(batch_size_per_rank),
+            tuple(dim_sum_per_rank),
+            tuple(x.shape),
+            x.dtype,
+            get_gradient_division(),
+        )
+        cached = plans.get(key)
+        # the objects compared by identity: a cache is its caller's, which keeps them, but a caller
+        # may still pass another group, codecs or placement
+        if (
+            cached is not None
+            and cached.group is group
+            and cached.info.codecs is codecs
+            and cached.placement is placement
+        ):
+            return start_request(cached, group, (x,))
     world, rank = world_of(group), group_rank(group)
     info = All2AllPooledInfo(
         batch_size_per_rank=list(batch_size_per_rank),
@@ -219,6 +256,10 @@ def _alltoall_pooled(
         return _PooledPlan(info, world, rank, group, x.dtype, placement)
 
     plan = checked_plan("alltoall_pooled", group, build, _PooledPlan.layout)
+    if key is not None:
+        if len(plans) >= PLAN_CACHE_LIMIT:  # sizes that keep changing (uneven batches): stay bounded
+            plans.clear()
+        plans[key] = plan
     return start_request(plan, group, (x,))
 
 

@@ -24,7 +24,7 @@ from shardkit.distributed.comm_ops import (
     reduce_scatter_base_pooled,
     reduce_scatter_v_pooled,
 )
-from shardkit.distributed.comm_ops.alltoall import alltoall_pooled_placed
+from shardkit.distributed.comm_ops.alltoall import PlanCache, alltoall_pooled_placed
 from shardkit.distributed.comm_ops.placement import ColumnPlacement
 
 
@@ -74,6 +74,8 @@ class PooledEmbeddingsAllToAll(nn.Module):
         self._callbacks = list(callbacks or [])
         self._codecs = codecs
         self._placement = placement
+        # the comm op's plans, reused while validation is off (the same sizes every step)
+        self._plans: PlanCache = {}
         per_rank = None if placement is None else [placement.columns(r) for r in range(len(placement.dest))]
         if per_rank is not None and per_rank != self._dim_sum_per_rank:
             raise ValueError(
@@ -96,7 +98,12 @@ class PooledEmbeddingsAllToAll(nn.Module):
             batch_size_per_rank = [local_embs.size(0) // world] * world
         if self._placement is not None:
             request = alltoall_pooled_placed(
-                local_embs, batch_size_per_rank, self._placement, group=self._pg, codecs=self._codecs
+                local_embs,
+                batch_size_per_rank,
+                self._placement,
+                group=self._pg,
+                codecs=self._codecs,
+                plans=self._plans,
             )
         else:
             request = alltoall_pooled(
