@@ -391,3 +391,48 @@ def test_bad_from_jt_dict_and_concat_of_inverse_indices():
     plain_kjt = KeyedJaggedTensor(["c"], torch.tensor([1]), lengths=torch.tensor([1]))
     with pytest.raises(ValueError, match="only some inputs have inverse_indices"):
         KeyedJaggedTensor.concat([variable("a", 2), plain_kjt])
+
+
+def _same_state(a, b):
+    """Both KJTs hold the same state: the same attributes, tensors identical or equal, lists equal."""
+    assert set(vars(a)) == set(vars(b))
+    for name, value in vars(a).items():
+        other = vars(b)[name]
+        if isinstance(value, torch.Tensor):
+            assert isinstance(other, torch.Tensor) and torch.equal(value, other), name
+            assert value.dtype == other.dtype and value.shape == other.shape, name
+        else:
+            assert value == other, name
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("per_key", [None, [3, 0, 2]])
+def test_trusted_kjt_is_the_checked_one(weighted, per_key):
+    """The library's unchecked constructor (per-step KJTs) builds exactly what __init__ builds."""
+    values = torch.arange(7)  # with per_key given, one value past the last key: dropped by both
+    weights = torch.rand(7) if weighted else None
+    lengths = torch.tensor([1, 2, 0, 0, 2, 0], dtype=torch.int32)
+    keys = ["a", "b", "c"]
+    checked = KeyedJaggedTensor(
+        keys, values, weights, lengths=lengths, stride=2, length_per_key=per_key, validate=False
+    )
+    trusted = KeyedJaggedTensor._trusted(list(keys), values, weights, lengths, 2, per_key)
+    _same_state(trusted, checked)
+    assert trusted.to_dict()["c"].values().tolist() == checked.to_dict()["c"].values().tolist()
+    assert trusted.length_per_key() == checked.length_per_key()
+
+
+def test_trusted_kjt_empty_and_rows_mismatch():
+    empty = torch.zeros(0, dtype=torch.int64)
+    _same_state(
+        KeyedJaggedTensor._trusted([], empty, None, torch.zeros(0, dtype=torch.int32), 0),
+        KeyedJaggedTensor([], empty, lengths=torch.zeros(0, dtype=torch.int32), stride=0, validate=False),
+    )
+    rows = torch.rand(3, 4)  # [N, D] values
+    lengths = torch.tensor([2, 1, 0, 0])
+    _same_state(
+        KeyedJaggedTensor._trusted(["a", "b"], rows, None, lengths, 2),
+        KeyedJaggedTensor(["a", "b"], rows, lengths=lengths, stride=2, validate=False),
+    )
+    with pytest.raises(ValueError):
+        KeyedJaggedTensor._trusted(["a", "b"], rows, None, lengths, 3)  # 6 rows, 4 lengths

@@ -54,14 +54,14 @@ class KeyPermutation:
         out_values, out_weights = native.permute_segments(
             lengths, values.contiguous(), None if weights is None else weights.contiguous(), rows, order
         )
-        return KeyedJaggedTensor(
+        # the checks skipped: the input KJT passed them, and these are its tensors reordered
+        return KeyedJaggedTensor._trusted(
             [keys[i] for i in self.indices],
             out_values,
             out_weights,
-            lengths=lengths.view(len(keys), batch).index_select(0, order).view(-1),
-            stride=batch,
-            length_per_key=[per_key[i] for i in self.indices],
-            validate=False,
+            lengths.view(len(keys), batch).index_select(0, order).view(-1),
+            batch,
+            [per_key[i] for i in self.indices],
         )
 
     def _tensors(self, device: torch.device, batch: int) -> Tuple[torch.Tensor, torch.Tensor]:
