@@ -10,13 +10,26 @@ a torch.compile trace, a torch without the method) goes through torch's function
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 ProcessGroup = dist.ProcessGroup
 _METHOD = getattr(ProcessGroup, "all_to_all_single", None)
+
+
+_OPTIONS: Dict[bool, dist.AllToAllOptions] = {}
+
+
+def _options(async_op: bool) -> dist.AllToAllOptions:
+    """The options object of an (a)synchronous all-to-all, made once: the group reads it when the
+    collective starts and keeps nothing of it, so every call may pass the same one."""
+    opts = _OPTIONS.get(async_op)
+    if opts is None:
+        opts = _OPTIONS[async_op] = dist.AllToAllOptions()
+        opts.asyncOp = async_op
+    return opts
 
 
 def all_to_all_single(
@@ -42,9 +55,7 @@ def all_to_all_single(
         return dist.all_to_all_single(
             output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
         )
-    opts = dist.AllToAllOptions()
-    opts.asyncOp = async_op
-    work = group.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
+    work = group.all_to_all_single(output, input, output_split_sizes, input_split_sizes, _options(async_op))
     if async_op:
         return work
     work.wait()

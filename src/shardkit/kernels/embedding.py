@@ -101,7 +101,9 @@ def native_for(device: torch.device):
     """``torch.ops.shardkit_native`` when native kernels may run on ``device`` (a CPU device, kernels
     built, no other backend forced by :func:`kernel_backend`), else None. For ops outside this module
     (bucketize, segment permutes) that have a native and a pure-torch path."""
-    if torch.device(device).type != "cpu" or _forced in ("torch", "triton"):
+    # a torch.device's type read directly: constructing one costs a few us, and this runs per step
+    kind = device.type if type(device) is torch.device else torch.device(device).type
+    if kind != "cpu" or _forced in ("torch", "triton"):
         return None
     return native_ops()
 
