@@ -55,7 +55,8 @@ def all_to_all_single(
         return dist.all_to_all_single(
             output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
         )
-    work = group.all_to_all_single(output, input, output_split_sizes, input_split_sizes, _options(async_op))
+    opts = _OPTIONS.get(async_op) or _options(async_op)  # made on the first call only
+    work = group.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
     if async_op:
         return work
     work.wait()
