@@ -21,8 +21,9 @@ rank's backward must reach its output weights (the sharded lookups see to that).
 
 from __future__ import annotations
 
+import functools
 from itertools import accumulate
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,14 @@ def _start_all_to_all(
         out, flat.view(torch.uint8), [n * item for n in recv], [n * item for n in send], pg
     )
     return out.view(tensor.dtype), work
+
+
+@functools.lru_cache(maxsize=64)
+def _recat_of(local: int, world: int, stagger: int) -> Tuple[Tuple[int, ...], bool]:
+    """``get_recat(local, world, stagger)`` as a tuple, and whether it reorders anything: the same
+    every step of a plan, so worked out once (a cached tuple, which no caller can change)."""
+    recat = tuple(get_recat(local, world, stagger))
+    return recat, list(recat) != sorted(recat)
 
 
 class _PackedAllToAll:
@@ -321,7 +330,7 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
             self._segment_rows = strides
             order = feature_order(world, self._stagger)
             stride_per_key_per_rank = [[strides[s * local + i] for s in order] for i in range(local)]
-        recat = get_recat(local, world, self._stagger)
+        recat, reorder = _recat_of(local, world, self._stagger)
         rows = self._rows()
         lengths, values = received["lengths"], received["values"]
         weights = received.get("weights")
@@ -333,7 +342,7 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
                 self.output_splits["weights"],
                 self._pg,
             )
-        if recat != sorted(recat):
+        if reorder:
             values, weights = permute_value_segments(lengths, values, weights, rows, recat)
             if self._stagger == 1 and len(set(rows)) == 1:
                 # [W sources, L keys, B rows] -> [L, W, B]: the same order as take_segments, in one
