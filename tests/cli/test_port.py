@@ -101,7 +101,7 @@ def test_port_command_prints_the_diff_and_writes_only_when_asked(tmp_path, capsy
     assert out.startswith(f"--- {path}\n+++ {path}\n@@ ")
     assert "\n-from torchrec import KeyedJaggedTensor as KJT\n" in out
     assert "\n+from shardkit import KeyedJaggedTensor as KJT\n" in out
-    assert "\n text = \"import torchrec\"\n" in out  # context lines, unchanged
+    assert '\n text = "import torchrec"\n' in out  # context lines, unchanged
     assert path.read_text() == SAMPLE
     assert main(["port", "--write", str(path)]) == 0
     assert path.read_text() == PORTED

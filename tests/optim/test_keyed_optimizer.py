@@ -64,9 +64,10 @@ def test_refused_load_writes_nothing():
     src.param_groups[0]["lr"] = 0.25
 
     def unchanged():
-        return dst.state[dst.params["w"]]["momentum_buffer"].tolist() == [0.0, 0.0] and dst.param_groups[0][
-            "lr"
-        ] == 0.5
+        return (
+            dst.state[dst.params["w"]]["momentum_buffer"].tolist() == [0.0, 0.0]
+            and dst.param_groups[0]["lr"] == 0.5
+        )
 
     wrong_shape = src.state_dict()
     wrong_shape["state"]["b"] = {"momentum_buffer": torch.ones(4)}

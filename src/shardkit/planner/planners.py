@@ -184,9 +184,7 @@ class EmbeddingShardingPlanner(ShardingPlanner):
         self.storage_estimator.estimate(options, self.topology)
         self.perf_estimator.estimate(options, self.topology)
         partition = placed_partition(options, self.topology, hbm_free, ddr_free)
-        return PlanReport.build(
-            partition, self.topology, hbm_free, ddr_free, 0, time.perf_counter() - start
-        )
+        return PlanReport.build(partition, self.topology, hbm_free, ddr_free, 0, time.perf_counter() - start)
 
     def _to_plan(self, partition: Partition) -> ShardingPlan:
         t = self.topology
