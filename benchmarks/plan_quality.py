@@ -15,7 +15,9 @@ rank builds, on the same model:
 
 and measures the training step of each (forward, backward with the fused SGD update, through
 ``DistributedModelParallel``; every rank its own batch of uniform random ids) in alternating rounds:
-every round runs ``--steps`` steps of every plan in turn, after ``--warmup`` steps each; a plan's
+every round runs ``--steps`` steps of every plan in turn, the order rotated by one plan each round (a
+fixed order measured the first plan 0.1-1 ms differently from the second even when both were the same
+plan: the "placement" differences of the ninth session's runs), after ``--warmup`` steps each; a plan's
 figure is the median over its rounds of the slowest rank's mean step time in the round. A plan whose
 fastest warm-up step (the first aside) takes ``SLOW_FACTOR`` x the fastest plan's is clearly not the
 fastest: it is timed in one round of one step (``rounds`` says how many a plan got). Next to each
@@ -161,6 +163,12 @@ def calibrate_worker() -> Dict[str, Any]:
     return {"constants": calibrated.to_dict(), "seconds": time.perf_counter() - start, "fit": report}
 
 
+def round_order(plans: int, round_index: int) -> List[int]:
+    """The order in which round ``round_index`` times the ``plans`` plans: rotated by one each round,
+    so that over ``plans`` rounds every plan runs once in every position."""
+    return [(i + round_index) % plans for i in range(plans)]
+
+
 def case_worker(
     set_name: str, quick: bool, rounds: int, steps: int, warmup: int, constants: Dict[str, Any]
 ) -> Dict[str, Any]:
@@ -208,7 +216,8 @@ def case_worker(
     slow = [t > SLOW_FACTOR * float(first_t.min()) for t in first_t.tolist()]
     per_round: List[List[float]] = [[] for _ in models]
     for r in range(rounds):
-        for i, m in enumerate(models):
+        for i in round_order(len(models), r):
+            m = models[i]
             if slow[i] and r > 0:
                 continue
             n = 1 if slow[i] else steps
@@ -322,12 +331,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--sets", nargs="+", default=["demo", "many_small", "few_large"])
     parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--rounds", type=int, help="alternating rounds (default 7, --quick 5)")
-    parser.add_argument("--steps", type=int, help="steps per plan and round (default 4, --quick 2)")
+    parser.add_argument("--steps", type=int, help="steps per plan and round (default 4; --quick too)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", help="JSON directory (default: a new one outside the checkout)")
     args = parser.parse_args(argv)
     rounds = args.rounds or (5 if args.quick else 7)
-    steps = args.steps or (2 if args.quick else 4)
+    # 4 steps a round in --quick too: a 2-step round (~8 ms) is moved a lot by one scheduler hiccup
+    steps = args.steps or 4
     rows, verdicts, calibrations = [], [], {}
     for world in args.worlds:
         # the machine and the number of ranks, not the tables, set the constants: once per world size

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.plan_quality import _order_beyond_noise, _separated
+from benchmarks.plan_quality import _order_beyond_noise, _separated, round_order
 
 
 def test_pairs_are_separated_only_when_their_rounds_do_not_overlap():
@@ -20,3 +20,10 @@ def test_order_beyond_noise_scores_separated_pairs_only():
     assert _order_beyond_noise([2.0, 2.5, 1.0], rounds) == "2/2"
     # equal estimates of separated plans do not order them: misordered
     assert _order_beyond_noise([1.0, 1.0, 1.0], rounds) == "2/2"
+
+
+def test_every_plan_runs_once_in_every_position_over_as_many_rounds():
+    orders = [round_order(4, r) for r in range(4)]
+    assert all(sorted(order) == [0, 1, 2, 3] for order in orders)  # each round times every plan once
+    for position in range(4):
+        assert sorted(order[position] for order in orders) == [0, 1, 2, 3]
