@@ -621,8 +621,8 @@ def test_pooled_all_to_alls_reuse_the_receive_buffer():
 
 def _placed_backward_reuses_the_send_buffer():
     from shardkit.distributed.comm_ops import scratch
-    from shardkit.distributed.comm_ops.alltoall import alltoall_pooled_placed
     from shardkit.distributed.comm_ops.placement import ColumnPlacement
+    from shardkit.distributed.comm_ops.pooled_alltoall import alltoall_pooled_placed
 
     scratch.clear()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -681,7 +681,7 @@ def test_scratch_keeps_large_cpu_buffers_only():
 
 
 def _placed_plans_reused_while_validation_is_off():
-    from shardkit.distributed.comm_ops import alltoall as alltoall_module
+    from shardkit.distributed.comm_ops import pooled_alltoall as alltoall_module
     from shardkit.distributed.comm_ops.placement import ColumnPlacement
     from shardkit.distributed.comm_ops.request import set_gradient_division
     from shardkit.distributed.validation import set_validation, validation_enabled

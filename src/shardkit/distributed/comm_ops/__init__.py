@@ -14,7 +14,6 @@ cross-rank size check), ``request`` (the Awaitable and the autograd Functions), 
 
 from shardkit.distributed.absent_names import absent
 from shardkit.distributed.comm_ops.alltoall import (
-    alltoall_pooled,
     alltoall_sequence,
     alltoallv,
     variable_batch_alltoall_pooled,
@@ -29,6 +28,7 @@ from shardkit.distributed.comm_ops.infos import (
     ReduceScatterVInfo,
     VariableBatchAll2AllPooledInfo,
 )
+from shardkit.distributed.comm_ops.pooled_alltoall import alltoall_pooled
 from shardkit.distributed.comm_ops.reduce_scatter import (
     all_gather_base_pooled,
     reduce_scatter_base_pooled,

@@ -24,8 +24,8 @@ from shardkit.distributed.comm_ops import (
     reduce_scatter_base_pooled,
     reduce_scatter_v_pooled,
 )
-from shardkit.distributed.comm_ops.alltoall import PlanCache, alltoall_pooled_placed
 from shardkit.distributed.comm_ops.placement import ColumnPlacement
+from shardkit.distributed.comm_ops.pooled_alltoall import PlanCache, alltoall_pooled_placed
 
 
 class PooledEmbeddingsAwaitable(Awaitable[torch.Tensor]):
