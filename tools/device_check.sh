@@ -19,10 +19,14 @@
 #      (LOSSES_BENCH_TIMEOUT, 200). liger-kernel comes from the environment, or from .device_deps/
 #      of the checkout (`pip install --no-deps --target .device_deps liger-kernel` on a machine with
 #      the registry; carried to a GPU machine that has none).
-# Offloaded tables (issue 24): their CUDA tier (pinned host memory, device cache, Triton kernels on the
-# cache) runs in step 1's cuda-marked tests (tests/model_parallel/test_world1_on_device.py::
-# test_offloaded_tables, tests/kernels/offload/test_row_cache.py, the Triton case
-# "offloaded-cache-equals-in-memory"); no GPU benchmark of them yet.
+#   4. benchmarks/offload_gpu.py: fused_uvm_caching (device cache over pinned host memory) against the
+#      table in device memory, copies on the side stream and on the compute stream, plain and
+#      prefetch order                                   -> $OUT/offload_gpu.json, $OUT/offload_gpu_bench.txt
+#      (OFFLOAD_BENCH_TIMEOUT, 120)
+# Offloaded tables (issue 24): their CUDA tier (pinned host memory, device cache, side-stream copies,
+# Triton kernels on the cache) runs in step 1's cuda-marked tests (tests/model_parallel/
+# test_world1_on_device.py::test_offloaded_tables, tests/kernels/offload/test_row_cache.py,
+# tests/modules/test_offloaded_prefetch.py, the Triton case "offloaded-cache-equals-in-memory").
 # $OUT/summary.txt gets one line per step. Without a CUDA device every step still runs (the benchmarks
 # say so and exit 0, the CUDA tests skip) and the script exits 0: that is how it is checked on CPU.
 # Exit status: 1 if a step failed or timed out, else 0.
@@ -39,10 +43,11 @@ fi
 export PYTHONPATH="$root/src:$root${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # the CUDA steps need compiled kernels
-rm -f "$OUT/gpu_bench.txt" "$OUT/cuda_tests.txt" "$OUT/losses_bench.txt"
+rm -f "$OUT/gpu_bench.txt" "$OUT/cuda_tests.txt" "$OUT/losses_bench.txt" "$OUT/offload_gpu_bench.txt"
 summary="$OUT/summary.txt"
 : >"$summary"
 failed=0
+offload_args=()
 
 step() {  # step NAME TIMEOUT LOG COMMAND...
   local name=$1 limit=$2 log=$3
@@ -67,6 +72,7 @@ step() {  # step NAME TIMEOUT LOG COMMAND...
 } 2>&1 | tee "$OUT/env.txt"
 if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
   echo "no CUDA device here: the steps below only check that this script runs" | tee -a "$summary"
+  offload_args=(--quick)  # its CPU rows at full size would take minutes and gigabytes of disk
 fi
 
 pytest_args=(-m cuda -q -p no:cacheprovider --continue-on-collection-errors -o addopts=-rA --durations=15)
@@ -88,6 +94,9 @@ if [ -d "$root/.device_deps" ]; then export PYTHONPATH="$PYTHONPATH:$root/.devic
   | tail -n 1 | tee -a "$OUT/env.txt"
 step "benchmarks/gpu_losses.py" "${LOSSES_BENCH_TIMEOUT:-200}" "$OUT/losses_bench.txt" \
   "$PY" -m benchmarks.gpu_losses --out "$OUT" --profile
+
+step "benchmarks/offload_gpu.py" "${OFFLOAD_BENCH_TIMEOUT:-120}" "$OUT/offload_gpu_bench.txt" \
+  "$PY" -m benchmarks.offload_gpu "${offload_args[@]}" --out "$OUT"
 
 echo "== summary"
 cat "$summary"

@@ -178,3 +178,91 @@ def _check_out_of_range(position: int, value: int) -> None:
     assert f"f{0 if position == 0 else 1}" in str(with_prefetch.value)
     assert str(with_prefetch.value) == str(without_prefetch.value)
     assert offloaded.cache.pinned_tickets == ()
+
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (tools/device_check.sh runs these)"
+)
+CUDA_ROWS, CUDA_DIM, CUDA_BAGS = 2000, 64, 64
+
+
+def _cuda_batch(step: int):
+    gen = torch.Generator().manual_seed(100 + step)
+    lengths = torch.randint(0, 8, (2 * CUDA_BAGS,), generator=gen)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    ids = torch.randint(0, CUDA_ROWS, (int(lengths.sum()),), generator=gen)
+    return ids.cuda(), offsets.cuda()
+
+
+def _sleep_on(stream) -> None:
+    """Keep ``stream`` busy for about a millisecond (so work ordered after it really waits)."""
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(2_000_000)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("copy_stream", ["1", "0"])
+def test_prefetched_training_on_cuda_equals_in_memory(monkeypatch, copy_stream):
+    """A CUDA cache (host backing) of 5 % of the rows driven in the pipeline's order, with the compute
+    stream kept busy before every prefetch and backward and the copy stream kept busy before every read:
+    a copy not ordered after the compute stream's queued updates (a dirty victim gathered too early), or
+    a kernel not waiting for its rows' copies, would train on stale rows. Training stays bitwise that of
+    the in-memory lookup, with the copies on the side stream (``SHARDKIT_OFFLOAD_COPY_STREAM=1``) and on
+    the caller's stream (``0``)."""
+    monkeypatch.setenv("SHARDKIT_OFFLOAD_COPY_STREAM", copy_stream)
+    tables = [
+        EmbeddingBagConfig(CUDA_ROWS, CUDA_DIM, name=f"t{i}", feature_names=[f"f{i}"]) for i in range(2)
+    ]
+    config = FusedOptimizerConfig(OptimType.ROWWISE_ADAGRAD, lr=0.1)
+    shards = [ShardSpec(t) for t in tables]
+    torch.manual_seed(0)
+    memory = GroupedEmbeddingLookup(shards, True, "cuda", config)
+    offloaded = OffloadedEmbeddingLookup(
+        shards, True, "cuda", config, OffloadSpec("caching", 0.05, prefetch=True)
+    )
+    with torch.no_grad():
+        offloaded.weight.copy_(memory.weight)
+    cache = offloaded.cache
+    assert (cache._copies is not None) == (copy_stream == "1")
+    if cache._copies is not None:  # the copy stream busy before each read: the kernels must wait for it
+        read = cache._copies.read
+
+        def delayed_read(*args):
+            _sleep_on(cache._copies.stream)
+            return read(*args)
+
+        cache._copies.read = delayed_read
+    compute = torch.cuda.current_stream()
+    bags = [CUDA_BAGS, CUDA_BAGS]
+    loss_weight = torch.arange(1.0, CUDA_DIM + 1, device="cuda")
+    steps = 10
+    for step in range(steps):
+        ids, offsets = _cuda_batch(step)
+        outs = [lk(ids, offsets, bags) for lk in (memory, offloaded)]
+        assert torch.equal(outs[1], outs[0]), f"step {step}"
+        if step + 1 < steps:
+            _sleep_on(compute)  # this step's forward still queued when the prefetch evicts and reads
+            offloaded.prefetch(*_cuda_batch(step + 1), bags)
+        _sleep_on(compute)
+        for out in outs:
+            out.mul(loss_weight).sum().backward()
+    offloaded.sync_storage()
+    if cache._copies is not None:
+        assert cache._copies.pending_writes == 0
+    assert torch.equal(offloaded.weight, memory.weight.cpu())
+    for name, value in memory.optimizer.state_slices(0, 2 * CUDA_ROWS).items():
+        assert torch.equal(offloaded.optimizer.state_slices(0, 2 * CUDA_ROWS)[name], value.cpu()), name
+    stats = offloaded.cache_stats()["t0+t1"]
+    assert stats["evictions"] > 0 and stats["rows_written"] > 0 and stats["misses"] > 0, stats
+
+
+def test_copy_stream_switch_is_read_strictly(monkeypatch):
+    from shardkit.kernels.offload.device_copies import copy_stream_default
+
+    for value, want in (("0", False), ("off", False), ("1", True), ("yes", True)):
+        monkeypatch.setenv("SHARDKIT_OFFLOAD_COPY_STREAM", value)
+        assert copy_stream_default() is want
+    monkeypatch.setenv("SHARDKIT_OFFLOAD_COPY_STREAM", "maybe")
+    with pytest.raises(ValueError, match="SHARDKIT_OFFLOAD_COPY_STREAM='maybe'"):
+        copy_stream_default()

@@ -84,6 +84,8 @@ QUICK_ARGS: Dict[str, List[str]] = {
         *("--tokens", "16", "--vocab", "4096", "--rounds", "1", "--caches", "32K/512K,48K/2M"),
     ],
     "offload_miss_path": ["--quick"],
+    # on a CUDA machine its real rows; elsewhere the same rows on the CPU (a check that it runs)
+    "offload_gpu": ["--quick"],
     "step_phases": ["--steps", "3", "--warmup", "1"],
 }
 # not benchmarks of their own: shared helpers, the pipeline rows of offload.py, the steady-state cache

@@ -77,6 +77,10 @@ class _Ticket:
         self._open = [True]  # shared with the finalizer
         weakref.finalize(self, _release_if_open, cache, ticket, self._open)
 
+    def wait_loaded(self) -> None:
+        """The current stream waits until the ticket's rows are in their slots (RowCache.wait_loaded)."""
+        self.cache.wait_loaded(self.ticket)
+
     def release(self, dirty: bool) -> None:
         if self._open[0]:
             self._open[0] = False
@@ -101,6 +105,7 @@ class _CachedFusedLookup(torch.autograd.Function):
         ctx.owner, ctx.ticket = owner, ticket
         ctx.pooled, ctx.batch_major = pooled, batch_major
         ctx.save_for_backward(slot_ids, offsets, weights, bag_scale)
+        ticket.wait_loaded()
         with owner.cache.buffers_in_use():
             table = owner.cache.tensors["weight"]
             return embedding_forward(table, slot_ids, offsets, None, weights, bag_scale, pooled, batch_major)
@@ -341,7 +346,8 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
                 # that an id out of range is never wrapped into a valid row (the acquire refuses it)
                 rows = rows.to(torch.int32)
         unique, inverse = torch.unique(rows, return_inverse=True)
-        handle, slots = self.cache.acquire(unique)
+        # a CUDA cache's copies run on a side stream: the kernel waits for them (_Ticket.wait_loaded)
+        handle, slots = self.cache.acquire(unique, wait_copies=False)
         return _Ticket(self.cache, handle), slots, inverse
 
     def _settle_prefetches(self) -> None:
@@ -438,6 +444,7 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
             return _CachedFusedLookup.apply(
                 self.weight, slot_ids, offsets, weights, bag_scale, self.pooled, batch_major, self, ticket
             )
+        ticket.wait_loaded()
         with self.cache.buffers_in_use():
             table = self.cache.tensors["weight"]
             if torch.is_grad_enabled() and weights is not None and weights.requires_grad:

@@ -22,6 +22,8 @@ class CacheResize:
             self._grow_buffers(size)
 
     def _grow_buffers(self, size: int) -> None:
+        if self._copies is not None:  # the copies into the old buffers land before they are copied
+            self._copies.fence()
         old = self.size
         extra = size - old
         for name, buffer in self.tensors.items():
@@ -43,6 +45,8 @@ class CacheResize:
     def _shrink_buffers(self) -> None:
         resident = (self.row_of_slot >= 0).nonzero().flatten()
         self._evict(self._victims(resident, max(resident.numel() - self.capacity, 0)))
+        if self._copies is not None:  # the write-backs read the old buffers before they are freed
+            self._copies.fence()
         kept = (self.row_of_slot >= 0).nonzero().flatten()  # ascending slots, at most capacity of them
         count = kept.numel()
         cache_kept = kept.to(self.device)

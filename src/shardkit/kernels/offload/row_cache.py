@@ -72,6 +72,7 @@ import torch
 from shardkit.kernels.offload.cache_counters import CacheCounters
 from shardkit.kernels.offload.cache_resize import CacheResize
 from shardkit.kernels.offload.cache_slots import CacheSlots, ones_int32
+from shardkit.kernels.offload.device_copies import DeviceCopies, copy_stream_default
 from shardkit.kernels.offload.row_checks import checked_rows
 from shardkit.kernels.offload.row_moves import RowMoves
 from shardkit.kernels.offload.slot_queue import NativeSlotQueue, TorchLruQueue
@@ -179,6 +180,15 @@ class RowCache(CacheSlots, RowMoves, CacheResize):
         # False: the pure-torch bookkeeping even where the native ops are built (tests compare the two)
         self.use_native = True
         self.buffers_version = 0
+        # a CUDA cache over host memory: copies on a side stream (device_copies.py), and per ticket the
+        # event its kernels wait for; None: copies on the caller's stream
+        host_backing = all(store.device.type == "cpu" for store in backing.values())
+        self._copies: Optional[DeviceCopies] = (
+            DeviceCopies(self.device, backing)
+            if self.device.type == "cuda" and host_backing and row_io is None and copy_stream_default()
+            else None
+        )
+        self._loaded: Dict[int, Any] = {}
         self.tensors: Dict[str, torch.Tensor] = {
             name: torch.zeros((self.capacity, *s.shape[1:]), dtype=s.dtype, device=self.device)
             for name, s in backing.items()
@@ -241,12 +251,16 @@ class RowCache(CacheSlots, RowMoves, CacheResize):
                 ticket, dirty = self._deferred.pop(0)
             self._release(ticket, dirty)
 
-    def acquire(self, rows: torch.Tensor) -> Tuple[int, torch.Tensor]:
+    def acquire(self, rows: torch.Tensor, wait_copies: bool = True) -> Tuple[int, torch.Tensor]:
         """Make ``rows`` resident and pin them until :meth:`release` of the returned ticket.
 
         Args:
             rows: distinct row numbers in ``[0, R)``, an integer tensor ``[U]`` on any device; ``U = 0``
                 is fine.
+            wait_copies: a CUDA cache copies its misses on a side stream: True makes the current stream
+                wait for them before returning; False leaves that to the caller, who calls
+                :meth:`wait_loaded` on the stream of the kernel that reads the slots, later (a prefetch:
+                the kernels queued meanwhile overlap the copies). Ignored by other caches.
         Returns:
             ``(ticket, slots)``: an int for :meth:`release`, and int64 ``[U]`` on :attr:`device`,
             ``slots[i]`` the slot of ``rows[i]`` in every tensor of :attr:`tensors`.
@@ -256,7 +270,10 @@ class RowCache(CacheSlots, RowMoves, CacheResize):
         """
         rows, ascending = checked_rows(rows, self.num_rows)
         with self._locked():
-            return self._acquire(rows, ascending)
+            ticket, slots = self._acquire(rows, ascending)
+        if wait_copies:
+            self.wait_loaded(ticket)
+        return ticket, slots
 
     def _acquire(self, rows: torch.Tensor, ascending: bool) -> Tuple[int, torch.Tensor]:
         native = self._native()
@@ -287,7 +304,17 @@ class RowCache(CacheSlots, RowMoves, CacheResize):
         ticket = self._next_ticket
         self._next_ticket += 1
         self._tickets[ticket] = slots
+        if self._copies is not None:
+            self._loaded[ticket] = self._copies.mark()
         return ticket, slots.to(self.device)
+
+    def wait_loaded(self, ticket: int) -> None:
+        """Make the current CUDA stream wait until the rows of ``ticket`` are in their slots (the copies
+        of a CUDA cache run on a side stream, ``device_copies.py``); a no-op for other caches. Call it
+        before a kernel reads the ticket's slots, on the stream that runs the kernel."""
+        event = self._loaded.get(ticket)  # read without the lock: set before the ticket was returned
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def release(self, ticket: int, dirty: bool) -> None:
         """Unpin the slots of ``ticket``; ``dirty``: the caller updated their rows in place.
@@ -321,6 +348,7 @@ class RowCache(CacheSlots, RowMoves, CacheResize):
         slots = self._tickets.pop(ticket, None)
         if slots is None:
             self._raise_bad_ticket(ticket)
+        self._loaded.pop(ticket, None)
         self._unpin(slots, dirty)
         if not self._tickets and self.size > self.capacity:
             self._shrink()
@@ -339,6 +367,8 @@ class RowCache(CacheSlots, RowMoves, CacheResize):
         slots = self._dirty.nonzero().flatten()
         self._write_back(self.row_of_slot[slots], slots)
         self._dirty[slots] = False
+        if self._copies is not None:  # the backing store complete after a flush
+            self._copies.land()
 
     def invalidate(self) -> None:
         """:meth:`flush`, then drop every cached row (after someone wrote the backing store directly).

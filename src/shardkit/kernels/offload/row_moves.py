@@ -2,8 +2,9 @@
 store (L0): misses read in, dirty victims written back (in the step or through the write-behind thread).
 
 A mixin of ``RowCache`` (the attributes are the cache's: ``tensors``, ``backing``, ``device``,
-``_row_io``, ``_write_behind``, ``io_chunk_rows``, ``_after_io``, ``counters``, ``row_bytes``); every
-method runs under the cache's lock. Rows move in ascending row order (sequential access of the file).
+``_row_io``, ``_write_behind``, ``_copies`` (a CUDA cache's side-stream copies, ``device_copies.py``),
+``io_chunk_rows``, ``_after_io``, ``counters``, ``row_bytes``); every method runs under the cache's
+lock. Rows move in ascending row order (sequential access of the file).
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ class RowMoves:
         if not ordered:
             rows, order = rows.sort()
             slots = slots[order]
+        if self._copies is not None:  # a CUDA cache: on the copy stream, landed later (device_copies.py)
+            self._copies.write(self.tensors, rows, slots)
+            self.counters.rows_written += count
+            self.counters.bytes_written += count * self.row_bytes
+            return
         for start, stop in self._io_chunks(count):
             cache_slots = slots[start:stop].to(self.device)
             if self._row_io is not None:
@@ -59,6 +65,15 @@ class RowMoves:
         data only, not the bookkeeping (``RowCache._load``)."""
         if self._write_behind is not None:  # a row evicted and asked again: its write lands first
             self._write_behind.wait_for(rows)
+        if self._copies is not None:  # a CUDA cache: on the copy stream (device_copies.py)
+            self._copies.read(self.tensors, rows, slots)
+        else:
+            self._read_chunks(rows, slots)
+        count = rows.numel()
+        self.counters.rows_read += count
+        self.counters.bytes_read += count * self.row_bytes
+
+    def _read_chunks(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         for start, stop in self._io_chunks(rows.numel()):
             cache_slots = slots[start:stop].to(self.device)
             if self._row_io is not None:
@@ -69,9 +84,6 @@ class RowMoves:
                 self.tensors[name].index_copy_(0, cache_slots, values)
             if self._after_io is not None:
                 self._after_io()
-        count = rows.numel()
-        self.counters.rows_read += count
-        self.counters.bytes_read += count * self.row_bytes
 
     def _io_chunks(self, count: int) -> List[Tuple[int, int]]:
         """``(start, stop)`` ranges covering ``[0, count)``, ``io_chunk_rows`` long (one range if None)."""
