@@ -14,8 +14,7 @@ import torch.distributed as dist
 
 from shardkit.kernels import kernel_backend, native_ops
 from shardkit.kernels.cpu_cache import CacheSizes
-from shardkit.losses import cross_entropy as ce
-from shardkit.losses import vocab_parallel_cross_entropy
+from shardkit.losses import ce_kernel_calls, vocab_parallel_cross_entropy
 from tests.losses.reference import reference_cross_entropy
 
 pytestmark = [
@@ -38,7 +37,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 @pytest.fixture(autouse=True)
 def small_l1(monkeypatch):
     # 1 KiB "L1d": 256-column chunks, 4 per 1000-column row
-    monkeypatch.setattr(ce, "cache_sizes", lambda: CacheSizes(l1d=1024, l2=1 << 20, source="test"))
+    monkeypatch.setattr(
+        ce_kernel_calls, "cache_sizes", lambda: CacheSizes(l1d=1024, l2=1 << 20, source="test")
+    )
 
 
 def _inputs(dtype, seed=3):

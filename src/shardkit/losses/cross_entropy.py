@@ -32,14 +32,22 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from shardkit.kernels.cpu_cache import cache_sizes, columns_in_cache
-from shardkit.kernels.cross_entropy import native_ce_kernels, requested_buffer_timing, triton_ce_kernels
+from shardkit.kernels.cross_entropy import requested_buffer_timing
 from shardkit.losses import statistics as st
+from shardkit.losses.ce_gradient import gradient_blocks, gradient_coefficients, per_token_grad
+from shardkit.losses.ce_kernel_calls import (
+    native_gradient,
+    native_kernels,
+    native_statistics,
+    triton_gradient,
+    triton_kernels,
+    triton_statistics,
+)
 from shardkit.losses.checks import option_problems, validate_call
 from shardkit.losses.dtensor import plain_tensor, resolve_vocab_shard
 from shardkit.losses.first_order import first_order_only
@@ -135,54 +143,6 @@ def _flat(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, tor
     return logits.reshape(math.prod(logits.shape[:-1]), logits.size(-1)), target.reshape(-1)
 
 
-# a target id no call can have: the Triton kernels' "ignore" value when nothing is ignored
-_NO_IGNORED_ID = -(2**62)
-
-
-def triton_kernels(logits2d: torch.Tensor, opts: CrossEntropyOptions):
-    """The Triton CE kernels when they run this call (CUDA, the plain loss), else None.
-
-    ``logits2d``: the ``[T, V/tp]`` logits, or any tensor of their dtype and device with contiguous
-    rows (the fused linear loss passes an empty one).
-    """
-    unsupported = [
-        name
-        for name, used in (
-            ("soft-capping", opts.transform.softcap is not None),
-            ("temperature", opts.transform.temperature != 1.0),
-            ("label smoothing", opts.label_smoothing > 0.0),
-            ("z-loss", opts.z_loss != 0.0),
-        )
-        if used
-    ]
-    return triton_ce_kernels(logits2d, ", ".join(unsupported) or None)
-
-
-def _ignored_id(opts: CrossEntropyOptions) -> int:
-    return _NO_IGNORED_ID if opts.ignore_index is None else opts.ignore_index
-
-
-def triton_statistics(kernels, logits2d, target1d, opts: CrossEntropyOptions) -> torch.Tensor:
-    """This shard's ``[T, 3]`` fp32 statistics (max, sum of exp, target logit) by one Triton pass over
-    the real columns of ``logits2d`` ``[T, V/tp]``."""
-    real = logits2d[:, : opts.shard.real_width]
-    return torch.stack(kernels.ce_statistics(real, target1d, opts.shard.start, _ignored_id(opts)), dim=1)
-
-
-def triton_gradient(kernels, logits2d, target1d, lse, g, opts: CrossEntropyOptions, out, c0: int = 0):
-    """``out = (exp(x - lse) - onehot(target)) * g`` per token by one Triton pass, for the columns
-    ``[c0, c0 + w)`` of the shard held by ``logits2d`` ``[T, w]`` (``out`` may be ``logits2d``);
-    padding columns get 0, as do ignored tokens. ``lse``, ``g``: ``[T]`` (``p = exp(x - M) / S`` with
-    ``M = lse`` and ``S = 1``)."""
-    real = max(0, min(opts.shard.real_width - c0, logits2d.size(1)))
-    kernels.ce_gradient(
-        logits2d[:, :real], target1d, opts.shard.start + c0, lse, torch.ones_like(lse), g,
-        _ignored_id(opts), out=out[:, :real],
-    )  # fmt: skip
-    out[:, real:] = 0
-    return out
-
-
 def cross_entropy_forward(
     logits: torch.Tensor, target: torch.Tensor, opts: CrossEntropyOptions
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -202,41 +162,6 @@ def cross_entropy_forward(
     rows = st.cache_rows(opts.shard.width, opts.rows, logits.device, logits.element_size())
     source = lambda i0, i1: logits2d[i0:i1]  # noqa: E731
     return loss_from_source(source, logits2d.dtype, target1d, target.shape, opts, rows=rows)
-
-
-def native_kernels(logits2d: torch.Tensor, opts: CrossEntropyOptions):
-    """The native CPU CE kernels when they run this call (fp32 / bf16, no soft-capping), else None."""
-    return native_ce_kernels(logits2d, "soft-capping" if opts.transform.softcap is not None else None)
-
-
-def native_statistics(ops, logits2d, index, owned, opts: CrossEntropyOptions) -> torch.Tensor:
-    """This shard's ``[T, 3]`` (``[T, 4]`` with label smoothing) fp32 statistics of ``logits2d``
-    ``[T, w]`` by the native kernel: each row is read once, in chunks sized to this CPU's L1d
-    (``shardkit.kernels.cpu_cache``) so that the chunk's exp-sum re-reads it from L1."""
-    chunk = columns_in_cache(logits2d.element_size(), cache_sizes().l1d)
-    return ops.ce_statistics(
-        logits2d, index, owned, opts.shard.real_width, 1.0 / opts.transform.temperature,
-        opts.label_smoothing > 0.0, chunk,
-    )  # fmt: skip
-
-
-def native_gradient(
-    ops, logits2d, out, lse, coefficients, opts: CrossEntropyOptions, premapped: bool = False
-) -> torch.Tensor:
-    """``out`` ``[T, w]`` (the logits' dtype or fp32; may be ``logits2d``) = the gradient of
-    ``softmax_gradient_blocks`` with the ``coefficients`` of :func:`gradient_coefficients`, written by
-    the native kernel in one pass (one read of the logits, one write of ``out``). ``premapped``: ``out``
-    came from :func:`forward_gradient_buffer` (its pages are mapped already)."""
-    index, owned, active, coef_p, coef_target, coef_uniform = coefficients
-    scale = 1.0 / opts.transform.temperature
-    # d z / d x = 1 / temperature folded into the coefficients; contiguous fp32 [T] each
-    minus_target = torch.where(owned, -coef_target, torch.zeros_like(coef_target)) * scale
-    coef_p = (coef_p * scale).float().contiguous()
-    coef_uniform = None if coef_uniform is None else (coef_uniform * scale).float().contiguous()
-    return ops.ce_gradient(
-        logits2d, out, lse.float().contiguous(), coef_p, minus_target.float().contiguous(), coef_uniform,
-        index.contiguous(), active.contiguous(), opts.shard.real_width, scale, premapped,
-    )  # fmt: skip
 
 
 def loss_from_source(
@@ -327,18 +252,6 @@ def reduce_tokens(
     return (total / count.clamp(min=1.0)).to(loss.dtype), count
 
 
-def per_token_grad(
-    grad_output: torch.Tensor, reduction: str, count: torch.Tensor, num_rows: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """The incoming gradient as one coefficient per token, ``[T]`` in the work dtype."""
-    g = grad_output.to(dtype)
-    if reduction == "none":
-        return g.reshape(-1)
-    if reduction == "mean":
-        g = g / count.clamp(min=1.0).to(dtype)
-    return g.reshape(1).expand(num_rows)
-
-
 def cross_entropy_backward(
     grad_output: torch.Tensor,
     logits: torch.Tensor,
@@ -377,67 +290,6 @@ def cross_entropy_backward(
     for _ in gradient_blocks(source, grad_output, target1d, lse, count, vocab, opts, out=grad, rows=rows):
         pass
     return grad.view(logits.shape)
-
-
-def gradient_blocks(
-    source: st.Source,
-    grad_output: torch.Tensor,
-    target1d: torch.Tensor,
-    lse: torch.Tensor,
-    count: torch.Tensor,
-    vocab: torch.Tensor,
-    opts: CrossEntropyOptions,
-    out: Optional[torch.Tensor] = None,
-    rows: Optional[int] = None,
-) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """``(i0, i1, d loss / d logits[i0:i1])`` blocks in the work dtype, recomputed from ``lse``, locally.
-
-    ``out`` / ``rows``: see ``statistics.softmax_gradient_blocks`` (``rows`` defaults to ``opts.rows``).
-    """
-    num_rows = target1d.numel()
-    index, owned, active, coef_p, coef_target, coef_uniform = gradient_coefficients(
-        grad_output, target1d, lse, count, vocab, opts
-    )
-    return st.softmax_gradient_blocks(
-        source,
-        num_rows,
-        opts.shard,
-        opts.transform,
-        lse,
-        index,
-        owned,
-        active,
-        coef_p,
-        coef_target,
-        coef_uniform,
-        opts.rows if rows is None else rows,
-        out=out,
-    )
-
-
-def gradient_coefficients(
-    grad_output: torch.Tensor,
-    target1d: torch.Tensor,
-    lse: torch.Tensor,
-    count: torch.Tensor,
-    vocab: torch.Tensor,
-    opts: CrossEntropyOptions,
-) -> tuple[torch.Tensor, ...]:
-    """``(index, owned, active, coef_p, coef_target, coef_uniform)``, all ``[T]`` (see
-    ``statistics.softmax_gradient_blocks`` for what the coefficients multiply)."""
-    num_rows = target1d.numel()
-    index, owned, active = st.local_target_index(target1d, opts.shard, opts.ignore_index)
-    g = per_token_grad(grad_output, opts.reduction, count, num_rows, lse.dtype)
-    return (index, owned, active, *loss_coefficients(g, lse, vocab, opts))
-
-
-def loss_coefficients(
-    g: torch.Tensor, lse: torch.Tensor, vocab: torch.Tensor, opts: CrossEntropyOptions
-) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """``(coef_p, coef_target, coef_uniform)`` ``[T]`` for per-token incoming gradients ``g`` ``[T]``."""
-    coef_p = g * (1.0 + 2.0 * opts.z_loss * lse) if opts.z_loss else g
-    coef_uniform = g * (opts.label_smoothing / vocab) if opts.label_smoothing else None
-    return coef_p, g * (1.0 - opts.label_smoothing), coef_uniform
 
 
 def forward_gradient_buffer(ctx, logits: torch.Tensor, opts: CrossEntropyOptions) -> Optional[torch.Tensor]:

@@ -41,22 +41,22 @@ import torch.distributed as dist
 
 from shardkit.distributed.regions import copy_to_region
 from shardkit.losses import statistics as st
-from shardkit.losses.checks import option_problems, validate_call
-from shardkit.losses.cross_entropy import (
-    CrossEntropyOptions,
-    gradient_coefficients,
-    loss_coefficients,
-    loss_from_source,
-    loss_from_statistics,
+from shardkit.losses.ce_gradient import gradient_coefficients, loss_coefficients, per_token_grad
+from shardkit.losses.ce_kernel_calls import (
     native_gradient,
     native_kernels,
     native_statistics,
-    per_token_grad,
-    reduce_tokens,
-    token_loss,
     triton_gradient,
     triton_kernels,
     triton_statistics,
+)
+from shardkit.losses.checks import option_problems, validate_call
+from shardkit.losses.cross_entropy import (
+    CrossEntropyOptions,
+    loss_from_source,
+    loss_from_statistics,
+    reduce_tokens,
+    token_loss,
 )
 from shardkit.losses.dtensor import plain_tensor, resolve_vocab_shard
 from shardkit.losses.first_order import first_order_only
