@@ -28,14 +28,14 @@ from shardkit.modules.offloaded_lookup import OffloadedEmbeddingLookup
 ROWS, DIM, BAGS = 20, 4, 6
 
 
-def _lookups(background: bool):
-    tables = [EmbeddingBagConfig(ROWS, DIM, name=f"t{i}", feature_names=[f"f{i}"]) for i in range(2)]
+def _lookups(background: bool, device: str = "cpu", rows: int = ROWS, dim: int = DIM, load_factor=0.1):
+    tables = [EmbeddingBagConfig(rows, dim, name=f"t{i}", feature_names=[f"f{i}"]) for i in range(2)]
     config = FusedOptimizerConfig(OptimType.ROWWISE_ADAGRAD, lr=0.1)
     shards = [ShardSpec(t) for t in tables]
     torch.manual_seed(0)
-    memory = GroupedEmbeddingLookup(shards, True, "cpu", config)
+    memory = GroupedEmbeddingLookup(shards, True, device, config)
     offloaded = OffloadedEmbeddingLookup(
-        shards, True, "cpu", config, OffloadSpec("caching", 0.1, prefetch=True)
+        shards, True, device, config, OffloadSpec("caching", load_factor, prefetch=True)
     )
     offloaded.background_prefetch = background
     with torch.no_grad():
@@ -211,18 +211,7 @@ def test_prefetched_training_on_cuda_equals_in_memory(monkeypatch, copy_stream):
     the in-memory lookup, with the copies on the side stream (``SHARDKIT_OFFLOAD_COPY_STREAM=1``) and on
     the caller's stream (``0``)."""
     monkeypatch.setenv("SHARDKIT_OFFLOAD_COPY_STREAM", copy_stream)
-    tables = [
-        EmbeddingBagConfig(CUDA_ROWS, CUDA_DIM, name=f"t{i}", feature_names=[f"f{i}"]) for i in range(2)
-    ]
-    config = FusedOptimizerConfig(OptimType.ROWWISE_ADAGRAD, lr=0.1)
-    shards = [ShardSpec(t) for t in tables]
-    torch.manual_seed(0)
-    memory = GroupedEmbeddingLookup(shards, True, "cuda", config)
-    offloaded = OffloadedEmbeddingLookup(
-        shards, True, "cuda", config, OffloadSpec("caching", 0.05, prefetch=True)
-    )
-    with torch.no_grad():
-        offloaded.weight.copy_(memory.weight)
+    memory, offloaded = _lookups(False, "cuda", CUDA_ROWS, CUDA_DIM, load_factor=0.05)
     cache = offloaded.cache
     assert (cache._copies is not None) == (copy_stream == "1")
     if cache._copies is not None:  # the copy stream busy before each read: the kernels must wait for it
