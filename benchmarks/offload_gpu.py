@@ -15,8 +15,10 @@ rounds (the median round per row):
 - ``caching lf=X <order> <copies>``: ``fused_uvm_caching`` at load factor X; ``order`` ``plain``: each
   forward acquires its own rows (misses copied in before its kernel); ``prefetch``: the order of
   ``PrefetchTrainPipelineSparseDist`` (forward i, prefetch of batch i+1, backward i): batch i+1's misses
-  are copied while batch i's backward runs; ``copies`` ``side stream`` (the default) or ``compute
-  stream`` (``SHARDKIT_OFFLOAD_COPY_STREAM=0``: the copies queued on the caller's stream);
+  are copied while batch i's backward runs; ``copies``: ``zero-copy`` (the default: on a side stream,
+  the GPU gathering and scattering rows of the pinned host memory itself), ``staged`` (on a side
+  stream, rows gathered on the host into pinned buffers and copied, ``SHARDKIT_OFFLOAD_UVA=0``) or
+  ``compute stream`` (``SHARDKIT_OFFLOAD_COPY_STREAM=0``: staged copies queued on the caller's stream);
 - ``vs_fused``: in-memory step time / this row's (1.0 = as fast as in device memory), measured in the
   same rounds; ``hit_rate`` and ``miss_MB/step`` from the cache's counters.
 """
@@ -35,8 +37,15 @@ import torch
 from benchmarks.common import write_results
 from benchmarks.offload_steady import zipf_sampler
 
+# how a CUDA cache moves rows: the environment while it is built (kernels/offload/device_copies.py)
+COPIES = {
+    "zero-copy": {"SHARDKIT_OFFLOAD_COPY_STREAM": "1", "SHARDKIT_OFFLOAD_UVA": "1"},
+    "staged": {"SHARDKIT_OFFLOAD_COPY_STREAM": "1", "SHARDKIT_OFFLOAD_UVA": "0"},
+    "compute stream": {"SHARDKIT_OFFLOAD_COPY_STREAM": "0"},
+}
 
-def _lookup(kind: str, rows: int, dim: int, device: torch.device, load_factor: float, copy_stream: bool, tmp):
+
+def _lookup(kind: str, rows: int, dim: int, device: torch.device, load_factor: float, copies: str, tmp):
     from shardkit.kernels.offload import OffloadSpec
     from shardkit.modules import EmbeddingBagConfig, FusedOptimizerConfig, OptimType
     from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup, ShardSpec
@@ -46,19 +55,24 @@ def _lookup(kind: str, rows: int, dim: int, device: torch.device, load_factor: f
     shards = [ShardSpec(EmbeddingBagConfig(rows, dim, name="t", feature_names=["f"]))]
     if kind == "fused":
         return GroupedEmbeddingLookup(shards, True, device, config)
-    saved = os.environ.get("SHARDKIT_OFFLOAD_COPY_STREAM")
-    os.environ["SHARDKIT_OFFLOAD_COPY_STREAM"] = "1" if copy_stream else "0"
+    saved = {k: os.environ.get(k) for k in COPIES[copies]}
+    os.environ.update(COPIES[copies])
     try:
         spec = OffloadSpec("caching", load_factor, prefetch=True, directory=tmp)
         lookup = OffloadedEmbeddingLookup(shards, True, device, config, spec)
     finally:
-        if saved is None:
-            del os.environ["SHARDKIT_OFFLOAD_COPY_STREAM"]
-        else:
-            os.environ["SHARDKIT_OFFLOAD_COPY_STREAM"] = saved
+        for key, value in saved.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
     lookup.background_prefetch = False  # the same order on every device (CUDA prefetches inline)
     if device.type == "cuda":
-        assert (lookup.cache._copies is not None) == copy_stream
+        moves = lookup.cache._copies
+        kind_built = (
+            "compute stream" if moves is None else ("zero-copy" if moves.views is not None else "staged")
+        )
+        assert kind_built == copies, f"asked for {copies} copies, the cache has {kind_built}"
     return lookup
 
 
@@ -103,14 +117,13 @@ def run(args) -> List[Dict[str, Any]]:
     batches = [(sample(ids_per_step).to(device), offsets) for _ in range(args.batches)]
     tmp = tempfile.mkdtemp(prefix="shardkit-offload-gpu-")
     runners = [
-        _Runner("fused", _lookup("fused", args.rows, args.dim, device, 0, False, tmp), False, batches, device)
+        _Runner("fused", _lookup("fused", args.rows, args.dim, device, 0, "", tmp), False, batches, device)
     ]
     for load_factor in args.load_factors:
         for prefetch in (False, True):
-            for copy_stream in (True, False):
+            for copies in COPIES:
                 order = "prefetch" if prefetch else "plain"
-                copies = "side stream" if copy_stream else "compute stream"
-                lookup = _lookup("caching", args.rows, args.dim, device, load_factor, copy_stream, tmp)
+                lookup = _lookup("caching", args.rows, args.dim, device, load_factor, copies, tmp)
                 name = f"caching lf={load_factor} {order} {copies}"
                 runners.append(_Runner(name, lookup, prefetch, batches, device))
     for runner in runners:  # warm: kernels compiled, caches at their steady state

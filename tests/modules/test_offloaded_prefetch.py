@@ -202,18 +202,22 @@ def _sleep_on(stream) -> None:
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("copy_stream", ["1", "0"])
-def test_prefetched_training_on_cuda_equals_in_memory(monkeypatch, copy_stream):
+@pytest.mark.parametrize("copies", ["zero-copy", "staged", "compute stream"])
+def test_prefetched_training_on_cuda_equals_in_memory(monkeypatch, copies):
     """A CUDA cache (host backing) of 5 % of the rows driven in the pipeline's order, with the compute
     stream kept busy before every prefetch and backward and the copy stream kept busy before every read:
     a copy not ordered after the compute stream's queued updates (a dirty victim gathered too early), or
     a kernel not waiting for its rows' copies, would train on stale rows. Training stays bitwise that of
-    the in-memory lookup, with the copies on the side stream (``SHARDKIT_OFFLOAD_COPY_STREAM=1``) and on
-    the caller's stream (``0``)."""
-    monkeypatch.setenv("SHARDKIT_OFFLOAD_COPY_STREAM", copy_stream)
+    the in-memory lookup, with the copies on the side stream, zero-copy (the GPU reading and writing the
+    pinned backing) and staged (``SHARDKIT_OFFLOAD_UVA=0``), and on the caller's stream
+    (``SHARDKIT_OFFLOAD_COPY_STREAM=0``)."""
+    monkeypatch.setenv("SHARDKIT_OFFLOAD_COPY_STREAM", "0" if copies == "compute stream" else "1")
+    monkeypatch.setenv("SHARDKIT_OFFLOAD_UVA", "0" if copies == "staged" else "1")
     memory, offloaded = _lookups(False, "cuda", CUDA_ROWS, CUDA_DIM, load_factor=0.05)
     cache = offloaded.cache
-    assert (cache._copies is not None) == (copy_stream == "1")
+    assert (cache._copies is not None) == (copies != "compute stream")
+    if cache._copies is not None:
+        assert (cache._copies.views is not None) == (copies == "zero-copy")
     if cache._copies is not None:  # the copy stream busy before each read: the kernels must wait for it
         read = cache._copies.read
 
@@ -255,3 +259,27 @@ def test_copy_stream_switch_is_read_strictly(monkeypatch):
     monkeypatch.setenv("SHARDKIT_OFFLOAD_COPY_STREAM", "maybe")
     with pytest.raises(ValueError, match="SHARDKIT_OFFLOAD_COPY_STREAM='maybe'"):
         copy_stream_default()
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_a_device_view_reads_and_writes_the_pinned_host_memory():
+    from shardkit.kernels.offload.device_copies import device_view
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        host = torch.arange(12).to(dtype).view(4, 3).pin_memory()
+        view = device_view(host, torch.device("cuda"))
+        assert view.is_cuda and view.shape == host.shape and view.dtype == dtype
+        assert torch.equal(view.index_select(0, torch.tensor([2, 0], device="cuda")).cpu(), host[[2, 0]])
+        view.index_copy_(
+            0, torch.tensor([1], device="cuda"), torch.full((1, 3), 7, dtype=dtype, device="cuda")
+        )
+        torch.cuda.synchronize()
+        assert torch.equal(host[1], torch.full((3,), 7, dtype=dtype)), dtype
+
+
+def test_a_device_view_needs_pinned_memory():
+    from shardkit.kernels.offload.device_copies import device_view
+
+    with pytest.raises(ValueError, match="contiguous pinned CPU tensor"):
+        device_view(torch.zeros(4, 3), torch.device("cuda"))
