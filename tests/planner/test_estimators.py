@@ -387,3 +387,42 @@ def test_a_missed_row_wider_than_the_latency_costs_its_bytes():
     assert MISS.replace(miss_latency_bytes=40.0).miss_cost(80.0) == pytest.approx(2 * MISS.id_miss_s)
     with pytest.raises(ValueError, match="miss_latency_bytes"):
         MODEL.replace(miss_latency_bytes=0.0)
+
+
+def test_replica_fresh_bytes_only_for_a_group_past_the_scratch_limit_that_gathers():
+    from shardkit.planner.estimators import replica_fresh_bytes
+    from shardkit.sharding.replicated_exchange import uses_scratch
+
+    def options(rows, dims, ids_per_rank, world):
+        tables = [
+            EmbeddingBagConfig(num_embeddings=rows, embedding_dim=d, name=f"t{i}", feature_names=[f"f{i}"])
+            for i, d in enumerate(dims)
+        ]
+        topology = Topology(world_size=world, compute_device="cpu", cost_model=MODEL)
+        constraints = {
+            t.name: ParameterConstraints(
+                pooling_factors=[float(ids_per_rank)], sharding_types=["data_parallel"]
+            )
+            for t in tables
+        }
+        enumerator = EmbeddingEnumerator(topology, batch_size=1, constraints=constraints)
+        return [
+            o
+            for table, found in enumerator.tables(meta_ebc(tables), [ebc_sharder()])
+            for o in enumerator.enumerate(table, found)
+            if o.compute_kernel == "fused"
+        ]
+
+    # 4 x 200000 x 128 in one group: past the limit, 20480 ids per rank touch few rows: the sorted way
+    assert not uses_scratch(800_000, 128, 2) and uses_scratch(400_000, 128, 2)
+    touched = 4 * distinct_rows(200_000, 20480)
+    for world in (2, 4):
+        got = replica_fresh_bytes(options(200_000, (128,) * 4, 20480, world), world)
+        assert got == pytest.approx(4 * touched * (128 + world * (2 * 128 + 4)))
+    # within the limit (two tables, or two groups of two widths): the kept buffers
+    assert replica_fresh_bytes(options(200_000, (128,) * 2, 20480, 2), 2) == 0.0
+    assert replica_fresh_bytes(options(200_000, (128, 64, 128, 64), 20480, 2), 2) == 0.0
+    # past the limit but most rows touched: the dense all-reduce's kept buffer
+    assert replica_fresh_bytes(options(200_000, (128,) * 4, 400_000, 2), 2) == 0.0
+    # one rank: nothing exchanged; DENSE replicas and table-wise tables: none of this
+    assert replica_fresh_bytes(options(200_000, (128,) * 4, 20480, 1), 1) == 0.0

@@ -171,3 +171,74 @@ def test_default_cpu_constants_keep_the_demos_tables_to_one_type(world):
     planner = EmbeddingShardingPlanner(topology, batch_size=256, constraints=constraints)  # the demo's
     plan = planner.plan(ebc, [ebc_sharder()])
     assert len({ps.sharding_type for ps in plan.plan[""].values()}) == 1, str(planner.last_report)
+
+
+def _large_replicas(n: int, rows: int = 200_000, dim: int = 128):
+    return [EmbeddingBagConfig(rows, dim, name=f"t{i}", feature_names=[f"f{i}"]) for i in range(n)]
+
+
+def _fresh_cost(n_tables: int, world: int, fresh_bw: float, dims=None) -> float:
+    """The estimated step of ``n_tables`` 200000-row FUSED replicas (widths ``dims``, default 128 each)
+    at 1024 bags of 20 ids per rank, with ``fresh_buffer_bw`` = ``fresh_bw``."""
+    tables = (
+        _large_replicas(n_tables)
+        if dims is None
+        else [
+            EmbeddingBagConfig(200_000, d, name=f"t{i}", feature_names=[f"f{i}"]) for i, d in enumerate(dims)
+        ]
+    )
+    ebc = meta_ebc(tables)
+    constraints = {t.name: ParameterConstraints(pooling_factors=[20.0]) for t in tables}
+    planner = EmbeddingShardingPlanner(
+        Topology(
+            world_size=world, compute_device="cpu", cost_model=MEASURED_LIKE.replace(fresh_buffer_bw=fresh_bw)
+        ),
+        batch_size=1024,
+        constraints=constraints,
+    )
+    plan = _plan(ebc, {t.name: data_parallel(compute_kernel="fused") for t in tables}, world)
+    return planner.estimate(ebc, [ebc_sharder()], plan).max_time_s
+
+
+def test_a_replica_group_too_large_for_the_kept_scratch_pays_its_fresh_buffers():
+    """Measured (benchmarks/plan_quality.py few_large, 4 fused replicas of 200000 x 128 in one 413 MB
+    lookup group, 2 ranks): 180 ms a step on the sorted way, whose backward allocates its gradient,
+    wire and concatenation buffers every step, against 86 ms with the kept scratch buffers (the
+    group forced under the limit); the model estimated ~95-105 ms, the scratch way's cost. Now such a
+    group pays ``4 U (D + W (2 D + 4))`` fresh bytes at ``fresh_buffer_bw``, every rank alike."""
+    from shardkit.planner.estimators import distinct_rows
+
+    for world in (2, 4):
+        touched = 4 * distinct_rows(200_000, 1024 * 20)  # the group's distinct rows per rank
+        fresh = 4 * touched * (128 + world * (2 * 128 + 4))
+        slow, fast = _fresh_cost(4, world, 1e9), _fresh_cost(4, world, 2e9)
+        assert slow - fast == pytest.approx(fresh / 1e9 - fresh / 2e9, rel=1e-9)
+        assert fresh / 2e9 > 0.03  # tens of milliseconds: not a rounding of the estimate
+    # two such tables (206 MB) or four of two widths (two groups of 206 / 103 MB) keep the scratch
+    # buffers: no fresh bytes, whatever their bandwidth
+    assert _fresh_cost(2, 2, 1e9) == pytest.approx(_fresh_cost(2, 2, 2e9), rel=1e-12)
+    assert _fresh_cost(4, 2, 1e9, dims=(128, 64, 128, 64)) == pytest.approx(
+        _fresh_cost(4, 2, 2e9, dims=(128, 64, 128, 64)), rel=1e-12
+    )
+
+
+def test_the_planners_own_plan_pays_the_fresh_buffers_as_its_estimate_does():
+    tables = _large_replicas(4)
+    ebc = meta_ebc(tables)
+    constraints = {
+        t.name: ParameterConstraints(pooling_factors=[20.0], sharding_types=["data_parallel"]) for t in tables
+    }
+    times = []
+    for fresh_bw in (1e9, 1e12):
+        model = MEASURED_LIKE.replace(fresh_buffer_bw=fresh_bw)
+        planner = EmbeddingShardingPlanner(
+            Topology(world_size=2, compute_device="cpu", cost_model=model),
+            batch_size=1024,
+            constraints=constraints,
+        )
+        plan = planner.plan(ebc, [ebc_sharder()])
+        assert planner.estimate(ebc, [ebc_sharder()], plan).max_time_s == pytest.approx(
+            planner.last_report.max_time_s, rel=1e-12
+        )
+        times.append(planner.last_report.max_time_s)
+    assert times[0] - times[1] > 0.03

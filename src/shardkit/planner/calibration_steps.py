@@ -271,6 +271,7 @@ def _zero(model: CostModel) -> CostModel:
         replica_row_s=0.0,
         replica_value_s=0.0,
         replica_group_s=0.0,
+        fresh_buffer_bw=_INF,
     )
 
 
@@ -281,16 +282,17 @@ def config_features(
     caches: Sequence[float] = CACHE_CANDIDATES,
     miss_widths: Sequence[float] = MISS_LATENCY_CANDIDATES,
 ) -> Tuple[float, List[float], List[float]]:
-    """``(known, features, miss)`` of a configuration: the seconds no fitted constant explains (0: every
-    term of the estimator is fitted), the estimator's seconds per unit of each constant of
-    ``feature_names()`` but ``id_miss`` (0 there; ``lookup`` and ``comm``: seconds at 1 byte/s), and the
-    ``id_miss`` feature at each cache size of ``caches`` and ``miss_latency_bytes`` of ``miss_widths``
-    (cache-major: ``miss[i * len(miss_widths) + j]``)."""
+    """``(known, features, miss)`` of a configuration: the seconds no fitted constant explains (the
+    fresh buffers of a data-parallel group too large for the kept scratch, at ``model``'s measured
+    ``fresh_buffer_bw``; 0 for every group of ``calibration_configs``), the estimator's seconds per
+    unit of each constant of ``feature_names()`` but ``id_miss`` (0 there; ``lookup`` and ``comm``:
+    seconds at 1 byte/s), and the ``id_miss`` feature at each cache size of ``caches`` and
+    ``miss_latency_bytes`` of ``miss_widths`` (cache-major: ``miss[i * len(miss_widths) + j]``)."""
     est = estimator(config, world)
     zero = _zero(model)
-    # the dists' bytes, at 1 byte/s: fitted in the same rounds as the rest (the lone all-to-all of
-    # calibrate() is one moment of the machine's load; it is the fallback)
-    known = 0.0
+    # measured apart, not fitted: the fresh buffers of a replica group too large for the kept scratch
+    # (none of calibration_configs' groups is; a larger big_bytes can make one)
+    known = est(zero.replace(fresh_buffer_bw=model.fresh_buffer_bw))
     used = set(config.types)
     values: Dict[str, float] = {"step": 1.0}
     for t in TYPES:
@@ -308,6 +310,8 @@ def config_features(
         values[f"id:{t}"] = est(zero.replace(id_overhead_s=ids)) if used & set(covered) else 0.0
     unit_bw = zero.replace(ddr_lookup_bw=1.0, hbm_lookup_bw=1.0)
     values["lookup"] = est(unit_bw)
+    # the dists' bytes, at 1 byte/s: fitted in the same rounds as the rest (the lone all-to-all of
+    # calibrate() is one moment of the machine's load; it is the fallback)
     values["comm"] = est(zero.replace(intra_node_bw=1.0, cross_node_bw=1.0))
     values["replica"] = (
         est(unit_bw.replace(replica_grad_passes=1.0)) - values["lookup"] if "data_parallel" in used else 0.0
