@@ -71,6 +71,7 @@ ID_TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel")
 # table-wise's fitted constants are charged to column-wise as well, and column-wise's fitted ones are
 # its extra cost on top (so a column block can never be fitted cheaper than a table-wise shard)
 TW_EXTENDED_BY = {"table_wise": ("column_wise",)}
+GROUP_DIM_STEP = 4  # the width step between the tables of the lookup-group steps (8, 12, 16, ...)
 COUNTS = (1, 4, 16, 48)  # shards of one type per rank in the tiny steps the per-shard cost is fitted from
 ROUNDS = 5  # alternating rounds of the timed steps
 STEPS_PER_ROUND = 2
@@ -143,6 +144,11 @@ def calibration_configs(world: int, big_bytes: int = BIG_BYTES) -> List[StepConf
     configs.append(StepConfig(("data_parallel",), 2048, BIG_DIM, **big))
     # replicas of different widths: one lookup group each, two all-gathers each in backward
     configs += [StepConfig(("data_parallel",) * k, tiny_rows, dim_step=DIM) for k in (4, 16)]
+    # sharded tables of different widths: one lookup group each on its rank (the tiny steps above hold
+    # one width: their shards share one group per rank and type), table-wise at 4 and 16 widths per
+    # rank and row-wise at 16 (every rank holds a shard of each)
+    configs += [StepConfig(tw * k, tiny_rows, dim_step=GROUP_DIM_STEP) for k in (4, 16)]
+    configs.append(StepConfig(("row_wise",) * 16, tiny_rows, dim_step=GROUP_DIM_STEP))
     return configs
 
 
@@ -248,6 +254,7 @@ def feature_names() -> List[str]:
         + [f"shard:{t}" for t in TYPES]
         + [f"id:{t}" for t in ID_TYPES]
         + ["id_miss", "output_value", "lookup", "replica", "replica_row", "replica_value", "replica_group"]
+        + ["lookup_group"]
         + ["comm"]
     )
 
@@ -272,6 +279,7 @@ def _zero(model: CostModel) -> CostModel:
         replica_value_s=0.0,
         replica_group_s=0.0,
         fresh_buffer_bw=_INF,
+        lookup_group_s=0.0,
     )
 
 
@@ -319,6 +327,7 @@ def config_features(
     for name in ("replica_row", "replica_value", "replica_group"):
         values[name] = est(zero.replace(**{f"{name}_s": 1.0})) if "data_parallel" in used else 0.0
     values["output_value"] = est(zero.replace(output_value_s=1.0))
+    values["lookup_group"] = est(zero.replace(lookup_group_s=1.0))
     values["id_miss"] = 0.0
     # no shard is larger than its table: a cache of the largest table's bytes serves every id
     widest = max(config.width(i) for i in range(len(config.types)))
@@ -496,6 +505,7 @@ def fit_constants(
         "replica_row_s": v["replica_row"],
         "replica_value_s": v["replica_value"],
         "replica_group_s": v["replica_group"],
+        "lookup_group_s": v["lookup_group"],
         "residual": residual,
         "fitted_s": (base_with_miss(pair) @ x + known).tolist(),
     }

@@ -78,6 +78,11 @@ class CostModel:
             (per id) and a wide one the time its bytes take (per byte): two column shards of half the
             width then miss about as much as the whole table, not twice as much. ``inf``: per id
             whatever the width.
+        lookup_group_s: seconds per step of one lookup group on the rank holding it, for every sharding
+            type but data-parallel (whose groups cost ``replica_group_s``): a rank's shards of one
+            sharding type, width and dtype in one module share a lookup (one kernel call forward and
+            backward, ``shardkit.sharding.embedding_lookup.group_shards``), so shards of many widths
+            cost more than as many shards of one width (``shardkit.planner.estimators.lookup_group_keys``).
         fresh_buffer_bw: bytes per second at which a rank writes a buffer it has just allocated (the
             page faults of memory the allocator takes from the system included; ``calibrate()``
             measures it on all ranks at once). It prices the fresh buffers of a FUSED data-parallel
@@ -113,6 +118,7 @@ class CostModel:
     miss_latency_bytes: float = float("inf")
     output_value_s: float = 0.0
     fresh_buffer_bw: float = 3 * GB
+    lookup_group_s: float = 0.0
 
     def __post_init__(self) -> None:
         bandwidths = ("hbm_lookup_bw", "ddr_lookup_bw", "uvm_lookup_bw", "intra_node_bw", "cross_node_bw")
@@ -132,6 +138,7 @@ class CostModel:
             "replica_group_s",
             "id_miss_s",
             "output_value_s",
+            "lookup_group_s",
         ):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"CostModel.{name} must be >= 0, got {getattr(self, name)}")

@@ -14,7 +14,7 @@ vectorized step: 1000 tables x 64 ranks cost milliseconds, not a torch call per 
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -138,6 +138,21 @@ def replica_fresh_bytes(options: Sequence[ShardingOption], world: int) -> float:
             continue
         total += 4.0 * touched * (cols + world * (2 * cols + 4))
     return total
+
+
+def lookup_group_keys(o: ShardingOption) -> List[Optional[tuple]]:
+    """The lookup group each shard of ``o`` joins on its rank (``CostModel.lookup_group_s``): one per
+    module, sharding type, shard width and dtype, as ``shardkit.sharding.embedding_lookup.group_shards``
+    groups a rank's shards of one sharding (an offloaded shard is a group of its own); None for a
+    data-parallel option (its groups are priced per plan, ``replica_group_s``)."""
+    if o.sharding_type == _DP:
+        return [None] * o.num_shards
+    t = o.table
+    keys: List[Optional[tuple]] = []
+    for k, cols in enumerate(o.sizes[:, 1].tolist()):
+        key = (t.module_path, o.sharding_type, int(cols), t.element_size)
+        keys.append(key + (t.name, k) if o.compute_kernel in OFFLOAD_KERNELS else key)
+    return keys
 
 
 def load_factor(o: ShardingOption) -> float:
@@ -343,6 +358,7 @@ __all__ = [
     "cached_row_bytes",
     "distinct_rows",
     "load_factor",
+    "lookup_group_keys",
     "replica_exchange",
     "replica_fresh_bytes",
     "replica_groups",

@@ -17,7 +17,7 @@ import math
 from typing import List, Optional, Sequence
 
 from shardkit.planner.errors import UnplacedShard
-from shardkit.planner.estimators import replica_fresh_bytes, replica_groups
+from shardkit.planner.estimators import lookup_group_keys, replica_fresh_bytes, replica_groups
 from shardkit.planner.topology import Topology
 from shardkit.planner.types import FIXED, FREE, ShardingOption
 
@@ -68,6 +68,7 @@ class _Shards:
         self.ddr = o.ddr.tolist()
         self.disk = [0.0] * len(self.ddr) if o.disk is None else o.disk.tolist()
         self.ranks = o.ranks.tolist()
+        self.groups = lookup_group_keys(o)
 
     def fits(self, k: int, hbm: float, ddr: float, disk: float) -> bool:
         """Whether shard ``k`` fits a rank with this much free memory and disk."""
@@ -90,6 +91,8 @@ class GreedyPerfPartitioner:
         disk = [topology.disk_free] * world  # infinite when the topology does not limit it
         disk_used = [0.0] * world
         shards = [_Shards(o) for o in proposal]
+        # a rank pays lookup_group_s once per lookup group it holds (its first shard of the group)
+        groups = _RankGroups(world, topology.cost_model.lookup_group_s)
         total_perf = sum(sum(s.perf) for s in shards) or 1.0
         total_mem = sum(sum(s.hbm) + sum(s.ddr) for s in shards) or 1.0
 
@@ -105,13 +108,13 @@ class GreedyPerfPartitioner:
             if o.kind == FIXED:
                 ranks = self._check_fixed(o, s, hbm, ddr, disk, unplaced)
             elif o.kind == FREE:
-                ranks = self._place_free(o, s, load, hbm, ddr, disk, unplaced)
+                ranks = self._place_free(o, s, load, hbm, ddr, disk, unplaced, groups)
             else:
                 ranks = self._place_on_host(o, s, topology, load, hbm, ddr, disk, unplaced)
             if ranks is None:
                 continue
             for k, r in enumerate(ranks):
-                load[r] += s.perf[k]
+                load[r] += s.perf[k] + groups.join(r, s.groups[k])
                 hbm[r] -= s.hbm[k]
                 ddr[r] -= s.ddr[k]
                 disk[r] -= s.disk[k]
@@ -146,22 +149,26 @@ class GreedyPerfPartitioner:
         return s.ranks if ok else None
 
     @staticmethod
-    def _place_free(o, s: _Shards, load, hbm, ddr, disk, unplaced) -> Optional[List[int]]:
+    def _place_free(o, s: _Shards, load, hbm, ddr, disk, unplaced, groups) -> Optional[List[int]]:
         allowed = o.table.allowed_ranks if o.table.allowed_ranks is not None else range(len(load))
         # tentative figures: a shard that does not fit must not leave its siblings' reservations behind
         load, hbm, ddr, disk = list(load), list(hbm), list(ddr), list(disk)
+        joined = set()  # (rank, group) of this option's shards placed so far
         ranks: List[int] = []
         for k in range(len(s.perf)):
             best, best_time = -1, math.inf
+            key = s.groups[k]
             for r in allowed:
-                if s.fits(k, hbm[r], ddr[r], disk[r]) and load[r] + s.perf[k] < best_time:
-                    best, best_time = r, load[r] + s.perf[k]
+                seconds = load[r] + s.perf[k] + (0.0 if (r, key) in joined else groups.cost(r, key))
+                if s.fits(k, hbm[r], ddr[r], disk[r]) and seconds < best_time:
+                    best, best_time = r, seconds
             if best < 0:
                 roomiest = max(allowed, key=lambda r: hbm[r] + ddr[r])
                 unplaced.append(_unplaced(o, s, k, hbm[roomiest], ddr[roomiest], disk[roomiest]))
                 return None
             ranks.append(best)
-            load[best] += s.perf[k]
+            load[best] = best_time
+            joined.add((best, key))
             hbm[best] -= s.hbm[k]
             ddr[best] -= s.ddr[k]
             disk[best] -= s.disk[k]
@@ -184,6 +191,26 @@ class GreedyPerfPartitioner:
             biggest = max(range(len(s.perf)), key=lambda k: s.hbm[k] + s.ddr[k])
             unplaced.append(_unplaced(o, s, biggest, hbm[roomiest], ddr[roomiest], disk[roomiest]))
         return best_ranks
+
+
+class _RankGroups:
+    """The lookup groups (``estimators.lookup_group_keys``) each rank holds so far, and what joining
+    one costs: ``group_s`` for a rank's first shard of a group, 0 after (and for a None key)."""
+
+    def __init__(self, world: int, group_s: float) -> None:
+        self.held: List[set] = [set() for _ in range(world)]
+        self.group_s = group_s
+
+    def cost(self, rank: int, key) -> float:
+        """Seconds a shard of group ``key`` would add on ``rank`` beside its own time."""
+        return 0.0 if key is None or key in self.held[rank] else self.group_s
+
+    def join(self, rank: int, key) -> float:
+        """Record a shard of group ``key`` on ``rank``; returns what it added (:meth:`cost`)."""
+        added = self.cost(rank, key)
+        if key is not None:
+            self.held[rank].add(key)
+        return added
 
 
 def _unplaced(

@@ -3,7 +3,8 @@
 ``EmbeddingShardingPlanner.estimate(module, sharders, plan)`` turns each table's ``ParameterSharding``
 back into a ``ShardingOption`` with the plan's shards and ranks, runs the same estimators the planner
 uses and sums the shards' times and memory per rank, as the partitioner does for its own proposals
-(plus the plan's fixed overheads, ``CostModel.plan_overhead``). A hand-written plan and the planner's
+(plus the plan's fixed overheads, ``CostModel.plan_overhead``, and each rank's lookup groups,
+``CostModel.lookup_group_s``). A hand-written plan and the planner's
 plan are then compared on the same scale, and a benchmark can put both next to measured step times.
 """
 
@@ -14,7 +15,7 @@ from typing import List, Sequence
 import torch
 
 from shardkit.planner.errors import UnplacedShard
-from shardkit.planner.estimators import replica_fresh_bytes, replica_groups
+from shardkit.planner.estimators import lookup_group_keys, replica_fresh_bytes, replica_groups
 from shardkit.planner.partitioners import Partition
 from shardkit.planner.topology import Topology
 from shardkit.planner.types import ShardingOption, TableInfo
@@ -74,8 +75,11 @@ def placed_partition(
     load, hbm, ddr, disk = [0.0] * world, list(hbm_free), list(ddr_free), [topology.disk_free] * world
     disk_used = [0.0] * world
     unplaced: List[UnplacedShard] = []
+    group_s = topology.cost_model.lookup_group_s
+    held: List[set] = [set() for _ in range(world)]  # the lookup groups each rank holds so far
     for o in options:
         perf, sh, sd = o.perf.tolist(), o.hbm.tolist(), o.ddr.tolist()
+        keys = lookup_group_keys(o)
         sk = [0.0] * len(sd) if o.disk is None else o.disk.tolist()
         for k, r in enumerate(o.ranks.tolist()):
             if sh[k] > hbm[r] or sd[k] > ddr[r] or sk[k] > disk[r]:
@@ -94,6 +98,9 @@ def placed_partition(
                     )
                 )
             load[r] += perf[k]
+            if keys[k] is not None and keys[k] not in held[r]:  # the rank's first shard of the group
+                load[r] += group_s
+                held[r].add(keys[k])
             hbm[r] -= sh[k]
             ddr[r] -= sd[k]
             disk[r] -= sk[k]
