@@ -101,6 +101,7 @@ def test_nnls_solves_with_and_without_active_constraints():
     assert cs.nnls(z, torch.tensor([1.0, 2.0], dtype=torch.float64)).tolist() == pytest.approx([1.0, 0.0])
 
 
+FRESH_S = 0.123  # the fake time of the fresh buffer's write (64 MiB): not a figure calibrate could measure
 SMALL_BIG = 1 * MIB  # the end-to-end test's largest tables: seconds of set-up, not minutes
 
 
@@ -114,9 +115,9 @@ def _calibrate_with_fake_step_times():
     configs = cs.calibration_configs(world, SMALL_BIG)
     true = TRUE.replace(id_miss_s=0.0)  # tables of at most 1 MiB: no cache size to find
     fake = [cs.estimated_seconds(c, world, true) * (1.0 if rank == 1 else 0.8) for c in configs]
-    cs.alternating_seconds = lambda steps, pg, device, **_: fake[
-        : len(steps)
-    ]  # rank 1 slower: ranks agree on it
+    # rank 1 slower: ranks agree on it; the last step is the fresh buffer's write (FRESH_S on rank 1)
+    fresh_s = FRESH_S * (1.0 if rank == 1 else 0.8)
+    cs.alternating_seconds = lambda steps, pg, device, **_: (fake + [fresh_s])[-len(steps) :]
     report = {}
     got = calibrate("cpu", rows=4096, dim=16, batch=64, pooling=4, fit_report=report).to_dict()
     return got, true.to_dict(), report
@@ -142,6 +143,8 @@ def test_calibrate_fits_the_slowest_ranks_step_times_on_every_rank(run_world):
     for name in ("group_overhead_s", "shard_overhead_s", "id_overhead_s"):
         assert got[name] == pytest.approx(true[name], rel=1e-6), name
     assert got["id_miss_s"] == 0.0
+    # the fresh buffer's write timed in the same rounds (the slowest rank's), not the lone measurement
+    assert got["fresh_buffer_bw"] == pytest.approx(cs.FRESH_BYTES / FRESH_S, rel=1e-12)
 
 
 def test_nnls_meets_the_optimality_conditions_on_random_problems():

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from shardkit.distributed.agreement import group_size
 from shardkit.distributed.topology import get_local_size
-from shardkit.planner.calibration_steps import measure_step_overheads
+from shardkit.planner.calibration_steps import FRESH_BYTES, fresh_write_step, measure_step_overheads
 from shardkit.planner.cost_model import CostModel
 
 
@@ -54,18 +54,16 @@ def measure_lookup_bw(
     return ids.numel() * dim * weight.element_size() / seconds
 
 
-def measure_fresh_buffer_bw(device: torch.device, nbytes: int = 64 << 20, repeats: int = 5) -> float:
+def measure_fresh_buffer_bw(device: torch.device, nbytes: int = FRESH_BYTES, repeats: int = 5) -> float:
     """Bytes per second at which a buffer of ``nbytes`` allocated just before is written once on
-    ``device``: each repeat allocates a new buffer, fills it and frees it. On CPU the allocator takes a
-    buffer this large (above glibc's largest mmap threshold, 32 MiB) from the system and gives it back
-    when freed, so every repeat pays the page faults of its first write, as a backward that makes its
-    buffers every step does (``CostModel.fresh_buffer_bw``); on CUDA the caching allocator reuses its
-    blocks and this is the write's speed."""
-
-    def write_fresh() -> None:
-        torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
-
-    return nbytes / _median_seconds(write_fresh, repeats, device)
+    ``device`` (``calibration_steps.fresh_write_step``): each repeat allocates a new buffer, fills it
+    and frees it. On CPU the allocator takes a buffer this large (above glibc's largest mmap
+    threshold, 32 MiB) from the system and gives it back when freed, so every repeat pays the page
+    faults of its first write, as a backward that makes its buffers every step does
+    (``CostModel.fresh_buffer_bw``); on CUDA the caching allocator reuses its blocks and this is the
+    write's speed. One moment of the machine: with ``measure_steps``, calibrate() times the same
+    write in the steps' alternating rounds instead."""
+    return nbytes / _median_seconds(fresh_write_step(device, nbytes), repeats, device)
 
 
 def measure_all_to_all_bw(
@@ -111,7 +109,8 @@ def calibrate(
 
     The lookup bandwidth replaces ``hbm_lookup_bw`` on CUDA and ``ddr_lookup_bw`` on CPU;
     ``fresh_buffer_bw`` is measured by writing newly allocated 64 MiB buffers
-    (:func:`measure_fresh_buffer_bw`); the all-to-all bandwidth replaces ``intra_node_bw`` when the
+    (:func:`measure_fresh_buffer_bw`; with ``measure_steps``, in the steps' alternating rounds, which
+    replaces that figure); the all-to-all bandwidth replaces ``intra_node_bw`` when the
     group is one node, else ``cross_node_bw``.
     All ranks measure at the same time, so ranks sharing cores are measured sharing them (a machine
     running more ranks than cores gets the slower figures it will train at).

@@ -538,16 +538,33 @@ def alternating_seconds(
     return [statistics.median(t) for t in times]
 
 
+# the fresh buffer written in the alternating rounds (CostModel.fresh_buffer_bw): above glibc's largest
+# mmap threshold (32 MiB), so the allocator takes it from the system and every write pays the page faults
+FRESH_BYTES = 64 * MIB
+
+
+def fresh_write_step(device: torch.device, nbytes: int = FRESH_BYTES) -> Callable[[], None]:
+    """A step that allocates ``nbytes``, writes them once and frees them: what a backward making its
+    buffers every step pays per byte (page faults included on CPU)."""
+
+    def step() -> None:
+        torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+
+    return step
+
+
 def measure_step_overheads(
     pg: Optional[dist.ProcessGroup], device: torch.device, model: CostModel, big_bytes: Optional[int] = None
 ) -> Dict[str, object]:
     """The fitted constants (``fit_constants``) from the slowest rank's step times: the same on every
-    rank, plus ``configs`` (``describe`` of each configuration) and ``measured_s`` (their times).
+    rank, plus ``fresh_buffer_bw`` (``FRESH_BYTES`` over the slowest rank's time of
+    :func:`fresh_write_step`, timed in the same alternating rounds as the steps: under the same load),
+    ``configs`` (``describe`` of each configuration) and ``measured_s`` (their times).
     ``model``: the constants so far (the calibrated collective bandwidths, the lone lookup's bandwidth
     as the fallback); ``big_bytes``: the largest tables (default ``BIG_BYTES``)."""
     world = group_size(pg)
     configs = calibration_configs(world, BIG_BYTES if big_bytes is None else big_bytes)
-    steps = [training_step(c, pg, device) for c in configs]
+    steps = [training_step(c, pg, device) for c in configs] + [fresh_write_step(device)]
     times = alternating_seconds(steps, pg, device)
     # the sharded modules hold the group (through reference cycles of modules, hooks and autograd
     # state): free them now, or the group outlives destroy_process_group (docs/running.md)
@@ -557,6 +574,9 @@ def measure_step_overheads(
     if dist.get_backend(pg) == "nccl":
         agreed = agreed.to(device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=pg)
+    fresh_bw = FRESH_BYTES / float(agreed[-1])
+    agreed = agreed[:-1]
+    model = model.replace(fresh_buffer_bw=fresh_bw)
     # rank 0 fits (seconds of estimator calls), every rank gets its constants
     rank0 = dist.get_global_rank(pg, 0) if pg is not None else 0
     fit = (
@@ -567,6 +587,7 @@ def measure_step_overheads(
     shared = [fit]
     dist.broadcast_object_list(shared, src=rank0, group=pg)
     fitted = shared[0]
+    fitted["fresh_buffer_bw"] = fresh_bw
     fitted["configs"] = [describe(c) for c in configs]
     fitted["measured_s"] = agreed.tolist()
     return fitted
@@ -582,6 +603,7 @@ def describe(config: StepConfig) -> str:
 __all__ = [
     "CACHE_CANDIDATES",
     "COUNTS",
+    "FRESH_BYTES",
     "ID_TYPES",
     "StepConfig",
     "TYPES",
@@ -592,6 +614,7 @@ __all__ = [
     "estimated_seconds",
     "feature_names",
     "fit_constants",
+    "fresh_write_step",
     "measure_step_overheads",
     "nnls",
     "training_step",
