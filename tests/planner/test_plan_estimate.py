@@ -297,3 +297,18 @@ def test_a_free_shard_goes_where_its_lookup_group_is_when_groups_cost_enough():
 
     assert rank_of_t2(0.0) == 1
     assert rank_of_t2(1e-2) == 0
+
+
+def test_column_blocks_of_one_width_on_one_rank_are_one_lookup_group():
+    # a 64-column table in 4 blocks of 16, all allowed on rank 0 only: one group there, not four
+    table = EmbeddingBagConfig(1000, 64, name="t0", feature_names=["f0"])
+    times = []
+    for group_s in (0.0, 1e-3):
+        constraints = {
+            "t0": ParameterConstraints(sharding_types=["column_wise"], ranks=[0], min_partition=16)
+        }
+        planner = _planner(MEASURED_LIKE.replace(lookup_group_s=group_s), world=4, constraints=constraints)
+        plan = planner.plan(meta_ebc([table]), [ebc_sharder()])
+        assert plan.plan[""]["t0"].ranks == [0, 0, 0, 0]
+        times.append([r["time_s"] for r in planner.last_report.ranks])
+    assert times[1] == pytest.approx([times[0][0] + 1e-3] + times[0][1:], rel=1e-9)
