@@ -249,3 +249,62 @@ def test_batch_major_layout_is_the_transposed_plain_layout(backend):
             )
         tables.append(table)
     assert torch.equal(tables[0], tables[1]) and not torch.equal(tables[0], weight)
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["SGD", "ROWWISE_ADAGRAD"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("block_bytes", [0, 64, 1024])  # 0: the default; 64: one row a block at dim 16
+def test_fused_backward_sorts_exactly_across_blocks(kind, weighted, block_bytes):
+    # the native backward groups ids by blocks of rows (a radix sort by the row's high bits), then sums
+    # each row's gradients per block in position order. 20000 rows at dim 16 are 20 blocks by default,
+    # 20000 one-row blocks (a full two-pass sort by row) at 64 bytes; many ids per row, so the order of
+    # each row's sum matters: fp32 SGD must equal the pure-torch reference bitwise
+    rows, dim, bags, batch = 20_000, 16, 600, 200  # 3 features x 200 samples, batch-major gradient
+    gen = torch.Generator().manual_seed(8)
+    lengths = torch.randint(0, 40, (bags,), generator=gen)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    ids = torch.randint(0, 300, (int(lengths.sum()),), generator=gen) ** 2 // 5  # skewed: repeats
+    shift = torch.randint(0, rows - 18_000, (bags,), generator=gen)
+    psw = torch.rand(ids.numel(), generator=gen) + 0.5 if weighted else None
+    grad = torch.randn(batch, bags // batch * dim, generator=gen)
+    initial = torch.randn(rows, dim, generator=gen)
+    results = {}
+    for backend in ("torch", "native"):
+        weight = initial.clone()
+        state = (torch.zeros(rows),) if kind == "ROWWISE_ADAGRAD" else ()
+        optimizer = RowOptimizerArgs(kind, lr=0.05, eps=1e-8, state=state)
+        if backend == "torch":
+            with kernel_backend("torch"):
+                embedding_fused_backward(
+                    weight, ids, offsets, shift, psw, None, grad, True, optimizer, batch_major=batch
+                )
+        else:
+            native_ops().embedding_fused_backward(
+                weight,
+                ids,
+                offsets,
+                shift,
+                psw,
+                None,
+                grad,
+                True,
+                batch,
+                optimizer.code,
+                optimizer.lr,
+                optimizer.eps,
+                optimizer.beta1,
+                optimizer.beta2,
+                0.0,
+                list(state),
+                False,
+                block_bytes=block_bytes,
+            )
+        results[backend] = (weight, state)
+    (w_t, s_t), (w_n, s_n) = results["torch"], results["native"]
+    assert not torch.equal(w_n, initial)
+    if kind == "SGD":
+        assert torch.equal(w_n, w_t)
+    else:
+        torch.testing.assert_close(w_n, w_t, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(s_n[0], s_t[0], rtol=1e-5, atol=1e-6)

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -229,19 +230,49 @@ at::Tensor embedding_forward(const at::Tensor& weight, const at::Tensor& ids, co
   return out;
 }
 
-// Stable LSD radix sort of packed (row << 32 | position) keys by row, 11 bits a pass.
-void radix_sort_by_row(std::vector<uint64_t>& keys, int64_t num_rows) {
-  int bits = 0;
-  while (bits < 32 && (int64_t(1) << bits) < num_rows) ++bits;
-  std::vector<uint64_t> tmp(keys.size());
-  constexpr int kDigit = 11;
-  for (int shift = 32; shift < 32 + bits; shift += kDigit) {
-    std::vector<int64_t> count((1 << kDigit) + 1, 0);
-    for (uint64_t k : keys) ++count[((k >> shift) & ((1 << kDigit) - 1)) + 1];
-    for (int d = 0; d < (1 << kDigit); ++d) count[d + 1] += count[d];
-    for (uint64_t k : keys) tmp[count[(k >> shift) & ((1 << kDigit) - 1)]++] = k;
-    keys.swap(tmp);
+// The ids are grouped by row in two steps, keeping each row's ids in position order (the order the
+// sums are taken in, so results are those of a stable sort by row):
+//   1. a stable LSD radix sort of packed (row << 32 | payload) keys by the row's high bits only, the
+//      block of 2^low rows it falls in (a block's sums stay in cache: 2^low * dim floats <= 64 KiB,
+//      kBlockBytes; 32-256 KiB measured alike at dim 16, 64 KiB best at dim 64);
+//   2. per block, each id's gradient is added to its row's sum in a block-sized buffer, in key order.
+// This replaced a full sort by row (two 11-bit passes for a 1e6-row buffer) whose last pass scattered
+// every key once more. Rows of a buffer of at most 2^low rows need no sort at all.
+constexpr int64_t kBlockBytes = int64_t(64) << 10;
+
+struct RadixPlan {
+  int low = 0, passes = 0, digit = 0;
+  RadixPlan(int64_t num_rows, int64_t dim, int64_t block_bytes) {
+    while (low < 31 && (int64_t(2) << low) * dim * 4 <= block_bytes) ++low;
+    int bits = 0;
+    while (bits < 32 && (int64_t(1) << bits) < num_rows) ++bits;
+    const int high = std::max(0, bits - low);
+    passes = (high + 10) / 11;  // digits of at most 11 bits, balanced: 2^11 places to scatter to at most
+    digit = passes > 0 ? (high + passes - 1) / passes : 0;
   }
+  int64_t buckets() const { return int64_t(1) << digit; }
+  int64_t digit_of(uint64_t key, int pass) const {
+    return static_cast<int64_t>((key >> (32 + low + pass * digit)) & (buckets() - 1));
+  }
+};
+
+// Sorts keys[0, n) by their block, stable; the caller counted every pass's digits while writing the keys
+// (hist: [passes][buckets]), so a pass reads the keys once. Returns the buffer (keys or tmp) holding them.
+uint64_t* radix_sort_by_block(uint64_t* keys, uint64_t* tmp, int64_t n, const RadixPlan& plan,
+                              std::vector<int64_t>& hist) {
+  const int64_t buckets = plan.buckets();
+  for (int pass = 0; pass < plan.passes; ++pass) {
+    int64_t* place = hist.data() + pass * buckets;
+    int64_t sum = 0;
+    for (int64_t d = 0; d < buckets; ++d) {
+      const int64_t c = place[d];
+      place[d] = sum;
+      sum += c;
+    }
+    for (int64_t k = 0; k < n; ++k) tmp[place[plan.digit_of(keys[k], pass)]++] = keys[k];
+    std::swap(keys, tmp);
+  }
+  return keys;
 }
 
 struct OptimArgs {
@@ -292,7 +323,8 @@ inline void apply_rule(const OptimArgs& o, int64_t row, int64_t run_time_dim, fl
 template <int64_t kDim, typename scalar_t, typename index_t>
 void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::Tensor& offsets,
                            const int64_t* shift, const float* psw, const float* scale, const float* grad,
-                           bool pooled, int64_t batch, const OptimArgs& optim, float* psw_grad) {
+                           bool pooled, int64_t batch, const OptimArgs& optim, float* psw_grad,
+                           int64_t block_bytes) {
   // a compile-time row width keeps a row's sums in vector registers
   const int64_t num_rows = weight.size(0), dim = kDim > 0 ? kDim : weight.size(1);
   const int64_t bags = offsets.numel() - 1, n = ids.numel();
@@ -301,27 +333,59 @@ void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::
   const int64_t* off = offsets.data_ptr<int64_t>();
   const int64_t features = batch > 0 ? bags / batch : 1;
 
-  // 1. per id: its row (packed with its position for the sort) and the row of grad it reads
-  std::vector<uint64_t> keys(n);
-  std::vector<int32_t> source(n);
+  // 1. per id a sort key: its row, packed with the row of grad it reads (unweighted, unscaled bags:
+  //    the sum needs nothing else) or with its position (weighted or scaled: the bag and the weight
+  //    are looked up by position); the sort's digits are counted on the way (per thread, then summed)
+  const bool by_position = psw != nullptr || scale != nullptr;
+  const RadixPlan plan(num_rows, dim, block_bytes);
+  const int64_t hist_size = plan.passes * plan.buckets();
+  const int threads = at::get_num_threads();
+  std::vector<int64_t> thread_hist(threads * hist_size, 0);
+  // uninitialized (no std::vector zero fill): every entry is written before it is read
+  std::unique_ptr<uint64_t[]> keys_storage(new uint64_t[n]);
+  std::unique_ptr<uint64_t[]> tmp_storage(new uint64_t[plan.passes > 0 ? n : 0]);
+  uint64_t* keys = keys_storage.get();
+  std::unique_ptr<int32_t[]> bag_storage(new int32_t[by_position ? n : 0]);
+  int32_t* bag_of = bag_storage.get();  // by_position only
   at::parallel_for(0, bags, 256, [&](int64_t b0, int64_t b1) {
+    int64_t* hist = thread_hist.data() + at::get_thread_num() * hist_size;
+    // bag b's grad row, bag_row(b, batch, features), kept up to date without a division per bag
+    int64_t sample = batch > 0 ? b0 % batch : 0, feature = batch > 0 ? b0 / batch : 0;
     for (int64_t b = b0; b < b1; ++b) {
+      const int64_t grad_row = batch > 0 ? sample * features + feature : b;
+      if (batch > 0 && ++sample == batch) {
+        sample = 0;
+        ++feature;
+      }
       const int64_t s = shift ? shift[b] : 0;
       for (int64_t i = off[b]; i < off[b + 1]; ++i) {
         const int64_t row = static_cast<int64_t>(id[i]) + s;
         TORCH_CHECK(row >= 0 && row < num_rows, "id at position ", i, " maps to row ", row,
                     " outside the buffer of ", num_rows, " rows");
-        keys[i] = (static_cast<uint64_t>(row) << 32) | static_cast<uint64_t>(i);
-        source[i] = static_cast<int32_t>(pooled ? b : i);
+        const uint64_t payload = by_position || !pooled ? i : grad_row;
+        keys[i] = (static_cast<uint64_t>(row) << 32) | payload;
+        for (int pass = 0; pass < plan.passes; ++pass) {
+          ++hist[pass * plan.buckets() + plan.digit_of(keys[i], pass)];
+        }
+        if (by_position) bag_of[i] = static_cast<int32_t>(b);
       }
     }
   });
+  std::vector<int64_t> hist(thread_hist.begin(), thread_hist.begin() + hist_size);
+  for (int t = 1; t < threads; ++t) {
+    for (int64_t d = 0; d < hist_size; ++d) hist[d] += thread_hist[t * hist_size + d];
+  }
+  // the row of grad that the id of a sorted key reads
+  auto source = [&](uint64_t key) -> int64_t {
+    const int64_t payload = static_cast<int64_t>(key & 0xffffffffu);
+    return by_position && pooled ? bag_row(bag_of[payload], batch, features) : payload;
+  };
 
   // 2. gradient of each per-sample weight: scale_b * <grad[b], row before the update>
   if (psw_grad) {
     at::parallel_for(0, n, 1024, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = source[i];
+        const int64_t b = bag_of[i];
         const scalar_t* w = table + static_cast<int64_t>(keys[i] >> 32) * dim;
         const float* g = grad + bag_row(b, batch, features) * dim;
         const float c = scale ? scale[b] : 1.0f;
@@ -332,61 +396,88 @@ void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::
     });
   }
 
-  // 3. group the ids by row (stable: each row's ids stay in position order)
-  radix_sort_by_row(keys, num_rows);
+  // 3. group the ids by block of rows (stable: each row's ids stay in position order)
+  keys = radix_sort_by_block(keys, tmp_storage.get(), n, plan, hist);
 
-  // 4. each distinct row: sum its ids' gradients in fp32, then one optimizer step; a thread owns
-  //    whole runs of equal rows (chunks start at the first id of a row), so no row is written twice
+  // 4. per block: each id's contribution added to its row's fp32 sum (first touch: the sum starts at
+  //    0), in key order, then one optimizer step per touched row. A thread owns whole blocks (chunks
+  //    start at the first key of a block), so no row is written twice.
+  const int64_t block_rows = std::min<int64_t>(int64_t(1) << plan.low, num_rows);
+  const int low = plan.low;
   at::parallel_for(0, n, 2048, [&](int64_t k0, int64_t k1) {
-    while (k0 < k1 && k0 > 0 && (keys[k0] >> 32) == (keys[k0 - 1] >> 32)) ++k0;
-    std::vector<float> acc_storage(kDim > 0 ? 0 : dim), param_storage(kDim > 0 ? 0 : dim);
-    float acc_fixed[kDim > 0 ? kDim : 1], param_fixed[kDim > 0 ? kDim : 1];
-    float* acc = kDim > 0 ? acc_fixed : acc_storage.data();
+    while (k0 < k1 && k0 > 0 && (keys[k0] >> (32 + low)) == (keys[k0 - 1] >> (32 + low))) ++k0;
+    if (k0 >= k1) return;
+    std::unique_ptr<float[]> sums(new float[block_rows * dim]);
+    std::vector<int64_t> stamp(block_rows, -1);  // the block whose sum a place holds
+    std::vector<int32_t> touched;
+    touched.reserve(block_rows);
+    std::vector<float> param_storage(kDim > 0 ? 0 : dim);
+    float param_fixed[kDim > 0 ? kDim : 1];
     float* param = kDim > 0 ? param_fixed : param_storage.data();
+    // locals, not the enclosing function's variables by reference (this lambda is not inlined there):
+    // d is a compile-time width when kDim is, so the sums below are vector code
+    const bool plain = !by_position, by_bag = by_position && pooled;
+    const int64_t d = kDim > 0 ? kDim : dim, shift_bits = 32 + low;
+    auto source_of = [=](uint64_t key) -> int64_t {
+      const int64_t payload = static_cast<int64_t>(key & 0xffffffffu);
+      return by_bag ? bag_row(bag_of[payload], batch, features) : payload;
+    };
     int64_t k = k0;
     while (k < k1) {
-      const uint64_t row = keys[k] >> 32;
-      for (int64_t j = 0; j < dim; ++j) acc[j] = 0.0f;
-      for (; k < n && (keys[k] >> 32) == row; ++k) {
-        if (k + kPrefetch < n) {
-          const uint64_t ahead = keys[k + kPrefetch];
-          prefetch_row(grad + bag_row(source[ahead & 0xffffffffu], batch, features) * dim, dim);
-          prefetch_row(table + static_cast<int64_t>(ahead >> 32) * dim, dim);
+      const int64_t block = static_cast<int64_t>(keys[k] >> shift_bits);
+      const int64_t base = block << low;
+      touched.clear();
+      for (; k < n && static_cast<int64_t>(keys[k] >> shift_bits) == block; ++k) {
+        if (k + kPrefetch < n) prefetch_row(grad + source_of(keys[k + kPrefetch]) * d, d);
+        const uint64_t key = keys[k];
+        const int64_t local = static_cast<int64_t>(key >> 32) - base;
+        float* __restrict__ acc = sums.get() + local * d;
+        const float* __restrict__ g = grad + source_of(key) * d;
+        if (stamp[local] != block) {  // the row's first id: its sum starts at 0
+          stamp[local] = block;
+          touched.push_back(static_cast<int32_t>(local));
+          prefetch_row(table + (base + local) * d, d);
+          for (int64_t j = 0; j < d; ++j) acc[j] = 0.0f;
         }
-        const int64_t i = static_cast<int64_t>(keys[k] & 0xffffffffu);
-        const int64_t b = source[i];
-        const float* g = grad + bag_row(b, batch, features) * dim;
+        if (plain) {
+          for (int64_t j = 0; j < d; ++j) acc[j] += g[j];
+          continue;
+        }
+        const int64_t i = static_cast<int64_t>(key & 0xffffffffu);
+        const int64_t b = bag_of[i];
         if (scale && psw) {
           const float c = scale[b], w = psw[i];
-          for (int64_t j = 0; j < dim; ++j) acc[j] = std::fma(w, g[j] * c, acc[j]);
+          for (int64_t j = 0; j < d; ++j) acc[j] = std::fma(w, g[j] * c, acc[j]);
         } else if (scale) {
           const float c = scale[b];
-          for (int64_t j = 0; j < dim; ++j) acc[j] += g[j] * c;
-        } else if (psw) {
-          const float w = psw[i];
-          for (int64_t j = 0; j < dim; ++j) acc[j] = std::fma(w, g[j], acc[j]);
+          for (int64_t j = 0; j < d; ++j) acc[j] += g[j] * c;
         } else {
-          for (int64_t j = 0; j < dim; ++j) acc[j] += g[j];
+          const float w = psw[i];
+          for (int64_t j = 0; j < d; ++j) acc[j] = std::fma(w, g[j], acc[j]);
         }
       }
-      scalar_t* w = table + static_cast<int64_t>(row) * dim;
-      for (int64_t j = 0; j < dim; ++j) param[j] = to_float(w[j]);
-      apply_rule<kDim>(optim, static_cast<int64_t>(row), dim, param, acc);
-      for (int64_t j = 0; j < dim; ++j) w[j] = from_float<scalar_t>(param[j]);
+      for (const int32_t local : touched) {
+        const int64_t row = base + local;
+        scalar_t* w = table + row * d;
+        for (int64_t j = 0; j < d; ++j) param[j] = to_float(w[j]);
+        apply_rule<kDim>(optim, row, d, param, sums.get() + local * d);
+        for (int64_t j = 0; j < d; ++j) w[j] = from_float<scalar_t>(param[j]);
+      }
     }
   });
 }
 
 // Sums each touched row's gradient and applies one optimizer step to it in place (weight, state).
 // grad: fp32 [bags, dim] (pooled) or [ids, dim]. Returns the per-sample weights' gradient (fp32 [ids])
-// when want_psw_grad, else an empty tensor.
+// when want_psw_grad, else an empty tensor. block_bytes: the bytes of one block's sums (0: kBlockBytes);
+// tests make it small so that small buffers take the radix passes and many blocks.
 at::Tensor embedding_fused_backward(at::Tensor& weight, const at::Tensor& ids, const at::Tensor& offsets,
                                     const c10::optional<at::Tensor>& bag_shift,
                                     const c10::optional<at::Tensor>& per_sample_weights,
                                     const c10::optional<at::Tensor>& bag_scale, const at::Tensor& grad,
                                     bool pooled, int64_t batch, int64_t optimizer, double lr, double eps, double beta1,
                                     double beta2, double step_size, at::TensorList state,
-                                    bool want_psw_grad) {
+                                    bool want_psw_grad, int64_t block_bytes) {
   check_common(weight, ids, offsets, bag_shift, per_sample_weights, bag_scale);
   const int64_t n = ids.numel(), dim = weight.size(1);
   TORCH_CHECK(n < (int64_t(1) << 31) && weight.size(0) < (int64_t(1) << 32),
@@ -421,10 +512,12 @@ at::Tensor embedding_fused_backward(at::Tensor& weight, const at::Tensor& ids, c
       constexpr int64_t kDim = decltype(width)::value;
       if (ids.scalar_type() == at::kLong) {
         fused_backward_kernel<kDim, scalar_t, int64_t>(weight, ids, offsets, shift, psw, scale,
-                                                       grad.data_ptr<float>(), pooled, batch, o, psw_grad_ptr);
+                                                       grad.data_ptr<float>(), pooled, batch, o, psw_grad_ptr,
+                                                       block_bytes > 0 ? block_bytes : kBlockBytes);
       } else {
         fused_backward_kernel<kDim, scalar_t, int32_t>(weight, ids, offsets, shift, psw, scale,
-                                                       grad.data_ptr<float>(), pooled, batch, o, psw_grad_ptr);
+                                                       grad.data_ptr<float>(), pooled, batch, o, psw_grad_ptr,
+                                                       block_bytes > 0 ? block_bytes : kBlockBytes);
       }
     });
   });
@@ -440,7 +533,8 @@ TORCH_LIBRARY(shardkit_native, m) {
   m.def(
       "embedding_fused_backward(Tensor(a!) weight, Tensor ids, Tensor offsets, Tensor? bag_shift, "
       "Tensor? per_sample_weights, Tensor? bag_scale, Tensor grad, bool pooled, int batch, int optimizer, float lr, "
-      "float eps, float beta1, float beta2, float step_size, Tensor(b!)[] state, bool want_psw_grad) -> Tensor");
+      "float eps, float beta1, float beta2, float step_size, Tensor(b!)[] state, bool want_psw_grad, "
+      "int block_bytes=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(shardkit_native, CPU, m) {
