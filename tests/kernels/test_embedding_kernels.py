@@ -255,7 +255,8 @@ def test_batch_major_layout_is_the_transposed_plain_layout(backend):
 @pytest.mark.parametrize("kind", ["SGD", "ROWWISE_ADAGRAD"])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("block_bytes", [0, 64, 1024])  # 0: the default; 64: one row a block at dim 16
-def test_fused_backward_sorts_exactly_across_blocks(kind, weighted, block_bytes):
+@pytest.mark.parametrize("threads", [1, 2])  # 2: per-thread digit counts merged, blocks split by thread
+def test_fused_backward_sorts_exactly_across_blocks(kind, weighted, block_bytes, threads):
     # the native backward groups ids by blocks of rows (a radix sort by the row's high bits), then sums
     # each row's gradients per block in position order. 20000 rows at dim 16 are 20 blocks by default,
     # 20000 one-row blocks (a full two-pass sort by row) at 64 bytes; many ids per row, so the order of
@@ -269,6 +270,24 @@ def test_fused_backward_sorts_exactly_across_blocks(kind, weighted, block_bytes)
     psw = torch.rand(ids.numel(), generator=gen) + 0.5 if weighted else None
     grad = torch.randn(batch, bags // batch * dim, generator=gen)
     initial = torch.randn(rows, dim, generator=gen)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        results = _both_backends(kind, ids, offsets, shift, psw, grad, initial, batch, block_bytes)
+    finally:
+        torch.set_num_threads(previous)
+    (w_t, s_t), (w_n, s_n) = results["torch"], results["native"]
+    assert not torch.equal(w_n, initial)
+    if kind == "SGD":
+        assert torch.equal(w_n, w_t)
+    else:
+        torch.testing.assert_close(w_n, w_t, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(s_n[0], s_t[0], rtol=1e-5, atol=1e-6)
+
+
+def _both_backends(kind, ids, offsets, shift, psw, grad, initial, batch, block_bytes):
+    """{backend: (table, optimizer state)} after one fused backward, pure torch and native."""
+    rows = initial.size(0)
     results = {}
     for backend in ("torch", "native"):
         weight = initial.clone()
@@ -301,10 +320,4 @@ def test_fused_backward_sorts_exactly_across_blocks(kind, weighted, block_bytes)
                 block_bytes=block_bytes,
             )
         results[backend] = (weight, state)
-    (w_t, s_t), (w_n, s_n) = results["torch"], results["native"]
-    assert not torch.equal(w_n, initial)
-    if kind == "SGD":
-        assert torch.equal(w_n, w_t)
-    else:
-        torch.testing.assert_close(w_n, w_t, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(s_n[0], s_t[0], rtol=1e-5, atol=1e-6)
+    return results
