@@ -375,11 +375,6 @@ void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::
   for (int t = 1; t < threads; ++t) {
     for (int64_t d = 0; d < hist_size; ++d) hist[d] += thread_hist[t * hist_size + d];
   }
-  // the row of grad that the id of a sorted key reads
-  auto source = [&](uint64_t key) -> int64_t {
-    const int64_t payload = static_cast<int64_t>(key & 0xffffffffu);
-    return by_position && pooled ? bag_row(bag_of[payload], batch, features) : payload;
-  };
 
   // 2. gradient of each per-sample weight: scale_b * <grad[b], row before the update>
   if (psw_grad) {
@@ -418,6 +413,7 @@ void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::
     // d is a compile-time width when kDim is, so the sums below are vector code
     const bool plain = !by_position, by_bag = by_position && pooled;
     const int64_t d = kDim > 0 ? kDim : dim, shift_bits = 32 + low;
+    // the row of grad that the id of a sorted key reads
     auto source_of = [=](uint64_t key) -> int64_t {
       const int64_t payload = static_cast<int64_t>(key & 0xffffffffu);
       return by_bag ? bag_row(bag_of[payload], batch, features) : payload;
