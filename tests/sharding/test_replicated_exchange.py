@@ -100,3 +100,46 @@ def test_a_sparse_backward_sends_its_count_with_its_rows_and_gathers_again_when_
 def test_the_rows_gradient_comes_from_the_kernel_not_from_autograd():
     for _, autograd_calls, _, _ in _run(OptimType.ADAGRAD, 16, [_FEW, _MOST, _MOST]):
         assert autograd_calls == 0
+
+
+def _sorted_sums_worker(steps):
+    """Train a fused data-parallel table of 16 x 8 (Adagrad) on ``steps`` beside the unsharded module;
+    returns how many times the backward summed this rank's gradient with the sorting fused backward
+    (``replicated_fused_lookup._accumulate``), and this rank's table and the reference's."""
+    import torch
+    import torch.distributed as dist
+
+    import shardkit.sharding.replicated_fused_lookup as fused
+    from shardkit.sparse import KeyedJaggedTensor
+    from tests.sharding._replicated_case import reference_and_replica
+
+    rank, dim = dist.get_rank(), 8
+    reference, sharded = reference_and_replica(16, dim, OptimType.ADAGRAD)
+    sorted_sums = []
+    accumulate = fused._accumulate
+    fused._accumulate = lambda *a, **k: sorted_sums.append(1) or accumulate(*a, **k)
+    grad = torch.arange(4 * dim, dtype=torch.float32).view(4, dim).sin()
+    for step in steps:
+        ids = [torch.tensor(i, dtype=torch.int64) for i, _ in step]
+        lengths = [torch.tensor(n, dtype=torch.int64) for _, n in step]
+        whole = KeyedJaggedTensor(["f"], torch.cat(ids), lengths=torch.cat(lengths))
+        (reference(whole).values() * grad).sum().div(2).backward()
+        out = sharded(KeyedJaggedTensor(["f"], ids[rank], lengths=lengths[rank])).values()
+        (out * grad[2 * rank : 2 * rank + 2]).sum().backward()
+    got = sharded.local_shards()[("d", 0, 16, 0, dim)].clone()
+    return len(sorted_sums), got, reference.table_weight("d").detach().clone()
+
+
+def test_the_kept_buffer_ways_sum_the_gradient_by_a_scatter_not_the_sorting_fused_backward():
+    """Dense and sparse backwards of a table that fits its kept exchange buffer: this rank's gradient
+    is scattered in id order (``kernels.replica_grad``), never summed by the fused backward's sort
+    of the ids; the step is still the unsharded module's."""
+    import torch
+
+    from shardkit.testing import run_world
+
+    results = run_world(_sorted_sums_worker, 2, [_MOST, _MOST, _FEW, _MOST, _FEW, _FEW])
+    for sorted_sums, got, want in results:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert sorted_sums == 0
+    assert torch.equal(results[0][1], results[1][1]), "the replicas differ"

@@ -40,8 +40,10 @@ def _train_worker(rows, dim, steps, limit):
     sorted_calls, targets = [], []
     touched_grad = fused._touched_grad
     fused._touched_grad = lambda *a: sorted_calls.append(1) or touched_grad(*a)
-    accumulate = fused._accumulate
+    # the rows of every buffer this rank's gradient is summed into (the sorted way, the scatter)
+    accumulate, scatter = fused._accumulate, fused.grad_scatter
     fused._accumulate = lambda buffer, *a, **k: targets.append(buffer.size(0)) or accumulate(buffer, *a, **k)
+    fused.grad_scatter = lambda buffer, *a, **k: targets.append(buffer.size(0)) or scatter(buffer, *a, **k)
     gen = torch.Generator().manual_seed(7)
     for _ in range(steps):
         lengths = torch.randint(0, 4, (world, 2), generator=gen)
@@ -115,13 +117,16 @@ def test_blocks_reach_every_rank_point_to_point_on_gloo():
         assert all_gathers == 0  # gloo: sends and receives, not its (slower) all-gather
 
 
-def test_ids_are_renumbered_into_the_touched_rows_by_the_kept_map():
+def test_touched_rows_are_read_off_the_kept_marks_with_their_positions():
     import torch
 
     from shardkit.sharding.replicated_exchange import DenseRowExchange
 
     exchange = DenseRowExchange(10, 2, 2, torch.device("cpu"))
-    rows = torch.tensor([2, 5, 7])
-    assert exchange.local_ids(rows, torch.tensor([7, 2, 2, 5])).tolist() == [2, 0, 0, 1]
+    ids, offsets = torch.tensor([7, 2, 2, 5]), torch.tensor([0, 1, 4])
+    rows = exchange.touched(ids, offsets, None)
+    assert rows.tolist() == [2, 5, 7] and exchange.position[rows].tolist() == [0, 1, 2]
+    assert not exchange.marks.any()  # clear again: no memset before the next backward
     # kept across backwards: another step's rows renumber from scratch
-    assert exchange.local_ids(torch.tensor([5, 9]), torch.tensor([9, 5])).tolist() == [1, 0]
+    rows = exchange.touched(torch.tensor([9, 5]), torch.tensor([0, 2]), None)
+    assert rows.tolist() == [5, 9] and exchange.position[rows].tolist() == [0, 1]

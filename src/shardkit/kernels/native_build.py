@@ -34,6 +34,7 @@ _SOURCES = [
     "row_cache.cpp",
     "row_cache_queue.cpp",
     "cross_entropy.cpp",
+    "replica_grad.cpp",
 ]
 _LOCK = threading.Lock()
 _loaded: Optional[Any] = None

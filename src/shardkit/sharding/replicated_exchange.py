@@ -9,9 +9,10 @@ alike, so all take the same way):
   point-to-point transfers, else an all-gather) of ``world x max(touched) x (dim + 2)`` 4-byte words
   and the counts before it. A table whose :class:`DenseRowExchange` buffer is at most
   ``SCRATCH_LIMIT_BYTES`` (:func:`uses_scratch`) keeps per-row marks across backwards
-  (:meth:`DenseRowExchange.touched`): its touched rows are the marked ones (no sort of the ids),
-  their gradient is computed straight into this rank's block of the wire buffer (ids
-  renumbered by a kept map, :meth:`DenseRowExchange.local_ids`), the counts ride in the gather
+  (:meth:`DenseRowExchange.touched`, :func:`shardkit.kernels.replica_grad.touched_rows`): its
+  touched rows are the marked ones (no sort of the ids), their gradient is scattered straight into
+  this rank's block of the wire buffer in id order (each id's target: its row's position among the
+  touched rows, a kept map; :func:`shardkit.kernels.replica_grad.grad_scatter`), the counts ride in the gather
   sized by the last exchange's counts (:func:`gather_bound`; a rank that outgrows it makes every
   rank gather again), one fused backward
   steps every gathered row reading the gradients where they landed (no concatenation of gradients)
@@ -31,10 +32,11 @@ import torch.distributed as dist
 
 from shardkit.distributed.agreement import all_gather_flat
 from shardkit.kernels import embedding_fused_backward
+from shardkit.kernels.replica_grad import touched_rows
 from shardkit.kernels.row_optimizer import RowOptimizerArgs
 
-# the sparse way marks its touched rows in kept per-row arrays (DenseRowExchange.touched, local_ids:
-# 9 bytes a row) for tables whose dense exchange buffer would be at most this big; a larger table
+# the sparse way marks its touched rows in kept per-row arrays (DenseRowExchange.touched, marks and
+# position: 9 bytes a row) for tables whose dense exchange buffer would be at most this big; a larger table
 # sorts its touched rows instead
 SCRATCH_LIMIT_BYTES = 256 << 20
 
@@ -119,49 +121,63 @@ class DenseRowExchange:
     ``[rows, dim]`` (:attr:`grad`), a touched flag per row (:attr:`flags`) and one count slot per
     rank, summed over the ranks by one all-reduce (:meth:`all_reduce_and_step`); and the sparse
     way's kept parts (:meth:`gather`, :meth:`step_gathered`): a touched mark per row
-    (:attr:`marks`, bool), a row -> position map (:meth:`local_ids`) and the wire buffer.
+    (:attr:`marks`, bool, all False between backwards), a row -> position map (:attr:`position`,
+    :meth:`touched`) and the wire buffer.
 
     Kept across backwards (a fresh buffer of the table's size costs page faults every step). The
-    dense buffer is made on the first dense backward (a table that stays sparse never holds it) and
-    is zero between backwards: each step clears what it wrote (the touched rows, or the whole buffer
-    when most rows were touched); :meth:`start` zeroes it all only after a backward that did not
-    finish.
+    dense buffer is made on the first dense backward (a table that stays sparse never holds it).
+    Between backwards its flags and counts are zero (each step clears what it wrote); its gradient
+    rows are zero too after a step that touched few rows (cleared row by row), while after one that
+    touched most of them they are left as they are: the next writer either sets every row itself
+    (the scatter, ``start(zero_grad=False)``) or has :meth:`start` zero them first. :meth:`start`
+    also zeroes what a backward that did not finish left written.
     """
 
     def __init__(self, num_rows: int, dim: int, world: int, device: torch.device) -> None:
         self.num_rows, self.dim, self.world, self.device = num_rows, dim, world, device
         self.buffer: Optional[torch.Tensor] = None  # made by start()
-        self._clean = True  # the buffer is all zeros
+        # what of the buffer is zero: the flags and counts (the tail), the gradient rows
+        self._tail_clean = self._grad_clean = True
+        # the sparse way's kept scratch (touched_rows): all False between backwards
         self.marks = torch.zeros(num_rows, dtype=torch.bool, device=device)
         # the sparse way's gather: every rank's block, this rank's written in place (grown, never shrunk)
         self._wire = torch.empty(0, dtype=torch.int32, device=device)
         self._gathered = (0, 0, 0)  # the last gather's (head, slots, width)
-        self._position: Optional[torch.Tensor] = None  # buffer row -> its index among the touched rows
+        self.position: Optional[torch.Tensor] = None  # buffer row -> its index among the touched rows
 
     def fits(self, num_rows: int, dim: int, world: int, device: torch.device) -> bool:
         """Whether this buffer serves a table of these sizes on ``device``."""
         return (num_rows, dim, world, device) == (self.num_rows, self.dim, self.world, self.device)
 
-    def start(self) -> None:
-        """Make sure the dense buffer exists and is zero before this rank writes its gradient, flags
-        and count into it (no memset unless the last backward stopped half-way)."""
+    def start(self, zero_grad: bool = True) -> None:
+        """Make sure the dense buffer exists with its flags and counts zero (and, when ``zero_grad``,
+        its gradient rows) before this rank writes its gradient, flags and count into it: a memset
+        only of what the last backward left written. ``zero_grad=False``: the writer
+        (:func:`shardkit.kernels.replica_grad.grad_scatter`) sets every gradient row itself."""
         if self.buffer is None:
             rows, dim = self.num_rows, self.dim
             self.buffer = torch.zeros(rows * (dim + 1) + self.world, dtype=torch.float32, device=self.device)
             self.grad = self.buffer[: rows * dim].view(rows, dim)
+            self._tail = self.buffer[rows * dim :]
             self.flags = self.buffer[rows * dim : rows * (dim + 1)]
             self.counts = self.buffer[rows * (dim + 1) :]
             self._ends = torch.zeros(rows + 1, dtype=torch.int64, device=self.device)
-        elif not self._clean:
-            self.buffer.zero_()
-        self._clean = False
+        else:
+            if not self._tail_clean:
+                self._tail.zero_()
+            if zero_grad and not self._grad_clean:
+                self.grad.zero_()
+        self._tail_clean = False
+        self._grad_clean = False
 
-    def touched(self, id_rows: torch.Tensor) -> torch.Tensor:
-        """The sparse way's distinct sorted touched rows (int64 ``[U]``) of the buffer rows ``id_rows``
-        (int64 ``[N]``, repeats allowed): marked in :attr:`marks`, read back in order (no sort)."""
-        self.marks.zero_()  # cleared here, not after: a backward that stopped half-way left marks
-        self.marks.index_fill_(0, id_rows, True)
-        return self.marks.nonzero().squeeze(1)
+    def touched(
+        self, ids: torch.Tensor, offsets: torch.Tensor, bag_shift: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """The sparse way's distinct sorted touched buffer rows (int64 ``[U]``) of the lookup's ids,
+        read off the kept marks (no sort); :attr:`position` maps each to its index among them."""
+        if self.position is None:
+            self.position = torch.empty(self.num_rows, dtype=torch.int64, device=self.device)
+        return touched_rows(self.marks, self.position, ids, offsets, bag_shift)
 
     def mark(self, rows: torch.Tensor, rank: int) -> None:
         """Flag this rank's touched buffer ``rows`` (int64, repeats allowed) and write its count of
@@ -244,23 +260,19 @@ class DenseRowExchange:
         embedding_fused_backward(weight, rows, self._ends, None, None, None, self.grad, True, step)
         self._clear(rows)
 
-    def local_ids(self, rows: torch.Tensor, id_rows: torch.Tensor) -> torch.Tensor:
-        """Each id's position among the touched ``rows`` (distinct sorted int64 ``[U]``), from its
-        buffer row ``id_rows`` (int64 ``[N]``), by a kept ``[rows]`` map (no sort)."""
-        if self._position is None:
-            self._position = torch.empty(self.num_rows, dtype=torch.int64, device=rows.device)
-        self._position.index_copy_(0, rows, torch.arange(rows.numel(), device=rows.device))
-        return self._position.index_select(0, id_rows)
-
     def _clear(self, rows: torch.Tensor) -> None:
-        """Zero the buffer again, where only ``rows`` (int64) hold gradients and flags."""
+        """Zero the flags and counts again, and the gradient where only ``rows`` (int64) hold it;
+        when more rows hold it, the gradient is left for the next backward that needs it zero
+        (one that sets every row itself, :meth:`start` ``zero_grad=False``, needs no memset)."""
         if 6 * rows.numel() >= self.num_rows:  # one memset beats per-row fills from about 1 row in 6
-            self.buffer.zero_()
+            self._tail.zero_()
+            self._grad_clean = False
         else:
             self.grad.index_fill_(0, rows, 0.0)
             self.flags.index_fill_(0, rows, 0.0)
             self.counts.zero_()
-        self._clean = True
+            self._grad_clean = True
+        self._tail_clean = True
 
 
 __all__ = [

@@ -5,9 +5,12 @@ kernel its gradient is averaged by the model's data-parallel wrapper and a dense
 With the FUSED kernel (a collection that asks for a fused optimizer: its own, an in-backward one or
 the sharder's ``fused_params``) this module's backward
 
-1. computes this rank's gradient of the rows its ids touched with the kernel backend's fused
-   backward (an SGD step into a zeroed fp32 buffer; the gradient divided by the world size while
-   ``get_gradient_division()``, as the other shardings' output dists divide theirs);
+1. computes this rank's gradient of the rows its ids touched (the gradient divided by the world
+   size while ``get_gradient_division()``, as the other shardings' output dists divide theirs): in
+   a table's kept exchange buffer by a scatter in id order with no sort of the ids
+   (:mod:`shardkit.kernels.replica_grad`: each row's sum is the fused backward's), or, for a table
+   too large for that buffer, with the kernel backend's fused backward (an SGD step into a zeroed
+   fp32 buffer of its sorted touched rows);
 2. exchanges the ranks' row gradients (:mod:`shardkit.sharding.replicated_exchange`): every rank's
    touched rows and gradients by all-gather, or, when most rows are touched, one all-reduce of the
    dense gradient with touched flags and the ranks' counts, in a buffer reused across backwards;
@@ -37,6 +40,7 @@ import torch.distributed as dist
 
 from shardkit.distributed.comm_ops import get_gradient_division
 from shardkit.kernels import embedding_forward, embedding_fused_backward, embedding_torch
+from shardkit.kernels.replica_grad import grad_scatter
 from shardkit.kernels.row_optimizer import RowOptimizerArgs
 from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup
 from shardkit.sharding.embedding_lookup import ShardedGroupedLookup
@@ -90,10 +94,7 @@ class _ReplicatedFusedFn(torch.autograd.Function):
             rows, grad, psw_grad = _touched_grad_autograd(weight, *args, world)
         elif lookup.dense_next:  # the last exchange's counts: most rows touched, no counts gather
             exchange = lookup.dense_exchange(weight)
-            exchange.start()
-            _accumulate(exchange.grad, *args, world)
-            rank = dist.get_rank(lookup.process_group)
-            exchange.mark(embedding_torch.buffer_rows(ids, offsets, bag_shift), rank)
+            _scatter_dense(exchange, args, world, dist.get_rank(lookup.process_group))
             lookup.step_replicas(exchange, weight, step)
             return (None,) * 9
         elif uses_scratch(weight.size(0), weight.size(1), world):
@@ -119,25 +120,24 @@ class _ReplicatedFusedFn(torch.autograd.Function):
 
 def _sparse_in_scratch(lookup, weight, args, world, step) -> None:
     """The backward of a table that :func:`uses_scratch`: this rank's touched rows read off the kept
-    exchange's marks (sorted, with no sort of the ids), then one all-gather of every rank's
-    count, rows and gradient rows sized by the last exchange's counts (:func:`gather_bound`; the
-    first backward gathers the counts first, and a rank touching more rows than that makes every
-    rank gather again, sized to fit), this rank's rows' gradient computed straight into its block of
-    the wire buffer (ids renumbered into the touched rows by the buffer's kept map), and the fused
-    step of the gathered rows; or, when the counts say most rows are touched, the gradient summed
-    into the buffer and the dense all-reduce."""
+    exchange's marks (sorted, with no sort of the ids, :func:`touched_rows`), then one all-gather of
+    every rank's count, rows and gradient rows sized by the last exchange's counts
+    (:func:`gather_bound`; the first backward gathers the counts first, and a rank touching more rows
+    than that makes every rank gather again, sized to fit), this rank's rows' gradient scattered
+    straight into its block of the wire buffer (each id's target: its row's position among the
+    touched rows, :func:`grad_scatter`), and the fused step of the gathered rows; or, when the counts
+    say most rows are touched, the gradient scattered into the dense buffer and the dense all-reduce."""
     ids, offsets, bag_shift, weights, bag_scale, grad_out, pooled, batch_major = args
     exchange = lookup.dense_exchange(weight)
-    id_rows = embedding_torch.buffer_rows(ids, offsets, bag_shift)
-    rows = exchange.touched(id_rows)
-    local_ids = []
+    rows = exchange.touched(ids, offsets, bag_shift)
 
     def fill(out: torch.Tensor) -> None:
-        if not local_ids:
-            local_ids.append(exchange.local_ids(rows, id_rows))
-        out.zero_()
-        kernel_args = (offsets, None, weights, bag_scale, grad_out, pooled, batch_major, world)
-        _accumulate(out, local_ids[0], *kernel_args)
+        seen = torch.zeros(out.size(0), dtype=torch.float32, device=out.device)
+        factor, exact = _scale_and_lr(world)
+        kernel_args = (ids, offsets, bag_shift, weights, bag_scale, grad_out, pooled, batch_major)
+        grad_scatter(out, seen, *kernel_args, factor if exact else 1.0, exchange.position, weight.size(0))
+        if not exact:
+            out.div_(world)  # before the sum over the ranks, as the other shardings divide
 
     most = lookup.next_gather_rows
     if most is None:  # no exchange yet: the counts first (they may say dense)
@@ -151,11 +151,21 @@ def _sparse_in_scratch(lookup, weight, args, world, step) -> None:
         lookup.dense_next, lookup.next_gather_rows = False, gather_bound(counts)
         exchange.step_gathered(rows, counts, weight, step)
         return
-    exchange.start()
-    _accumulate(exchange.grad, *args, world)
-    exchange.flags.index_fill_(0, rows, 1.0)
-    exchange.counts[dist.get_rank(lookup.process_group)] = rows.numel()
+    _scatter_dense(exchange, args, world, dist.get_rank(lookup.process_group))
     lookup.step_replicas(exchange, weight, step)
+
+
+def _scatter_dense(exchange: DenseRowExchange, args, world: int, rank: int) -> None:
+    """The dense way's start: this rank's gradient of every buffer row (times its factor,
+    :func:`_scale_and_lr`) scattered into the exchange's gradient in id order with no sort, its rows
+    flagged and its count of them in its slot (:func:`grad_scatter`; no memset of the gradient: the
+    scatter writes every row)."""
+    exchange.start(zero_grad=False)
+    factor, exact = _scale_and_lr(world)
+    count = grad_scatter(exchange.grad, exchange.flags, *args, factor if exact else 1.0)
+    if not exact:
+        exchange.grad.div_(world)  # before the sum over the ranks, as the other shardings divide
+    exchange.counts[rank] = count
 
 
 def _scale_and_lr(world: int) -> Tuple[float, bool]:
