@@ -119,3 +119,27 @@ def test_a_row_outside_the_buffer_raises_before_anything_is_written(backend):
     with kernel_backend(backend), pytest.raises(IndexError):
         touched_rows(marks, torch.empty(ROWS, dtype=torch.int64), ids, offsets, shift)
     assert not seen.any() and not marks.any()
+
+
+@needs_native
+def test_native_scatter_on_several_threads_sums_each_row_as_on_one():
+    """Threads own ranges of buffer rows: each row is summed by one thread, in id order."""
+    rows, bags, dim = 20000, 512, 8
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(0, 30, (bags,), generator=gen)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    ids = torch.randint(0, rows, (int(lengths.sum()),), generator=gen)
+    grad = torch.randn(bags, dim, generator=gen)
+    args = (ids, offsets, None, None, None, grad, True, 0)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 4):
+            torch.set_num_threads(n)
+            results.append(_scatter("native", rows, dim, args, 0.5))
+    finally:
+        torch.set_num_threads(threads)
+    (one, seen_one, count_one), (many, seen_many, count_many) = results
+    assert torch.equal(one, many) and torch.equal(seen_one, seen_many) and count_one == count_many
+    want, _, _ = _scatter("torch", rows, dim, args, 0.5)
+    assert torch.equal(many, want)
