@@ -130,3 +130,18 @@ def test_touched_rows_are_read_off_the_kept_marks_with_their_positions():
     # kept across backwards: another step's rows renumber from scratch
     rows = exchange.touched(torch.tensor([9, 5]), torch.tensor([0, 2]), None)
     assert rows.tolist() == [5, 9] and exchange.position[rows].tolist() == [0, 1]
+
+
+def test_dense_exchange_on_three_ranks_trains_like_the_unsharded_module():
+    """A 4-row table that every step mostly touches: the dense way, whose gradient is scattered
+    without a memset and divided by a world (3) that is not a power of two."""
+    import torch
+
+    from shardkit.testing import run_world
+
+    results = run_world(_train_worker, 3, 4, 5, 6, None)
+    for got, want, _, target_rows, dense_buffer in results:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert dense_buffer and target_rows == 4  # summed into the table-sized dense buffer
+    for got, *_ in results[1:]:
+        assert torch.equal(got, results[0][0]), "the replicas differ"
