@@ -68,11 +68,35 @@ void check_lookup(const at::Tensor& ids, const at::Tensor& offsets, const c10::o
   }
 }
 
+// Marks the buffer row of every id (marks all zero on entry) and returns how many distinct rows were
+// marked. A row outside [0, num_rows) raises IndexError naming the id, after clearing the marks this
+// call set (the kept scratch stays all zero).
+template <typename index_t>
+int64_t mark_rows(uint8_t* mark, const index_t* id, const int64_t* off, const int64_t* shift, int64_t bags,
+                  int64_t num_rows) {
+  int64_t count = 0;
+  for (int64_t b = 0; b < bags; ++b) {
+    const int64_t s = shift ? shift[b] : 0;
+    for (int64_t i = off[b]; i < off[b + 1]; ++i) {
+      const int64_t row = static_cast<int64_t>(id[i]) + s;
+      if (row < 0 || row >= num_rows) {
+        for (int64_t c = 0; c < b; ++c) {
+          for (int64_t j = off[c]; j < off[c + 1]; ++j) mark[static_cast<int64_t>(id[j]) + (shift ? shift[c] : 0)] = 0;
+        }
+        for (int64_t j = off[b]; j < i; ++j) mark[static_cast<int64_t>(id[j]) + s] = 0;
+        TORCH_CHECK_INDEX(false, "id at position ", i, " maps to buffer row ", row, ", outside [0, ", num_rows, ")");
+      }
+      count += mark[row] ^ 1;
+      mark[row] = 1;
+    }
+  }
+  return count;
+}
+
 // replica_touched_rows(marks, position, ids, offsets, bag_shift) -> rows: the distinct buffer rows
 // (int64 [U], ascending) that the ids touch (row of id i = ids[i] + bag_shift[bag of i]), and
 // position[row] = its index in rows for each of them (other entries of position are left as they
-// were). marks (uint8 [R]) must be all zero on entry and is all zero again on return: one pass marks,
-// passes over the marks count the rows, then read them back in order and clear them (no sort, no memset).
+// were). marks (uint8 [R]) must be all zero on entry and is all zero again on return (no sort, no memset).
 at::Tensor replica_touched_rows(at::Tensor& marks, at::Tensor& position, const at::Tensor& ids,
                                 const at::Tensor& offsets, const c10::optional<at::Tensor>& bag_shift) {
   check_lookup(ids, offsets, bag_shift);
@@ -84,23 +108,11 @@ at::Tensor replica_touched_rows(at::Tensor& marks, at::Tensor& position, const a
   const int64_t* off = offsets.data_ptr<int64_t>();
   uint8_t* mark = marks.data_ptr<uint8_t>();
   int64_t* pos = position.data_ptr<int64_t>();
-  // the rows are counted first and written by a second pass over the marks: one more pass over R
-  // bytes instead of a [R] scratch of rows
-  int64_t count = 0;
-  if (ids.scalar_type() == at::kLong) {
-    check_rows(ids.data_ptr<int64_t>(), off, shift, bags, num_rows);
-    for (int64_t b = 0; b < bags; ++b) {
-      const int64_t s = shift ? shift[b] : 0;
-      for (int64_t i = off[b]; i < off[b + 1]; ++i) mark[ids.data_ptr<int64_t>()[i] + s] = 1;
-    }
-  } else {
-    check_rows(ids.data_ptr<int32_t>(), off, shift, bags, num_rows);
-    for (int64_t b = 0; b < bags; ++b) {
-      const int64_t s = shift ? shift[b] : 0;
-      for (int64_t i = off[b]; i < off[b + 1]; ++i) mark[static_cast<int64_t>(ids.data_ptr<int32_t>()[i]) + s] = 1;
-    }
-  }
-  for (int64_t r = 0; r < num_rows; ++r) count += mark[r];
+  // one pass over the ids checks, marks and counts the distinct rows; one over the marks reads them
+  // back in order and clears them
+  const int64_t count = ids.scalar_type() == at::kLong
+                            ? mark_rows(mark, ids.data_ptr<int64_t>(), off, shift, bags, num_rows)
+                            : mark_rows(mark, ids.data_ptr<int32_t>(), off, shift, bags, num_rows);
   at::Tensor rows = at::empty({count}, ids.options().dtype(at::kLong));
   int64_t* out = rows.data_ptr<int64_t>();
   int64_t k = 0;
