@@ -33,6 +33,7 @@ _SOURCES = [
     "row_io.cpp",
     "row_cache.cpp",
     "row_cache_queue.cpp",
+    "row_cache_ids.cpp",
     "cross_entropy.cpp",
     "replica_grad.cpp",
 ]

@@ -2,10 +2,10 @@
 
 ``PrefetchTrainPipelineSparseDist`` hands each offloaded lookup batch i+1's ids during step i
 (:meth:`~shardkit.modules.offloaded_lookup.OffloadedEmbeddingLookup.prefetch`). The work (the buffer rows
-of the ids, ``torch.unique``, :meth:`RowCache.acquire`: slot assignment, eviction with write-back of
+of the ids, :meth:`RowCache.acquire_ids`: deduplication, slot assignment, eviction with write-back of
 dirty victims, reading the misses) then runs on one process-wide worker thread while the main thread
 runs step i's backward; the forward of batch i+1 waits for it (:meth:`PrefetchedRows.wait`) and takes
-over its pinned rows, its slots and its ``unique`` inverse, so it neither acquires nor deduplicates again.
+over its pinned rows and each id's slot, so it neither acquires nor deduplicates again.
 ``os.preadv`` / ``os.pwritev`` and torch's CPU ops release the GIL, so on a second core the miss I/O
 overlaps the step's compute.
 

@@ -15,7 +15,7 @@ row's update does not depend on its position: training is bitwise that of ``fuse
 
 With ``prefetch`` (``PrefetchTrainPipelineSparseDist``, cache params ``prefetch_pipeline``) a batch's rows
 are acquired a step early, on a background thread (:mod:`~shardkit.modules.offload_prefetch`); its
-forward takes them over (pinned rows, slots, the ``unique`` inverse) instead of acquiring again.
+forward takes them over (pinned rows, each id's slot) instead of acquiring again.
 
 ``weight`` (and each optimizer state buffer) is the backing field itself, so everything that reads or
 writes a table through :meth:`shard_rows` / ``optimizer.state_slices`` (state dicts, checkpoints, loads,
@@ -335,20 +335,14 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
         for record in self._prefetched:
             record.wait()
 
-    def _acquire_rows(self, ids, offsets, bag_shift) -> Tuple[_Ticket, torch.Tensor, torch.Tensor]:
-        """Pin the distinct buffer rows of ``ids`` in the cache: (ticket, slots [U], inverse [N]), the
-        slot of ``ids[k]`` being ``slots[inverse[k]]``. Runs in the prefetch thread or the forward's."""
+    def _acquire_rows(self, ids, offsets, bag_shift) -> Tuple[_Ticket, torch.Tensor]:
+        """Pin the distinct buffer rows of ``ids`` in the cache: (ticket, slot ids [N]), ``ids[k]``'s row
+        being in slot ``slot_ids[k]`` (``RowCache.acquire_ids``: the deduplication, lookup and remap in
+        native passes where built). Runs in the prefetch thread or the forward's."""
         rows = buffer_rows(ids, offsets, bag_shift)
-        if rows.numel() and self.cache.num_rows < 2**31:
-            low, high = torch.aminmax(rows)
-            if int(low) >= 0 and int(high) < self.cache.num_rows:
-                # int32 rows: torch.unique (a sort) takes half the time; only when every row fits, so
-                # that an id out of range is never wrapped into a valid row (the acquire refuses it)
-                rows = rows.to(torch.int32)
-        unique, inverse = torch.unique(rows, return_inverse=True)
         # a CUDA cache's copies run on a side stream: the kernel waits for them (_Ticket.wait_loaded)
-        handle, slots = self.cache.acquire(unique, wait_copies=False)
-        return _Ticket(self.cache, handle), slots, inverse
+        handle, slot_ids = self.cache.acquire_ids(rows, wait_copies=False)
+        return _Ticket(self.cache, handle), slot_ids
 
     def _settle_prefetches(self) -> None:
         """Wait for the prefetches in flight; raise the first one's exception (dropping them all), but
@@ -437,8 +431,7 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
                 batch_major,
             )
         taken = self._take_prefetched(ids, offsets, bag_shift) if self._prefetched else None
-        ticket, slots, inverse = taken if taken is not None else self._acquire_rows(ids, offsets, bag_shift)
-        slot_ids = slots.index_select(0, inverse.flatten()).view(inverse.shape)
+        ticket, slot_ids = taken if taken is not None else self._acquire_rows(ids, offsets, bag_shift)
         train = torch.is_grad_enabled() and self.weight.requires_grad
         if train:
             return _CachedFusedLookup.apply(

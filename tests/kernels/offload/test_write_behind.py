@@ -111,3 +111,29 @@ def test_write_behind_needs_host_buffers(tmp_path):
     store = _store(tmp_path / "s")
     with pytest.raises(ValueError, match="host buffers"):
         RowCache(dict(store.tensors), 2, "lru", device="meta", write_behind=WriteBehind(store.row_io()))
+
+
+def test_wait_for_waits_only_for_a_pending_job_holding_one_of_the_rows(tmp_path):
+    """wait_for searches each pending job's (ascending) rows: a row among them waits for the writes,
+    rows elsewhere (between, before or after them) do not."""
+    store = _store(tmp_path / "s")
+    gate = threading.Event()
+    writer = WriteBehind(SlowIO(store.row_io(), gate=gate), keepalive=store)
+    rows = torch.tensor([3, 10, 11, 40])
+    writer.submit(rows, {n: t.index_select(0, rows).clone() for n, t in store.tensors.items()})
+    for others in ([0, 2], [4, 9, 12, 39], [41, 59], []):
+        start = time.perf_counter()
+        writer.wait_for(torch.tensor(others, dtype=torch.int64))
+        assert writer.pending_bytes > 0, others  # returned without waiting for the gated write
+        assert time.perf_counter() - start < 5
+    threading.Timer(0.2, gate.set).start()
+    writer.wait_for(torch.tensor([1, 11, 50]))  # 11 is pending: waits for the write
+    assert writer.pending_bytes == 0 and writer.rows_written == 4
+
+
+def test_submit_refuses_rows_that_do_not_ascend(tmp_path):
+    store = _store(tmp_path / "s")
+    writer = WriteBehind(store.row_io(), keepalive=store)
+    rows = torch.tensor([5, 2])
+    with pytest.raises(ValueError, match="ascending"):
+        writer.submit(rows, {n: t.index_select(0, rows).clone() for n, t in store.tensors.items()})

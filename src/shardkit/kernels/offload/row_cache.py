@@ -275,15 +275,90 @@ class RowCache(CacheSlots, RowMoves, CacheResize):
             self.wait_loaded(ticket)
         return ticket, slots
 
+    def acquire_ids(self, ids: torch.Tensor, wait_copies: bool = True) -> Tuple[int, torch.Tensor]:
+        """:meth:`acquire` of the distinct rows of ``ids``, with each id remapped to its slot.
+
+        The same as ``unique, inverse = torch.unique(ids, return_inverse=True)``, ``ticket, slots =
+        acquire(unique)``, ``slots[inverse]`` (the same rows acquired in the same order, so the same pins,
+        stamps, victims and counters), which is what runs on the pure-torch path. With the native ops and
+        ids and buffers on the host, the deduplication, the lookup and the remap are two native passes
+        instead (``csrc/row_cache_ids.cpp``: no sort of the ids, no separate lookup or gather).
+
+        Args:
+            ids: row numbers in ``[0, R)``, an integer tensor ``[N]`` (repeats allowed, any order, any
+                device); ``N = 0`` is fine.
+            wait_copies: as for :meth:`acquire` (a CUDA cache's side-stream copies).
+        Returns:
+            ``(ticket, slot_ids)``: the ticket for :meth:`release` and int64 ``[N]`` on :attr:`device`,
+            ``slot_ids[k]`` the slot of row ``ids[k]``.
+        Raises:
+            as :meth:`acquire` (RowOutOfRange for an id outside ``[0, R)``, naming its position in the
+            distinct rows).
+        """
+        native = self._native()
+        if (
+            native is None
+            or not hasattr(native, "row_cache_lookup_ids")
+            or self.device.type != "cpu"
+            or not isinstance(ids, torch.Tensor)
+            or ids.device.type != "cpu"
+            or ids.dim() != 1
+            or ids.dtype not in (torch.int64, torch.int32)
+            or ids.numel() == 0
+            or self.num_rows > 2**32
+        ):
+            return self._acquire_ids_unique(ids, wait_copies)
+        ids = ids.to(torch.int64).contiguous()
+        low, high = torch.aminmax(ids)
+        if int(low) < 0 or int(high) >= self.num_rows:  # raised by acquire as for any other path
+            return self._acquire_ids_unique(ids, wait_copies)
+        with self._locked():
+            native = self._native()
+            self._sync_queue(native)
+            rows, looked, miss_rows, inverse = native.row_cache_lookup_ids(self.slot_of_row, self._pins, ids)
+            return self._acquire_looked(rows, looked, miss_rows, True, native, inverse)
+
+    def _acquire_ids_unique(self, ids: torch.Tensor, wait_copies: bool = True) -> Tuple[int, torch.Tensor]:
+        """:meth:`acquire_ids` by ``torch.unique``, :meth:`acquire` and a gather of the slots."""
+        if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex:
+            return self.acquire(ids)  # raises its TypeError naming what is wrong
+        rows = ids
+        if ids.numel():
+            if self.num_rows < 2**31 and ids.dtype not in (torch.int32, torch.bool):
+                low, high = torch.aminmax(ids)
+                if int(low) >= 0 and int(high) < self.num_rows:
+                    # int32 rows: torch.unique (a sort) takes half the time; only when every row fits, so
+                    # that an id out of range is never wrapped into a valid row (acquire refuses it)
+                    rows = ids.to(torch.int32)
+        unique, inverse = torch.unique(rows, return_inverse=True)
+        ticket, slots = self.acquire(unique, wait_copies)
+        return ticket, slots.index_select(0, inverse.flatten().to(slots.device)).view(inverse.shape)
+
     def _acquire(self, rows: torch.Tensor, ascending: bool) -> Tuple[int, torch.Tensor]:
         native = self._native()
         self._sync_queue(native)
         looked, miss_rows = self._lookup(rows, native)
+        return self._acquire_looked(rows, looked, miss_rows, ascending, native)
+
+    def _acquire_looked(
+        self,
+        rows: torch.Tensor,
+        looked: torch.Tensor,
+        miss_rows: torch.Tensor,
+        ascending: bool,
+        native: Optional[Any],
+        inverse: Optional[torch.Tensor] = None,
+    ) -> Tuple[int, torch.Tensor]:
+        """The rest of an acquire once ``rows`` were looked up (``looked``: their slots, -1 = miss; the
+        hits pinned): the misses loaded, the stamps and counts, the ticket. ``inverse`` (native path
+        only): also remap ids to slots, returning ``slots[inverse]`` instead of ``slots``."""
+        loaded = None
         try:
             if not ascending:
                 miss_rows = miss_rows.sort().values  # ascending: sequential reads of the backing store
             if miss_rows.numel():
-                self._load(miss_rows, self._free_slots(miss_rows.numel()))  # pins them
+                loaded = self._free_slots(miss_rows.numel())
+                self._load(miss_rows, loaded)  # pins them
         except BaseException:
             hit_slots = looked[looked >= 0]
             self._pins.index_add_(0, hit_slots, ones_int32(hit_slots.numel(), -1))
@@ -291,7 +366,15 @@ class RowCache(CacheSlots, RowMoves, CacheResize):
                 self._rebuild_queue()
             raise
         count = rows.numel()
-        slots = self._commit(rows, looked, miss_rows, native)
+        slot_ids = None
+        if inverse is not None:
+            if loaded is None:
+                loaded = looked[:0]
+            slots, slot_ids = native.row_cache_commit_ids(
+                looked, loaded, inverse, rows, self.row_of_slot, self._stamp, self._freq, self._clock
+            )
+        else:
+            slots = self._commit(rows, looked, miss_rows, native)
         if self._queue is not None and count:
             self._queue.push(slots, self._clock, self._freq)
             if self._queue.entries > 3 * max(self.size, self.QUEUE_REBUILD_MIN_ENTRIES):
@@ -306,7 +389,7 @@ class RowCache(CacheSlots, RowMoves, CacheResize):
         self._tickets[ticket] = slots
         if self._copies is not None:
             self._loaded[ticket] = self._copies.mark()
-        return ticket, slots.to(self.device)
+        return ticket, (slots if slot_ids is None else slot_ids).to(self.device)
 
     def wait_loaded(self, ticket: int) -> None:
         """Make the current CUDA stream wait until the rows of ``ticket`` are in their slots (the copies

@@ -42,6 +42,16 @@ def write_behind_default() -> bool:
 _Job = Tuple[torch.Tensor, Dict[str, torch.Tensor], int]
 
 
+def _holds_any(ascending: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether any of ``rows`` (int64, host) is in ``ascending`` (int64 ``[n]``, strictly ascending: a
+    job's rows). A binary search of each row: ~20x cheaper than ``torch.isin`` for a step's misses
+    against a step's write-backs (thousands each), and this runs before every miss read."""
+    if not ascending.numel() or not rows.numel():
+        return False
+    where = torch.searchsorted(ascending, rows).clamp_(max=ascending.numel() - 1)
+    return bool((ascending.index_select(0, where) == rows).any())
+
+
 class WriteBehind:
     """Background writer of staged rows through ``row_io.write_from`` (a
     :class:`~shardkit.kernels.offload.row_io.FileRowIO`, or anything with that method).
@@ -71,6 +81,8 @@ class WriteBehind:
         count = rows.numel()
         if not count:
             return
+        if count > 1 and not bool((rows[1:] > rows[:-1]).all()):
+            raise ValueError("WriteBehind.submit: rows must be distinct and ascending (wait_for searches)")
         nbytes = sum(t.numel() * t.element_size() for t in staging.values())
         with self._cond:
             self._raise_error()
@@ -90,7 +102,7 @@ class WriteBehind:
         with self._cond:
             self._raise_error()
             jobs = list(self._jobs) + ([self._in_flight] if self._in_flight is not None else [])
-        if any(bool(torch.isin(job[0], rows).any()) for job in jobs):
+        if any(_holds_any(job[0], rows) for job in jobs):
             self.wait()
 
     def wait(self) -> None:
