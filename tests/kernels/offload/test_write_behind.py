@@ -137,3 +137,59 @@ def test_submit_refuses_rows_that_do_not_ascend(tmp_path):
     rows = torch.tensor([5, 2])
     with pytest.raises(ValueError, match="ascending"):
         writer.submit(rows, {n: t.index_select(0, rows).clone() for n, t in store.tensors.items()})
+
+
+class RecordingIO:
+    """A row_io that records the order of its reads and writes (and does them)."""
+
+    def __init__(self, row_io):
+        self.row_io, self.calls = row_io, []
+
+    def read_into(self, rows, buffers, slots):
+        time.sleep(0.05)  # a slow read: a writer not held would start meanwhile
+        self.calls.append(("read", rows.tolist()))
+        return self.row_io.read_into(rows, buffers, slots)
+
+    def write_from(self, rows, buffers, slots):
+        self.calls.append(("write", rows.tolist()))  # when the write starts
+        return self.row_io.write_from(rows, buffers, slots)
+
+
+def test_an_acquire_reads_its_misses_before_its_victims_are_written(tmp_path):
+    """The writer is held over the evictions and the reads: the step waits for the reads, not the
+    writes, so the writes must not take a core from them."""
+    store = _store(tmp_path / "s")
+    io = RecordingIO(store.row_io())
+    writer = WriteBehind(io, keepalive=store)
+    cache = RowCache(dict(store.tensors), 2, "lru", row_io=io, write_behind=writer)
+    for rows in ([1, 2], [3, 4], [5, 6]):  # each evicts the previous pair (dirty)
+        _step(cache, torch.tensor(rows), 1.0)
+        writer.wait()
+    assert io.calls == [
+        ("read", [1, 2]),
+        ("read", [3, 4]),
+        ("write", [1, 2]),
+        ("read", [5, 6]),
+        ("write", [3, 4]),
+    ]
+
+
+def test_held_delays_the_writes_and_a_wait_inside_lifts_it(tmp_path):
+    store = _store(tmp_path / "s")
+    io = RecordingIO(store.row_io())
+    writer = WriteBehind(io, limit_bytes=64, keepalive=store)
+    rows = [torch.tensor([1, 2]), torch.tensor([7]), torch.tensor([9])]
+    with writer.held():
+        writer.submit(rows[0], {n: t.index_select(0, rows[0]).clone() for n, t in store.tensors.items()})
+        time.sleep(0.3)
+        assert io.calls == [] and writer.pending_bytes > 0  # held: not written
+        # over the memory limit (64 bytes): the submit waits for the writer, which must go on
+        writer.submit(rows[1], {n: t.index_select(0, rows[1]).clone() for n, t in store.tensors.items()})
+        writer.submit(rows[2], {n: t.index_select(0, rows[2]).clone() for n, t in store.tensors.items()})
+        writer.wait_for(torch.tensor([9]))  # a pending row: lifts the hold and waits
+        assert writer.pending_bytes == 0
+    assert [c[1] for c in io.calls] == [[1, 2], [7], [9]]
+    with writer.held():
+        writer.submit(rows[1], {n: t.index_select(0, rows[1]).clone() for n, t in store.tensors.items()})
+    writer.wait()  # the hold ended: written
+    assert writer.rows_written == 5
