@@ -104,20 +104,29 @@ def test_acquire_ids_runs_no_torch_unique(monkeypatch):
 
 
 @needs_native
-@pytest.mark.parametrize("num_rows", [5000, (1 << 22) + 7])
-def test_many_distinct_rows_are_sorted_as_unique_sorts_them(num_rows):
-    """Enough distinct rows for the radix sort (two passes, and three beyond 2^22 rows)."""
-    gen = torch.Generator().manual_seed(num_rows)
-    ids = torch.randint(0, num_rows, (6000,), generator=gen)
+@pytest.mark.parametrize(
+    "num_rows, count",
+    [(5000, 6000), ((1 << 22) + 7, 6000), ((1 << 22) + 7, 60000), (100_000, 300), (100_000, 40)],
+)
+def test_many_distinct_rows_are_sorted_as_unique_sorts_them(num_rows, count):
+    """Both ways of deduplicating: a bitmap of the rows (a table of at most 256 rows an id), else a hash
+    table and a radix sort of the distinct rows (two passes, three beyond 2^22 rows; a comparison sort
+    under 1024 rows)."""
+    gen = torch.Generator().manual_seed(num_rows + count)
+    ids = torch.randint(0, num_rows, (count,), generator=gen)
     ids = torch.cat([ids, ids[:100], torch.tensor([num_rows - 1, 0])])
     backing = {"weight": torch.zeros(num_rows, 1, dtype=torch.int8)}
     fused, old = RowCache(dict(backing), 8000), RowCache({"weight": backing["weight"].clone()}, 8000)
-    tf, sf = fused.acquire_ids(ids)
-    to, so = _by_unique(old, ids)
-    assert torch.equal(sf, so)
-    assert torch.equal(fused.slot_of_row, old.slot_of_row)
-    assert torch.equal(fused._stamp, old._stamp)
-    assert torch.equal(fused.row_of_slot[sf], ids)
+    for _ in range(2):  # twice: the bitmap / table kept between calls must start empty again
+        tf, sf = fused.acquire_ids(ids)
+        to, so = _by_unique(old, ids)
+        assert torch.equal(sf, so)
+        assert torch.equal(fused.slot_of_row, old.slot_of_row)
+        assert torch.equal(fused._stamp, old._stamp)
+        assert torch.equal(fused.row_of_slot[sf], ids)
+        fused.release(tf, dirty=False)
+        old.release(to, dirty=False)
+        ids = ids.flip(0)[: count // 2]
 
 
 @pytest.mark.parametrize("use_native", [True, False])

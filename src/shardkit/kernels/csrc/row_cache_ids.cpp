@@ -10,11 +10,13 @@
 //        of each, -1 for a miss; miss_rows int64 [M]: the rows with -1, ascending; inverse int64 [N]:
 //        rows[inverse[k]] == ids[k]). Every hit's pin count is incremented once (before any victim is
 //        chosen), as row_cache_lookup of `rows` does.
-//     The ids are deduplicated by an open-addressing hash table (2N slots or more, small enough to stay
-//     in the CPU's caches), the U distinct rows sorted by a radix sort (11 bits a pass: two passes for a
-//     table of up to 4M rows), then the slot map is read in ascending row order, as the lookup after
-//     torch.unique did (a prefetch-friendly pattern; marking rows in the map itself, megabytes for a
-//     large table, measured slower in a training step: a cache miss per mark and per restore).
+//     The ids are deduplicated by a bitmap of the table's rows where it has at most 256 N rows (the
+//     distinct rows then come out of a scan of the bitmap ascending, each id's rank from counts of the
+//     bits), else by an open-addressing hash table (2N entries or more, small enough to stay in the
+//     CPU's caches) and a radix sort of the U distinct rows (11 bits a pass); then the slot map is read
+//     in ascending row order, as the lookup after torch.unique did (a prefetch-friendly pattern; marking
+//     rows in the map itself, megabytes for a large table, measured slower in a training step: a cache
+//     miss per mark and per restore).
 // row_cache_commit_ids(looked int64 [U], loaded int64 [M], inverse int64 [N], rows int64 [U],
 //                      row_of_slot int64 [C], stamp int64 [C] (written), freq int64 [C] (written), clock)
 //     -> (slots int64 [U], slot_ids int64 [N]): slots = looked with its -1 entries replaced, in order,
@@ -90,56 +92,99 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_cache_lookup_ids(
   }
   at::Tensor inverse = at::empty({n}, ids.options());
   int64_t* inv = inverse.data_ptr<int64_t>();
-  // the distinct ids in the order of their first occurrence, by an open-addressing hash table of at
-  // least twice the ids (a few hundred KiB for a step's ids: it stays in the CPU's cache, where marks in
-  // the slot map, megabytes for a large table, each cost a miss of the cache)
-  int bits = 4;
-  while ((int64_t(1) << bits) < 2 * n) ++bits;
-  const uint64_t mask = (uint64_t(1) << bits) - 1;
-  constexpr uint64_t kEmpty = ~uint64_t(0);
-  // an entry: (row << 32) | index among the distinct rows (rows < 2^32, checked above); the table is
-  // kept per thread between calls (no allocation nor page faults per step; ~16 bytes an id at most)
-  thread_local std::vector<uint64_t> table;
-  if (table.size() < mask + 1) table.resize(mask + 1);
-  std::fill(table.begin(), table.begin() + (mask + 1), kEmpty);
-  uint64_t* slots_of = table.data();
-  std::vector<int64_t> first;  // the distinct rows, in the order of their first id
-  first.reserve(n);
-  for (int64_t k = 0; k < n; ++k) {
-    const uint64_t row = static_cast<uint64_t>(id[k]);
-    uint64_t h = (row * 0x9E3779B97F4A7C15ull) >> (64 - bits);
-    while (true) {
-      const uint64_t e = slots_of[h];
-      if ((e >> 32) == row && e != kEmpty) {
-        inv[k] = static_cast<int64_t>(e & 0xffffffffu);
-        break;
-      }
-      if (e == kEmpty) {
-        const uint64_t u = first.size();
-        slots_of[h] = (row << 32) | u;
-        inv[k] = static_cast<int64_t>(u);
-        first.push_back(static_cast<int64_t>(row));
-        break;
-      }
-      h = (h + 1) & mask;
+  std::vector<int64_t> first;  // the distinct rows, in the order of their first id (hash table path)
+  at::Tensor rows;
+  int64_t count = 0;
+  if (num_rows / 64 <= 4 * n) {
+    // a bitmap of the table's rows (R / 8 bytes, kept per thread: for such tables at most 32 bytes an
+    // id): a pass setting the ids' bits, a scan of the bitmap that yields the distinct rows ascending
+    // (no sort) with a count of the bits before each word, and a pass ranking each id among them
+    const int64_t words = (num_rows + 63) / 64;
+    thread_local std::vector<uint64_t> bits;
+    thread_local std::vector<int32_t> before;
+    if (static_cast<int64_t>(bits.size()) < words) {
+      bits.assign(words, 0);
+      before.resize(words);
     }
+    uint64_t* b = bits.data();
+    struct Clear {  // the bitmap all zero again if anything below throws (an allocation)
+      uint64_t* b;
+      int64_t words;
+      bool armed = true;
+      ~Clear() {
+        if (armed) std::fill(b, b + words, 0);
+      }
+    } clear{b, words};
+    for (int64_t k = 0; k < n; ++k) b[id[k] >> 6] |= uint64_t(1) << (id[k] & 63);
+    int64_t total = 0;
+    for (int64_t w = 0; w < words; ++w) {
+      before[w] = static_cast<int32_t>(total);
+      total += __builtin_popcountll(b[w]);
+    }
+    count = total;
+    rows = at::empty({count}, ids.options());
+    int64_t* r = rows.data_ptr<int64_t>();
+    for (int64_t w = 0, j = 0; w < words; ++w) {
+      for (uint64_t word = b[w]; word; word &= word - 1) r[j++] = w * 64 + __builtin_ctzll(word);
+    }
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t w = id[k] >> 6;
+      inv[k] = before[w] + __builtin_popcountll(b[w] & ((uint64_t(1) << (id[k] & 63)) - 1));
+    }
+    for (int64_t j = 0; j < count; ++j) b[r[j] >> 6] = 0;  // cleared for the next call
+    clear.armed = false;
+  } else {
+    // an open-addressing hash table of at least twice the ids (a few hundred KiB for a step's ids:
+    // it stays in the CPU's caches), then a radix sort of the distinct rows
+    int hbits = 4;
+    while ((int64_t(1) << hbits) < 2 * n) ++hbits;
+    const uint64_t mask = (uint64_t(1) << hbits) - 1;
+    constexpr uint64_t kEmpty = ~uint64_t(0);
+    // an entry: (row << 32) | index among the distinct rows (rows < 2^32, checked above); the table
+    // is kept per thread between calls (no allocation nor page faults per step)
+    thread_local std::vector<uint64_t> table;
+    if (table.size() < mask + 1) table.resize(mask + 1);
+    std::fill(table.begin(), table.begin() + (mask + 1), kEmpty);
+    uint64_t* entries = table.data();
+    first.reserve(n);
+    for (int64_t k = 0; k < n; ++k) {
+      const uint64_t row = static_cast<uint64_t>(id[k]);
+      uint64_t h = (row * 0x9E3779B97F4A7C15ull) >> (64 - hbits);
+      while (true) {
+        const uint64_t e = entries[h];
+        if ((e >> 32) == row && e != kEmpty) {
+          inv[k] = static_cast<int64_t>(e & 0xffffffffu);
+          break;
+        }
+        if (e == kEmpty) {
+          const uint64_t u = first.size();
+          entries[h] = (row << 32) | u;
+          inv[k] = static_cast<int64_t>(u);
+          first.push_back(static_cast<int64_t>(row));
+          break;
+        }
+        h = (h + 1) & mask;
+      }
+    }
+    count = static_cast<int64_t>(first.size());
+    std::vector<uint64_t> keys(count);
+    for (int64_t u = 0; u < count; ++u) keys[u] = (static_cast<uint64_t>(first[u]) << 32) | static_cast<uint64_t>(u);
+    int row_bits = 1;
+    while (row_bits < 63 && (int64_t(1) << row_bits) < num_rows) ++row_bits;
+    sort_by_row(keys, row_bits);
+    rows = at::empty({count}, ids.options());
+    int64_t* r = rows.data_ptr<int64_t>();
+    std::vector<int64_t> position(count);  // index of first occurrence -> index ascending
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t u = static_cast<int64_t>(keys[j] & 0xffffffffu);
+      position[u] = j;
+      r[j] = first[u];
+    }
+    for (int64_t k = 0; k < n; ++k) inv[k] = position[inv[k]];
   }
-  const int64_t count = static_cast<int64_t>(first.size());
-  std::vector<uint64_t> keys(count);
-  for (int64_t u = 0; u < count; ++u) keys[u] = (static_cast<uint64_t>(first[u]) << 32) | static_cast<uint64_t>(u);
-  int row_bits = 1;
-  while (row_bits < 63 && (int64_t(1) << row_bits) < num_rows) ++row_bits;
-  sort_by_row(keys, row_bits);
-  at::Tensor rows = at::empty({count}, ids.options());
+  const int64_t* r = rows.data_ptr<int64_t>();
   at::Tensor looked = at::empty({count}, ids.options());
-  int64_t* r = rows.data_ptr<int64_t>();
   int64_t* l = looked.data_ptr<int64_t>();
-  std::vector<int64_t> position(count);  // index of first occurrence -> index ascending
-  for (int64_t j = 0; j < count; ++j) {
-    const int64_t u = static_cast<int64_t>(keys[j] & 0xffffffffu);
-    position[u] = j;
-    r[j] = first[u];
-  }
   // the slot map read in ascending row order (the prefetcher's pattern), the hits pinned; a slot
   // outside the cache (a damaged map) undoes the pins made so far before raising
   int32_t* pin = pins.data_ptr<int32_t>();
@@ -163,7 +208,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_cache_lookup_ids(
   for (int64_t j = 0, m = 0; j < count; ++j) {
     if (l[j] < 0) miss[m++] = r[j];
   }
-  for (int64_t k = 0; k < n; ++k) inv[k] = position[inv[k]];
   return {rows, looked, miss_rows, inverse};
 }
 

@@ -117,8 +117,10 @@ class CacheSlots:
             return torch.cat([free, victims]).sort().values
         self._evict(victims)
         # the free slots now are exactly the old free ones and the victims (count of them): no second
-        # scan of the slot map, the same ascending slots
-        return torch.cat([free, victims]).sort().values if free.numel() else victims.sort().values
+        # scan of the slot map, the same ascending slots (the native queue's victims already ascend)
+        if free.numel():
+            return torch.cat([free, victims]).sort().values
+        return victims if self._queue_kind == "native" else victims.sort().values
 
     def _victims(self, candidates: torch.Tensor, count: int) -> torch.Tensor:
         """The ``count`` slots among ``candidates`` (int64 [n]) to evict first under the algorithm (a set:
