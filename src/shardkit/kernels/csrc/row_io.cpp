@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <climits>
 #include <cstdint>
@@ -42,6 +43,8 @@ constexpr int64_t kMaxPieces = 1024;
 constexpr int64_t kMaxWriteSpan = int64_t{1} << 20;
 // a reader thread is started for at least this many system calls of its own
 constexpr int64_t kMinCallsPerThread = 128;
+// reader threads take the calls of a read in chunks of this many, in file order, from a shared counter
+constexpr int64_t kCallsPerChunk = 32;
 
 struct Extent {
   int64_t pos;  // byte offset in the file
@@ -196,10 +199,13 @@ std::tuple<int64_t, int64_t> move_rows(int64_t fd, const at::Tensor& rows, const
     }
     return "";
   };
-  // reads of many calls are shared among `threads` threads, each a contiguous part of the file order cut
-  // at call boundaries (the same calls as on one thread: page-cache reads of disjoint bytes into
-  // disjoint slots, independent of each other), each part as many calls. Writes stay on one thread:
-  // the write-behind thread already takes them off the step.
+  // reads of many calls are shared among `threads` threads (the same calls as on one thread: page-cache
+  // reads of disjoint bytes into disjoint slots, independent of each other): the calls are cut into
+  // chunks of kCallsPerChunk in file order, and each thread takes the next chunk from a shared counter
+  // until none is left, so a thread that the OS does not run (a busy machine), or one that starts late,
+  // leaves its share to the others instead of making the caller wait for it. After a failed call no
+  // further chunk is started (chunks taken finish). Writes stay on one thread: the write-behind thread
+  // already takes them off the step.
   const size_t total = extents.size();
   std::vector<size_t> call_start;  // the first extent of each call (reads on several threads only)
   if (!write && threads > 1) {
@@ -217,16 +223,34 @@ std::tuple<int64_t, int64_t> move_rows(int64_t fd, const at::Tensor& rows, const
   }
   const int64_t groups = static_cast<int64_t>(call_start.size());
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, groups / kMinCallsPerThread));
-  auto bound = [&](int64_t part) -> size_t {
-    return part == parts ? total : (part == 0 ? 0 : call_start[static_cast<size_t>(groups * part / parts)]);
+  if (parts == 1) {
+    int64_t calls = 0;
+    const std::string error = run(0, total, calls);
+    TORCH_CHECK(error.empty(), error);
+    return {calls, 1};
+  }
+  const int64_t chunks = (groups + kCallsPerChunk - 1) / kCallsPerChunk;
+  auto chunk_start = [&](int64_t c) -> size_t {
+    return c >= chunks ? total : call_start[static_cast<size_t>(c * kCallsPerChunk)];
   };
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> failed{false};
   std::vector<int64_t> calls(static_cast<size_t>(parts), 0);
   std::vector<std::string> errors(static_cast<size_t>(parts));
+  auto work = [&](int64_t part) {
+    while (!failed.load(std::memory_order_relaxed)) {
+      const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= chunks) return;
+      errors[part] = run(chunk_start(c), chunk_start(c + 1), calls[part]);
+      if (!errors[part].empty()) {
+        failed.store(true, std::memory_order_relaxed);
+        return;
+      }
+    }
+  };
   std::vector<std::thread> helpers;
-  for (int64_t part = 1; part < parts; ++part) {
-    helpers.emplace_back([&, part] { errors[part] = run(bound(part), bound(part + 1), calls[part]); });
-  }
-  errors[0] = run(bound(0), bound(1), calls[0]);
+  for (int64_t part = 1; part < parts; ++part) helpers.emplace_back(work, part);
+  work(0);
   for (auto& helper : helpers) helper.join();
   int64_t sum = 0;
   for (int64_t part = 0; part < parts; ++part) {

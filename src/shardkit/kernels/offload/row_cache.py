@@ -15,6 +15,10 @@ Protocol (one batch)::
     ... lookups on weight[slots], in-place updates of the slots' rows ...
     cache.release(ticket, dirty=True)       # dirty: the slots' rows were updated in place
 
+The lookups call ``ticket, slot_ids = cache.acquire_ids(ids)`` instead: the step's ids (repeats, any
+order) deduplicated, acquired as ``acquire(torch.unique(ids))`` would, and each remapped to its slot
+(``csrc/row_cache_ids.cpp`` where the native ops are built: two passes, no sort of the ids).
+
 - Hits keep their slot; misses take free slots, else evict unpinned slots chosen by the replacement
   algorithm (``"lru"``: least recently acquired; ``"lfu"``: fewest acquisitions since loaded, ties broken
   by LRU). A dirty victim is written back to the backing store before its slot is reused (or, with a
