@@ -8,7 +8,7 @@ of steps). The benchmark therefore times two phases per cache: the *cold* phase 
 :func:`warm_to_steady` drives the table's :class:`~shardkit.kernels.offload.row_cache.RowCache` with
 exactly the calls a training step makes to it, without the embedding kernel and its backward (that
 is what makes it fast): per batch of the same size and id distribution as the steps (one stream,
-the same hot rows), ``cache.acquire(torch.unique(ids))`` (the lookup's ``_acquire_rows`` of a
+the same hot rows), ``cache.acquire_ids(ids)`` (the lookup's ``_acquire_rows`` of a
 table-wise table: its buffer rows are its ids) then ``cache.release(ticket, dirty=True)`` (what the
 fused backward does: every row a training step touched is dirty, so evictions write back as in
 training). Admission, replacement (LRU stamps / LFU counts), pins, write-backs and counters are the
@@ -70,7 +70,7 @@ def cache_step(cache, ids: torch.Tensor) -> None:
     """What one training step of a table-wise table does to its cache, without the kernel: acquire the
     step's distinct rows (``OffloadedEmbeddingLookup._acquire_rows``: its buffer rows are its ids) and
     release them dirty (the fused backward updated them)."""
-    ticket, _ = cache.acquire(torch.unique(ids))
+    ticket, _ = cache.acquire_ids(ids)  # as acquire(torch.unique(ids)): the same rows, pins and stamps
     cache.release(ticket, dirty=True)
 
 
