@@ -102,9 +102,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_cache_lookup_ids(
     const int64_t words = (num_rows + 63) / 64;
     thread_local std::vector<uint64_t> bits;
     thread_local std::vector<int32_t> before;
-    if (static_cast<int64_t>(bits.size()) < words) {
-      bits.assign(words, 0);
-      before.resize(words);
+    // grown as needed; given back when 4x larger than needed (a table far larger seen once)
+    if (static_cast<int64_t>(bits.size()) < words || static_cast<int64_t>(bits.size()) > 4 * words + 4096) {
+      std::vector<uint64_t>(words, 0).swap(bits);
+      std::vector<int32_t>(words).swap(before);
     }
     uint64_t* b = bits.data();
     struct Clear {  // the bitmap all zero again if anything below throws (an allocation)
@@ -143,7 +144,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_cache_lookup_ids(
     // an entry: (row << 32) | index among the distinct rows (rows < 2^32, checked above); the table
     // is kept per thread between calls (no allocation nor page faults per step)
     thread_local std::vector<uint64_t> table;
-    if (table.size() < mask + 1) table.resize(mask + 1);
+    if (table.size() < mask + 1 || table.size() > 4 * (mask + 1) + 4096) std::vector<uint64_t>(mask + 1).swap(table);
     std::fill(table.begin(), table.begin() + (mask + 1), kEmpty);
     uint64_t* entries = table.data();
     first.reserve(n);
