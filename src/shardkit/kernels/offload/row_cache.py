@@ -357,15 +357,12 @@ class RowCache(CacheSlots, RowMoves, CacheResize):
         hits pinned): the misses loaded, the stamps and counts, the ticket. ``inverse`` (native path
         only): also remap ids to slots, returning ``slots[inverse]`` instead of ``slots``."""
         loaded = None
-        # the victims' background writes wait until the misses are read (write_behind.held)
-        held = self._write_behind.held() if self._write_behind is not None else contextlib.nullcontext()
         try:
             if not ascending:
                 miss_rows = miss_rows.sort().values  # ascending: sequential reads of the backing store
             if miss_rows.numel():
-                with held:
-                    loaded = self._free_slots(miss_rows.numel())
-                    self._load(miss_rows, loaded)  # pins them
+                loaded = self._free_slots(miss_rows.numel())
+                self._load(miss_rows, loaded)  # pins them
         except BaseException:
             hit_slots = looked[looked >= 0]
             self._pins.index_add_(0, hit_slots, ones_int32(hit_slots.numel(), -1))

@@ -8,10 +8,6 @@ staging tensor per field, so that the slots can be reused at once) and writes th
 ``torch.set_num_threads(1)`` on a two-core machine, or a spare core per rank) the writes overlap the
 step. It reduces the step's wall time, not the process's CPU time.
 
-Scheduling: the cache holds the writer (:meth:`WriteBehind.held`) while an acquire evicts and reads
-its misses, so that on a machine with one core to spare the reads (which the step waits for) run on
-it, and the writes of the evicted rows start once the misses are in, beside the step's kernels.
-
 Ordering (what keeps results exact): a row whose write is still pending is read again only after that
 write is done (:meth:`WriteBehind.wait_for`, called by the cache before it reads misses); the cache's
 other writes to the file (:meth:`RowCache.flush`) wait for every pending write first
@@ -25,10 +21,9 @@ not attempted.
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 import threading
-from typing import Any, Deque, Dict, Iterator, Optional, Tuple
+from typing import Any, Deque, Dict, Optional, Tuple
 
 import torch
 
@@ -78,34 +73,7 @@ class WriteBehind:
         self._pending_bytes = 0
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
-        self._holds = 0  # blocks of held() open now: the writer starts no job meanwhile
-        self._lifted = False  # a wait inside such a block let the writer go on
         self.rows_written = 0  # rows the thread wrote (tests)
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """While the block runs, the writer starts no queued job (one in flight finishes): the cache
-        holds it over an acquire's evictions and miss reads, so that the writes of the evicted rows
-        do not take a core from the reads (the step waits for those; nobody waits for the writes),
-        and start once the misses are in. A wait for the writes inside the block (:meth:`wait`,
-        :meth:`wait_for` of a pending row, :meth:`submit` over the memory limit) lifts the hold
-        first: it only reorders the work, it never blocks it."""
-        with self._cond:
-            self._holds += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._holds -= 1
-                if not self._holds:
-                    self._lifted = False
-                self._cond.notify_all()
-
-    def _lift(self) -> None:
-        """Let the writer go on inside a held() block (called with the condition held)."""
-        if self._holds and not self._lifted:
-            self._lifted = True
-            self._cond.notify_all()
 
     def submit(self, rows: torch.Tensor, staging: Dict[str, torch.Tensor]) -> None:
         """Queue ``staging[name][i]`` (``[n, *width]`` per field, host, contiguous; owned by the writer
@@ -119,7 +87,6 @@ class WriteBehind:
         with self._cond:
             self._raise_error()
             while self._pending_bytes and self._pending_bytes + nbytes > self.limit_bytes:
-                self._lift()
                 self._cond.wait()
                 self._raise_error()
             self._jobs.append((rows, staging, nbytes))
@@ -142,7 +109,6 @@ class WriteBehind:
         """Return once every queued write is done; raises a write's kept exception."""
         with self._cond:
             while self._jobs or self._in_flight is not None:
-                self._lift()
                 self._cond.wait()
             self._raise_error()
 
@@ -159,8 +125,6 @@ class WriteBehind:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while self._jobs and self._holds and not self._lifted:
-                    self._cond.wait()
                 if not self._jobs:
                     self._thread = None
                     return
