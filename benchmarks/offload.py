@@ -22,7 +22,9 @@ spread over the table by a random permutation):
   evicted rows written in the step; ``main_cpu_ms/step`` is the main thread's CPU alone (docs/offload.md,
   "Write-behind and kept mappings"); and at ``--one-read-thread-load-factors`` (default 0.2): ``1 read
   thread``, a step's misses read on one thread (``SHARDKIT_OFFLOAD_READ_THREADS=1``) instead of the
-  default two (docs/offload.md, "Native bookkeeping and reader threads");
+  default two (docs/offload.md, "Native bookkeeping and reader threads"); and at
+  ``--lfu-load-factors`` (default 0.2): ``lfu``, the cache's replacement LFU instead of LRU (fewer
+  misses on Zipf ids, docs/offload.md, "Costs");
 - the same table trained through ``PrefetchTrainPipelineSparseDist``: in memory, and offloaded with
   ``prefetch_pipeline`` at ``--pipeline-load-factors`` (default 0.2), the prefetch of batch i+1 run
   synchronously and on the background thread (``benchmarks/offload_pipeline.py``);
@@ -101,10 +103,18 @@ def reset_peak() -> bool:
 
 
 def sharded_table(
-    kernel: str, rows: int, dim: int, load_factor: float, offload_dir: str, meta: bool, prefetch: bool = False
+    kernel: str,
+    rows: int,
+    dim: int,
+    load_factor: float,
+    offload_dir: str,
+    meta: bool,
+    prefetch: bool = False,
+    algorithm: str = "lru",
 ):
     """One table, sharded table-wise on a world of one with ``kernel`` (row-wise Adagrad, fused);
-    ``prefetch``: its cache params set ``prefetch_pipeline`` (for PrefetchTrainPipelineSparseDist)."""
+    ``prefetch``: its cache params set ``prefetch_pipeline`` (for PrefetchTrainPipelineSparseDist);
+    ``algorithm``: the cache's replacement (``"lru"``, ``"lfu"``)."""
     from shardkit.distributed.sharding_env import ShardingEnv
     from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig, OptimType
     from shardkit.sharding.cache_params import CacheParams
@@ -118,7 +128,7 @@ def sharded_table(
     plan = construct_module_sharding_plan(ebc, {"t": table_wise(rank=0)}, 1, 1)
     if kernel != "fused":
         cache = CacheParams(
-            load_factor=load_factor, algorithm="lru", offload_dir=offload_dir, prefetch_pipeline=prefetch
+            load_factor=load_factor, algorithm=algorithm, offload_dir=offload_dir, prefetch_pipeline=prefetch
         )
         plan = {k: dataclasses.replace(v, compute_kernel=kernel, cache_params=cache) for k, v in plan.items()}
     return EmbeddingBagCollectionSharder().shard(ebc, plan, ShardingEnv.from_local(1, 0))
@@ -134,6 +144,8 @@ VARIANTS = {
     "in-step write-back": {"SHARDKIT_OFFLOAD_WRITE_BEHIND": "0"},
     # a step's misses read on one thread, as before the reader threads (row_io.read_threads_default)
     "1 read thread": {"SHARDKIT_OFFLOAD_READ_THREADS": "1"},
+    # the cache's replacement LFU instead of LRU (fewer misses on Zipf ids: docs/offload.md, "Costs")
+    "lfu": {},
 }
 
 
@@ -143,7 +155,9 @@ def _table_variant(kernel: str, rows: int, dim: int, load_factor: float, offload
     saved = {k: os.environ.get(k) for k in VARIANTS[variant]}
     os.environ.update(VARIANTS[variant])
     try:
-        module = sharded_table(kernel, rows, dim, load_factor, offload_dir, meta=kernel != "fused")
+        algorithm = "lfu" if variant == "lfu" else "lru"
+        meta = kernel != "fused"
+        module = sharded_table(kernel, rows, dim, load_factor, offload_dir, meta, algorithm=algorithm)
     finally:
         for key, value in saved.items():
             if value is None:
@@ -156,6 +170,8 @@ def _table_variant(kernel: str, rows: int, dim: int, load_factor: float, offload
         assert offloaded_lookup(module).cache._write_behind is None
     if variant == "1 read thread":
         assert offloaded_lookup(module).cache._row_io.read_threads == 1
+    if variant == "lfu":
+        assert offloaded_lookup(module).cache.algorithm == "lfu"
     return module
 
 
@@ -246,6 +262,7 @@ def step_rows(args, offload_dir: str) -> List[Dict[str, Any]]:
         ("fused_uvm_caching", lf, "in-step write-back") for lf in args.in_step_write_back_load_factors
     ]
     configs += [("fused_uvm_caching", lf, "1 read thread") for lf in args.one_read_thread_load_factors]
+    configs += [("fused_uvm_caching", lf, "lfu") for lf in args.lfu_load_factors]
     modules = [
         _table_variant(kernel, args.rows, args.dim, lf, offload_dir, variant)
         for kernel, lf, variant in configs
@@ -548,6 +565,13 @@ def main(argv: Optional[List[str]] = None) -> None:
         default=[0.2],
         help="load factors also run with misses read on one thread (rows '1 read thread'; none: skip)",
     )
+    parser.add_argument(
+        "--lfu-load-factors",
+        type=float,
+        nargs="*",
+        default=[0.2],
+        help="load factors also run with LFU replacement instead of LRU (rows named 'lfu'; none: skip)",
+    )
     parser.add_argument("--steps", type=int, default=10, help="measured steps (median)")
     parser.add_argument(
         "--warmup", type=int, default=5, help="training steps after warming, before measuring"
@@ -599,6 +623,9 @@ def main(argv: Optional[List[str]] = None) -> None:
             f"goal, backing file kept mapped ($SHARDKIT_OFFLOAD_RESIDENT_MAP; its pages count in RSS): "
             f"load factor 0.2 >= 0.8x in memory: {mapped02:.2f}x {'met' if mapped02 >= 0.8 else 'NOT met'}"
         )
+    lfu02 = goals.get("fused_uvm_caching lf=0.2 lfu (steady)")
+    if lfu02 is not None:
+        print(f"load factor 0.2 with LFU instead of LRU (steady state): {lfu02:.2f}x in memory")
     piped = goals.get("pipeline fused_uvm_caching lf=0.2 prefetch async")
     if piped is not None:
         print(
