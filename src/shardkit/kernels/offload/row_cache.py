@@ -317,7 +317,6 @@ class RowCache(CacheSlots, RowMoves, CacheResize):
         if int(low) < 0 or int(high) >= self.num_rows:  # raised by acquire as for any other path
             return self._acquire_ids_unique(ids, wait_copies)
         with self._locked():
-            native = self._native()
             self._sync_queue(native)
             rows, looked, miss_rows, inverse = native.row_cache_lookup_ids(self.slot_of_row, self._pins, ids)
             return self._acquire_looked(rows, looked, miss_rows, True, native, inverse)
