@@ -52,6 +52,7 @@ from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig
 from shardkit.planner.constraints import ParameterConstraints
 from shardkit.planner.cost_model import CostModel
+from shardkit.planner.least_squares import huber_refit, nnls
 from shardkit.planner.topology import Topology
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
 from shardkit.sharding.sharding_plan import (
@@ -340,63 +341,6 @@ def config_features(
     return known, [values[name] for name in feature_names()], miss
 
 
-def nnls(a: torch.Tensor, b: torch.Tensor, max_iter: int = 200) -> torch.Tensor:
-    """``argmin |a x - b|`` over ``x >= 0`` (Lawson and Hanson's active-set method), float64.
-    Columns are scaled to unit norm first (the features span many orders of magnitude); an all-zero
-    column gets 0."""
-    norms = a.norm(dim=0)
-    usable = norms > 0
-    scaled = torch.where(usable, a / norms.clamp(min=1e-300), torch.zeros_like(a))
-    n = a.shape[1]
-    x = torch.zeros(n, dtype=torch.float64)
-    passive = torch.zeros(n, dtype=torch.bool)
-    tol = 1e-12 * max(1.0, float(b.norm()))
-    for _ in range(max_iter):
-        w = scaled.T @ (b - scaled @ x)
-        candidates = (~passive) & usable
-        if not bool(candidates.any()) or float(w[candidates].max()) <= tol:
-            break
-        j = int(torch.where(candidates, w, torch.full_like(w, -float("inf"))).argmax())
-        passive[j] = True
-        while True:
-            idx = passive.nonzero()[:, 0]
-            z = torch.zeros(n, dtype=torch.float64)
-            z[idx] = torch.linalg.lstsq(scaled[:, idx], b[:, None]).solution[:, 0]
-            if bool((z[idx] > 0).all()):
-                x = z
-                break
-            # move from x towards z until the first passive variable reaches 0, and release it
-            bad = idx[z[idx] <= 0]
-            alpha = float((x[bad] / (x[bad] - z[bad]).clamp(min=1e-300)).min())  # z <= 0 <= x there
-            x = x + alpha * (z - x)
-            passive &= x > 1e-15
-            x[~passive] = 0.0
-    return torch.where(usable, x / norms.clamp(min=1e-300), torch.zeros_like(x))
-
-
-# Huber's constant (in robust standard deviations): 95 % efficiency on Gaussian noise
-HUBER_K = 1.345
-
-
-def _robust(solve, a: torch.Tensor, known: torch.Tensor, t: torch.Tensor, x: torch.Tensor, rounds: int = 10):
-    """``x`` refitted by iteratively reweighted least squares with Huber weights on the relative errors
-    (``min(1, k s / |error|)``, ``s`` the errors' median absolute deviation x 1.4826): a step timed in a
-    load spike (a machine shared with other work) then weighs as one error of ``k s``, not as its square,
-    and cannot set a constant alone (one slow step of 16 shards made a 0.56 ms per-shard cost once).
-    Errors within ``k s`` keep weight 1, so step times the model reproduces are fitted as before."""
-    for _ in range(rounds):
-        err = ((a @ x + known) / t - 1.0).abs()
-        scale = 1.4826 * float(err.median())
-        if scale <= 1e-9:  # the model reproduces the times (up to rounding): nothing to down-weight
-            return x
-        weights = (HUBER_K * scale / err.clamp(min=1e-300)).clamp(max=1.0)
-        refit = solve(a, weights)
-        if float((refit - x).abs().max()) <= 1e-12 * float(x.abs().max()):
-            return refit
-        x = refit
-    return x
-
-
 def _extended(fitted: Dict[str, float]) -> Dict[str, float]:
     """Per-type constants from the fitted ones: a type's own plus those of the types it extends
     (``TW_EXTENDED_BY``: column-wise = table-wise's + its extra)."""
@@ -484,7 +428,7 @@ def fit_constants(
             best = (residual, pair, x)
     residual, pair, x = best
     cache, miss_width = caches[pair // len(miss_widths)], miss_widths[pair % len(miss_widths)]
-    x = _robust(solve, base_with_miss(pair), known, t, x)
+    x = huber_refit(solve, base_with_miss(pair), known, t, x)
     residual = float((((base_with_miss(pair) @ x + known) / t - 1.0) ** 2).mean().sqrt())
     v = dict(zip(names, x.tolist()))
     lookup_bw = 1.0 / v["lookup"]
@@ -616,6 +560,5 @@ __all__ = [
     "fit_constants",
     "fresh_write_step",
     "measure_step_overheads",
-    "nnls",
     "training_step",
 ]
