@@ -19,6 +19,9 @@ rounds (the median round per row):
   the GPU gathering and scattering rows of the pinned host memory itself), ``staged`` (on a side
   stream, rows gathered on the host into pinned buffers and copied, ``SHARDKIT_OFFLOAD_UVA=0``) or
   ``compute stream`` (``SHARDKIT_OFFLOAD_COPY_STREAM=0``: staged copies queued on the caller's stream);
+  ``bookkeeping``: ``device`` (the slot maps, pins, stamps and victims as torch ops on the GPU,
+  ``kernels/offload/device_slots.py``; zero-copy only) or ``host`` (``SHARDKIT_OFFLOAD_DEVICE_BOOKKEEPING=0``:
+  native C++ on the host); ``--copies`` / ``--bookkeeping`` choose which rows run;
 - ``vs_fused``: in-memory step time / this row's (1.0 = as fast as in device memory), measured in the
   same rounds; ``hit_rate`` and ``miss_MB/step`` from the cache's counters.
 """
@@ -45,7 +48,16 @@ COPIES = {
 }
 
 
-def _lookup(kind: str, rows: int, dim: int, device: torch.device, load_factor: float, copies: str, tmp):
+def _lookup(
+    kind: str,
+    rows: int,
+    dim: int,
+    device: torch.device,
+    load_factor: float,
+    copies: str,
+    tmp,
+    bookkeeping: str = "host",
+):
     from shardkit.kernels.offload import OffloadSpec
     from shardkit.modules import EmbeddingBagConfig, FusedOptimizerConfig, OptimType
     from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup, ShardSpec
@@ -55,8 +67,10 @@ def _lookup(kind: str, rows: int, dim: int, device: torch.device, load_factor: f
     shards = [ShardSpec(EmbeddingBagConfig(rows, dim, name="t", feature_names=["f"]))]
     if kind == "fused":
         return GroupedEmbeddingLookup(shards, True, device, config)
-    saved = {k: os.environ.get(k) for k in COPIES[copies]}
-    os.environ.update(COPIES[copies])
+    environment = dict(COPIES[copies])
+    environment["SHARDKIT_OFFLOAD_DEVICE_BOOKKEEPING"] = "1" if bookkeeping == "device" else "0"
+    saved = {k: os.environ.get(k) for k in environment}
+    os.environ.update(environment)
     try:
         spec = OffloadSpec("caching", load_factor, prefetch=True, directory=tmp)
         lookup = OffloadedEmbeddingLookup(shards, True, device, config, spec)
@@ -73,6 +87,7 @@ def _lookup(kind: str, rows: int, dim: int, device: torch.device, load_factor: f
             "compute stream" if moves is None else ("zero-copy" if moves.views is not None else "staged")
         )
         assert kind_built == copies, f"asked for {copies} copies, the cache has {kind_built}"
+        assert lookup.cache.bookkeeping == bookkeeping, lookup.cache.bookkeeping_reason
     return lookup
 
 
@@ -121,11 +136,18 @@ def run(args) -> List[Dict[str, Any]]:
     ]
     for load_factor in args.load_factors:
         for prefetch in (False, True):
-            for copies in COPIES:
-                order = "prefetch" if prefetch else "plain"
-                lookup = _lookup("caching", args.rows, args.dim, device, load_factor, copies, tmp)
-                name = f"caching lf={load_factor} {order} {copies}"
-                runners.append(_Runner(name, lookup, prefetch, batches, device))
+            for copies in args.copies:
+                for bookkeeping in args.bookkeeping:
+                    if device.type == "cuda" and bookkeeping == "device" and copies != "zero-copy":
+                        continue  # the device bookkeeping needs the zero-copy views
+                    if device.type != "cuda" and bookkeeping == "device":
+                        continue  # a CPU cache keeps the host bookkeeping
+                    order = "prefetch" if prefetch else "plain"
+                    lookup = _lookup(
+                        "caching", args.rows, args.dim, device, load_factor, copies, tmp, bookkeeping
+                    )
+                    name = f"caching lf={load_factor} {order} {copies} {bookkeeping} bookkeeping"
+                    runners.append(_Runner(name, lookup, prefetch, batches, device))
     for runner in runners:  # warm: kernels compiled, caches at their steady state
         runner.steps(args.warmup)
         if getattr(runner.lookup, "cache", None) is not None:
@@ -165,6 +187,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--copies", nargs="+", choices=list(COPIES), default=list(COPIES))
+    parser.add_argument("--bookkeeping", nargs="+", choices=["host", "device"], default=["host", "device"])
     parser.add_argument("--quick", action="store_true", help="small sizes: runs in seconds")
     parser.add_argument("--out", default=None, help="directory for offload_gpu.json")
     args = parser.parse_args(argv)

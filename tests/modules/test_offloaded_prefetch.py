@@ -202,19 +202,26 @@ def _sleep_on(stream) -> None:
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("copies", ["zero-copy", "staged", "compute stream"])
-def test_prefetched_training_on_cuda_equals_in_memory(monkeypatch, copies):
+@pytest.mark.parametrize(
+    "copies, bookkeeping",
+    [("zero-copy", "device"), ("zero-copy", "host"), ("staged", "host"), ("compute stream", "host")],
+)
+def test_prefetched_training_on_cuda_equals_in_memory(monkeypatch, copies, bookkeeping):
     """A CUDA cache (host backing) of 5 % of the rows driven in the pipeline's order, with the compute
     stream kept busy before every prefetch and backward and the copy stream kept busy before every read:
     a copy not ordered after the compute stream's queued updates (a dirty victim gathered too early), or
     a kernel not waiting for its rows' copies, would train on stale rows. Training stays bitwise that of
     the in-memory lookup, with the copies on the side stream, zero-copy (the GPU reading and writing the
     pinned backing) and staged (``SHARDKIT_OFFLOAD_UVA=0``), and on the caller's stream
-    (``SHARDKIT_OFFLOAD_COPY_STREAM=0``)."""
+    (``SHARDKIT_OFFLOAD_COPY_STREAM=0``); zero-copy with the cache's bookkeeping on the device (the
+    default, kernels/offload/device_slots.py) and on the host (``SHARDKIT_OFFLOAD_DEVICE_BOOKKEEPING=0``;
+    the other copies always keep it on the host)."""
     monkeypatch.setenv("SHARDKIT_OFFLOAD_COPY_STREAM", "0" if copies == "compute stream" else "1")
     monkeypatch.setenv("SHARDKIT_OFFLOAD_UVA", "0" if copies == "staged" else "1")
+    monkeypatch.setenv("SHARDKIT_OFFLOAD_DEVICE_BOOKKEEPING", "1" if bookkeeping == "device" else "0")
     memory, offloaded = _lookups(False, "cuda", CUDA_ROWS, CUDA_DIM, load_factor=0.05)
     cache = offloaded.cache
+    assert cache.bookkeeping == bookkeeping, cache.bookkeeping_reason
     assert (cache._copies is not None) == (copies != "compute stream")
     if cache._copies is not None:
         assert (cache._copies.views is not None) == (copies == "zero-copy")

@@ -167,13 +167,18 @@ def _update(cache: RowCache, slots: torch.Tensor, rows: torch.Tensor, reference,
     reference["codes"][rows] += 7
 
 
-def _run_random_sequence(capacity: int, algorithm: str, seed: int, device: str, steps: int) -> None:
+def _run_random_sequence(
+    capacity: int, algorithm: str, seed: int, device: str, steps: int, bookkeeping=None
+) -> None:
+    """``bookkeeping``: RowCache's argument (None: its default; test_row_cache_device.py passes "device")."""
     num_rows = 24
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     backing = _backing(num_rows, seed)
     reference = _clone(backing)
-    cache = RowCache(backing, capacity, algorithm=algorithm, device=device)
+    cache = RowCache(backing, capacity, algorithm=algorithm, device=device, bookkeeping=bookkeeping)
+    if bookkeeping is not None:
+        assert cache.bookkeeping == bookkeeping
     model = ModelCache(capacity, algorithm, num_rows)
     weights = [1.0 / (r + 1) for r in range(num_rows)]  # skewed: hot rows give hits, cold ones misses
     outstanding: Dict[int, tuple] = {}  # ticket -> (rows, dirty)
@@ -264,12 +269,13 @@ def test_lru_queue_rebuilt_often_still_matches_the_model(capacity, monkeypatch):
     assert rebuilds[0] > 10, rebuilds
 
 
+@pytest.mark.parametrize("bookkeeping", ["host", "device"])
 @pytest.mark.parametrize("algorithm", ["lru", "lfu"])
 @pytest.mark.parametrize("capacity", [0, 4, 40])
 @pytest.mark.cuda
 @needs_cuda
-def test_random_sequences_on_cuda(capacity, algorithm):
-    _run_random_sequence(capacity, algorithm, 0, "cuda", steps=160)
+def test_random_sequences_on_cuda(capacity, algorithm, bookkeeping):
+    _run_random_sequence(capacity, algorithm, 0, "cuda", steps=160, bookkeeping=bookkeeping)
 
 
 def _acquire_release(cache: RowCache, rows: List[int], dirty: bool = False) -> torch.Tensor:

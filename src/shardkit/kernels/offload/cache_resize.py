@@ -30,11 +30,13 @@ class CacheResize:
             grown = torch.zeros((size, *buffer.shape[1:]), dtype=buffer.dtype, device=self.device)
             grown[:old] = buffer
             self.tensors[name] = grown
-        self.row_of_slot = torch.cat([self.row_of_slot, torch.full((extra,), -1, dtype=torch.int64)])
-        self._dirty = torch.cat([self._dirty, torch.zeros(extra, dtype=torch.bool)])
-        self._pins = torch.cat([self._pins, torch.zeros(extra, dtype=torch.int32)])
-        self._stamp = torch.cat([self._stamp, torch.zeros(extra, dtype=torch.int64)])
-        self._freq = torch.cat([self._freq, torch.zeros(extra, dtype=torch.int64)])
+        book = self.row_of_slot.device  # the host, or the cache's device (device_slots.py)
+        free = torch.full((extra,), -1, dtype=torch.int64, device=book)
+        self.row_of_slot = torch.cat([self.row_of_slot, free])
+        self._dirty = torch.cat([self._dirty, torch.zeros(extra, dtype=torch.bool, device=book)])
+        self._pins = torch.cat([self._pins, torch.zeros(extra, dtype=torch.int32, device=book)])
+        self._stamp = torch.cat([self._stamp, torch.zeros(extra, dtype=torch.int64, device=book)])
+        self._freq = torch.cat([self._freq, torch.zeros(extra, dtype=torch.int64, device=book)])
         self.buffers_version += 1
 
     def _shrink(self) -> None:
@@ -55,8 +57,10 @@ class CacheResize:
             shrunk[:count] = buffer.index_select(0, cache_kept)
             self.tensors[name] = shrunk
 
+        book = self.row_of_slot.device
+
         def compact(values: torch.Tensor, fill: int) -> torch.Tensor:
-            out = torch.full((self.capacity,), fill, dtype=values.dtype)
+            out = torch.full((self.capacity,), fill, dtype=values.dtype, device=book)
             out[:count] = values[kept]
             return out
 
@@ -65,8 +69,8 @@ class CacheResize:
         self._dirty = compact(self._dirty, 0)
         self._stamp = compact(self._stamp, 0)
         self._freq = compact(self._freq, 0)
-        self._pins = torch.zeros(self.capacity, dtype=torch.int32)
-        self.slot_of_row[self.row_of_slot[:count]] = torch.arange(count, dtype=torch.int32)
+        self._pins = torch.zeros(self.capacity, dtype=torch.int32, device=book)
+        self.slot_of_row[self.row_of_slot[:count]] = torch.arange(count, dtype=torch.int32, device=book)
         self.buffers_version += 1
         if self._queue is not None:  # the slots moved
             self._rebuild_queue()

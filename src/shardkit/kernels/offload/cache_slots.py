@@ -19,9 +19,9 @@ from shardkit.kernels.offload.slot_queue import NativeSlotQueue, TorchLruQueue
 from shardkit.kernels.offload.victims import select_victims
 
 
-def ones_int32(count: int, value: int = 1) -> torch.Tensor:
-    """``[count]`` int32 filled with ``value`` (pin count increments)."""
-    return torch.full((count,), value, dtype=torch.int32)
+def ones_int32(count: int, value: int = 1, device: Optional[torch.device] = None) -> torch.Tensor:
+    """``[count]`` int32 filled with ``value`` (pin count increments), on ``device`` (default CPU)."""
+    return torch.full((count,), value, dtype=torch.int32, device=device)
 
 
 class CacheSlots:
@@ -62,12 +62,13 @@ class CacheSlots:
             return
         if dirty:
             self._dirty.index_fill_(0, slots, True)
-        self._pins.index_add_(0, slots, ones_int32(slots.numel(), -1))
+        self._pins.index_add_(0, slots, ones_int32(slots.numel(), -1, slots.device))
 
     def _native(self) -> Optional[Any]:
         """The native bookkeeping ops (``torch.ops.shardkit_native``), or None: the pure-torch path (not
-        built, ``SHARDKIT_NATIVE=0``, or ``kernel_backend("torch")``; the bookkeeping is on the host)."""
-        if not self.use_native:
+        built, ``SHARDKIT_NATIVE=0``, or ``kernel_backend("torch")``; the bookkeeping is on the host). The
+        device bookkeeping (``device_slots.py``) runs the torch ops on its device in its rare paths."""
+        if not self.use_native or self.bookkeeping == "device":
             return None
         return native_for(torch.device("cpu"))
 

@@ -102,14 +102,19 @@ class DeviceCopies:
             return None
         return views
 
-    def _after_compute(self) -> None:
-        """The copy stream waits for the work queued so far on the caller's stream."""
+    def _after_compute(self, *indices: torch.Tensor) -> None:
+        """The copy stream waits for the work queued so far on the caller's stream; ``indices`` made on
+        that stream (the device bookkeeping's rows and slots) stay allocated until the copy stream has
+        used them."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        for index in indices:
+            if index.is_cuda:
+                index.record_stream(self.stream)
 
     def read(self, tensors: Dict[str, torch.Tensor], rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Copy backing rows ``rows`` (int64 [n], host) into slots ``slots`` (int64 [n]) of ``tensors``."""
         if self.views is not None:  # zero-copy: a gather from host memory by the GPU
-            self._after_compute()
+            self._after_compute(rows, slots)
             with torch.cuda.stream(self.stream):
                 device_rows = rows.to(self.device, non_blocking=True)
                 device_slots = slots.to(self.device, non_blocking=True)
@@ -132,8 +137,8 @@ class DeviceCopies:
     def write(self, tensors: Dict[str, torch.Tensor], rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Copy slots ``slots`` of ``tensors`` to backing rows ``rows`` (int64 [n], host): gathered now on
         the copy stream, written into ``backing`` by a later :meth:`land` (zero-copy: scattered into the
-        host memory by the GPU, on the copy stream)."""
-        self._after_compute()
+        host memory by the GPU, on the copy stream; ``rows`` / ``slots`` may then be on the device)."""
+        self._after_compute(rows, slots)
         if self.views is not None:
             with torch.cuda.stream(self.stream):
                 device_rows = rows.to(self.device, non_blocking=True)

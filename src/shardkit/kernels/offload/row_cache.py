@@ -77,6 +77,7 @@ from shardkit.kernels.offload.cache_counters import CacheCounters
 from shardkit.kernels.offload.cache_resize import CacheResize
 from shardkit.kernels.offload.cache_slots import CacheSlots, ones_int32
 from shardkit.kernels.offload.device_copies import DeviceCopies, copy_stream_default
+from shardkit.kernels.offload.device_slots import DeviceSlots, choose_bookkeeping
 from shardkit.kernels.offload.row_checks import checked_rows
 from shardkit.kernels.offload.row_moves import RowMoves
 from shardkit.kernels.offload.slot_queue import NativeSlotQueue, TorchLruQueue
@@ -92,7 +93,7 @@ def _algorithm_name(algorithm: object) -> str:
     return name.lower()
 
 
-class RowCache(CacheSlots, RowMoves, CacheResize):
+class RowCache(CacheSlots, DeviceSlots, RowMoves, CacheResize):
     """A cache of ``capacity`` rows of ``backing`` in buffers on ``device`` (see the module docstring).
 
     Args:
@@ -141,6 +142,7 @@ class RowCache(CacheSlots, RowMoves, CacheResize):
         after_io: Optional[Callable[[], None]] = None,
         row_io: Optional[Any] = None,
         write_behind: Optional[Any] = None,
+        bookkeeping: Optional[str] = None,
     ) -> None:
         if not isinstance(backing, dict) or not backing:
             raise ValueError("RowCache: backing must be a non-empty dict of field name -> tensor [R, *width]")
@@ -193,17 +195,23 @@ class RowCache(CacheSlots, RowMoves, CacheResize):
             else None
         )
         self._loaded: Dict[int, Any] = {}
+        # where the slot maps, pins, stamps and counts live (device_slots.py): "device" on a CUDA cache
+        # with zero-copy copies unless $SHARDKIT_OFFLOAD_DEVICE_BOOKKEEPING=0; why, for the record
+        self.bookkeeping, self.bookkeeping_reason = choose_bookkeeping(
+            bookkeeping, self.device, backing, self._copies, row_io, write_behind
+        )
+        book = self._book_device = self.device if self.bookkeeping == "device" else torch.device("cpu")
         self.tensors: Dict[str, torch.Tensor] = {
             name: torch.zeros((self.capacity, *s.shape[1:]), dtype=s.dtype, device=self.device)
             for name, s in backing.items()
         }
-        self.slot_of_row = torch.full((self.num_rows,), -1, dtype=torch.int32)
-        self.row_of_slot = torch.full((self.capacity,), -1, dtype=torch.int64)
+        self.slot_of_row = torch.full((self.num_rows,), -1, dtype=torch.int32, device=book)
+        self.row_of_slot = torch.full((self.capacity,), -1, dtype=torch.int64, device=book)
         self._resident = 0  # slots holding a row: when all do, no scan for free ones
-        self._dirty = torch.zeros(self.capacity, dtype=torch.bool)
-        self._pins = torch.zeros(self.capacity, dtype=torch.int32)
-        self._stamp = torch.zeros(self.capacity, dtype=torch.int64)  # recency: larger = acquired later
-        self._freq = torch.zeros(self.capacity, dtype=torch.int64)  # acquisitions since loaded
+        self._dirty = torch.zeros(self.capacity, dtype=torch.bool, device=book)
+        self._pins = torch.zeros(self.capacity, dtype=torch.int32, device=book)
+        self._stamp = torch.zeros(self.capacity, dtype=torch.int64, device=book)  # larger: acquired later
+        self._freq = torch.zeros(self.capacity, dtype=torch.int64, device=book)  # acquisitions since loaded
         self._clock = 1  # stamps start at 1: 0 marks a slot never stamped since loaded / freed
         # the replacement queue (slot_queue.py): the victims in eviction order, without a selection over
         # the cache; which one depends on the path (native or torch), set by the first acquire
@@ -274,7 +282,11 @@ class RowCache(CacheSlots, RowMoves, CacheResize):
         """
         rows, ascending = checked_rows(rows, self.num_rows)
         with self._locked():
-            ticket, slots = self._acquire(rows, ascending)
+            if self.bookkeeping == "device":
+                rows = rows.to(self._book_device)  # checked; also the order of their stamps
+                ticket, slots = self._acquire_on_device(rows, rows)
+            else:
+                ticket, slots = self._acquire(rows, ascending)
         if wait_copies:
             self.wait_loaded(ticket)
         return ticket, slots
@@ -299,6 +311,16 @@ class RowCache(CacheSlots, RowMoves, CacheResize):
             as :meth:`acquire` (RowOutOfRange for an id outside ``[0, R)``, naming its position in the
             distinct rows).
         """
+        if self.bookkeeping == "device":
+            if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex:
+                return self.acquire(ids)  # raises its TypeError naming what is wrong
+            if ids.dim() != 1 or ids.dtype == torch.bool or not ids.numel() or not self.num_rows:
+                return self.acquire(ids, wait_copies)  # its errors; no ids: nothing to sync for
+            with self._locked():
+                ticket, slot_ids = self._acquire_on_device(ids.to(self._book_device))
+            if wait_copies:
+                self.wait_loaded(ticket)
+            return ticket, slot_ids
         native = self._native()
         if (
             native is None
@@ -336,6 +358,25 @@ class RowCache(CacheSlots, RowMoves, CacheResize):
         unique, inverse = torch.unique(rows, return_inverse=True)
         ticket, slots = self.acquire(unique, wait_copies)
         return ticket, slots.index_select(0, inverse.flatten().to(slots.device)).view(inverse.shape)
+
+    def _acquire_on_device(
+        self, ids: torch.Tensor, commit_order: Optional[torch.Tensor] = None
+    ) -> Tuple[int, torch.Tensor]:
+        """The device bookkeeping's acquire (``device_slots.py``): ``(ticket, slot_ids)``."""
+        if ids.numel():
+            slots, slot_ids = self._acquire_device(ids, commit_order)
+        else:
+            slots = slot_ids = torch.zeros(0, dtype=torch.int64, device=self._book_device)
+        return self._issue_ticket(slots), slot_ids.to(self.device)
+
+    def _issue_ticket(self, slots: torch.Tensor) -> int:
+        """A new ticket pinning ``slots`` (their pins already taken)."""
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        self._tickets[ticket] = slots
+        if self._copies is not None:
+            self._loaded[ticket] = self._copies.mark()
+        return ticket
 
     def _acquire(self, rows: torch.Tensor, ascending: bool) -> Tuple[int, torch.Tensor]:
         native = self._native()
@@ -387,11 +428,7 @@ class RowCache(CacheSlots, RowMoves, CacheResize):
         self.counters.lookups += count
         self.counters.hits += count - misses
         self.counters.misses += misses
-        ticket = self._next_ticket
-        self._next_ticket += 1
-        self._tickets[ticket] = slots
-        if self._copies is not None:
-            self._loaded[ticket] = self._copies.mark()
+        ticket = self._issue_ticket(slots)
         return ticket, (slots if slot_ids is None else slot_ids).to(self.device)
 
     def wait_loaded(self, ticket: int) -> None:
@@ -482,4 +519,4 @@ class RowCache(CacheSlots, RowMoves, CacheResize):
     def resident_rows(self) -> torch.Tensor:
         """The rows cached now, ascending, int64 ``[n]`` on the host (``n <= size``)."""
         with self._locked():
-            return self.row_of_slot[self.row_of_slot >= 0].sort().values
+            return self.row_of_slot[self.row_of_slot >= 0].sort().values.cpu()

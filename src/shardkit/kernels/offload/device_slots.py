@@ -1,0 +1,223 @@
+"""A row cache's bookkeeping on the cache's own device (L0): the CUDA tier without a host round trip a row.
+
+On the host path (``cache_slots.py``) a CUDA cache's acquire brings its ids to the host, runs the
+lookup, victim choice, installs and stamps there (native C++ or torch ops on CPU tensors) and sends the
+slots back: at ~70k distinct rows and ~27k misses a step that host work is the step (issue 24: 17.5 ms
+a step against 3.6 ms in device memory on an H200). Here, as fbgemm's UVM cache keeps its LRU state on
+the GPU, the same state lives on the cache's device and every step of an acquire is a torch op there:
+
+- ``slot_of_row`` int32 ``[R]`` and ``row_of_slot`` int64 ``[C]``: the two maps;
+- ``_stamp`` int64 ``[C]`` (last acquire, LRU), ``_freq`` int64 ``[C]`` (acquisitions since loaded,
+  LFU), ``_dirty`` bool ``[C]``, ``_pins`` int32 ``[C]`` (acquires in flight that hold the slot: +1 at
+  acquire, -1 at release, both queued on the stream, so a release never waits for the device);
+- victims: the evictable slots ordered by one stable device sort of their key (free slots first, then
+  LRU: the stamp; LFU: (count, stamp); pinned slots last), the first ``misses`` taken;
+- misses gathered from the host memory by the GPU (zero-copy, ``device_copies.py``) on the copy stream,
+  dirty victims scattered back to it before their slots are refilled, on the same stream.
+
+**One host sync an acquire**: the distinct-row count, the misses, the evictable and free slots, the
+dirty victims and the ids' range come to the host together (one 7-element copy), because the shapes of
+what follows (how many rows to gather and to write back) and the counters depend on them. The ids are
+deduplicated by a sort without ``torch.unique``'s own sync (arrays padded to the number of ids until the
+counts are known). A release, the stamps, the pins and the copies queue without waiting. The rare paths
+(growth when the pinned rows exceed the cache, shrinking, flush, invalidate) sync as they need.
+
+The replacement is the host path's exactly: the same victims (free slots first, ascending; then the
+smallest stamps, or (counts, stamps), ties by slot), the same slots for the same misses (ascending
+victims to ascending rows), the same stamps (ascending rows within ``acquire_ids``; the given order in
+``acquire``), the same counters (tests/kernels/offload/test_row_cache_device.py compares them step by
+step). It costs a sort over the cache's slots per acquire that misses, on the device.
+
+The acquires and releases of one cache must run on one CUDA stream (the default stream, normally:
+autograd runs a backward, and so its release, on its forward's stream); the ops are ordered by it.
+
+A mixin of :class:`~shardkit.kernels.offload.row_cache.RowCache`; every method runs under its lock.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from shardkit.kernels.offload.row_checks import checked_rows
+
+ENV_VAR = "SHARDKIT_OFFLOAD_DEVICE_BOOKKEEPING"
+MODES = ("host", "device")
+
+
+def device_bookkeeping_setting() -> Optional[bool]:
+    """``$SHARDKIT_OFFLOAD_DEVICE_BOOKKEEPING``: True (``1``), False (``0``), None (unset or ``auto``)."""
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in ("0", "1", "false", "true", "off", "on", "no", "yes"):
+        raise ValueError(f"{ENV_VAR}={value!r}: expected 0, 1 or auto")
+    return value in ("1", "true", "on", "yes")
+
+
+def choose_bookkeeping(
+    requested: Optional[str],
+    device: torch.device,
+    backing: Dict[str, torch.Tensor],
+    copies: Optional[Any],
+    row_io: Optional[Any],
+    write_behind: Optional[Any],
+) -> Tuple[str, str]:
+    """``(mode, why)``: where a new cache keeps its bookkeeping (``"host"`` / ``"device"``) and why.
+
+    ``requested`` (the ``RowCache(bookkeeping=...)`` argument) wins; None reads the environment variable
+    for a CUDA cache: unset / ``auto``, the device wherever it applies (else the host, ``why`` saying
+    why); ``1``, the device or a ValueError naming why it cannot; ``0``, the host. A CPU cache keeps
+    the host path unless ``requested`` is ``"device"`` (tests: the same torch ops on CPU tensors).
+    The device path applies where the backing rows can be indexed from the cache's device: zero-copy
+    views of pinned host memory (``DeviceCopies.views``), or a backing on that device itself; not with
+    positioned file I/O (``row_io``), a write-behind thread or staged copies.
+    """
+    if requested is not None and requested not in MODES:
+        raise ValueError(f"RowCache: bookkeeping must be one of {MODES} or None, got {requested!r}")
+    setting = device_bookkeeping_setting()  # read (and a bad value refused) by every cache
+    same_device = all(store.device == device for store in backing.values())
+    if row_io is not None:
+        blocker = "the backing is a file moved by positioned I/O (row_io)"
+    elif write_behind is not None:
+        blocker = "a write-behind thread writes the evicted rows"
+    elif copies is not None and copies.views is None:
+        blocker = "the host backing has no zero-copy device view (not pinned, or SHARDKIT_OFFLOAD_UVA=0)"
+    elif copies is None and not same_device:
+        blocker = "the copies run on the compute stream (SHARDKIT_OFFLOAD_COPY_STREAM=0)"
+    else:
+        blocker = None
+    if requested == "host":
+        return "host", "asked for (bookkeeping='host')"
+    if requested == "device":
+        if blocker is not None:
+            raise ValueError(f"RowCache: bookkeeping='device' cannot apply: {blocker}")
+        return "device", "asked for (bookkeeping='device')"
+    if device.type != "cuda":
+        return "host", "a CPU cache keeps the host bookkeeping"
+    if setting is False:
+        return "host", f"{ENV_VAR}=0"
+    if blocker is not None:
+        if setting:
+            raise ValueError(f"RowCache: {ENV_VAR}=1, but the device bookkeeping cannot apply: {blocker}")
+        return "host", blocker
+    return "device", f"{ENV_VAR}={'1' if setting else 'auto (unset)'}"
+
+
+class DeviceSlots:
+    """An acquire with the bookkeeping on ``self._book_device`` (see the module docstring)."""
+
+    def _order_slots(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(order, available, free)``: every slot, in the order slots are taken (free ascending, then
+        evictable by the algorithm, pinned last), and the counts (0-d device tensors) of unpinned and
+        of free slots."""
+        resident = self.row_of_slot >= 0
+        pinned = self._pins > 0
+        last = torch.iinfo(torch.int64).max
+        stamp_key = torch.where(resident, self._stamp, -1)  # free first (stamps are >= 0)
+        if self.algorithm == "lru":
+            order = torch.argsort(torch.where(pinned, last, stamp_key), stable=True)
+        else:  # (count, stamp, slot): by stamp, then stably by count
+            by_stamp = torch.argsort(stamp_key, stable=True)
+            count_key = torch.where(pinned, last, torch.where(resident, self._freq, -1))
+            order = by_stamp.index_select(0, torch.argsort(count_key.index_select(0, by_stamp), stable=True))
+        return order, (~pinned).sum(), (~resident).sum()
+
+    def _acquire_device(
+        self, ids: torch.Tensor, commit_order: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Acquire the distinct rows of ``ids`` (integer ``[N]``, ``N > 0``, on the bookkeeping device):
+        ``(ticket_slots, slot_ids)``, the distinct slots (ascending rows, or in the order of
+        ``commit_order``, distinct rows already checked, which are then also stamped in that order)
+        and each id's slot (int64 ``[N]``). Raises RowOutOfRange for an id outside ``[0, R)``."""
+        dev = self._book_device
+        n = ids.numel()
+        sorted_ids, order = torch.sort(ids.to(torch.int64))
+        first = torch.ones(n, dtype=torch.bool, device=dev)
+        torch.ne(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
+        segment = torch.cumsum(first, 0) - 1  # each sorted id's distinct row, in ascending order
+        distinct = torch.zeros(n, dtype=torch.int64, device=dev).scatter_(0, segment, sorted_ids)
+        count = segment[-1] + 1
+        valid = torch.arange(n, device=dev) < count  # the first `count` entries of `distinct` are rows
+        looked = self.slot_of_row.index_select(0, distinct.clamp(0, self.num_rows - 1)).long()
+        hit = valid & (looked >= 0)
+        miss = valid & (looked < 0)
+        # padded and missing entries add 0 to slot 0 (no nonzero: its size would need a sync)
+        hit_slots, hit_pins = looked.clamp(min=0), hit.to(torch.int32)
+        if self.size:  # no slots: no hits either
+            self._pins.index_add_(0, hit_slots, hit_pins)  # first: the hits are never victims here
+        misses = miss.sum()
+        taken_order, available, free = self._order_slots()
+        head = taken_order[: min(n, self.size)]  # the misses' slots are among these
+        written = (torch.arange(head.numel(), device=dev) < misses) & self._dirty.index_select(0, head)
+        stats = torch.stack([count, misses, available, free, written.sum(), sorted_ids[0], sorted_ids[-1]])
+        count, misses, available, free, writes, low, high = stats.tolist()  # the one host sync
+        try:
+            if low < 0 or high >= self.num_rows:
+                checked_rows(distinct[:count].cpu(), self.num_rows)  # raises RowOutOfRange, naming it
+                raise AssertionError("an id out of range was not found again")  # pragma: no cover
+            if misses > available:
+                # the pinned rows exceed the cache: grow so that every miss fits, then every free and
+                # evictable slot goes (as on the host path); this rare path syncs again
+                self._grow(self.size + misses - available)
+                taken_order, _, free = self._order_slots()
+                head, free = taken_order[:misses], int(free)
+                written = self._dirty.index_select(0, head)
+                writes = int(written.sum())
+            victims = head[:misses]
+            self._evict_device(victims, written[:misses], writes, min(misses, free))
+            miss_rows = distinct.index_select(0, torch.argsort((~miss).to(torch.int8), stable=True)[:misses])
+            new_slots = victims.sort().values
+            self._read_rows(miss_rows, new_slots)
+        except BaseException:
+            if self.size:
+                self._pins.index_add_(0, hit_slots, -hit_pins)
+            raise
+        self._install_device(miss_rows, new_slots)
+        rows = distinct[:count] if commit_order is None else commit_order
+        slots = self.slot_of_row.index_select(0, rows).long()
+        self._stamp.index_copy_(0, slots, self._clock + torch.arange(count, device=dev))
+        self._freq.index_add_(0, slots, torch.ones(count, dtype=torch.int64, device=dev))
+        self._clock += count
+        self.counters.lookups += count
+        self.counters.hits += count - misses
+        self.counters.misses += misses
+        if commit_order is not None:
+            return slots, slots
+        inverse = torch.empty(n, dtype=torch.int64, device=dev).scatter_(0, order, segment)
+        return slots, slots.index_select(0, inverse)
+
+    def _evict_device(self, victims: torch.Tensor, written: torch.Tensor, writes: int, free: int) -> None:
+        """Drop the rows of ``victims`` (int64, the ``free`` free slots first), writing back the
+        ``writes`` dirty ones (``written``: bool per victim)."""
+        if writes:
+            # the dirty victims first (a stable sort of a flag): no nonzero, whose size needs a sync
+            picked = victims.index_select(0, torch.argsort((~written).to(torch.int8), stable=True)[:writes])
+            # any order: a zero-copy scatter (or a tensor's index_copy_) does not read the file in order
+            self._write_back(self.row_of_slot.index_select(0, picked), picked, ordered=True)
+        evicted = victims[free:]
+        if evicted.numel():
+            self.slot_of_row.index_fill_(0, self.row_of_slot.index_select(0, evicted), -1)
+            self.row_of_slot.index_fill_(0, evicted, -1)
+            self._dirty.index_fill_(0, evicted, False)
+            self._stamp.index_fill_(0, evicted, 0)
+            self._freq.index_fill_(0, evicted, 0)
+            self._resident -= evicted.numel()
+            self.counters.evictions += evicted.numel()
+
+    def _install_device(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Loaded ``rows`` resident in ``slots``: clean, unstamped, pinned once (by their acquire)."""
+        if not rows.numel():
+            return
+        self.slot_of_row.index_copy_(0, rows, slots.to(torch.int32))
+        self.row_of_slot.index_copy_(0, slots, rows)
+        self._dirty.index_fill_(0, slots, False)
+        self._stamp.index_fill_(0, slots, 0)
+        self._freq.index_fill_(0, slots, 0)
+        self._pins.index_add_(0, slots, torch.ones(slots.numel(), dtype=torch.int32, device=slots.device))
+        self._resident += rows.numel()
+
+
+__all__ = ["ENV_VAR", "DeviceSlots", "choose_bookkeeping", "device_bookkeeping_setting"]
