@@ -150,8 +150,8 @@ def _check_against_model(cache: RowCache, model: ModelCache, step: str) -> None:
         assert counts[name] == expected, f"{step}: counter {name} = {counts[name]}, expected {expected}"
     # the host slot map is the inverse of row_of_slot
     resident = cache.resident_rows()
-    slots = cache.slot_of_row[resident].long()
-    assert torch.equal(cache.row_of_slot[slots], resident), f"{step}: slot map"
+    slots = cache.slot_of_row.cpu()[resident].long()  # on the device under the device bookkeeping
+    assert torch.equal(cache.row_of_slot.cpu()[slots], resident), f"{step}: slot map"
     assert int((cache.slot_of_row >= 0).sum()) == resident.numel(), f"{step}: stale slot map entries"
 
 
