@@ -73,6 +73,10 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   bench_args=(--quick)
 fi
 
+# the native CPU kernels (the host bookkeeping's) compile on first use: once here, timed, not in a test
+step "native build" "${BUILD_TIMEOUT:-100}" "$work/native_build.txt" "$PY" -c \
+  'from shardkit.kernels.native_build import native_ops; print("native ops:", native_ops() is not None)'
+
 pytest_args=(-m cuda -q -p no:cacheprovider -o addopts=-rA --durations=10)
 if ! "$PY" -c 'import sys, importlib.metadata as m
 sys.exit(0 if any(e.name == "shardkit" for e in m.entry_points(group="pytest11")) else 1)' 2>/dev/null; then
