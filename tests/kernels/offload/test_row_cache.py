@@ -175,6 +175,8 @@ def _run_random_sequence(
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     backing = _backing(num_rows, seed)
+    if bookkeeping == "device" and device == "cuda":  # it gathers and scatters pinned memory (zero-copy)
+        backing = {name: t.pin_memory() for name, t in backing.items()}
     reference = _clone(backing)
     cache = RowCache(backing, capacity, algorithm=algorithm, device=device, bookkeeping=bookkeeping)
     if bookkeeping is not None:

@@ -47,12 +47,14 @@ so a queued release can delay an eviction but never lose a dirty row. A kernel t
 reallocations (growth, shrinking) wait for, so an in-place update never lands in a dropped buffer; a
 concurrent acquire writes only free or evicted (unpinned) slots, never the rows of a pinned ticket.
 
-Bookkeeping lives on the host: ``slot_of_row`` int32 ``[R]`` (4 bytes per row of the table; -1 = not
-cached) and per-slot ``row_of_slot`` int64, recency stamp int64, frequency int64, pin count int32 and
-dirty flag, all ``[C]``; a replacement queue (``slot_queue.py``) hands out the victims in eviction order
-without a selection over the cache. Misses are read and victims written back in ascending row order
-(``row_moves.py``); a batch's bookkeeping steps on both paths are in ``cache_slots.py``, growth and
-shrinking in ``cache_resize.py``.
+Bookkeeping: ``slot_of_row`` int32 ``[R]`` (4 bytes per row of the table; -1 = not cached) and
+per-slot ``row_of_slot`` int64, recency stamp int64, frequency int64, pin count int32 and dirty flag,
+all ``[C]``. On the host (:attr:`RowCache.bookkeeping` ``"host"``, every CPU cache), a replacement queue
+(``slot_queue.py``) hands out the victims in eviction order without a selection over the cache. On a
+CUDA cache with zero-copy copies they live on the device instead (``"device"``, ``device_slots.py``:
+torch ops there, one host sync an acquire, the same victims; ``$SHARDKIT_OFFLOAD_DEVICE_BOOKKEEPING``).
+Misses are read and victims written back in ascending row order (``row_moves.py``); a batch's host
+bookkeeping steps on both paths are in ``cache_slots.py``, growth and shrinking in ``cache_resize.py``.
 
 Two paths, the same results (tests/kernels/offload/test_row_cache_native.py): where the native kernels
 are built, every per-batch step of the bookkeeping is a native op, one C++ loop each (``csrc/row_cache.cpp``:
@@ -118,12 +120,18 @@ class RowCache(CacheSlots, DeviceSlots, RowMoves, CacheResize):
         write_behind: optional :class:`~shardkit.kernels.offload.write_behind.WriteBehind` (host
             buffers only): an eviction's dirty rows are copied out of their slots and written by its
             background thread; misses whose write is pending wait for it, flushes wait for all.
+        bookkeeping: ``"host"``, ``"device"`` or None (the default: the device for a CUDA cache where it
+            applies, per ``$SHARDKIT_OFFLOAD_DEVICE_BOOKKEEPING``; the host for a CPU cache). See
+            :func:`~shardkit.kernels.offload.device_slots.choose_bookkeeping`; ValueError where
+            ``"device"`` cannot apply.
 
     Attributes:
         tensors: field name -> fast-tier buffer ``[size, *width]``, the backing field's dtype, contiguous,
             on ``device``; ``size >= capacity`` while tickets are pinned.
-        slot_of_row: int32 ``[R]`` on the host, the slot of each cached row, -1 for the others.
-        row_of_slot: int64 ``[size]`` on the host, the row in each slot, -1 for a free slot.
+        slot_of_row: int32 ``[R]``, the slot of each cached row, -1 for the others (on the host, or on
+            :attr:`device` under the device bookkeeping, as are the per-slot arrays).
+        row_of_slot: int64 ``[size]``, the row in each slot, -1 for a free slot.
+        bookkeeping, bookkeeping_reason: ``"host"`` or ``"device"``, and why (which setting chose it).
         counters: the :class:`CacheCounters`.
         row_bytes: bytes of one row over all fields.
     """
