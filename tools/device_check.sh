@@ -20,8 +20,10 @@
 #      of the checkout (`pip install --no-deps --target .device_deps liger-kernel` on a machine with
 #      the registry; carried to a GPU machine that has none).
 #   4. benchmarks/offload_gpu.py: fused_uvm_caching (device cache over pinned host memory) against the
-#      table in device memory, copies on the side stream and on the compute stream, plain and
-#      prefetch order                                   -> $OUT/offload_gpu.json, $OUT/offload_gpu_bench.txt
+#      table in device memory, copies on the side stream and on the compute stream, the cache's
+#      bookkeeping on the host and on the device (zero-copy only), plain and prefetch order
+#      (tools/device_offload_check.sh runs the offload checks alone, in ~3 minutes)
+#                                                       -> $OUT/offload_gpu.json, $OUT/offload_gpu_bench.txt
 #      (OFFLOAD_BENCH_TIMEOUT, 120)
 # Offloaded tables (issue 24): their CUDA tier (pinned host memory, device cache, side-stream copies,
 # Triton kernels on the cache) runs in step 1's cuda-marked tests (tests/model_parallel/
