@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from shardkit.distributed.sharding_env import ShardingEnv
+from shardkit.kernels.offload.row_cache import RowCache
 from shardkit.quant import QuantEmbeddingBagCollection
 from shardkit.quant.offloaded_quant_lookup import OffloadedQuantEmbeddingLookup
 from shardkit.sharding.cache_params import CacheParams
@@ -24,7 +25,7 @@ from tests.sharding import _sharded_case as case
 from tests.sharding import test_quant_embeddingbag as quant
 
 
-def _worker(kernel: str) -> bool:
+def _worker(kernel: str, bookkeeping: str = "host") -> bool:
     rank, world_size, _ = case.world()
     env = ShardingEnv.from_process_group(None)
     sharder = QuantEmbeddingBagCollectionSharder()
@@ -38,6 +39,10 @@ def _worker(kernel: str) -> bool:
     offloaded = sharder.shard(copy.deepcopy(reference), offloaded_plan, env)
     groups = [g for lk in offloaded.lookups for g in lk.lookups]
     assert groups and all(isinstance(g, OffloadedQuantEmbeddingLookup) for g in groups)
+    if bookkeeping == "device":  # the CUDA tier's device bookkeeping, run as torch ops on CPU tensors
+        for g in groups:
+            old = g.cache
+            g.cache = RowCache(old.backing, old.capacity, old.algorithm, bookkeeping="device")
     for step in range(3):
         _, local_kjt, _ = case.global_and_local(step, rank, world_size, quant.FEATURES, True)
         assert torch.equal(offloaded(local_kjt).values(), in_memory(local_kjt).values()), step
@@ -51,3 +56,9 @@ def _worker(kernel: str) -> bool:
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_offloaded_quantized_equals_in_memory(world_size, kernel):
     assert all(run_world(_worker, world_size, kernel))
+
+
+def test_offloaded_quantized_with_device_bookkeeping_equals_in_memory():
+    """The cache of each shard keeping its bookkeeping as the CUDA tier does (kernels/offload/
+    device_slots.py; the default of a quantized table's cache on a GPU), on CPU tensors."""
+    assert all(run_world(_worker, 1, "quant_uvm_caching", "device"))
