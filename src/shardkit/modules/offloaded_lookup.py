@@ -34,7 +34,7 @@ import torch
 
 from shardkit.kernels import embedding_forward, embedding_fused_backward, embedding_torch
 from shardkit.kernels.offload import OffloadSpec
-from shardkit.kernels.offload.backing_store import BackingStore, field_specs
+from shardkit.kernels.offload.backing_store import BackingStore, field_specs, narrow_state_fields
 from shardkit.kernels.offload.cache_counters import CacheCounters
 from shardkit.kernels.offload.row_cache import RowCache
 from shardkit.kernels.offload.write_behind import WriteBehind, write_behind_default
@@ -234,7 +234,13 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
             # through its mapping kept resident (a memcpy per row, no system call); host memory:
             # through the tensors
             resident = self.compute_device.type == "cpu" and self.store.keep_mapped()
-            row_io = None if resident else self.store.row_io()
+            row_io = None
+            if not resident and self.compute_device.type == "cpu":
+                # a narrow optimizer state (row-wise Adagrad's one float a row) stays mapped: its rows
+                # move by index ops, the file I/O is the weights' alone (backing_store.narrow_state_fields)
+                narrow = narrow_state_fields(fields)
+                self.store.keep_fields_mapped(narrow)
+                row_io = self.store.row_io([n for n in fields if n not in narrow])
             row_bytes = sum(t[0].numel() * t.element_size() for t in backing.values() if t.numel())
             self.cache = RowCache(
                 backing,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import json
+import math
 import mmap
 import os
 import shutil
@@ -255,6 +256,8 @@ class BackingStore:
         self._fields = dict(fields) if fields is not None else None
         # True once keep_mapped() claimed the allowance: drop_resident() then leaves the pages mapped
         self.resident = False
+        # (start, stop) byte ranges, page-aligned, that drop_resident() leaves mapped (keep_fields_mapped)
+        self._kept: List[Tuple[int, int]] = []
         if fd is not None:
             weakref.finalize(self, _close_quietly, fd)
             advise_random(fd)  # misses read scattered rows: no readahead, small page-cache folios
@@ -364,13 +367,54 @@ class BackingStore:
         )
         return flat.view(tensor.shape)
 
-    def row_io(self) -> Optional[FileRowIO]:
-        """Positioned reads / writes of whole rows of this file's fields (None for host memory)."""
+    def row_io(self, fields: Optional[Sequence[str]] = None) -> Optional[FileRowIO]:
+        """Positioned reads / writes of whole rows of this file's fields (None for host memory);
+        ``fields``: of these fields only (default: all; ValueError for a name the file does not hold)."""
         if self._fd is None or self._fields is None:
             return None
+        names = list(self._fields) if fields is None else list(fields)
+        unknown = sorted(set(names) - set(self._fields))
+        if unknown:
+            raise ValueError(
+                f"backing file {self.path!r} has no fields {unknown} (it has {list(self._fields)})"
+            )
         offsets, _ = layout(self._fields)
-        regions = {n: (offsets[n], tuple(s), d) for n, (s, d) in self._fields.items()}
+        regions = {n: (offsets[n], tuple(self._fields[n][0]), self._fields[n][1]) for n in names}
         return FileRowIO(self._fd, regions, self.path or "?", self.tensors, self.drop_resident)
+
+    def keep_fields_mapped(self, names: Sequence[str]) -> int:
+        """Keep the pages of fields ``names`` mapped (:meth:`drop_resident` leaves their regions alone)
+        and return their bytes, which then count in the process's resident set once touched.
+
+        Why: a narrow field such as row-wise Adagrad's one float a row costs a system call per miss read
+        and a read-modify-write per write-back through ``preadv`` / ``pwritev`` (measured: ~0.1 us read,
+        ~0.45 us written a row, a quarter of a miss's I/O), but only 4 bytes a table row to keep: as
+        much as the row cache's slot map. Kept mapped, its rows move by ``index_select`` /
+        ``index_copy_`` on the mapped tensor (what a training step reads and writes of it is the file,
+        as before: state dicts, checkpoints and loads are unchanged). ValueError for an unknown field."""
+        if self._fields is None or self._mapping is None:
+            return 0
+        unknown = sorted(set(names) - set(self._fields))
+        if unknown:
+            raise ValueError(
+                f"backing file {self.path!r} has no fields {unknown} (it has {list(self._fields)})"
+            )
+        offsets, _ = layout(self._fields)
+        page = mmap.PAGESIZE
+        kept = 0
+        for name in names:
+            shape, dtype = self._fields[name]
+            nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+            start = offsets[name] // page * page
+            self._kept.append((start, _round_up(offsets[name] + nbytes, page)))
+            kept += nbytes
+        self._kept.sort()
+        return kept
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the regions :meth:`keep_fields_mapped` keeps mapped (page-rounded)."""
+        return sum(stop - start for start, stop in self._kept)
 
     def keep_mapped(self) -> bool:
         """Keep this file's pages mapped from now on, if the process's allowance
@@ -403,9 +447,18 @@ class BackingStore:
 
     def drop_resident(self) -> None:
         """Unmap the pages this process touched (they stay in the page cache, dirty ones reach the file);
-        nothing while the store keeps its mapping (:meth:`keep_mapped`)."""
-        if self._mapping is not None and not self.resident:
+        nothing while the store keeps its mapping (:meth:`keep_mapped`), and not the regions of the
+        fields :meth:`keep_fields_mapped` keeps."""
+        if self._mapping is None or self.resident:
+            return
+        if not self._kept:
             self._mapping.madvise(mmap.MADV_DONTNEED)
+            return
+        at = 0  # the pages between the kept regions (page-aligned: keep_fields_mapped rounds them)
+        for start, stop in self._kept + [(len(self._mapping), len(self._mapping))]:
+            if start > at:
+                self._mapping.madvise(mmap.MADV_DONTNEED, at, start - at)
+            at = max(at, stop)
 
     def flush(self) -> None:
         """Write dirty pages to the file now (``msync``)."""
@@ -517,3 +570,23 @@ def field_specs(weight_shape: Sequence[int], weight_dtype: torch.dtype, state: M
     for name, shape in state.items():
         fields[f"state.{name}"] = (tuple(shape), torch.float32)
     return fields
+
+
+# "0" / "off": narrow optimizer state fields go through preadv / pwritev like the weights (not kept mapped)
+KEEP_NARROW_STATE_ENV = "SHARDKIT_OFFLOAD_KEEP_NARROW_STATE"
+# a state field of at most this many bytes a row is "narrow" (row-wise Adagrad: 4)
+NARROW_STATE_BYTES = 8
+
+
+def narrow_state_fields(fields: Mapping[str, FieldSpec]) -> List[str]:
+    """The ``state.*`` fields of ``fields`` whose rows are at most :data:`NARROW_STATE_BYTES` bytes: those
+    an offloaded cache on CPU keeps mapped (:meth:`BackingStore.keep_fields_mapped`), unless
+    ``$SHARDKIT_OFFLOAD_KEEP_NARROW_STATE`` is ``0`` / ``off`` / ``false`` (then none)."""
+    if os.environ.get(KEEP_NARROW_STATE_ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+        return []
+    out = []
+    for name, (shape, dtype) in fields.items():
+        row_bytes = math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
+        if name.startswith("state.") and len(shape) >= 1 and row_bytes <= NARROW_STATE_BYTES:
+            out.append(name)
+    return out

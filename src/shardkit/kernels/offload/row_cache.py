@@ -112,7 +112,9 @@ class RowCache(CacheSlots, DeviceSlots, RowMoves, CacheResize):
             map stay bounded by the chunk, not by the misses.
         row_io: optional positioned I/O of the backing store's rows (a
             :class:`~shardkit.kernels.offload.row_io.FileRowIO` with ``read_into(rows, buffers, slots)``
-            and ``write_from(rows, buffers, slots)``, over the same fields as ``backing``, on the host):
+            and ``write_from(rows, buffers, slots)``, over the same fields as ``backing`` or, if it has
+            ``regions``, over those fields only (the others move through their ``backing`` tensors), on
+            the host):
             misses are read straight into their slots and victims written straight from theirs through it
             (``preadv`` / ``pwritev``, native C++ when built) instead of through the
             ``backing`` tensors, so a mapped file's pages are never faulted in (``after_io`` is then
@@ -181,6 +183,16 @@ class RowCache(CacheSlots, DeviceSlots, RowMoves, CacheResize):
         self.io_chunk_rows = io_chunk_rows
         self._after_io = after_io
         self._row_io = row_io
+        # fields the row_io does not cover (a row_io with ``regions`` naming some fields only): moved with
+        # index ops on their backing tensors, e.g. a narrow optimizer state kept mapped in memory
+        # (BackingStore.keep_fields_mapped): a copy of a few bytes instead of a system call per row
+        regions = getattr(row_io, "regions", None)
+        self._direct_fields: List[str] = []
+        if row_io is not None and regions is not None:
+            unknown = sorted(set(regions) - set(backing))
+            if unknown:
+                raise ValueError(f"RowCache: row_io moves fields {unknown} that the backing does not have")
+            self._direct_fields = [name for name in backing if name not in regions]
         if write_behind is not None and (device is not None and torch.device(device).type != "cpu"):
             raise ValueError(f"RowCache: write_behind needs host buffers, the cache is on {device}")
         self._write_behind = write_behind

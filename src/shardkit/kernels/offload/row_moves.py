@@ -3,8 +3,9 @@ store (L0): misses read in, dirty victims written back (in the step or through t
 
 A mixin of ``RowCache`` (the attributes are the cache's: ``tensors``, ``backing``, ``device``,
 ``_row_io``, ``_write_behind``, ``_copies`` (a CUDA cache's side-stream copies, ``device_copies.py``),
-``io_chunk_rows``, ``_after_io``, ``counters``, ``row_bytes``); every method runs under the cache's
-lock. Rows move in ascending row order (sequential access of the file).
+``io_chunk_rows``, ``_after_io``, ``counters``, ``row_bytes``, ``_direct_fields``: fields the
+``row_io`` does not cover, moved by index ops on their backing tensors); every method runs under the
+cache's lock. Rows move in ascending row order (sequential access of the file).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class RowMoves:
         for start, stop in self._io_chunks(count):
             cache_slots = slots[start:stop].to(self.device)
             if self._row_io is not None:
-                self._row_io.write_from(rows[start:stop], self.tensors, cache_slots)
+                self._row_io.write_from(rows[start:stop], self._io_buffers(), cache_slots)
+                self._write_direct(rows[start:stop], cache_slots)
                 continue
             for name, store in self.backing.items():
                 values = self.tensors[name].index_select(0, cache_slots).to(store.device)
@@ -55,7 +57,9 @@ class RowMoves:
         if not ordered:
             rows, order = rows.sort()
             slots = slots.index_select(0, order)
-        staging = {name: buffer.index_select(0, slots) for name, buffer in self.tensors.items()}
+        # fields outside the row_io (kept mapped) are written now: a copy, and never read from the file
+        self._write_direct(rows, slots)
+        staging = {name: buffer.index_select(0, slots) for name, buffer in self._io_buffers().items()}
         self._write_behind.submit(rows, staging)
         self.counters.rows_written += count
         self.counters.bytes_written += count * self.row_bytes
@@ -77,13 +81,28 @@ class RowMoves:
         for start, stop in self._io_chunks(rows.numel()):
             cache_slots = slots[start:stop].to(self.device)
             if self._row_io is not None:
-                self._row_io.read_into(rows[start:stop], self.tensors, cache_slots)
+                self._row_io.read_into(rows[start:stop], self._io_buffers(), cache_slots)
+                for name in self._direct_fields:
+                    values = self.backing[name].index_select(0, rows[start:stop])
+                    self.tensors[name].index_copy_(0, cache_slots, values)
                 continue
             for name, store in self.backing.items():
                 values = store.index_select(0, rows[start:stop].to(store.device)).to(self.device)
                 self.tensors[name].index_copy_(0, cache_slots, values)
             if self._after_io is not None:
                 self._after_io()
+
+    def _io_buffers(self):
+        """The cache buffers of the fields the ``row_io`` moves (all, unless some are direct)."""
+        if not self._direct_fields:
+            return self.tensors
+        return {name: t for name, t in self.tensors.items() if name not in self._direct_fields}
+
+    def _write_direct(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Slots ``slots``' values of the direct fields (those the ``row_io`` does not move) copied to
+        their backing tensors' rows ``rows``."""
+        for name in self._direct_fields:
+            self.backing[name].index_copy_(0, rows, self.tensors[name].index_select(0, slots))
 
     def _io_chunks(self, count: int) -> List[Tuple[int, int]]:
         """``(start, stop)`` ranges covering ``[0, count)``, ``io_chunk_rows`` long (one range if None)."""
