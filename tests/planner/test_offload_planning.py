@@ -72,7 +72,9 @@ def _cuda():
     return Topology(world_size=2, compute_device="cuda", cost_model=MODEL)
 
 
-def test_cpu_caching_keeps_only_the_cache_in_memory_and_the_table_on_disk():
+@pytest.mark.parametrize("keep_narrow", ["1", "0"])
+def test_cpu_caching_keeps_only_the_cache_in_memory_and_the_table_on_disk(monkeypatch, keep_narrow):
+    monkeypatch.setenv("SHARDKIT_OFFLOAD_KEEP_NARROW_STATE", keep_narrow)
     cache = CacheParams(load_factor=0.25)
     options = _options(_cpu(), compute_kernels=[FUSED, UVM, CACHING], cache_params=cache)
     fused, uvm, caching = (_table_wise(options, k) for k in (FUSED, UVM, CACHING))
@@ -84,8 +86,10 @@ def test_cpu_caching_keeps_only_the_cache_in_memory_and_the_table_on_disk():
     # fused_uvm: nothing but the step's buffers in RAM
     assert uvm.ddr.tolist() == pytest.approx([BUFFERS])
     assert uvm.disk.tolist() == pytest.approx([WEIGHTS + STATE])
-    # fused_uvm_caching: the cache of a quarter of the rows, with their optimizer state
-    assert caching.ddr.tolist() == pytest.approx([BUFFERS + 0.25 * (WEIGHTS + STATE)])
+    # fused_uvm_caching: the cache of a quarter of the rows, with their optimizer state, and row-wise
+    # Adagrad's state of every row kept mapped (unless switched off: backing_store.narrow_state_fields)
+    kept = STATE if keep_narrow == "1" else 0
+    assert caching.ddr.tolist() == pytest.approx([BUFFERS + 0.25 * (WEIGHTS + STATE) + kept])
     assert caching.disk.tolist() == pytest.approx([WEIGHTS + STATE])
     assert caching.hbm.tolist() == [0.0]
     assert caching.cache_params == CacheParams(load_factor=0.25)
@@ -212,7 +216,8 @@ def test_the_planner_chooses_the_largest_cache_that_fits_the_memory():
     # room for the buffers and a cache just short of the best candidate's: the next one down
     rows = round(candidates[-1] * 100) - 1
     assert rows >= round(candidates[-2] * 100)
-    assert chosen(BUFFERS + rows * (10 * 4 + 4) + 1) == candidates[-2]  # + 1: float rounding
+    # (+ STATE: row-wise Adagrad's state of every row, kept mapped in memory)
+    assert chosen(BUFFERS + STATE + rows * (10 * 4 + 4) + 1) == candidates[-2]  # + 1: float rounding
     # the estimated time falls with the cache: the planner prefers the larger cache for speed
     assert stats.expected_miss_rate(candidates[-1]) < stats.expected_miss_rate(candidates[-2])
 

@@ -18,6 +18,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from shardkit.kernels.offload.backing_store import NARROW_STATE_BYTES, narrow_state_fields
 from shardkit.modules.embedding_configs import data_type_to_dtype
 from shardkit.planner.topology import Topology
 from shardkit.planner.types import CACHING_KERNELS, OFFLOAD_KERNELS, ShardingOption, TableInfo
@@ -172,6 +173,15 @@ def cached_row_bytes(o: ShardingOption) -> Linear:
     return (e + t.state_bytes_per_value, float(t.row_bytes + t.state_bytes_per_row), 0.0, 0.0)
 
 
+def narrow_state_bytes_per_row(t: TableInfo) -> int:
+    """Bytes a row of ``t``'s optimizer state that a ``fused_uvm_caching`` cache on CPU keeps mapped for
+    every row of the shard: a state of at most ``NARROW_STATE_BYTES`` bytes a row and none per value
+    (row-wise Adagrad: 4), unless ``$SHARDKIT_OFFLOAD_KEEP_NARROW_STATE`` switches it off; else 0."""
+    if t.state_bytes_per_value or not 0 < t.state_bytes_per_row <= NARROW_STATE_BYTES:
+        return 0
+    return t.state_bytes_per_row if narrow_state_fields({"state.x": ((1,), torch.float32)}) else 0
+
+
 def _evaluate(
     options: Sequence[ShardingOption], coefficients: Callable[[ShardingOption], List[Linear]]
 ) -> List[torch.Tensor]:
@@ -193,7 +203,9 @@ class EmbeddingStorageEstimator:
     Where the weights and state live: the compute device's memory (HBM on CUDA, DDR on CPU) for FUSED /
     DENSE / QUANT. The offloading kernels keep them in the slow tier (DDR on CUDA, the offload disk on
     CPU); ``fused_uvm`` / ``quant_uvm`` keep nothing else in the fast tier, the caching kernels a cache of
-    ``load_factor x r`` rows (values + the optimizer state of the cached rows) in it.
+    ``load_factor x r`` rows (values + the optimizer state of the cached rows) in it; on CPU,
+    ``fused_uvm_caching`` also keeps a narrow optimizer state (row-wise Adagrad's 4 bytes a row) of
+    every row mapped in DDR (:func:`narrow_state_bytes_per_row`).
     Buffers (ids in, output values and their gradients) always live in the compute device's memory.
     """
 
@@ -220,6 +232,10 @@ class EmbeddingStorageEstimator:
             fast = buffers
             if o.compute_kernel in _CACHING:
                 fast = _add(buffers, _scale(cached_row_bytes(o), load_factor(o)))
+            if not on_gpu and o.compute_kernel == _K.FUSED_UVM_CACHING.value:
+                # a narrow optimizer state (row-wise Adagrad's one float a row) stays mapped in memory
+                # for every row of the shard (kernels/offload/backing_store.narrow_state_fields)
+                fast = _add(fast, (0.0, float(narrow_state_bytes_per_row(t)), 0.0, 0.0))
             if not on_gpu:
                 if o.compute_kernel in OFFLOAD_KERNELS:
                     return [zero, fast, table]
