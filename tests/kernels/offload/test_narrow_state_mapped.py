@@ -133,9 +133,15 @@ def test_narrow_state_fields_and_their_switch(monkeypatch):
     }
     monkeypatch.delenv(KEEP_NARROW_STATE_ENV, raising=False)
     assert narrow_state_fields(fields) == ["state.momentum", "state.pair"]
-    for off in ("0", "off", "false"):
+    for off in ("0", "off", "false", " No "):
         monkeypatch.setenv(KEEP_NARROW_STATE_ENV, off)
         assert narrow_state_fields(fields) == []
+    for on in ("", "1", "on", "TRUE"):
+        monkeypatch.setenv(KEEP_NARROW_STATE_ENV, on)
+        assert narrow_state_fields(fields) == ["state.momentum", "state.pair"]
+    monkeypatch.setenv(KEEP_NARROW_STATE_ENV, "maybe")
+    with pytest.raises(ValueError, match=r"SHARDKIT_OFFLOAD_KEEP_NARROW_STATE='maybe'"):
+        narrow_state_fields(fields)
 
 
 def test_unknown_fields_are_refused(tmp_path):

@@ -581,9 +581,15 @@ NARROW_STATE_BYTES = 8
 def narrow_state_fields(fields: Mapping[str, FieldSpec]) -> List[str]:
     """The ``state.*`` fields of ``fields`` whose rows are at most :data:`NARROW_STATE_BYTES` bytes: those
     an offloaded cache on CPU keeps mapped (:meth:`BackingStore.keep_fields_mapped`), unless
-    ``$SHARDKIT_OFFLOAD_KEEP_NARROW_STATE`` is ``0`` / ``off`` / ``false`` (then none)."""
-    if os.environ.get(KEEP_NARROW_STATE_ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+    ``$SHARDKIT_OFFLOAD_KEEP_NARROW_STATE`` is ``0`` / ``off`` / ``false`` / ``no`` (then none; unset,
+    empty, ``1`` / ``on`` / ``true`` / ``yes``: on; anything else is a ValueError naming the variable)."""
+    value = os.environ.get(KEEP_NARROW_STATE_ENV, "").strip().lower()
+    if value in ("0", "off", "false", "no"):
         return []
+    if value not in ("", "1", "on", "true", "yes"):
+        raise ValueError(
+            f"${KEEP_NARROW_STATE_ENV}={value!r}: expected 1 / on / true / yes or 0 / off / false / no"
+        )
     out = []
     for name, (shape, dtype) in fields.items():
         row_bytes = math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
