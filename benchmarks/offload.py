@@ -425,8 +425,8 @@ def _trim_malloc() -> None:
 def big_child(args) -> None:
     """In a fresh process: the in-memory step of a table within the budget, then a table
     ``big_factor`` x the budget offloaded (cache within the budget) with its peak RSS; one JSON line."""
-    from shardkit.kernels.offload.backing_store import narrow_state_fields
     from shardkit.kernels.offload.malloc_bound import fix_malloc_thresholds
+    from shardkit.kernels.offload.narrow_state import narrow_state_fields
 
     # what the process would do at its first backing file, done first: otherwise memory freed before
     # the baseline (the samplers' temporaries) stays resident in malloc's heap and the table's cache
@@ -436,7 +436,7 @@ def big_child(args) -> None:
     fits_rows = max(1000, int(args.budget_mb * 2**20 * 0.5) // row_bytes)  # half the budget: room to run
     big_rows = int(args.big_factor * args.budget_mb * 2**20) // row_bytes
     # the cache, its slot map (4 bytes a row) and, where the cache keeps it mapped, row-wise Adagrad's
-    # state (4 bytes a row: backing_store.narrow_state_fields) within half the budget
+    # state (4 bytes a row: narrow_state.narrow_state_fields) within half the budget
     kept = 4 if narrow_state_fields({"state.sum": ((1,), torch.float32)}) else 0
     per_row = 4 + kept
     load_factor = min(

@@ -87,7 +87,7 @@ def test_cpu_caching_keeps_only_the_cache_in_memory_and_the_table_on_disk(monkey
     assert uvm.ddr.tolist() == pytest.approx([BUFFERS])
     assert uvm.disk.tolist() == pytest.approx([WEIGHTS + STATE])
     # fused_uvm_caching: the cache of a quarter of the rows, with their optimizer state, and row-wise
-    # Adagrad's state of every row kept mapped (unless switched off: backing_store.narrow_state_fields)
+    # Adagrad's state of every row kept mapped (unless switched off: narrow_state.narrow_state_fields)
     kept = STATE if keep_narrow == "1" else 0
     assert caching.ddr.tolist() == pytest.approx([BUFFERS + 0.25 * (WEIGHTS + STATE) + kept])
     assert caching.disk.tolist() == pytest.approx([WEIGHTS + STATE])

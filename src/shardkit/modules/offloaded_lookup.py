@@ -34,8 +34,9 @@ import torch
 
 from shardkit.kernels import embedding_forward, embedding_fused_backward, embedding_torch
 from shardkit.kernels.offload import OffloadSpec
-from shardkit.kernels.offload.backing_store import BackingStore, field_specs, narrow_state_fields
+from shardkit.kernels.offload.backing_store import BackingStore, field_specs
 from shardkit.kernels.offload.cache_counters import CacheCounters
+from shardkit.kernels.offload.narrow_state import narrow_state_fields
 from shardkit.kernels.offload.row_cache import RowCache
 from shardkit.kernels.offload.write_behind import WriteBehind, write_behind_default
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig, SparseRowOptimizer, _state_shapes
@@ -237,7 +238,7 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
             row_io = None
             if not resident and self.compute_device.type == "cpu":
                 # a narrow optimizer state (row-wise Adagrad's one float a row) stays mapped: its rows
-                # move by index ops, the file I/O is the weights' alone (backing_store.narrow_state_fields)
+                # move by index ops, the file I/O is the weights' alone (narrow_state.narrow_state_fields)
                 narrow = narrow_state_fields(fields)
                 self.store.keep_fields_mapped(narrow)
                 row_io = self.store.row_io([n for n in fields if n not in narrow])

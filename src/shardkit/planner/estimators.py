@@ -18,7 +18,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from shardkit.kernels.offload.backing_store import NARROW_STATE_BYTES, narrow_state_fields
+from shardkit.kernels.offload.narrow_state import NARROW_STATE_BYTES, narrow_state_fields
 from shardkit.modules.embedding_configs import data_type_to_dtype
 from shardkit.planner.topology import Topology
 from shardkit.planner.types import CACHING_KERNELS, OFFLOAD_KERNELS, ShardingOption, TableInfo
@@ -234,7 +234,7 @@ class EmbeddingStorageEstimator:
                 fast = _add(buffers, _scale(cached_row_bytes(o), load_factor(o)))
             if not on_gpu and o.compute_kernel == _K.FUSED_UVM_CACHING.value:
                 # a narrow optimizer state (row-wise Adagrad's one float a row) stays mapped in memory
-                # for every row of the shard (kernels/offload/backing_store.narrow_state_fields)
+                # for every row of the shard (kernels/offload/narrow_state.narrow_state_fields)
                 fast = _add(fast, (0.0, float(narrow_state_bytes_per_row(t)), 0.0, 0.0))
             if not on_gpu:
                 if o.compute_kernel in OFFLOAD_KERNELS:

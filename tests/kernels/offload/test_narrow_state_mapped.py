@@ -18,11 +18,8 @@ import os
 import pytest
 import torch
 
-from shardkit.kernels.offload.backing_store import (
-    KEEP_NARROW_STATE_ENV,
-    BackingStore,
-    narrow_state_fields,
-)
+from shardkit.kernels.offload.backing_store import BackingStore
+from shardkit.kernels.offload.narrow_state import KEEP_NARROW_STATE_ENV, narrow_state_fields
 from shardkit.kernels.offload.row_cache import RowCache
 from shardkit.kernels.offload.write_behind import WriteBehind
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import atexit
 import ctypes
 import json
-import math
 import mmap
 import os
 import shutil
@@ -570,29 +569,3 @@ def field_specs(weight_shape: Sequence[int], weight_dtype: torch.dtype, state: M
     for name, shape in state.items():
         fields[f"state.{name}"] = (tuple(shape), torch.float32)
     return fields
-
-
-# "0" / "off": narrow optimizer state fields go through preadv / pwritev like the weights (not kept mapped)
-KEEP_NARROW_STATE_ENV = "SHARDKIT_OFFLOAD_KEEP_NARROW_STATE"
-# a state field of at most this many bytes a row is "narrow" (row-wise Adagrad: 4)
-NARROW_STATE_BYTES = 8
-
-
-def narrow_state_fields(fields: Mapping[str, FieldSpec]) -> List[str]:
-    """The ``state.*`` fields of ``fields`` whose rows are at most :data:`NARROW_STATE_BYTES` bytes: those
-    an offloaded cache on CPU keeps mapped (:meth:`BackingStore.keep_fields_mapped`), unless
-    ``$SHARDKIT_OFFLOAD_KEEP_NARROW_STATE`` is ``0`` / ``off`` / ``false`` / ``no`` (then none; unset,
-    empty, ``1`` / ``on`` / ``true`` / ``yes``: on; anything else is a ValueError naming the variable)."""
-    value = os.environ.get(KEEP_NARROW_STATE_ENV, "").strip().lower()
-    if value in ("0", "off", "false", "no"):
-        return []
-    if value not in ("", "1", "on", "true", "yes"):
-        raise ValueError(
-            f"${KEEP_NARROW_STATE_ENV}={value!r}: expected 1 / on / true / yes or 0 / off / false / no"
-        )
-    out = []
-    for name, (shape, dtype) in fields.items():
-        row_bytes = math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
-        if name.startswith("state.") and len(shape) >= 1 and row_bytes <= NARROW_STATE_BYTES:
-            out.append(name)
-    return out
