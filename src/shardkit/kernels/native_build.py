@@ -37,6 +37,8 @@ _SOURCES = [
     "cross_entropy.cpp",
     "replica_grad.cpp",
 ]
+# headers the sources include: part of the build's key (a change rebuilds)
+_HEADERS = ["slot_map.h"]
 _LOCK = threading.Lock()
 _loaded: Optional[Any] = None
 _tried = False
@@ -96,7 +98,7 @@ def cache_dir() -> Path:
 
 def _library_path(cxx: str) -> Path:
     key = hashlib.sha256()
-    for name in _SOURCES:
+    for name in _SOURCES + _HEADERS:
         key.update((Path(__file__).parent / "csrc" / name).read_bytes())
     for part in (torch.__version__, torch.__file__, cxx, " ".join(_flags()), _cpu_signature()):
         key.update(part.encode())

@@ -169,7 +169,7 @@ def test_native_lookup_ids_restores_the_slot_map():
     pins = torch.zeros(3, dtype=torch.int32)
     map_before = slot_of_row.clone()
     ids = torch.tensor([9, 4, 9, 2, 4, 17, 2, 2])
-    rows, looked, miss_rows, inverse = NATIVE.row_cache_lookup_ids(slot_of_row, pins, ids)
+    rows, looked, miss_rows, inverse = NATIVE.row_cache_lookup_ids([slot_of_row], 20, pins, ids)
     assert torch.equal(slot_of_row, map_before)
     assert rows.tolist() == [2, 4, 9, 17]
     assert looked.tolist() == [0, -1, 2, -1]

@@ -104,9 +104,9 @@ def test_native_lookup_rejects_a_row_outside_the_table_without_pinning():
     slot_of_row = torch.tensor([0, -1, 1], dtype=torch.int32)
     pins = torch.zeros(2, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="outside"):
-        NATIVE.row_cache_lookup(slot_of_row, pins, torch.tensor([0, 3]))
+        NATIVE.row_cache_lookup([slot_of_row], 3, pins, torch.tensor([0, 3]))
     assert pins.tolist() == [0, 0]
-    slots, missing = NATIVE.row_cache_lookup(slot_of_row, pins, torch.tensor([2, 1, 0]))
+    slots, missing = NATIVE.row_cache_lookup([slot_of_row], 3, pins, torch.tensor([2, 1, 0]))
     assert slots.tolist() == [1, -1, 0] and missing.tolist() == [1] and pins.tolist() == [1, 1]
 
 

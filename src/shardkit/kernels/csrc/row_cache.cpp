@@ -3,10 +3,13 @@
 // index_add_, kthvalue / topk over the whole cache); here they are single loops over the batch or the
 // candidates. Same results as the torch path (tests/kernels/offload/test_row_cache_native.py):
 //
-// row_cache_lookup(slot_of_row int32 [R], pins int32 [C] (written), rows int64 [U])
+// slot_map: the row -> slot map, [slot_of_row int32 [R]] (dense) or [keys int64 [H], slots int32 [H]]
+// (hashed: open addressing, O(cache slots) whatever R), csrc/slot_map.h; num_rows: R.
+//
+// row_cache_lookup(slot_map, num_rows, pins int32 [C] (written), rows int64 [U])
 //     -> (slots int64 [U]: the slot of each row, -1 for a miss; miss_rows int64 [M]: the rows with -1, in
 //        the order of `rows`). Every hit's pin count is incremented (before any victim is chosen).
-// row_cache_commit(slot_of_row int32 [R], rows int64 [U], stamp int64 [C] (written), freq int64 [C]
+// row_cache_commit(slot_map, num_rows, rows int64 [U], stamp int64 [C] (written), freq int64 [C]
 //                  (written), clock) -> slots int64 [U]: stamp[slots[i]] = clock + i, freq[slots] += 1.
 // row_cache_victims(candidates int64 [n], stamp int64 [C], freq int64 [C], count, lfu)
 //     -> the `count` candidates with the smallest (freq, stamp) (lfu) or stamp (lru), ascending slot
@@ -14,10 +17,10 @@
 // row_cache_victim_rows(victims int64 [n], row_of_slot int64 [C], dirty bool [C])
 //     -> (dirty_rows int64 [d], dirty_slots int64 [d]): the victims holding a dirty row, ascending by row
 //        (the order they are written back in). Reads only: the write-back comes before row_cache_drop.
-// row_cache_drop(victims, slot_of_row (written), row_of_slot (written), dirty (written), stamp (written),
-//                freq (written)): the victims' rows forgotten: slot_of_row[row] = -1, row_of_slot = -1,
+// row_cache_drop(victims, slot_map (written), num_rows, row_of_slot (written), dirty (written), stamp
+//                (written), freq (written)): the victims' rows forgotten: out of the map, row_of_slot = -1,
 //                dirty = false, stamp = freq = 0.
-// row_cache_install(rows int64 [n], slots int64 [n], slot_of_row, row_of_slot, dirty, stamp, freq, pins,
+// row_cache_install(rows int64 [n], slots int64 [n], slot_map (written), num_rows, row_of_slot, dirty, stamp, freq, pins,
 //                   pin): loaded rows made resident in their (free) slots, clean, unstamped, pinned `pin`
 //                   times (an acquire pins its misses).
 // row_cache_release(slots int64 [n], pins (written), dirty (written), mark_dirty): a ticket's slots
@@ -37,7 +40,11 @@
 #include <utility>
 #include <vector>
 
+#include "slot_map.h"
+
 namespace {
+
+using shardkit_slot_map::SlotMapView;
 
 void check_1d(const at::Tensor& t, at::ScalarType dtype, const char* what) {
   TORCH_CHECK(t.dim() == 1 && t.scalar_type() == dtype && t.is_contiguous() && t.device().is_cpu(),
@@ -45,30 +52,28 @@ void check_1d(const at::Tensor& t, at::ScalarType dtype, const char* what) {
               " of shape ", t.sizes());
 }
 
-std::tuple<at::Tensor, at::Tensor> row_cache_lookup(const at::Tensor& slot_of_row, at::Tensor pins,
+std::tuple<at::Tensor, at::Tensor> row_cache_lookup(at::TensorList slot_map, int64_t num_rows, at::Tensor pins,
                                                     const at::Tensor& rows) {
-  check_1d(slot_of_row, at::kInt, "slot_of_row");
+  const SlotMapView map(slot_map, num_rows, "row_cache_lookup");
   check_1d(pins, at::kInt, "pins");
   check_1d(rows, at::kLong, "rows");
   const int64_t count = rows.numel();
-  const int64_t num_rows = slot_of_row.numel();
   const int64_t size = pins.numel();
   const int64_t* row = rows.data_ptr<int64_t>();
-  const int32_t* map = slot_of_row.data_ptr<int32_t>();
   int32_t* pin = pins.data_ptr<int32_t>();
-  // checked before anything is written: a bad row leaves the pins untouched
+  at::Tensor slots = at::empty({count}, rows.options());
+  int64_t* out = slots.data_ptr<int64_t>();
+  // checked before anything is written: a bad row leaves the pins untouched (the slots looked up once)
   for (int64_t i = 0; i < count; ++i) {
     TORCH_CHECK(row[i] >= 0 && row[i] < num_rows, "row_cache_lookup: row ", row[i], " outside [0, ", num_rows,
                 ")");
-    const int32_t s = map[row[i]];
+    const int32_t s = map.get(row[i]);
     TORCH_CHECK(s < size, "row_cache_lookup: slot ", s, " of row ", row[i], " outside the ", size, " slots");
+    out[i] = s;
   }
-  at::Tensor slots = at::empty({count}, rows.options());
-  int64_t* out = slots.data_ptr<int64_t>();
   std::vector<int64_t> missing;
   for (int64_t i = 0; i < count; ++i) {
-    const int32_t s = map[row[i]];
-    out[i] = s;
+    const int64_t s = out[i];
     if (s >= 0) {
       pin[s] += 1;
     } else {
@@ -80,31 +85,29 @@ std::tuple<at::Tensor, at::Tensor> row_cache_lookup(const at::Tensor& slot_of_ro
   return {slots, miss_rows};
 }
 
-at::Tensor row_cache_commit(const at::Tensor& slot_of_row, const at::Tensor& rows, at::Tensor stamp,
+at::Tensor row_cache_commit(at::TensorList slot_map, int64_t num_rows, const at::Tensor& rows, at::Tensor stamp,
                             at::Tensor freq, int64_t clock) {
-  check_1d(slot_of_row, at::kInt, "slot_of_row");
+  const SlotMapView map(slot_map, num_rows, "row_cache_commit");
   check_1d(rows, at::kLong, "rows");
   check_1d(stamp, at::kLong, "stamp");
   check_1d(freq, at::kLong, "freq");
   TORCH_CHECK(stamp.numel() == freq.numel(), "row_cache_commit: stamp and freq disagree on the slots");
   const int64_t count = rows.numel();
-  const int64_t num_rows = slot_of_row.numel();
   const int64_t size = stamp.numel();
   const int64_t* row = rows.data_ptr<int64_t>();
-  const int32_t* map = slot_of_row.data_ptr<int32_t>();
+  at::Tensor slots = at::empty({count}, rows.options());
+  int64_t* out = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < count; ++i) {
     TORCH_CHECK(row[i] >= 0 && row[i] < num_rows, "row_cache_commit: row ", row[i], " outside [0, ", num_rows,
                 ")");
-    const int32_t s = map[row[i]];
+    const int32_t s = map.get(row[i]);
     TORCH_CHECK(s >= 0 && s < size, "row_cache_commit: row ", row[i], " is not resident (slot ", s, ")");
+    out[i] = s;
   }
-  at::Tensor slots = at::empty({count}, rows.options());
-  int64_t* out = slots.data_ptr<int64_t>();
   int64_t* st = stamp.data_ptr<int64_t>();
   int64_t* fr = freq.data_ptr<int64_t>();
   for (int64_t i = 0; i < count; ++i) {
-    const int64_t s = map[row[i]];
-    out[i] = s;
+    const int64_t s = out[i];
     st[s] = clock + i;
     fr[s] += 1;
   }
@@ -191,10 +194,10 @@ std::tuple<at::Tensor, at::Tensor> row_cache_victim_rows(const at::Tensor& victi
   return {rows, slots};
 }
 
-void row_cache_drop(const at::Tensor& victims, at::Tensor slot_of_row, at::Tensor row_of_slot, at::Tensor dirty,
-                    at::Tensor stamp, at::Tensor freq) {
+void row_cache_drop(const at::Tensor& victims, at::TensorList slot_map, int64_t num_rows, at::Tensor row_of_slot,
+                    at::Tensor dirty, at::Tensor stamp, at::Tensor freq) {
   check_1d(victims, at::kLong, "victims");
-  check_1d(slot_of_row, at::kInt, "slot_of_row");
+  SlotMapView map(slot_map, num_rows, "row_cache_drop");
   check_1d(row_of_slot, at::kLong, "row_of_slot");
   check_1d(dirty, at::kBool, "dirty");
   check_1d(stamp, at::kLong, "stamp");
@@ -203,20 +206,20 @@ void row_cache_drop(const at::Tensor& victims, at::Tensor slot_of_row, at::Tenso
   TORCH_CHECK(dirty.numel() == size && stamp.numel() == size && freq.numel() == size,
               "row_cache_drop: the per-slot tensors disagree on the slots");
   const int64_t n = victims.numel();
-  const int64_t num_rows = slot_of_row.numel();
   const int64_t* v = victims.data_ptr<int64_t>();
   int64_t* row = row_of_slot.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {  // checked before anything is written
     TORCH_CHECK(v[i] >= 0 && v[i] < size && row[v[i]] >= 0 && row[v[i]] < num_rows, "row_cache_drop: slot ",
                 v[i], " holds no row");
+    TORCH_CHECK(map.get(row[v[i]]) == v[i], "row_cache_drop: row ", row[v[i]], " of slot ", v[i],
+                " is not mapped to it");
   }
-  int32_t* map = slot_of_row.data_ptr<int32_t>();
   bool* d = dirty.data_ptr<bool>();
   int64_t* st = stamp.data_ptr<int64_t>();
   int64_t* fr = freq.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
     const int64_t s = v[i];
-    map[row[s]] = -1;
+    map.erase(row[s]);
     row[s] = -1;
     d[s] = false;
     st[s] = 0;
@@ -224,12 +227,12 @@ void row_cache_drop(const at::Tensor& victims, at::Tensor slot_of_row, at::Tenso
   }
 }
 
-void row_cache_install(const at::Tensor& rows, const at::Tensor& slots, at::Tensor slot_of_row,
+void row_cache_install(const at::Tensor& rows, const at::Tensor& slots, at::TensorList slot_map, int64_t num_rows,
                        at::Tensor row_of_slot, at::Tensor dirty, at::Tensor stamp, at::Tensor freq, at::Tensor pins,
                        int64_t pin) {
   check_1d(rows, at::kLong, "rows");
   check_1d(slots, at::kLong, "slots");
-  check_1d(slot_of_row, at::kInt, "slot_of_row");
+  SlotMapView map(slot_map, num_rows, "row_cache_install");
   check_1d(row_of_slot, at::kLong, "row_of_slot");
   check_1d(dirty, at::kBool, "dirty");
   check_1d(stamp, at::kLong, "stamp");
@@ -241,13 +244,11 @@ void row_cache_install(const at::Tensor& rows, const at::Tensor& slots, at::Tens
   TORCH_CHECK(rows.numel() == slots.numel(), "row_cache_install: ", rows.numel(), " rows but ", slots.numel(),
               " slots");
   const int64_t n = rows.numel();
-  const int64_t num_rows = slot_of_row.numel();
   const int64_t* r = rows.data_ptr<int64_t>();
   const int64_t* s = slots.data_ptr<int64_t>();
-  int32_t* map = slot_of_row.data_ptr<int32_t>();
   int64_t* row = row_of_slot.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(r[i] >= 0 && r[i] < num_rows && map[r[i]] < 0, "row_cache_install: row ", r[i],
+    TORCH_CHECK(r[i] >= 0 && r[i] < num_rows && map.get(r[i]) < 0, "row_cache_install: row ", r[i],
                 " is outside the table or already resident");
     TORCH_CHECK(s[i] >= 0 && s[i] < size && row[s[i]] < 0, "row_cache_install: slot ", s[i], " is not free");
   }
@@ -256,7 +257,7 @@ void row_cache_install(const at::Tensor& rows, const at::Tensor& slots, at::Tens
   int64_t* fr = freq.data_ptr<int64_t>();
   int32_t* p = pins.data_ptr<int32_t>();
   for (int64_t i = 0; i < n; ++i) {
-    map[r[i]] = static_cast<int32_t>(s[i]);
+    map.set(r[i], static_cast<int32_t>(s[i]));
     row[s[i]] = r[i];
     d[s[i]] = false;
     st[s[i]] = 0;
@@ -287,15 +288,17 @@ void row_cache_release(const at::Tensor& slots, at::Tensor pins, at::Tensor dirt
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(shardkit_native, m) {
-  m.def("row_cache_lookup(Tensor slot_of_row, Tensor(a!) pins, Tensor rows) -> (Tensor, Tensor)");
-  m.def("row_cache_commit(Tensor slot_of_row, Tensor rows, Tensor(a!) stamp, Tensor(b!) freq, int clock) -> Tensor");
+  m.def("row_cache_lookup(Tensor[] slot_map, int num_rows, Tensor(a!) pins, Tensor rows) -> (Tensor, Tensor)");
+  m.def(
+      "row_cache_commit(Tensor[] slot_map, int num_rows, Tensor rows, Tensor(a!) stamp, Tensor(b!) freq, int clock) "
+      "-> Tensor");
   m.def("row_cache_victims(Tensor candidates, Tensor stamp, Tensor freq, int count, bool lfu) -> Tensor");
   m.def("row_cache_victim_rows(Tensor victims, Tensor row_of_slot, Tensor dirty) -> (Tensor, Tensor)");
   m.def(
-      "row_cache_drop(Tensor victims, Tensor(a!) slot_of_row, Tensor(b!) row_of_slot, Tensor(c!) dirty, "
+      "row_cache_drop(Tensor victims, Tensor(a!)[] slot_map, int num_rows, Tensor(b!) row_of_slot, Tensor(c!) dirty, "
       "Tensor(d!) stamp, Tensor(e!) freq) -> ()");
   m.def(
-      "row_cache_install(Tensor rows, Tensor slots, Tensor(a!) slot_of_row, Tensor(b!) row_of_slot, "
+      "row_cache_install(Tensor rows, Tensor slots, Tensor(a!)[] slot_map, int num_rows, Tensor(b!) row_of_slot, "
       "Tensor(c!) dirty, Tensor(d!) stamp, Tensor(e!) freq, Tensor(f!) pins, int pin) -> ()");
   m.def("row_cache_release(Tensor slots, Tensor(a!) pins, Tensor(b!) dirty, bool mark_dirty) -> ()");
 }

@@ -5,7 +5,8 @@
 // that path: the distinct rows ascending, the same pins, stamps and counts
 // (tests/kernels/offload/test_row_cache_ids.py).
 //
-// row_cache_lookup_ids(slot_of_row int32 [R], pins int32 [C] (written), ids int64 [N])
+// row_cache_lookup_ids(slot_map (csrc/slot_map.h: dense or hashed), num_rows R, pins int32 [C] (written),
+//                      ids int64 [N])
 //     -> (rows int64 [U]: the distinct ids ascending (torch.unique's values); looked int64 [U]: the slot
 //        of each, -1 for a miss; miss_rows int64 [M]: the rows with -1, ascending; inverse int64 [N]:
 //        rows[inverse[k]] == ids[k]). Every hit's pin count is incremented once (before any victim is
@@ -36,6 +37,8 @@
 #include <limits>
 #include <tuple>
 #include <vector>
+
+#include "slot_map.h"
 
 namespace {
 
@@ -72,19 +75,17 @@ void sort_by_row(std::vector<uint64_t>& keys, int row_bits) {
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_cache_lookup_ids(const at::Tensor& slot_of_row,
-                                                                                 at::Tensor pins,
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_cache_lookup_ids(at::TensorList slot_map,
+                                                                                 int64_t num_rows, at::Tensor pins,
                                                                                  const at::Tensor& ids) {
-  check_1d(slot_of_row, at::kInt, "slot_of_row");
+  const shardkit_slot_map::SlotMapView map(slot_map, num_rows, "row_cache_lookup_ids");
   check_1d(pins, at::kInt, "pins");
   check_1d(ids, at::kLong, "ids");
   const int64_t n = ids.numel();
-  const int64_t num_rows = slot_of_row.numel();
   const int64_t size = pins.numel();
   TORCH_CHECK(num_rows <= (int64_t(1) << 32), "row_cache_lookup_ids: ", num_rows, " rows: at most 2^32");
   TORCH_CHECK(n < std::numeric_limits<int32_t>::max() - 2, "row_cache_lookup_ids: ", n, " ids: too many");
   const int64_t* id = ids.data_ptr<int64_t>();
-  const int32_t* map = slot_of_row.data_ptr<int32_t>();
   // checked before anything is written: a bad id leaves the pins untouched
   for (int64_t k = 0; k < n; ++k) {
     TORCH_CHECK(id[k] >= 0 && id[k] < num_rows, "row_cache_lookup_ids: row ", id[k], " outside [0, ", num_rows,
@@ -191,7 +192,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_cache_lookup_ids(
   int32_t* pin = pins.data_ptr<int32_t>();
   int64_t misses = 0;
   for (int64_t j = 0; j < count; ++j) {
-    const int32_t s = map[r[j]];
+    const int32_t s = map.get(r[j]);
     l[j] = s;
     if (s < 0) {
       ++misses;
@@ -272,7 +273,7 @@ std::tuple<at::Tensor, at::Tensor> row_cache_commit_ids(const at::Tensor& looked
 
 TORCH_LIBRARY_FRAGMENT(shardkit_native, m) {
   m.def(
-      "row_cache_lookup_ids(Tensor slot_of_row, Tensor(a!) pins, Tensor ids) -> (Tensor, Tensor, Tensor, "
+      "row_cache_lookup_ids(Tensor[] slot_map, int num_rows, Tensor(a!) pins, Tensor ids) -> (Tensor, Tensor, Tensor, "
       "Tensor)");
   m.def(
       "row_cache_commit_ids(Tensor looked, Tensor loaded, Tensor inverse, Tensor rows, Tensor row_of_slot, "

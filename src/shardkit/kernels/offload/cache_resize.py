@@ -37,6 +37,8 @@ class CacheResize:
         self._pins = torch.cat([self._pins, torch.zeros(extra, dtype=torch.int32, device=book)])
         self._stamp = torch.cat([self._stamp, torch.zeros(extra, dtype=torch.int64, device=book)])
         self._freq = torch.cat([self._freq, torch.zeros(extra, dtype=torch.int64, device=book)])
+        if self._slot_map.kind == "hash":  # sized for the slots (load <= 0.5); the dense map stays as it is
+            self._slot_map.refill(self.row_of_slot)
         self.buffers_version += 1
 
     def _shrink(self) -> None:
@@ -70,7 +72,7 @@ class CacheResize:
         self._stamp = compact(self._stamp, 0)
         self._freq = compact(self._freq, 0)
         self._pins = torch.zeros(self.capacity, dtype=torch.int32, device=book)
-        self.slot_of_row[self.row_of_slot[:count]] = torch.arange(count, dtype=torch.int32, device=book)
+        self._slot_map.refill(self.row_of_slot)  # the kept rows' new slots (hashed: sized for capacity)
         self.buffers_version += 1
         if self._queue is not None:  # the slots moved
             self._rebuild_queue()

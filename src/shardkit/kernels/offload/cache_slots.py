@@ -1,6 +1,7 @@
 """A :class:`~shardkit.kernels.offload.row_cache.RowCache`'s slot bookkeeping, one batch's steps (L0).
 
-A mixin of ``RowCache`` (its attributes: the slot map ``slot_of_row``, ``row_of_slot``, ``_pins``,
+A mixin of ``RowCache`` (its attributes: the slot map ``_slot_map`` (``slot_map.py``: dense or hashed;
+the native ops take its ``tensors``), ``row_of_slot``, ``_pins``,
 ``_dirty``, ``_stamp``, ``_freq``, ``_clock``, the replacement queue, the counters); every method runs
 under the cache's lock. Each step has two paths with the same results: the native ops
 (``csrc/row_cache.cpp``, ``csrc/row_cache_queue.cpp``: one C++ loop each) where the native kernels are
@@ -31,11 +32,11 @@ class CacheSlots:
         """``(looked, miss_rows)``: the slot of each of ``rows`` (int64, -1 = miss) and the missing rows in
         the order of ``rows``; the hits are pinned (first: never victims of this acquire)."""
         if native is not None:  # one pass
-            return native.row_cache_lookup(self.slot_of_row, self._pins, rows)
+            return native.row_cache_lookup(self._slot_map.tensors, self.num_rows, self._pins, rows)
         # index_select / index_add_ / index_copy_ rather than advanced indexing: the same values (the
         # slots are distinct), several times faster on CPU, and no parallel section that a loaded
         # machine stretches to a scheduler time slice
-        looked = self.slot_of_row.index_select(0, rows).long()
+        looked = self._slot_map.get(rows)
         hit = looked >= 0
         hit_slots = looked[hit]
         self._pins.index_add_(0, hit_slots, ones_int32(hit_slots.numel()))
@@ -47,9 +48,10 @@ class CacheSlots:
         """The slots of ``rows`` (all resident now), stamped ``clock``, ``clock + 1``, ... in the order of
         ``rows``, their acquisition counts + 1 (the caller advances the clock)."""
         if native is not None:  # one pass
-            return native.row_cache_commit(self.slot_of_row, rows, self._stamp, self._freq, self._clock)
+            book = self._slot_map.tensors
+            return native.row_cache_commit(book, self.num_rows, rows, self._stamp, self._freq, self._clock)
         count = rows.numel()
-        slots = self.slot_of_row.index_select(0, rows).long() if miss_rows.numel() else looked
+        slots = self._slot_map.get(rows) if miss_rows.numel() else looked
         self._stamp.index_copy_(0, slots, self._clock + torch.arange(count, dtype=torch.int64))
         self._freq.index_add_(0, slots, torch.ones(count, dtype=torch.int64))
         return slots
@@ -150,9 +152,8 @@ class CacheSlots:
                 self._stage_write_back(rows, slots, ordered=True)
             else:
                 self._write_back(rows, slots, ordered=True)
-            native.row_cache_drop(
-                victims, self.slot_of_row, self.row_of_slot, self._dirty, self._stamp, self._freq
-            )
+            book = (self.row_of_slot, self._dirty, self._stamp, self._freq)
+            native.row_cache_drop(victims, self._slot_map.tensors, self.num_rows, *book)
         else:
             rows = self.row_of_slot[victims]
             dirty = self._dirty[victims]
@@ -161,7 +162,7 @@ class CacheSlots:
             else:
                 self._write_back(rows[dirty], victims[dirty])
             # index_fill_ rather than indexed assignment: the same values, no index_put_ machinery
-            self.slot_of_row.index_fill_(0, rows, -1)
+            self._slot_map.erase(rows)
             self.row_of_slot.index_fill_(0, victims, -1)
             self._dirty.index_fill_(0, victims, False)
             self._stamp.index_fill_(0, victims, 0)
@@ -175,11 +176,11 @@ class CacheSlots:
         self._read_rows(rows, slots)
         native = self._native()
         if native is not None:
-            state = (self.slot_of_row, self.row_of_slot, self._dirty, self._stamp, self._freq, self._pins)
-            native.row_cache_install(rows, slots, *state, 1)
+            state = (self.row_of_slot, self._dirty, self._stamp, self._freq, self._pins)
+            native.row_cache_install(rows, slots, self._slot_map.tensors, self.num_rows, *state, 1)
         else:
             # index_copy_ / index_fill_ rather than indexed assignment: the same values, cheaper
-            self.slot_of_row.index_copy_(0, rows, slots.to(torch.int32))
+            self._slot_map.put(rows, slots)
             self.row_of_slot.index_copy_(0, slots, rows)
             self._dirty.index_fill_(0, slots, False)
             self._stamp.index_fill_(0, slots, 0)

@@ -47,7 +47,9 @@ so a queued release can delay an eviction but never lose a dirty row. A kernel t
 reallocations (growth, shrinking) wait for, so an in-place update never lands in a dropped buffer; a
 concurrent acquire writes only free or evicted (unpinned) slots, never the rows of a pinned ticket.
 
-Bookkeeping: ``slot_of_row`` int32 ``[R]`` (4 bytes per row of the table; -1 = not cached) and
+Bookkeeping: the slot map, row -> slot (``slot_map.py``): dense, int32 ``[R]`` (4 bytes a row of the
+table), or hashed, open addressing over ``H >= 2 C`` entries (12 bytes each, whatever ``R``), chosen by
+size (:func:`~shardkit.kernels.offload.slot_map.choose_slot_map`, ``$SHARDKIT_OFFLOAD_SLOT_MAP``); and
 per-slot ``row_of_slot`` int64, recency stamp int64, frequency int64, pin count int32 and dirty flag,
 all ``[C]``. On the host (:attr:`RowCache.bookkeeping` ``"host"``, every CPU cache), a replacement queue
 (``slot_queue.py``) hands out the victims in eviction order without a selection over the cache. On a
@@ -82,6 +84,12 @@ from shardkit.kernels.offload.device_copies import DeviceCopies, copy_stream_def
 from shardkit.kernels.offload.device_slots import DeviceSlots, choose_bookkeeping
 from shardkit.kernels.offload.row_checks import checked_rows
 from shardkit.kernels.offload.row_moves import RowMoves
+from shardkit.kernels.offload.slot_map import (
+    SLOT_BOOKKEEPING_BYTES,
+    SlotMap,
+    choose_slot_map,
+    make_slot_map,
+)
 from shardkit.kernels.offload.slot_queue import NativeSlotQueue, TorchLruQueue
 
 ALGORITHMS = ("lru", "lfu")
@@ -126,12 +134,18 @@ class RowCache(CacheSlots, DeviceSlots, RowMoves, CacheResize):
             applies, per ``$SHARDKIT_OFFLOAD_DEVICE_BOOKKEEPING``; the host for a CPU cache). See
             :func:`~shardkit.kernels.offload.device_slots.choose_bookkeeping`; ValueError where
             ``"device"`` cannot apply.
+        slot_map: ``"dense"``, ``"hash"`` or None (the default: ``$SHARDKIT_OFFLOAD_SLOT_MAP``, else the
+            rule of :func:`~shardkit.kernels.offload.slot_map.choose_slot_map`: dense while its 4 bytes
+            a table row are small against the cache). ValueError for another value, or ``"hash"`` under
+            the device bookkeeping.
 
     Attributes:
         tensors: field name -> fast-tier buffer ``[size, *width]``, the backing field's dtype, contiguous,
             on ``device``; ``size >= capacity`` while tickets are pinned.
         slot_of_row: int32 ``[R]``, the slot of each cached row, -1 for the others (on the host, or on
-            :attr:`device` under the device bookkeeping, as are the per-slot arrays).
+            :attr:`device` under the device bookkeeping, as are the per-slot arrays): the dense map itself,
+            or, with a hashed map, a copy made on each read (``R`` entries: for inspection and tests).
+        slot_map_kind, slot_map_reason: ``"dense"`` or ``"hash"`` (``slot_map.py``), and why.
         row_of_slot: int64 ``[size]``, the row in each slot, -1 for a free slot.
         bookkeeping, bookkeeping_reason: ``"host"`` or ``"device"``, and why (which setting chose it).
         counters: the :class:`CacheCounters`.
@@ -153,6 +167,7 @@ class RowCache(CacheSlots, DeviceSlots, RowMoves, CacheResize):
         row_io: Optional[Any] = None,
         write_behind: Optional[Any] = None,
         bookkeeping: Optional[str] = None,
+        slot_map: Optional[str] = None,
     ) -> None:
         if not isinstance(backing, dict) or not backing:
             raise ValueError("RowCache: backing must be a non-empty dict of field name -> tensor [R, *width]")
@@ -225,7 +240,12 @@ class RowCache(CacheSlots, DeviceSlots, RowMoves, CacheResize):
             name: torch.zeros((self.capacity, *s.shape[1:]), dtype=s.dtype, device=self.device)
             for name, s in backing.items()
         }
-        self.slot_of_row = torch.full((self.num_rows,), -1, dtype=torch.int32, device=book)
+        # row -> slot (slot_map.py): dense (4 bytes a table row) or hashed (O(slots)), by the rule of
+        # choose_slot_map unless slot_map / $SHARDKIT_OFFLOAD_SLOT_MAP says which; why, for the record
+        self.slot_map_kind, self.slot_map_reason = choose_slot_map(
+            slot_map, self.num_rows, self.capacity, self.row_bytes, self.bookkeeping == "device"
+        )
+        self._slot_map: SlotMap = make_slot_map(self.slot_map_kind, self.num_rows, self.capacity, book)
         self.row_of_slot = torch.full((self.capacity,), -1, dtype=torch.int64, device=book)
         self._resident = 0  # slots holding a row: when all do, no scan for free ones
         self._dirty = torch.zeros(self.capacity, dtype=torch.bool, device=book)
@@ -254,6 +274,17 @@ class RowCache(CacheSlots, DeviceSlots, RowMoves, CacheResize):
     def size(self) -> int:
         """Slots allocated now: ``capacity``, or more while pinned tickets need them."""
         return self.row_of_slot.numel()
+
+    @property
+    def slot_of_row(self) -> torch.Tensor:
+        """int32 ``[R]``: the dense map itself, or a copy of the hashed one (see the class docstring)."""
+        return self._slot_map.dense()
+
+    @property
+    def bookkeeping_bytes(self) -> int:
+        """Bytes of the slot map and the per-slot arrays now (not the replacement queue nor a batch's
+        temporaries): ``4 R + 29 size`` with the dense map, ``12 H + 29 size`` with the hashed one."""
+        return self._slot_map.nbytes + SLOT_BOOKKEEPING_BYTES * self.size
 
     @property
     def pinned_tickets(self) -> Tuple[int, ...]:
@@ -360,7 +391,10 @@ class RowCache(CacheSlots, DeviceSlots, RowMoves, CacheResize):
             return self._acquire_ids_unique(ids, wait_copies)
         with self._locked():
             self._sync_queue(native)
-            rows, looked, miss_rows, inverse = native.row_cache_lookup_ids(self.slot_of_row, self._pins, ids)
+            book = self._slot_map.tensors
+            rows, looked, miss_rows, inverse = native.row_cache_lookup_ids(
+                book, self.num_rows, self._pins, ids
+            )
             return self._acquire_looked(rows, looked, miss_rows, True, native, inverse)
 
     def _acquire_ids_unique(self, ids: torch.Tensor, wait_copies: bool = True) -> Tuple[int, torch.Tensor]:
@@ -527,8 +561,7 @@ class RowCache(CacheSlots, DeviceSlots, RowMoves, CacheResize):
                 f"RowCache.invalidate: tickets {sorted(self._tickets)} are still pinned; release them first"
             )
         self._flush()
-        resident = self.row_of_slot >= 0
-        self.slot_of_row[self.row_of_slot[resident]] = -1
+        self._slot_map.clear(self.row_of_slot)
         self.row_of_slot.fill_(-1)
         self._resident = 0
         self._stamp.zero_()
