@@ -427,6 +427,7 @@ def big_child(args) -> None:
     ``big_factor`` x the budget offloaded (cache within the budget) with its peak RSS; one JSON line."""
     from shardkit.kernels.offload.malloc_bound import fix_malloc_thresholds
     from shardkit.kernels.offload.narrow_state import narrow_state_fields
+    from shardkit.kernels.offload.slot_map import HASH_BYTES_PER_SLOT, SLOT_BOOKKEEPING_BYTES, choose_slot_map
 
     # what the process would do at its first backing file, done first: otherwise memory freed before
     # the baseline (the samplers' temporaries) stays resident in malloc's heap and the table's cache
@@ -435,13 +436,23 @@ def big_child(args) -> None:
     row_bytes = args.dim * 4 + 4  # weights + row-wise Adagrad state
     fits_rows = max(1000, int(args.budget_mb * 2**20 * 0.5) // row_bytes)  # half the budget: room to run
     big_rows = int(args.big_factor * args.budget_mb * 2**20) // row_bytes
-    # the cache, its slot map (4 bytes a row) and, where the cache keeps it mapped, row-wise Adagrad's
-    # state (4 bytes a row: narrow_state.narrow_state_fields) within half the budget
-    kept = 4 if narrow_state_fields({"state.sum": ((1,), torch.float32)}) else 0
-    per_row = 4 + kept
-    load_factor = min(
-        1.0, max(1e-4, (args.budget_mb * 2**20 * 0.5 - per_row * big_rows) / row_bytes / big_rows)
-    )
+    room = args.budget_mb * 2**20 * 0.5
+    fields = {"weight": ((big_rows, args.dim), torch.float32), "state.sum": ((big_rows,), torch.float32)}
+
+    def fit(per_table_row: int, per_slot: int) -> float:
+        # the cache (its rows and per_slot bytes of bookkeeping a slot) and per_table_row bytes for every
+        # row of the table within half the budget
+        return min(1.0, max(1e-4, (room - per_table_row * big_rows) / (row_bytes + per_slot) / big_rows))
+
+    # the cache, its bookkeeping (slot_map.py: a hashed map of the slots, or a dense one of 4 bytes a
+    # table row where the rule keeps it) and, where the cache keeps it mapped (narrow_state.py: while
+    # small against the cache), row-wise Adagrad's state (4 bytes a table row) within half the budget:
+    # the rules asked at the largest cache, then the cache sized for what they chose
+    hashed = SLOT_BOOKKEEPING_BYTES + HASH_BYTES_PER_SLOT
+    first = max(1, round(fit(0, hashed) * big_rows))
+    kept = 4 if narrow_state_fields(fields, first) else 0
+    dense = choose_slot_map(None, big_rows, first, row_bytes)[0] == "dense"
+    load_factor = fit(kept + (4 if dense else 0), SLOT_BOOKKEEPING_BYTES if dense else hashed)
     small = sharded_table("fused", fits_rows, args.dim, 1.0, args.offload_dir, meta=False)
     # cold steps (stream 0), settling steps (2) and measured steps (4), drawn before the baseline
     inputs = {
@@ -497,6 +508,8 @@ def big_child(args) -> None:
         big_rows=big_rows,
         load_factor=load_factor,
         narrow_state_kept_mb=kept * big_rows / 2**20,
+        slot_map="dense" if dense else "hash",
+        bookkeeping_mb=offloaded_lookup(big).cache.bookkeeping_bytes / 2**20,
         file_mb=sum(g.store.nbytes for lk in big.lookups for g in lk.lookups) / 2**20,
         # over the whole run: cold steps, warming, settling and measured steps
         peak_mb=end.get("VmHWM", float("nan")) - baseline.get(key, float("nan")),

@@ -72,7 +72,7 @@ def _cuda():
     return Topology(world_size=2, compute_device="cuda", cost_model=MODEL)
 
 
-@pytest.mark.parametrize("keep_narrow", ["1", "0"])
+@pytest.mark.parametrize("keep_narrow", ["1", "0", "auto"])
 def test_cpu_caching_keeps_only_the_cache_in_memory_and_the_table_on_disk(monkeypatch, keep_narrow):
     monkeypatch.setenv("SHARDKIT_OFFLOAD_KEEP_NARROW_STATE", keep_narrow)
     cache = CacheParams(load_factor=0.25)
@@ -87,9 +87,12 @@ def test_cpu_caching_keeps_only_the_cache_in_memory_and_the_table_on_disk(monkey
     assert uvm.ddr.tolist() == pytest.approx([BUFFERS])
     assert uvm.disk.tolist() == pytest.approx([WEIGHTS + STATE])
     # fused_uvm_caching: the cache of a quarter of the rows, with their optimizer state, and row-wise
-    # Adagrad's state of every row kept mapped (unless switched off: narrow_state.narrow_state_fields)
+    # Adagrad's state of every row kept mapped where forced ("1"; auto: its 400 bytes are more than 1/8
+    # of the cache's 25 x 44: not kept, narrow_state.keep_narrow_state), and the cache's bookkeeping: a
+    # dense slot map (4 bytes a row: no larger than the hashed one) and 29 bytes a slot (slot_map.py)
     kept = STATE if keep_narrow == "1" else 0
-    assert caching.ddr.tolist() == pytest.approx([BUFFERS + 0.25 * (WEIGHTS + STATE) + kept])
+    book = 4 * 100 + 25 * 29
+    assert caching.ddr.tolist() == pytest.approx([BUFFERS + 0.25 * (WEIGHTS + STATE) + kept + book])
     assert caching.disk.tolist() == pytest.approx([WEIGHTS + STATE])
     assert caching.hbm.tolist() == [0.0]
     assert caching.cache_params == CacheParams(load_factor=0.25)
@@ -216,8 +219,10 @@ def test_the_planner_chooses_the_largest_cache_that_fits_the_memory():
     # room for the buffers and a cache just short of the best candidate's: the next one down
     rows = round(candidates[-1] * 100) - 1
     assert rows >= round(candidates[-2] * 100)
-    # (+ STATE: row-wise Adagrad's state of every row, kept mapped in memory)
-    assert chosen(BUFFERS + STATE + rows * (10 * 4 + 4) + 1) == candidates[-2]  # + 1: float rounding
+    # (+ STATE: row-wise Adagrad's state of every row, kept mapped in memory: within 1/8 of the cache;
+    # + the bookkeeping: a dense slot map, 4 bytes a table row, and 29 bytes a slot)
+    book = 4 * 100 + rows * 29
+    assert chosen(BUFFERS + STATE + rows * (10 * 4 + 4) + book + 1) == candidates[-2]  # + 1: float rounding
     # the estimated time falls with the cache: the planner prefers the larger cache for speed
     assert stats.expected_miss_rate(candidates[-1]) < stats.expected_miss_rate(candidates[-2])
 
@@ -231,3 +236,20 @@ def test_a_disk_too_small_for_the_table_is_a_planner_error_naming_it():
         planner.plan(meta_ebc([TABLE]), [ebc_sharder(kernels=[FUSED, UVM])])
     with pytest.raises(ValueError, match="disk_cap"):
         Topology(world_size=1, compute_device="cpu", disk_cap=-1)
+
+
+def test_cpu_caching_of_a_large_table_counts_a_hashed_slot_map_of_the_cache_rows(monkeypatch):
+    """A table far larger than its cache: the slot map is hashed (O(cache rows)) and Adagrad's narrow
+    state is not kept mapped (auto): the estimate grows with the cache's rows, not 4 + 4 bytes a table row."""
+    monkeypatch.delenv("SHARDKIT_OFFLOAD_KEEP_NARROW_STATE", raising=False)
+    monkeypatch.delenv("SHARDKIT_OFFLOAD_SLOT_MAP", raising=False)
+    cache = CacheParams(load_factor=0.01)
+    options = _options(_cpu(), compute_kernels=[UVM, CACHING], cache_params=cache)
+    uvm, caching = _table_wise(options, UVM), _table_wise(options, CACHING)
+    rows = 100  # the table's; the cache holds 1 row: its values, state, slot arrays and hashed map
+    expected = float(uvm.ddr[0]) + 0.01 * rows * (10 * 4 + 4) + 0.01 * rows * (29 + 48)
+    assert caching.ddr.tolist() == pytest.approx([expected])
+    monkeypatch.setenv("SHARDKIT_OFFLOAD_SLOT_MAP", "dense")  # the switch is followed by the estimate
+    options = _options(_cpu(), compute_kernels=[UVM, CACHING], cache_params=cache)
+    dense = _table_wise(options, CACHING)
+    assert dense.ddr.tolist() == pytest.approx([expected - 0.01 * rows * 48 + 4 * rows])

@@ -237,9 +237,10 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
             resident = self.compute_device.type == "cpu" and self.store.keep_mapped()
             row_io = None
             if not resident and self.compute_device.type == "cpu":
-                # a narrow optimizer state (row-wise Adagrad's one float a row) stays mapped: its rows
-                # move by index ops, the file I/O is the weights' alone (narrow_state.narrow_state_fields)
-                narrow = narrow_state_fields(fields)
+                # a narrow optimizer state (row-wise Adagrad's one float a row) stays mapped while its
+                # bytes are small against the cache's: its rows move by index ops, the file I/O is the
+                # weights' alone (narrow_state.narrow_state_fields)
+                narrow = narrow_state_fields(fields, self.offload.cache_rows(rows))
                 self.store.keep_fields_mapped(narrow)
                 row_io = self.store.row_io([n for n in fields if n not in narrow])
             row_bytes = sum(t[0].numel() * t.element_size() for t in backing.values() if t.numel())

@@ -18,7 +18,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from shardkit.kernels.offload.narrow_state import NARROW_STATE_BYTES, narrow_state_fields
+from shardkit.kernels.offload.narrow_state import NARROW_STATE_BYTES, keep_narrow_state
+from shardkit.kernels.offload.slot_map import HASH_BYTES_PER_SLOT, SLOT_BOOKKEEPING_BYTES, choose_slot_map
 from shardkit.modules.embedding_configs import data_type_to_dtype
 from shardkit.planner.topology import Topology
 from shardkit.planner.types import CACHING_KERNELS, OFFLOAD_KERNELS, ShardingOption, TableInfo
@@ -173,13 +174,35 @@ def cached_row_bytes(o: ShardingOption) -> Linear:
     return (e + t.state_bytes_per_value, float(t.row_bytes + t.state_bytes_per_row), 0.0, 0.0)
 
 
-def narrow_state_bytes_per_row(t: TableInfo) -> int:
-    """Bytes a row of ``t``'s optimizer state that a ``fused_uvm_caching`` cache on CPU keeps mapped for
+def _cached_bytes_per_row(o: ShardingOption) -> float:
+    """A cached row's bytes (:func:`cached_row_bytes`) at the option's widest shard."""
+    per_value, per_row = cached_row_bytes(o)[:2]
+    return per_value * float(o.sizes[:, 1].max()) + per_row if o.sizes.numel() else per_row
+
+
+def narrow_state_bytes_per_row(o: ShardingOption) -> int:
+    """Bytes a row of the table's optimizer state that a ``fused_uvm_caching`` cache on CPU keeps mapped for
     every row of the shard: a state of at most ``NARROW_STATE_BYTES`` bytes a row and none per value
-    (row-wise Adagrad: 4), unless ``$SHARDKIT_OFFLOAD_KEEP_NARROW_STATE`` switches it off; else 0."""
+    (row-wise Adagrad: 4), kept by :func:`~shardkit.kernels.offload.narrow_state.keep_narrow_state`'s rule
+    (while within ``NARROW_SHARE`` of the cache's bytes: ``load_factor x`` a cached row's) unless
+    ``$SHARDKIT_OFFLOAD_KEEP_NARROW_STATE`` says otherwise; else 0."""
+    t = o.table
     if t.state_bytes_per_value or not 0 < t.state_bytes_per_row <= NARROW_STATE_BYTES:
         return 0
-    return t.state_bytes_per_row if narrow_state_fields({"state.x": ((1,), torch.float32)}) else 0
+    kept = keep_narrow_state(float(t.state_bytes_per_row), load_factor(o) * _cached_bytes_per_row(o))
+    return t.state_bytes_per_row if kept else 0
+
+
+def cache_bookkeeping_bytes(o: ShardingOption) -> Linear:
+    """A CPU cache's bookkeeping (kernels/offload/slot_map.py), a form per shard: its per-slot arrays
+    (``SLOT_BOOKKEEPING_BYTES`` a slot) and its slot map, hashed (at most ``HASH_BYTES_PER_SLOT`` a slot)
+    or, where :func:`~shardkit.kernels.offload.slot_map.choose_slot_map` keeps it dense (its rule at the
+    option's largest shard, ``$SHARDKIT_OFFLOAD_SLOT_MAP``), 4 bytes a row of the shard."""
+    lf = load_factor(o)
+    rows = int(o.sizes[:, 0].max()) if o.sizes.numel() else 0
+    kind, _ = choose_slot_map(None, rows, int(round(lf * rows)), int(math.ceil(_cached_bytes_per_row(o))))
+    per_slot = SLOT_BOOKKEEPING_BYTES + (0 if kind == "dense" else HASH_BYTES_PER_SLOT)
+    return (0.0, lf * per_slot + (4.0 if kind == "dense" else 0.0), 0.0, 0.0)
 
 
 def _evaluate(
@@ -204,8 +227,9 @@ class EmbeddingStorageEstimator:
     DENSE / QUANT. The offloading kernels keep them in the slow tier (DDR on CUDA, the offload disk on
     CPU); ``fused_uvm`` / ``quant_uvm`` keep nothing else in the fast tier, the caching kernels a cache of
     ``load_factor x r`` rows (values + the optimizer state of the cached rows) in it; on CPU,
-    ``fused_uvm_caching`` also keeps a narrow optimizer state (row-wise Adagrad's 4 bytes a row) of
-    every row mapped in DDR (:func:`narrow_state_bytes_per_row`).
+    ``fused_uvm_caching`` also keeps its bookkeeping (:func:`cache_bookkeeping_bytes`: O(cache rows)
+    with the hashed slot map) and, while small against its cache, a narrow optimizer state (row-wise
+    Adagrad's 4 bytes a row) of every row mapped in DDR (:func:`narrow_state_bytes_per_row`).
     Buffers (ids in, output values and their gradients) always live in the compute device's memory.
     """
 
@@ -234,8 +258,10 @@ class EmbeddingStorageEstimator:
                 fast = _add(buffers, _scale(cached_row_bytes(o), load_factor(o)))
             if not on_gpu and o.compute_kernel == _K.FUSED_UVM_CACHING.value:
                 # a narrow optimizer state (row-wise Adagrad's one float a row) stays mapped in memory
-                # for every row of the shard (kernels/offload/narrow_state.narrow_state_fields)
-                fast = _add(fast, (0.0, float(narrow_state_bytes_per_row(t)), 0.0, 0.0))
+                # for every row of the shard while small against the cache (narrow_state.py), and the
+                # cache's slot map and per-slot arrays (slot_map.py)
+                fast = _add(fast, (0.0, float(narrow_state_bytes_per_row(o)), 0.0, 0.0))
+                fast = _add(fast, cache_bookkeeping_bytes(o))
             if not on_gpu:
                 if o.compute_kernel in OFFLOAD_KERNELS:
                     return [zero, fast, table]
@@ -371,6 +397,7 @@ __all__ = [
     "CACHE_LOAD_FACTOR",
     "EmbeddingPerfEstimator",
     "EmbeddingStorageEstimator",
+    "cache_bookkeeping_bytes",
     "cached_row_bytes",
     "distinct_rows",
     "load_factor",

@@ -123,22 +123,30 @@ def test_drop_resident_unmaps_all_but_the_kept_fields(tmp_path):
 
 def test_narrow_state_fields_and_their_switch(monkeypatch):
     fields = {
-        "weight": ((10, 2), torch.float32),  # 8 bytes a row, but the weights
+        "weight": ((10, 64), torch.float32),  # 256 bytes a row, but the weights
         "state.momentum": ((10,), torch.float32),
         "state.pair": ((10, 2), torch.float32),
         "state.exp_avg": ((10, 4), torch.float32),
     }
+    narrow = ["state.momentum", "state.pair"]  # 12 bytes a row: 120 over the table's 10 rows
     monkeypatch.delenv(KEEP_NARROW_STATE_ENV, raising=False)
-    assert narrow_state_fields(fields) == ["state.momentum", "state.pair"]
+    # auto: kept while 120 <= 1/8 of the cache's bytes (284 a row over all fields)
+    assert narrow_state_fields(fields, 10) == narrow  # 2840 / 8 = 355
+    assert narrow_state_fields(fields, 4) == narrow  # 1136 / 8 = 142
+    assert narrow_state_fields(fields, 3) == []  # 852 / 8 = 106.5: through the file like the weights
+    assert narrow_state_fields(fields, 100) == narrow  # a cache of more rows than the table: all of it
     for off in ("0", "off", "false", " No "):
         monkeypatch.setenv(KEEP_NARROW_STATE_ENV, off)
-        assert narrow_state_fields(fields) == []
-    for on in ("", "1", "on", "TRUE"):
+        assert narrow_state_fields(fields, 10) == []
+    for on in ("1", "on", "TRUE"):
         monkeypatch.setenv(KEEP_NARROW_STATE_ENV, on)
-        assert narrow_state_fields(fields) == ["state.momentum", "state.pair"]
+        assert narrow_state_fields(fields, 1) == narrow  # forced, whatever the sizes
+    for auto in ("", "auto"):
+        monkeypatch.setenv(KEEP_NARROW_STATE_ENV, auto)
+        assert narrow_state_fields(fields, 3) == [] and narrow_state_fields(fields, 4) == narrow
     monkeypatch.setenv(KEEP_NARROW_STATE_ENV, "maybe")
     with pytest.raises(ValueError, match=r"SHARDKIT_OFFLOAD_KEEP_NARROW_STATE='maybe'"):
-        narrow_state_fields(fields)
+        narrow_state_fields(fields, 10)
 
 
 def test_unknown_fields_are_refused(tmp_path):
