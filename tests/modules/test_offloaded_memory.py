@@ -9,7 +9,8 @@ What bounds it: the cache (``load_factor`` x rows x row bytes, 5% here: 22 MiB) 
 (kernels/offload/slot_map.py: a hashed slot map of the cache's slots, 4-7 MiB) for
 ``fused_uvm_caching``, whose misses are read in chunks with the pages unmapped after each; the file
 pages one step touches for ``fused_uvm`` (each row read also maps the kernel's fault-around window,
-64 KiB by default: a uvm step's resident set grows with its distinct rows, which is why its step here reads 512 ids); the chunked initialization (16 MiB at a time) for both.
+64 KiB by default: a uvm step's resident set grows with its distinct rows, which is why its step here
+reads 512 ids); the chunked initialization (16 MiB at a time) for both.
 """
 
 from __future__ import annotations
