@@ -140,10 +140,13 @@ def embedding_forward(
     bag_scale: Optional[torch.Tensor] = None,
     pooled: bool = True,
     batch_major: int = 0,
+    check_ids: bool = True,
 ) -> torch.Tensor:
     """``[B, D]`` (pooled), ``[S, B / S * D]`` (batch_major S) or ``[N, D]`` rows in weight's dtype.
 
-    Not differentiable (see the module doc).
+    Not differentiable (see the module doc). ``check_ids=False``: the caller guarantees every buffer
+    row is in ``[0, R)`` (slot ids from a row cache), so the Triton kernel skips its bounds check and
+    the host sync that reads it; never for ids from a user (an id outside the buffer then adds zeros).
     """
     if not pooled:  # one row per id: nothing to weight or scale
         per_sample_weights = bag_scale = None
@@ -157,7 +160,7 @@ def embedding_forward(
         )
     if backend == "triton":
         out = _triton_module().embedding_forward(
-            weight, ids, offsets, bag_shift, per_sample_weights, bag_scale, pooled
+            weight, ids, offsets, bag_shift, per_sample_weights, bag_scale, pooled, check_ids
         )
         return embedding_torch.to_batch_major(out, batch_major)
     with torch.no_grad():

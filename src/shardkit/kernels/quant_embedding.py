@@ -57,12 +57,15 @@ def quant_embedding_forward(
     bag_scale: Optional[torch.Tensor] = None,
     pooled: bool = True,
     batch_major: int = 0,
+    check_ids: bool = True,
 ) -> torch.Tensor:
     """fp32 ``[B, dim]`` pooled rows (``[S, B / S * dim]`` with batch_major S) or ``[N, dim]`` rows.
 
     weight: uint8 ``[R, row_bytes(dim, storage)]``, contiguous. Other arguments as for
     :func:`shardkit.kernels.embedding_forward`; per-sample weights and bag scales are applied in fp32.
-    An id whose buffer row is outside ``[0, R)`` raises IndexError before any row is read.
+    An id whose buffer row is outside ``[0, R)`` raises IndexError before any row is read, unless
+    ``check_ids`` is False: the caller guarantees the rows are in range (a row cache's slots), and the
+    pure-torch path skips the check's host syncs (never for ids from a user).
     """
     check_storage(storage)
     if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.size(1) != row_bytes(dim, storage):
@@ -91,6 +94,7 @@ def quant_embedding_forward(
     if (
         not torch.compiler.is_compiling()
         and rows.numel()
+        and check_ids
         and (int(rows.min()) < 0 or int(rows.max()) >= weight.size(0))
     ):
         position = int(((rows < 0) | (rows >= weight.size(0))).nonzero()[0, 0])

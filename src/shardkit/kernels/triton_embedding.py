@@ -344,16 +344,21 @@ def embedding_forward(
     per_sample_weights: Optional[torch.Tensor],
     bag_scale: Optional[torch.Tensor],
     pooled: bool,
+    check_ids: bool = True,
 ) -> torch.Tensor:
-    """``[B, D]`` bag sums (pooled) or ``[N, D]`` rows, in weight's dtype; see :mod:`.embedding`."""
+    """``[B, D]`` bag sums (pooled) or ``[N, D]`` rows, in weight's dtype; see :mod:`.embedding`.
+    ``check_ids=False`` (rows in range by construction: a row cache's slots) skips the bounds check and
+    its host sync, as ``SHARDKIT_TRITON_CHECK_IDS=0`` does for every call."""
     _check_weight(weight)
+    check = CHECK_IDS and check_ids
     num_rows, D = weight.shape
     device = weight.device
     ids = ids.contiguous()
     offsets = offsets.to(torch.int64).contiguous()
     N, B = ids.numel(), offsets.numel() - 1
     block_n, block_d, num_warps = _tile(D)
-    first_bad = torch.full((1,), 2**62, dtype=torch.int64, device=device)
+    # the first bad id's position (read back by a host sync), or, unchecked, a dummy int64 pointer
+    first_bad = torch.full((1,), 2**62, dtype=torch.int64, device=device) if check else offsets
     if pooled:
         out = torch.empty(B, D, dtype=weight.dtype, device=device)
         if B == 0:
@@ -367,13 +372,13 @@ def embedding_forward(
             _pooled_forward_kernel[(B,)](
                 weight, ids, offsets, shift, psw, scale, out, first_bad, num_rows, D,
                 HAS_SHIFT=bag_shift is not None, HAS_PSW=per_sample_weights is not None,
-                HAS_SCALE=bag_scale is not None, CHECK=CHECK_IDS,
+                HAS_SCALE=bag_scale is not None, CHECK=check,
                 BLOCK_N=tile[0], BLOCK_D=block_d, num_warps=tile[1],
             )
 
         tile = (block_n, num_warps)
         if tiles.tuning_applies(device, N, INTERPRETED):
-            flags = (bag_shift is not None, per_sample_weights is not None, bag_scale is not None, CHECK_IDS)
+            flags = (bag_shift is not None, per_sample_weights is not None, bag_scale is not None, check)
             key = tiles.key_of("forward", D, weight.dtype, ids.dtype, flags, num_ids=N)
             tile = tiles.fastest(key, tiles.forward_candidates(D), launch, device)
         launch(tile)
@@ -390,12 +395,12 @@ def embedding_forward(
             N,
             num_rows,
             D,
-            CHECK=CHECK_IDS,
+            CHECK=check,
             BLOCK_N=block_n,
             BLOCK_D=block_d,
             num_warps=num_warps,
         )
-    if CHECK_IDS:
+    if check:
         _raise_if_bad(first_bad, weight, ids, offsets, bag_shift)
     return out
 

@@ -28,16 +28,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
+from itertools import accumulate
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from shardkit.distributed.validation import host_checks_enabled
 from shardkit.kernels import embedding_forward, embedding_fused_backward, embedding_torch
 from shardkit.kernels.offload import OffloadSpec
 from shardkit.kernels.offload.backing_store import BackingStore, field_specs
 from shardkit.kernels.offload.cache_counters import CacheCounters
 from shardkit.kernels.offload.narrow_state import narrow_state_fields
 from shardkit.kernels.offload.row_cache import RowCache
+from shardkit.kernels.offload.row_checks import IdCheck
 from shardkit.kernels.offload.write_behind import WriteBehind, write_behind_default
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig, SparseRowOptimizer, _state_shapes
 from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup, ShardSpec
@@ -126,7 +129,11 @@ class _CachedFusedLookup(torch.autograd.Function):
         ticket.wait_loaded()
         with owner.cache.buffers_in_use():
             table = owner.cache.tensors["weight"]
-            return embedding_forward(table, slot_ids, offsets, None, weights, bag_scale, pooled, batch_major)
+            # slot ids come from the cache, in range by construction: no bounds check (a Triton
+            # kernel's costs a host sync); the ids themselves were checked by the acquire
+            return embedding_forward(
+                table, slot_ids, offsets, None, weights, bag_scale, pooled, batch_major, check_ids=False
+            )
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -179,6 +186,30 @@ def buffer_rows(ids: torch.Tensor, offsets: torch.Tensor, bag_shift: Optional[to
     if bag_shift is not None:
         rows = rows + torch.repeat_interleave(bag_shift, offsets.diff(), output_size=rows.numel())
     return rows
+
+
+def shard_id_check(
+    lookup: GroupedEmbeddingLookup, ids: torch.Tensor, offsets: torch.Tensor, bags_per_feature
+) -> IdCheck:
+    """``lookup._check_ids`` as a row cache's :class:`IdCheck` (read in the acquire's host sync): the
+    count of ids outside their shard, by queued ops (none for one shard, whose buffer rows are its ids
+    shifted: the cache's own range check ``[0, R)`` is that one), and the error naming the first such
+    id's feature and table, as the in-memory lookup raises it."""
+    bag_bounds = [0, *accumulate(bags_per_feature)]
+
+    def raise_error() -> None:
+        lookup._check_ids(ids.to(torch.int64), offsets, bag_bounds)
+
+    if len(lookup.shards) == 1 or not ids.numel():
+        return IdCheck(None, raise_error)
+    raw = ids.to(torch.int64)
+    if lookup._uniform_bounds is not None:
+        low, high = lookup._uniform_bounds
+        return IdCheck(((raw < low) | (raw >= high)).sum(), raise_error)
+    const = lookup._device_constants(raw.device)
+    row_lo = lookup._per_id(const.row_lo, offsets, bag_bounds, raw.numel())
+    row_hi = lookup._per_id(const.row_hi, offsets, bag_bounds, raw.numel())
+    return IdCheck(((raw < row_lo) | (raw >= row_hi)).sum(), raise_error)
 
 
 def sum_cache_stats(per_table: Sequence[dict]) -> dict:
@@ -279,6 +310,7 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
         elif self.compute_device.type == "cpu":
             self.store.keep_mapped()  # uvm: the kernel reads the mapping; kept if it fits the allowance
         self._prefetched: List[PrefetchedRows] = []
+        self._forward_bags: Tuple[int, ...] = ()  # the bag counts of the forward running now
         # prefetches run on the worker thread (a CPU cache only: CUDA copies stay on the caller's stream)
         self.background_prefetch = background_prefetch_default() and self.compute_device.type == "cpu"
         # uvm: what the kernel read from / wrote to the backing file (the caching tier counts its own)
@@ -352,7 +384,7 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
             return
         offsets = offsets.to(torch.int64)
         bag_shift = self._bag_shift(ids.device, bags_per_feature) if any(self._shifts) else None
-        job = functools.partial(self._acquire_rows, ids, offsets, bag_shift)
+        job = functools.partial(self._acquire_rows, ids, offsets, bag_shift, tuple(bags_per_feature))
         self._prefetched.append(PrefetchedRows(ids, offsets, bag_shift, job, self.background_prefetch))
 
     def wait_for_prefetch(self) -> None:
@@ -360,14 +392,20 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
         for record in self._prefetched:
             record.wait()
 
-    def _acquire_rows(self, ids, offsets, bag_shift) -> Tuple[_Ticket, torch.Tensor]:
+    def _acquire_rows(self, ids, offsets, bag_shift, bags_per_feature) -> Tuple[_Ticket, torch.Tensor]:
         """Pin the distinct buffer rows of ``ids`` in the cache: (ticket, slot ids [N]), ``ids[k]``'s row
         being in slot ``slot_ids[k]`` (``RowCache.acquire_ids``: the deduplication, lookup and remap in
-        native passes where built). Runs in the prefetch thread or the forward's."""
+        native passes where built). Runs in the prefetch thread or the forward's. With validation on
+        (``SHARDKIT_VALIDATE``), the ids are checked against their shards in the acquire's host sync
+        (:meth:`_id_check`), raising :meth:`_check_ids`'s error before anything is pinned."""
         rows = buffer_rows(ids, offsets, bag_shift)
+        id_check = shard_id_check(self, ids, offsets, bags_per_feature) if host_checks_enabled() else None
         # a CUDA cache's copies run on a side stream: the kernel waits for them (_Ticket.wait_loaded)
-        handle, slot_ids = self.cache.acquire_ids(rows, wait_copies=False)
+        handle, slot_ids = self.cache.acquire_ids(rows, wait_copies=False, id_check=id_check)
         return _Ticket(self.cache, handle), slot_ids
+
+    def _checks_ids_itself(self) -> bool:
+        return self.cache is not None  # in the acquire's host sync (_acquire_rows)
 
     def _settle_prefetches(self) -> None:
         """Wait for the prefetches in flight; raise the first one's exception (dropping them all), but
@@ -421,6 +459,7 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
         releases the prefetched rows it did not take over."""
         if self._prefetched:
             self._settle_prefetches()
+        self._forward_bags = tuple(bags_per_feature)  # for the id check of this forward's acquire
         try:
             return super().forward(ids, offsets, bags_per_feature, weights, sample_major)
         except BaseException:
@@ -456,7 +495,9 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
                 batch_major,
             )
         taken = self._take_prefetched(ids, offsets, bag_shift) if self._prefetched else None
-        ticket, slot_ids = taken if taken is not None else self._acquire_rows(ids, offsets, bag_shift)
+        if taken is None:
+            taken = self._acquire_rows(ids, offsets, bag_shift, self._forward_bags)
+        ticket, slot_ids = taken
         train = torch.is_grad_enabled() and self.weight.requires_grad
         if train:
             return _CachedFusedLookup.apply(
@@ -472,10 +513,25 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
                 )
             else:
                 out = embedding_forward(
-                    table, slot_ids, offsets, None, weights, bag_scale, self.pooled, batch_major
+                    table,
+                    slot_ids,
+                    offsets,
+                    None,
+                    weights,
+                    bag_scale,
+                    self.pooled,
+                    batch_major,
+                    check_ids=False,  # slot ids: in range by construction
                 )
         ticket.release(dirty=False)
         return out
 
 
-__all__ = ["INIT_CHUNK_BYTES", "OffloadedEmbeddingLookup", "buffer_rows", "shard_store", "sum_cache_stats"]
+__all__ = [
+    "INIT_CHUNK_BYTES",
+    "OffloadedEmbeddingLookup",
+    "buffer_rows",
+    "shard_id_check",
+    "shard_store",
+    "sum_cache_stats",
+]

@@ -13,10 +13,11 @@ The quantized rows (``[rows, row bytes]`` uint8: codes, then each row's scale an
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 
+from shardkit.distributed.validation import host_checks_enabled
 from shardkit.kernels.offload import OffloadSpec
 from shardkit.kernels.offload.cache_counters import CacheCounters
 from shardkit.kernels.offload.row_cache import RowCache
@@ -24,7 +25,7 @@ from shardkit.kernels.quant_embedding import quant_embedding_forward
 from shardkit.kernels.quant_rows import row_bytes
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig
 from shardkit.modules.grouped_lookup import ShardSpec
-from shardkit.modules.offloaded_lookup import buffer_rows, shard_store
+from shardkit.modules.offloaded_lookup import buffer_rows, shard_id_check, shard_store
 from shardkit.quant.quant_lookup import QuantGroupedEmbeddingLookup
 
 
@@ -63,6 +64,7 @@ class OffloadedQuantEmbeddingLookup(QuantGroupedEmbeddingLookup):
                 {"weight": self.weight}, capacity, self.offload.algorithm, self.compute_device
             )
         self._uvm_counters = CacheCounters()
+        self._forward_bags: Tuple[int, ...] = ()  # the bag counts of the forward running now
         if device.type != "meta":
             self.reset_parameters()
 
@@ -84,19 +86,29 @@ class OffloadedQuantEmbeddingLookup(QuantGroupedEmbeddingLookup):
         counters = self._uvm_counters if self.cache is None else self.cache.counters
         return {"+".join(s.table_name for s in self.shards): counters.as_dict()}
 
+    def forward(self, ids, offsets, bags_per_feature, weights=None, sample_major=False) -> torch.Tensor:
+        self._forward_bags = tuple(bags_per_feature)  # for the id check of this forward's acquire
+        return super().forward(ids, offsets, bags_per_feature, weights, sample_major)
+
+    def _checks_ids_itself(self) -> bool:
+        return self.cache is not None  # in the acquire's host sync (_run_kernel)
+
     def _run_kernel(self, ids, offsets, bag_shift, weights, bag_scale, batch_major) -> torch.Tensor:
         self.store.drop_resident()
-        unique, inverse = torch.unique(buffer_rows(ids, offsets, bag_shift), return_inverse=True)
+        rows = buffer_rows(ids, offsets, bag_shift)
         if self.cache is None:
+            count = torch.unique(rows).numel()
             c = self._uvm_counters
-            c.lookups += unique.numel()
-            c.misses += unique.numel()
-            c.rows_read += unique.numel()
-            c.bytes_read += unique.numel() * self.weight.size(1)
+            c.lookups += count
+            c.misses += count
+            c.rows_read += count
+            c.bytes_read += count * self.weight.size(1)
             return super()._run_kernel(ids, offsets, bag_shift, weights, bag_scale, batch_major)
-        ticket, slots = self.cache.acquire(unique)
+        # the distinct rows acquired (on the device with the device bookkeeping: one host sync, which
+        # also checks the ids against their shards with validation on), each id remapped to its slot
+        id_check = shard_id_check(self, ids, offsets, self._forward_bags) if host_checks_enabled() else None
+        ticket, slot_ids = self.cache.acquire_ids(rows, id_check=id_check)
         try:
-            slot_ids = slots[inverse] if inverse.numel() else inverse
             return quant_embedding_forward(
                 self.cache.tensors["weight"],
                 self.storage,
@@ -108,6 +120,7 @@ class OffloadedQuantEmbeddingLookup(QuantGroupedEmbeddingLookup):
                 bag_scale,
                 self.pooled,
                 batch_major,
+                check_ids=False,  # slot ids: in range by construction
             )
         finally:
             self.cache.release(ticket, dirty=False)

@@ -8,7 +8,8 @@ the ``cuda``-marked tests.
   counters, maps, stamps, counts and backing, with repeated ids and eviction pressure;
 - pins across two acquires in flight, dirty write-back on eviction and flush, LRU / LFU victims on
   hand-made cases, ids out of range, the selection of the path (argument and environment variable);
-- an offloaded lookup whose cache keeps its bookkeeping this way trains bitwise like the in-memory one.
+- an offloaded lookup whose cache keeps its bookkeeping this way trains bitwise like the in-memory one;
+- (``cuda``) acquires and releases on one stream: another one refused while a ticket is pinned.
 """
 
 from __future__ import annotations
@@ -299,3 +300,28 @@ def test_cuda_cache_defaults_to_the_device_path(monkeypatch):
     monkeypatch.setenv("SHARDKIT_OFFLOAD_UVA", "0")
     with pytest.raises(ValueError, match="cannot apply"):
         RowCache(backing, 4, device="cuda")
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_one_stream_on_cuda():
+    """Acquires and releases of a device-bookkept cache run on one stream: another stream is refused
+    while a ticket is pinned (the error says why and what to do), and takes over once none is."""
+    backing = {k: v.pin_memory() for k, v in _backing(12).items()}
+    cache = RowCache(backing, 4, device="cuda", bookkeeping="device")
+    ids = torch.tensor([1, 5, 5, 7], device="cuda")
+    ticket, _ = cache.acquire_ids(ids)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        with pytest.raises(RuntimeError, match="one CUDA stream.*torch.cuda.stream"):
+            cache.release(ticket, dirty=False)
+        with pytest.raises(RuntimeError, match="one CUDA stream"):
+            cache.acquire_ids(ids)
+    assert cache.pinned_tickets == (ticket,)
+    cache.release(ticket, dirty=True)
+    with torch.cuda.stream(side):  # nothing pinned: the side stream takes over
+        ticket, slots = cache.acquire_ids(torch.tensor([2, 5], device="cuda"))
+        cache.release(ticket, dirty=False)
+        cache.flush()
+    assert cache._stream == side and int(cache._pins.sum()) == 0
+    assert torch.equal(cache.resident_rows(), torch.tensor([1, 2, 5, 7]))

@@ -64,6 +64,10 @@ class CacheSlots:
             return
         if dirty:
             self._dirty.index_fill_(0, slots, True)
+        if self.bookkeeping == "device":  # the reused ones (device_slots.py): no fill queued a release
+            self._scratch(slots.numel())
+            self._pins.index_add_(0, slots, self._ones32[: slots.numel()], alpha=-1)
+            return
         self._pins.index_add_(0, slots, ones_int32(slots.numel(), -1, slots.device))
 
     def _native(self) -> Optional[Any]:

@@ -41,7 +41,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from shardkit.kernels.offload.row_checks import checked_rows
+from shardkit.kernels.offload.row_checks import IdCheck, checked_rows
 
 ENV_VAR = "SHARDKIT_OFFLOAD_DEVICE_BOOKKEEPING"
 MODES = ("host", "device")
@@ -109,114 +109,189 @@ def choose_bookkeeping(
 class DeviceSlots:
     """An acquire with the bookkeeping on ``self._book_device`` (see the module docstring)."""
 
-    def _order_slots(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(order, available, free)``: every slot, in the order slots are taken (free ascending, then
-        evictable by the algorithm, pinned last), and the counts (0-d device tensors) of unpinned and
-        of free slots."""
-        resident = self.row_of_slot >= 0
+    def _init_device_scratch(self) -> None:
+        """Buffers reused by every acquire (no allocation or fill a step): int64 ``_arange`` and
+        ``_ones64``, int32 ``_ones32``, and the dedup scratch ``_first`` (bool, ``[0]`` always True) and
+        ``_segment`` (int64, ``[0]`` always 0), of ``_scratch_size`` entries; ``_stream``: the CUDA
+        stream the acquires and releases run on (bound by the first one)."""
+        self._scratch_size = 0
+        self._stream: Optional[torch.cuda.Stream] = None
+        if self.bookkeeping == "device":
+            self._scratch(1)
+
+    def _scratch(self, n: int) -> None:
+        """The scratch buffers hold at least ``n`` entries (regrown, doubling, when they do not)."""
+        if n <= self._scratch_size:
+            return
+        size = max(n, 2 * self._scratch_size, 1024)
+        dev = self._book_device
+        self._arange = torch.arange(size, device=dev)
+        self._ones64 = torch.ones(size, dtype=torch.int64, device=dev)
+        self._ones32 = torch.ones(size, dtype=torch.int32, device=dev)
+        self._first = torch.ones(size, dtype=torch.bool, device=dev)
+        self._segment = torch.zeros(size, dtype=torch.int64, device=dev)
+        self._scratch_size = size
+
+    def _bind_stream(self, what: str) -> None:
+        """Check that this acquire or release of a CUDA device-bookkept cache runs on the cache's stream.
+
+        The pins, stamps and maps are updated by ops queued on the caller's stream, and the next
+        acquire reads them in that stream's order: an acquire or release on another stream could run
+        before the ops it depends on (a row evicted while a kernel still reads it, a pin released
+        before it was taken). While no ticket is pinned a new stream takes over (it first waits for
+        the old one); otherwise RuntimeError naming both streams and what to do."""
+        if self._book_device.type != "cuda":
+            return
+        stream = torch.cuda.current_stream(self._book_device)
+        if self._stream is None or stream == self._stream:
+            self._stream = stream
+            return
+        if self._tickets or self._deferred:
+            raise RuntimeError(
+                f"RowCache.{what}: a cache with its bookkeeping on the device (kernels/offload/"
+                f"device_slots.py) must be acquired and released on one CUDA stream, because its pins, "
+                f"slot maps and stamps are updated by ops queued on that stream; tickets "
+                f"{sorted(self._tickets)} were acquired on {self._stream} and this call runs on {stream}. "
+                f"Run the acquires and releases (the lookup's forward and backward) under the same "
+                f"stream (torch.cuda.stream(...)), release every ticket before switching streams, or "
+                f"build the cache with bookkeeping='host'."
+            )
+        stream.wait_stream(self._stream)  # nothing in flight: the new stream after the old one's ops
+        self._stream = stream
+
+    def _order_slots(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(order, pinned)``: every slot, in the order slots are taken (free ascending, then evictable
+        by the algorithm, pinned last), and the number of pinned slots (0-d device tensor).
+
+        A free slot's stamp and count are 0 and a resident slot's are >= 1 (every acquire stamps and
+        counts all of its slots; eviction, growth, shrinking and invalidation zero them), so the stamp
+        alone puts the free slots first."""
         pinned = self._pins > 0
         last = torch.iinfo(torch.int64).max
-        stamp_key = torch.where(resident, self._stamp, -1)  # free first (stamps are >= 0)
         if self.algorithm == "lru":
-            order = torch.argsort(torch.where(pinned, last, stamp_key), stable=True)
+            order = torch.argsort(torch.where(pinned, last, self._stamp), stable=True)
         else:  # (count, stamp, slot): by stamp, then stably by count
-            by_stamp = torch.argsort(stamp_key, stable=True)
-            count_key = torch.where(pinned, last, torch.where(resident, self._freq, -1))
+            by_stamp = torch.argsort(self._stamp, stable=True)
+            count_key = torch.where(pinned, last, self._freq)
             order = by_stamp.index_select(0, torch.argsort(count_key.index_select(0, by_stamp), stable=True))
-        return order, (~pinned).sum(), (~resident).sum()
+        return order, pinned.sum()
 
     def _acquire_device(
-        self, ids: torch.Tensor, commit_order: Optional[torch.Tensor] = None
+        self,
+        ids: torch.Tensor,
+        commit_order: Optional[torch.Tensor] = None,
+        id_check: Optional[IdCheck] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Acquire the distinct rows of ``ids`` (integer ``[N]``, ``N > 0``, on the bookkeeping device):
         ``(ticket_slots, slot_ids)``, the distinct slots (ascending rows, or in the order of
         ``commit_order``, distinct rows already checked, which are then also stamped in that order)
-        and each id's slot (int64 ``[N]``). Raises RowOutOfRange for an id outside ``[0, R)``."""
+        and each id's slot (int64 ``[N]``). Raises RowOutOfRange for an id outside ``[0, R)``, or
+        ``id_check``'s error (checked in the same host sync)."""
         dev = self._book_device
         n = ids.numel()
-        sorted_ids, order = torch.sort(ids.to(torch.int64))
-        first = torch.ones(n, dtype=torch.bool, device=dev)
+        self._scratch(n)
+        ids = ids.to(torch.int64)
+        sorted_ids = torch.sort(ids).values
+        # dedup without torch.unique (its size needs a sync): a distinct row's first sorted position
+        # starts a segment; the segment numbers (a cumsum) scatter the rows to the front of `distinct`
+        first, segment = self._first[:n], self._segment[:n]
         torch.ne(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
-        segment = torch.cumsum(first, 0) - 1  # each sorted id's distinct row, in ascending order
-        distinct = torch.zeros(n, dtype=torch.int64, device=dev).scatter_(0, segment, sorted_ids)
-        count = segment[-1] + 1
-        valid = torch.arange(n, device=dev) < count  # the first `count` entries of `distinct` are rows
-        looked = self.slot_of_row.index_select(0, distinct.clamp(0, self.num_rows - 1)).long()
-        hit = valid & (looked >= 0)
-        miss = valid & (looked < 0)
+        torch.cumsum(first[1:], 0, dtype=torch.int64, out=segment[1:])
+        # padded with row R, whose entry in the padded dense map (_slot_map.padded[R]) is -2: neither a hit nor a miss
+        distinct = torch.full((n,), self.num_rows, dtype=torch.int64, device=dev)
+        distinct.scatter_(0, segment, sorted_ids)
+        looked = self._slot_map.padded.index_select(0, distinct.clamp(0, self.num_rows))  # int32
+        hit, miss = looked >= 0, looked == -1
         # padded and missing entries add 0 to slot 0 (no nonzero: its size would need a sync)
         hit_slots, hit_pins = looked.clamp(min=0), hit.to(torch.int32)
         if self.size:  # no slots: no hits either
             self._pins.index_add_(0, hit_slots, hit_pins)  # first: the hits are never victims here
         misses = miss.sum()
-        taken_order, available, free = self._order_slots()
+        taken_order, pinned = self._order_slots()
         head = taken_order[: min(n, self.size)]  # the misses' slots are among these
-        written = (torch.arange(head.numel(), device=dev) < misses) & self._dirty.index_select(0, head)
-        stats = torch.stack([count, misses, available, free, written.sum(), sorted_ids[0], sorted_ids[-1]])
-        count, misses, available, free, writes, low, high = stats.tolist()  # the one host sync
+        written = (self._arange[: head.numel()] < misses) & self._dirty.index_select(0, head)
+        stats = [segment[-1], misses, pinned, written.sum(), sorted_ids[0], sorted_ids[-1]]
+        if id_check is not None and id_check.bad is not None:
+            stats.append(id_check.bad.to(torch.int64).reshape(()))
+        last, misses, pinned, writes, low, high, *bad = torch.stack(stats).tolist()  # the one host sync
+        count, available, free = last + 1, self.size - pinned, self.size - self._resident
+        evicted = None
         try:
-            if low < 0 or high >= self.num_rows:
-                checked_rows(distinct[:count].cpu(), self.num_rows)  # raises RowOutOfRange, naming it
-                raise AssertionError("an id out of range was not found again")  # pragma: no cover
+            if low < 0 or high >= self.num_rows or (bad and bad[0]):
+                self._raise_bad_ids(distinct[:count], id_check)
             if misses > available:
                 # the pinned rows exceed the cache: grow so that every miss fits, then every free and
                 # evictable slot goes (as on the host path); this rare path syncs again
                 self._grow(self.size + misses - available)
-                taken_order, _, free = self._order_slots()
-                head, free = taken_order[:misses], int(free)
+                head = self._order_slots()[0][:misses]
                 written = self._dirty.index_select(0, head)
-                writes = int(written.sum())
+                writes, free = int(written.sum()), self.size - self._resident
             victims = head[:misses]
             self._evict_device(victims, written[:misses], writes, min(misses, free))
-            miss_rows = distinct.index_select(0, torch.argsort((~miss).to(torch.int8), stable=True)[:misses])
+            evicted = victims  # their rows dropped from the map: a failure from here on frees them
+            miss_rows = distinct.index_select(0, torch.nonzero_static(miss, size=misses).flatten())
             new_slots = victims.sort().values
             self._read_rows(miss_rows, new_slots)
         except BaseException:
             if self.size:
                 self._pins.index_add_(0, hit_slots, -hit_pins)
+            if evicted is not None:  # the victims' rows are gone: their slots are free now
+                self._free_slots_device(evicted)
             raise
         self._install_device(miss_rows, new_slots)
         rows = distinct[:count] if commit_order is None else commit_order
         slots = self.slot_of_row.index_select(0, rows).long()
-        self._stamp.index_copy_(0, slots, self._clock + torch.arange(count, device=dev))
-        self._freq.index_add_(0, slots, torch.ones(count, dtype=torch.int64, device=dev))
+        self._stamp.index_copy_(0, slots, self._arange[:count] + self._clock)
+        self._freq.index_add_(0, slots, self._ones64[:count])
         self._clock += count
         self.counters.lookups += count
         self.counters.hits += count - misses
         self.counters.misses += misses
         if commit_order is not None:
             return slots, slots
-        inverse = torch.empty(n, dtype=torch.int64, device=dev).scatter_(0, order, segment)
-        return slots, slots.index_select(0, inverse)
+        return slots, self.slot_of_row.index_select(0, ids).long()
+
+    def _raise_bad_ids(self, distinct: torch.Tensor, id_check: Optional[IdCheck]) -> None:
+        """The error for ids the caller's check rejects or outside ``[0, R)`` (syncs again: error path)."""
+        if id_check is not None:
+            id_check.raise_error()  # the caller's error, naming its feature and table
+        checked_rows(distinct.cpu(), self.num_rows)  # raises RowOutOfRange, naming the row
+        raise IndexError("RowCache.acquire_ids: the caller's id check rejected ids without naming one")
 
     def _evict_device(self, victims: torch.Tensor, written: torch.Tensor, writes: int, free: int) -> None:
         """Drop the rows of ``victims`` (int64, the ``free`` free slots first), writing back the
-        ``writes`` dirty ones (``written``: bool per victim)."""
+        ``writes`` dirty ones (``written``: bool per victim). Only the map of the dropped rows changes:
+        every victim is refilled by :meth:`_install_device` in the same acquire, which rewrites the
+        slots' row, dirty flag, stamp and count (or freed by :meth:`_free_slots_device` on a failure)."""
         if writes:
-            # the dirty victims first (a stable sort of a flag): no nonzero, whose size needs a sync
-            picked = victims.index_select(0, torch.argsort((~written).to(torch.int8), stable=True)[:writes])
+            # the dirty victims (nonzero_static: its size is known, no sync)
+            picked = victims.index_select(0, torch.nonzero_static(written, size=writes).flatten())
             # any order: a zero-copy scatter (or a tensor's index_copy_) does not read the file in order
             self._write_back(self.row_of_slot.index_select(0, picked), picked, ordered=True)
         evicted = victims[free:]
         if evicted.numel():
             self.slot_of_row.index_fill_(0, self.row_of_slot.index_select(0, evicted), -1)
-            self.row_of_slot.index_fill_(0, evicted, -1)
-            self._dirty.index_fill_(0, evicted, False)
-            self._stamp.index_fill_(0, evicted, 0)
-            self._freq.index_fill_(0, evicted, 0)
             self._resident -= evicted.numel()
             self.counters.evictions += evicted.numel()
 
+    def _free_slots_device(self, slots: torch.Tensor) -> None:
+        """``slots`` free: no row, clean, unstamped (a failed acquire's victims, their rows already
+        dropped from the map and from ``_resident`` by :meth:`_evict_device`)."""
+        self.row_of_slot.index_fill_(0, slots, -1)
+        self._dirty.index_fill_(0, slots, False)
+        self._stamp.index_fill_(0, slots, 0)
+        self._freq.index_fill_(0, slots, 0)
+
     def _install_device(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Loaded ``rows`` resident in ``slots``: clean, unstamped, pinned once (by their acquire)."""
+        """Loaded ``rows`` resident in ``slots``: clean, count 0, pinned once (by their acquire); their
+        stamps are written by the acquire's stamping, which covers them."""
         if not rows.numel():
             return
         self.slot_of_row.index_copy_(0, rows, slots.to(torch.int32))
         self.row_of_slot.index_copy_(0, slots, rows)
         self._dirty.index_fill_(0, slots, False)
-        self._stamp.index_fill_(0, slots, 0)
         self._freq.index_fill_(0, slots, 0)
-        self._pins.index_add_(0, slots, torch.ones(slots.numel(), dtype=torch.int32, device=slots.device))
+        self._pins.index_add_(0, slots, self._ones32[: slots.numel()])
         self._resident += rows.numel()
 
 

@@ -77,12 +77,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
+from shardkit.kernels.embedding import RowOutOfRange
 from shardkit.kernels.offload.cache_counters import CacheCounters
 from shardkit.kernels.offload.cache_resize import CacheResize
 from shardkit.kernels.offload.cache_slots import CacheSlots, ones_int32
 from shardkit.kernels.offload.device_copies import DeviceCopies, copy_stream_default
 from shardkit.kernels.offload.device_slots import DeviceSlots, choose_bookkeeping
-from shardkit.kernels.offload.row_checks import checked_rows
+from shardkit.kernels.offload.row_checks import IdCheck, checked_rows
 from shardkit.kernels.offload.row_moves import RowMoves
 from shardkit.kernels.offload.slot_map import (
     SLOT_BOOKKEEPING_BYTES,
@@ -245,7 +246,10 @@ class RowCache(CacheSlots, DeviceSlots, RowMoves, CacheResize):
         self.slot_map_kind, self.slot_map_reason = choose_slot_map(
             slot_map, self.num_rows, self.capacity, self.row_bytes, self.bookkeeping == "device"
         )
-        self._slot_map: SlotMap = make_slot_map(self.slot_map_kind, self.num_rows, self.capacity, book)
+        self._slot_map: SlotMap = make_slot_map(
+            self.slot_map_kind, self.num_rows, self.capacity, book, padded=self.bookkeeping == "device"
+        )
+        self._init_device_scratch()
         self.row_of_slot = torch.full((self.capacity,), -1, dtype=torch.int64, device=book)
         self._resident = 0  # slots holding a row: when all do, no scan for free ones
         self._dirty = torch.zeros(self.capacity, dtype=torch.bool, device=book)
@@ -300,9 +304,13 @@ class RowCache(CacheSlots, DeviceSlots, RowMoves, CacheResize):
             yield
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        """The bookkeeping lock, with the releases queued while another thread held it applied first."""
+    def _locked(self, what: Optional[str] = None) -> Iterator[None]:
+        """The bookkeeping lock, with the releases queued while another thread held it applied first
+        (and, for a CUDA cache with the device bookkeeping, the check that ``what``, a method that
+        queues or reads bookkeeping ops, runs on its stream: ``DeviceSlots._bind_stream``)."""
         with self._lock:
+            if what is not None and self.bookkeeping == "device":
+                self._bind_stream(what)
             self._apply_deferred()
             yield
 
@@ -332,7 +340,7 @@ class RowCache(CacheSlots, DeviceSlots, RowMoves, CacheResize):
             TypeError / ValueError for a tensor that is not a 1-D integer tensor.
         """
         rows, ascending = checked_rows(rows, self.num_rows)
-        with self._locked():
+        with self._locked("acquire"):
             if self.bookkeeping == "device":
                 rows = rows.to(self._book_device)  # checked; also the order of their stamps
                 ticket, slots = self._acquire_on_device(rows, rows)
@@ -342,7 +350,9 @@ class RowCache(CacheSlots, DeviceSlots, RowMoves, CacheResize):
             self.wait_loaded(ticket)
         return ticket, slots
 
-    def acquire_ids(self, ids: torch.Tensor, wait_copies: bool = True) -> Tuple[int, torch.Tensor]:
+    def acquire_ids(
+        self, ids: torch.Tensor, wait_copies: bool = True, id_check: Optional[IdCheck] = None
+    ) -> Tuple[int, torch.Tensor]:
         """:meth:`acquire` of the distinct rows of ``ids``, with each id remapped to its slot.
 
         The same as ``unique, inverse = torch.unique(ids, return_inverse=True)``, ``ticket, slots =
@@ -355,6 +365,9 @@ class RowCache(CacheSlots, DeviceSlots, RowMoves, CacheResize):
             ids: row numbers in ``[0, R)``, an integer tensor ``[N]`` (repeats allowed, any order, any
                 device); ``N = 0`` is fine.
             wait_copies: as for :meth:`acquire` (a CUDA cache's side-stream copies).
+            id_check: the caller's own check of ``ids`` (:class:`~shardkit.kernels.offload.row_checks.
+                IdCheck`: a count of the ids it rejects, and the function raising its error), applied
+                before anything is pinned; the device bookkeeping reads the count in its one host sync.
         Returns:
             ``(ticket, slot_ids)``: the ticket for :meth:`release` and int64 ``[N]`` on :attr:`device`,
             ``slot_ids[k]`` the slot of row ``ids[k]``.
@@ -365,13 +378,27 @@ class RowCache(CacheSlots, DeviceSlots, RowMoves, CacheResize):
         if self.bookkeeping == "device":
             if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex:
                 return self.acquire(ids)  # raises its TypeError naming what is wrong
-            if ids.dim() != 1 or ids.dtype == torch.bool or not ids.numel() or not self.num_rows:
-                return self.acquire(ids, wait_copies)  # its errors; no ids: nothing to sync for
-            with self._locked():
-                ticket, slot_ids = self._acquire_on_device(ids.to(self._book_device))
-            if wait_copies:
-                self.wait_loaded(ticket)
-            return ticket, slot_ids
+            if ids.dim() == 1 and ids.dtype != torch.bool and ids.numel() and self.num_rows:
+                with self._locked("acquire_ids"):
+                    ticket, slot_ids = self._acquire_on_device(ids.to(self._book_device), None, id_check)
+                if wait_copies:
+                    self.wait_loaded(ticket)
+                return ticket, slot_ids
+            # else acquire's errors; no ids: nothing to sync for
+        if id_check is None:
+            return self._acquire_ids_host(ids, wait_copies)
+        if id_check.bad is not None and int(id_check.bad):
+            id_check.raise_error()
+        try:
+            return self._acquire_ids_host(ids, wait_copies)
+        except RowOutOfRange:
+            id_check.raise_error()  # the caller's error where it names the id
+            raise
+
+    def _acquire_ids_host(self, ids: torch.Tensor, wait_copies: bool) -> Tuple[int, torch.Tensor]:
+        """:meth:`acquire_ids` with the host bookkeeping (and the device path's degenerate cases)."""
+        if self.bookkeeping == "device":
+            return self.acquire(ids, wait_copies)
         native = self._native()
         if (
             native is None
@@ -414,11 +441,14 @@ class RowCache(CacheSlots, DeviceSlots, RowMoves, CacheResize):
         return ticket, slots.index_select(0, inverse.flatten().to(slots.device)).view(inverse.shape)
 
     def _acquire_on_device(
-        self, ids: torch.Tensor, commit_order: Optional[torch.Tensor] = None
+        self,
+        ids: torch.Tensor,
+        commit_order: Optional[torch.Tensor] = None,
+        id_check: Optional[IdCheck] = None,
     ) -> Tuple[int, torch.Tensor]:
         """The device bookkeeping's acquire (``device_slots.py``): ``(ticket, slot_ids)``."""
         if ids.numel():
-            slots, slot_ids = self._acquire_device(ids, commit_order)
+            slots, slot_ids = self._acquire_device(ids, commit_order, id_check)
         else:
             slots = slot_ids = torch.zeros(0, dtype=torch.int64, device=self._book_device)
         return self._issue_ticket(slots), slot_ids.to(self.device)
@@ -502,6 +532,8 @@ class RowCache(CacheSlots, DeviceSlots, RowMoves, CacheResize):
         operation applies it, and the ticket's rows stay pinned until then.
         Raises ValueError for a ticket never issued or already released.
         """
+        if self.bookkeeping == "device":
+            self._bind_stream("release")  # on the stream of the acquires (checked before queuing)
         if not self._lock.acquire(blocking=False):
             with self._deferred_lock:  # checked and queued at once: a second release is an error now
                 if ticket not in self._tickets or any(t == ticket for t, _ in self._deferred):
@@ -535,7 +567,7 @@ class RowCache(CacheSlots, DeviceSlots, RowMoves, CacheResize):
 
         Rows of a pinned ticket count as dirty only once released with ``dirty=True``.
         """
-        with self._locked():
+        with self._locked("flush"):
             self._flush()
 
     def _flush(self) -> None:
@@ -552,7 +584,7 @@ class RowCache(CacheSlots, DeviceSlots, RowMoves, CacheResize):
 
         Raises RuntimeError while a ticket is pinned (its slots are in use).
         """
-        with self._locked():
+        with self._locked("invalidate"):
             self._invalidate()
 
     def _invalidate(self) -> None:
@@ -571,5 +603,5 @@ class RowCache(CacheSlots, DeviceSlots, RowMoves, CacheResize):
 
     def resident_rows(self) -> torch.Tensor:
         """The rows cached now, ascending, int64 ``[n]`` on the host (``n <= size``)."""
-        with self._locked():
+        with self._locked("resident_rows"):
             return self.row_of_slot[self.row_of_slot >= 0].sort().values.cpu()

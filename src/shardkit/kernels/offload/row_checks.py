@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Tuple
+import dataclasses
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -39,4 +40,23 @@ def checked_rows(rows: torch.Tensor, num_rows: int) -> Tuple[torch.Tensor, bool]
     return rows, rows.numel() == 0
 
 
-__all__ = ["checked_rows"]
+@dataclasses.dataclass
+class IdCheck:
+    """A caller's own check of the ids it passes to ``RowCache.acquire_ids``, folded into the acquire's
+    host sync (the device bookkeeping brings its counts to the host once an acquire; a lookup's id check
+    would cost a second sync).
+
+    Attributes:
+        bad: None, or a 0-d integer tensor on the ids' device: how many ids the caller rejects (computed
+            by queued ops, no sync). None: the cache's own range check ``[0, R)`` is the caller's check.
+        raise_error: called (before anything is pinned, evicted or loaded) when ``bad`` is nonzero or an
+            id is outside ``[0, R)``; raises the caller's error (naming its feature, table, id, range).
+            Should it return, the cache raises its own ``RowOutOfRange`` (or an IndexError saying that
+            the caller rejected ids without naming one).
+    """
+
+    bad: Optional[torch.Tensor]
+    raise_error: Callable[[], None]
+
+
+__all__ = ["IdCheck", "checked_rows"]

@@ -86,8 +86,13 @@ class DenseSlotMap:
 
     kind = "dense"
 
-    def __init__(self, num_rows: int, device: torch.device) -> None:
-        self.map = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
+    def __init__(self, num_rows: int, device: torch.device, padded: bool = False) -> None:
+        # padded (the device bookkeeping, device_slots.py): one extra entry R = -2 after the map, where
+        # that path looks its padding up (neither a hit nor a miss); ``map`` is the [R] view of it
+        self.padded = torch.full((num_rows + int(padded),), -1, dtype=torch.int32, device=device)
+        if padded:
+            self.padded[num_rows] = -2
+        self.map = self.padded[:num_rows]
 
     @property
     def tensors(self) -> List[torch.Tensor]:
@@ -234,10 +239,13 @@ class HashSlotMap:
 SlotMap = Union[DenseSlotMap, HashSlotMap]
 
 
-def make_slot_map(kind: str, num_rows: int, size: int, device: torch.device) -> SlotMap:
-    """An empty map of ``kind`` for ``num_rows`` table rows and ``size`` slots (dense: on ``device``)."""
+def make_slot_map(kind: str, num_rows: int, size: int, device: torch.device, padded: bool = False) -> SlotMap:
+    """An empty map of ``kind`` for ``num_rows`` table rows and ``size`` slots (dense: on ``device``, with
+    ``padded`` its extra entry ``R`` of -2 for the device bookkeeping)."""
     if kind == "dense":
-        return DenseSlotMap(num_rows, device)
+        return DenseSlotMap(num_rows, device, padded)
+    if padded:
+        raise ValueError("the device bookkeeping needs the dense slot map (choose_slot_map picks it there)")
     return HashSlotMap(num_rows, size)
 
 
