@@ -268,6 +268,7 @@ class DeviceSlots:
             picked = victims.index_select(0, torch.nonzero_static(written, size=writes).flatten())
             # any order: a zero-copy scatter (or a tensor's index_copy_) does not read the file in order
             self._write_back(self.row_of_slot.index_select(0, picked), picked, ordered=True)
+            self._dirty.index_fill_(0, picked, False)  # the other victims are clean already
         evicted = victims[free:]
         if evicted.numel():
             self.slot_of_row.index_fill_(0, self.row_of_slot.index_select(0, evicted), -1)
@@ -283,13 +284,13 @@ class DeviceSlots:
         self._freq.index_fill_(0, slots, 0)
 
     def _install_device(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Loaded ``rows`` resident in ``slots``: clean, count 0, pinned once (by their acquire); their
-        stamps are written by the acquire's stamping, which covers them."""
+        """Loaded ``rows`` resident in ``slots``: count 0, pinned once (by their acquire); their stamps
+        are written by the acquire's stamping, which covers them, and they are clean (free slots are,
+        and :meth:`_evict_device` cleaned the dirty victims it wrote back)."""
         if not rows.numel():
             return
         self.slot_of_row.index_copy_(0, rows, slots.to(torch.int32))
         self.row_of_slot.index_copy_(0, slots, rows)
-        self._dirty.index_fill_(0, slots, False)
         self._freq.index_fill_(0, slots, 0)
         self._pins.index_add_(0, slots, self._ones32[: slots.numel()])
         self._resident += rows.numel()
