@@ -14,6 +14,9 @@ its kernel skips the bounds check on the cache's slot ids. This file checks that
   values on the host (``shardkit.testing.dispatch_counts``: a host sync on a GPU), with validation on,
   for every layout, as many as the in-memory lookup (its id check); with the pure-torch kernels, which
   sync themselves, as many as the in-memory lookup;
+- a prefetch matches its forward's ids given as other views of the same memory without reading them
+  (a sharded module splits its input into new views a call; on a GPU, ``torch.equal`` syncs), and not
+  once that memory was written (the rows were acquired for the old values);
 - the stream rule of a CUDA device-bookkept cache (``DeviceSlots._bind_stream``), with stand-in
   streams (the ``cuda``-marked test in test_row_cache_device.py runs it on real ones).
 """
@@ -160,11 +163,29 @@ def test_one_host_sync_a_training_step(layout, validation):
         with DispatchCounts() as counts:
             out = train(offloaded, step, True)
         with DispatchCounts() as in_memory:
-            assert torch.equal(out, train(memory, step, False)), step
+            want = train(memory, step, False)
+        assert torch.equal(out, want), step
         assert counts.syncs == in_memory.syncs, (step, dict(counts.sync_ops), dict(in_memory.sync_ops))
         if native:
             assert counts.syncs == 1, (step, dict(counts.sync_ops))  # the acquire's; in memory: its id check
     assert offloaded.cache.counters.evictions > 0 and offloaded.cache.size == offloaded.cache.capacity
+
+
+def test_a_prefetch_matches_other_views_of_its_ids_without_reading_them():
+    from shardkit.modules.offload_prefetch import PrefetchedRows
+
+    batch = torch.arange(40)
+    ids, offsets = batch[10:30], torch.arange(0, 21, 4)
+    record = PrefetchedRows(ids, offsets, None, lambda: None, background=False)
+    with DispatchCounts() as counts:
+        assert record.matches(batch[10:30], offsets.view(-1), None)  # new views, same memory
+    assert counts.syncs == 0, dict(counts.sync_ops)
+    with DispatchCounts() as counts:  # a copy: compared by value
+        assert record.matches(batch[10:30].clone(), offsets, None)
+        assert not record.matches(batch[11:31], offsets, None)
+    assert counts.sync_ops["aten::equal"] == 2
+    batch[12] = 99  # written since the prefetch (its rows were acquired for the old values)
+    assert not record.matches(batch[10:30], offsets, None) and not record.matches(ids, offsets, None)
 
 
 class _Stream:

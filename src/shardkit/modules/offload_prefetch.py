@@ -58,6 +58,23 @@ def prefetch_executor() -> concurrent.futures.ThreadPoolExecutor:
         return _executor
 
 
+def _version(tensor: Optional[torch.Tensor]) -> Optional[int]:
+    """The version counter of ``tensor``'s storage (bumped by every in-place write to it or a view),
+    or None (no tensor, or an inference tensor, which has none)."""
+    if tensor is None:
+        return None
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` view the same elements of the same memory."""
+    # the prefetch holds ``a``: no other storage can sit at its address while it lives
+    return a.device == b.device and a.stride() == b.stride() and a.data_ptr() == b.data_ptr()
+
+
 class PrefetchedRows:
     """One batch's prefetch: what it was asked for and what it became.
 
@@ -78,6 +95,7 @@ class PrefetchedRows:
         background: bool,
     ) -> None:
         self.ids, self.offsets, self.bag_shift = ids, offsets, bag_shift
+        self._versions = tuple(_version(t) for t in (ids, offsets, bag_shift))
         self.outcome: Any = None
         self.error: Optional[BaseException] = None
         self._future: Optional[concurrent.futures.Future] = None
@@ -101,14 +119,27 @@ class PrefetchedRows:
 
     def matches(self, ids: torch.Tensor, offsets: torch.Tensor, bag_shift: Optional[torch.Tensor]) -> bool:
         """Whether a forward of ``ids`` / ``offsets`` / ``bag_shift`` reads exactly the prefetched rows
-        (compared by value: the forward may get other tensor objects for the same batch)."""
+        (compared by value: the forward may get other tensor objects for the same batch). Not once
+        the prefetched tensors were written in place (their version counter moved: the rows were
+        acquired for other values). A view of the same memory (address, shape, strides, dtype) is
+        matched without reading the values, which on a GPU would be a host sync (a sharded module
+        splits its input per group into new views a call)."""
 
-        def same(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+        def same(a: Optional[torch.Tensor], b: Optional[torch.Tensor], version: Optional[int]) -> bool:
             if a is None or b is None:
                 return a is None and b is None
-            return a is b or (a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
+            if version is not None and _version(a) != version:
+                return False  # written since the prefetch: its rows were acquired for other values
+            if a is b:
+                return True
+            if a.dtype != b.dtype or a.shape != b.shape:
+                return False
+            if version is not None and _same_view(a, b):
+                return True  # the same memory, unchanged since the prefetch
+            return torch.equal(a, b)
 
-        return same(self.ids, ids) and same(self.offsets, offsets) and same(self.bag_shift, bag_shift)
+        mine = (self.ids, self.offsets, self.bag_shift)
+        return all(same(a, b, v) for a, b, v in zip(mine, (ids, offsets, bag_shift), self._versions))
 
 
 __all__ = ["ENV_VAR", "PrefetchedRows", "background_prefetch_default", "prefetch_executor"]

@@ -6,7 +6,8 @@ Both can be counted on CPU tensors, where the same ops run: :class:`DispatchCoun
 op dispatched inside its block (a ``TorchDispatchMode``) and every call that needs the values on the
 host, which on CUDA tensors is a device-to-host sync:
 
-- ``aten._local_scalar_dense`` (``.item()``, ``int(t)``, ``bool(t)``, ``float(t)``);
+- ``aten._local_scalar_dense`` (``.item()``, ``int(t)``, ``bool(t)``, ``float(t)``), ``aten.equal``
+  and ``aten.is_nonzero`` (a Python bool from the values);
 - ops whose output size depends on the values: ``nonzero``, ``masked_select``, ``unique``-like ops,
   ``repeat_interleave`` without ``output_size``, indexing or ``index_put_`` with a boolean mask;
 - ``Tensor.tolist()`` (on CPU tensors it dispatches nothing, so it is counted by wrapping the method
@@ -24,7 +25,9 @@ from typing import Any, Dict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_VALUE_SIZED = {
+_HOST_VALUES = {
+    "aten::equal",
+    "aten::is_nonzero",
     "aten::nonzero",
     "aten::masked_select",
     "aten::_unique",
@@ -37,7 +40,7 @@ _VALUE_SIZED = {
 
 def _needs_host(func: Any, args: tuple, kwargs: Dict[str, Any]) -> bool:
     name = func._schema.name
-    if name == "aten::_local_scalar_dense" or name in _VALUE_SIZED:
+    if name == "aten::_local_scalar_dense" or name in _HOST_VALUES:
         return True
     if name == "aten::repeat_interleave":
         return kwargs.get("output_size") is None and (len(args) < 3 or args[2] is None)
