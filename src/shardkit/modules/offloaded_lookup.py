@@ -25,6 +25,7 @@ re-initialization) works unchanged: those calls first write the cache back and e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import weakref
@@ -112,7 +113,11 @@ def _release_if_open(cache: RowCache, ticket: int, open_cell: List[bool]) -> Non
     if open_cell[0]:
         open_cell[0] = False
         try:
-            cache.release(ticket, False)
+            # a garbage collection may run this on any thread (and its current stream): a CUDA cache
+            # with the device bookkeeping releases on the stream of its acquires (device_slots.py)
+            stream = getattr(cache, "_stream", None)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                cache.release(ticket, False)
         except Exception:  # noqa: BLE001 - at interpreter exit the cache may be gone; nothing to write
             pass
 

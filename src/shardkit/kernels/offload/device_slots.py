@@ -15,21 +15,34 @@ the GPU, the same state lives on the cache's device and every step of an acquire
 - misses gathered from the host memory by the GPU (zero-copy, ``device_copies.py``) on the copy stream,
   dirty victims scattered back to it before their slots are refilled, on the same stream.
 
-**One host sync an acquire**: the distinct-row count, the misses, the evictable and free slots, the
-dirty victims and the ids' range come to the host together (one 7-element copy), because the shapes of
-what follows (how many rows to gather and to write back) and the counters depend on them. The ids are
-deduplicated by a sort without ``torch.unique``'s own sync (arrays padded to the number of ids until the
-counts are known). A release, the stamps, the pins and the copies queue without waiting. The rare paths
-(growth when the pinned rows exceed the cache, shrinking, flush, invalidate) sync as they need.
+**One host sync an acquire**: the distinct-row count, the misses, the pinned slots, the dirty victims,
+the ids' range and the count of ids the caller's own check rejects (``IdCheck``: an offloaded lookup's
+shard bounds, so that it needs no sync of its own) come to the host together (one copy of at most 7
+numbers), because the shapes of what follows (how many rows to gather and to write back) and the
+counters depend on them. The ids are deduplicated by a sort without ``torch.unique``'s own sync (arrays
+padded to the number of ids with row R, whose entry ``_slot_map[R]`` = -2 is neither a hit nor a miss,
+until the counts are known); the free slots are counted on the host (``_resident``). A release, the
+stamps, the pins and the copies queue without waiting. The rare paths (growth when the pinned rows
+exceed the cache, shrinking, flush, invalidate) sync as they need.
+
+Few ops: an acquire is a fixed number of torch ops whatever the batch (52 that are not views, for a
+weight and one optimizer state field, on CPU tensors; ``benchmarks/offload_gpu_syncs.py`` counts them;
+80 before issue 24's second round, docs/offload.md): buffers of fixed content are kept across
+acquires (an arange, ones, the dedup scratch), ``nonzero_static`` picks the misses and dirty victims
+(its size known after the sync), a free slot's stamp and count are 0 (so the stamp alone orders free
+slots first), and an evicted slot's state is not reset, since the miss installed into it in the same
+acquire rewrites it.
 
 The replacement is the host path's exactly: the same victims (free slots first, ascending; then the
 smallest stamps, or (counts, stamps), ties by slot), the same slots for the same misses (ascending
 victims to ascending rows), the same stamps (ascending rows within ``acquire_ids``; the given order in
 ``acquire``), the same counters (tests/kernels/offload/test_row_cache_device.py compares them step by
-step). It costs a sort over the cache's slots per acquire that misses, on the device.
+step). It costs a sort over the cache's slots per acquire, on the device.
 
-The acquires and releases of one cache must run on one CUDA stream (the default stream, normally:
-autograd runs a backward, and so its release, on its forward's stream); the ops are ordered by it.
+The acquires and releases of one cache run on one CUDA stream (the default stream, normally: autograd
+runs a backward, and so its release, on its forward's stream); the ops are ordered by it. Enforced
+(``_bind_stream``): another stream is a RuntimeError saying why while a ticket is pinned, and takes
+over (after waiting for the old one) once none is.
 
 A mixin of :class:`~shardkit.kernels.offload.row_cache.RowCache`; every method runs under its lock.
 """
