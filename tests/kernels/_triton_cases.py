@@ -36,6 +36,7 @@ BACKWARD_CASES = [
 ]
 OTHER_CASES = [
     "out-of-range-id-raises",
+    "unchecked-ids",
     "empty-batch",
     "dispatch-selects-triton",
     "deterministic-hot-rows",
@@ -179,6 +180,27 @@ def _other_case(case: str, device: str) -> List[List[Any]]:
                 checks.append([f"pooled={pooled} raises RowOutOfRange", False, "no error"])
             except RowOutOfRange as error:
                 checks.append([f"pooled={pooled} reports the first bad id", error.position == 2, str(error)])
+        return checks
+    if case == "unchecked-ids":
+        # check_ids=False (a row cache's slot ids): the same results for ids in range, and no error (and
+        # no read) for one outside the buffer, which adds zeros as with SHARDKIT_TRITON_CHECK_IDS=0
+        ids = torch.tensor([1, 2, 39, 3, 0, 7], device=device)
+        offsets = torch.tensor([0, 2, 6], device=device)
+        checks = []
+        for pooled in (True, False):
+            args = (weight, ids, offsets, None, None, None, pooled)
+            checked = triton_embedding.embedding_forward(*args)
+            unchecked = triton_embedding.embedding_forward(*args, check_ids=False)
+            checks.append([f"pooled={pooled} same results", torch.equal(checked, unchecked), ""])
+            with kernel_backend("triton"):
+                dispatched = embedding_forward(*args, check_ids=False)
+            checks.append([f"pooled={pooled} dispatched the same", torch.equal(dispatched, checked), ""])
+        bad = torch.tensor([1, 2, 40, 3], device=device)
+        pooled_bad = triton_embedding.embedding_forward(
+            weight, bad, torch.tensor([0, 2, 4], device=device), None, None, None, True, check_ids=False
+        )
+        want = torch.stack([weight[1] + weight[2], weight[3]])
+        checks.append(["an id past the buffer adds zeros", torch.equal(pooled_bad, want), str(pooled_bad)])
         return checks
     if case == "empty-batch":
         ids = torch.zeros(0, dtype=torch.int64, device=device)
