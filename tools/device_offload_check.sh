@@ -10,8 +10,8 @@
 #   1. the cuda-marked tests of tests/kernels/offload (the stream rule: test_one_stream_on_cuda),
 #      tests/modules/test_offloaded_prefetch.py, tests/sharding/test_offloaded_quant.py
 #      (quant_uvm_caching with the device bookkeeping against quant), the offloaded cases of
-#      tests/model_parallel/test_world1_on_device.py and the Triton kernels'
-#      tests/kernels/test_triton_embedding_cuda.py                              -> cuda_tests.txt
+#      tests/model_parallel/test_world1_on_device.py and the Triton kernels' offloaded and unchecked-ids
+#      cases of tests/kernels/test_triton_embedding_cuda.py                     -> cuda_tests.txt
 #   2. benchmarks/offload_gpu.py at lf 0.2, zero-copy, host and device bookkeeping -> offload_gpu.json
 #   3. benchmarks/offload_gpu_syncs.py: host syncs, ops and host time a step, host and device paths
 #      (the device one also with SHARDKIT_VALIDATE=0)                          -> offload_gpu_syncs.json
@@ -92,7 +92,7 @@ if "$PY" -c 'import xdist' 2>/dev/null; then pytest_args+=(-n 4); fi
 step "CUDA tests" "${CUDA_TESTS_TIMEOUT:-120}" "$work/cuda_tests.txt" "$PY" -m pytest "${pytest_args[@]}" \
   tests/kernels/offload tests/modules/test_offloaded_prefetch.py tests/sharding/test_offloaded_quant.py \
   "tests/model_parallel/test_world1_on_device.py::test_offloaded_tables" \
-  tests/kernels/test_triton_embedding_cuda.py -k "not test_triton_embedding_cuda or offloaded"
+  tests/kernels/test_triton_embedding_cuda.py -k "not test_triton_embedding_cuda or offloaded or unchecked"
 
 step "offload_gpu lf 0.2" "${BENCH_TIMEOUT:-60}" "$work/offload_gpu_bench.txt" \
   "$PY" -m benchmarks.offload_gpu "${bench_args[@]}" --load-factors 0.2 --copies zero-copy \
