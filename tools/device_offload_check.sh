@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks of the offloaded tables' CUDA tier (issue 24: the row cache's bookkeeping on the device,
-# kernels/offload/device_slots.py), in one go under ~260 s, for a CUDA machine with torch + pytest (no
+# kernels/offload/device_slots.py), in one go under ~300 s, for a CUDA machine with torch + pytest (no
 # network; shardkit need not be installed: src/ goes on PYTHONPATH). Run from anywhere:
 #
 #   OUT=/some/dir tools/device_offload_check.sh      (OUT defaults to ./device_offload_out)
 #
-# Steps, each under its own limit and all under one deadline (DEADLINE seconds, default 260), each
+# Steps, each under its own limit and all under one deadline (DEADLINE seconds, default 300), each
 # leaving its output even when a later one is cut off:
 #   1. the cuda-marked tests of tests/kernels/offload (the stream rule: test_one_stream_on_cuda),
 #      tests/modules/test_offloaded_prefetch.py, tests/sharding/test_offloaded_quant.py
@@ -33,7 +33,7 @@ fi
 export PYTHONPATH="$root/src:$root${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET SHARDKIT_OFFLOAD_DEVICE_BOOKKEEPING SHARDKIT_OFFLOAD_UVA SHARDKIT_OFFLOAD_COPY_STREAM
-deadline=$((SECONDS + ${DEADLINE:-260}))
+deadline=$((SECONDS + ${DEADLINE:-300}))
 summary="$work/summary.txt"
 : >"$summary"
 failed=0
@@ -98,7 +98,7 @@ step "offload_gpu lf 0.2" "${BENCH_TIMEOUT:-60}" "$work/offload_gpu_bench.txt" \
   "$PY" -m benchmarks.offload_gpu "${bench_args[@]}" --load-factors 0.2 --copies zero-copy \
   --bookkeeping host device --out "$work"
 
-step "offload_gpu_syncs" "${SYNCS_TIMEOUT:-50}" "$work/offload_gpu_syncs.txt" \
+step "offload_gpu_syncs" "${SYNCS_TIMEOUT:-60}" "$work/offload_gpu_syncs.txt" \
   "$PY" -m benchmarks.offload_gpu_syncs "${syncs_args[@]}" --out "$work"
 
 mkdir -p "$work/offload_gpu_lf005"
