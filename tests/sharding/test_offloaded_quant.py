@@ -88,7 +88,8 @@ def _cuda_worker(algorithm: str) -> bool:
     assert groups and all(isinstance(g, OffloadedQuantEmbeddingLookup) for g in groups)
     for g in groups:
         assert g.cache.bookkeeping == "device", g.cache.bookkeeping_reason
-        assert g.cache.slot_of_row.is_cuda and g.cache.tensors["weight"].is_cuda and not g.weight.is_cuda
+        assert g.cache.slot_of_row.is_cuda and g.cache.tensors["weight"].is_cuda
+        assert all(t.device.type == "cpu" and t.is_pinned() for t in g.cache.backing.values())
     for step in range(4):
         _, local_kjt, _ = case.global_and_local(step, 0, 1, quant.FEATURES, True)
         kjt = local_kjt.to(device)
