@@ -25,7 +25,7 @@ until the counts are known); the free slots are counted on the host (``_resident
 stamps, the pins and the copies queue without waiting. The rare paths (growth when the pinned rows
 exceed the cache, shrinking, flush, invalidate) sync as they need.
 
-Few ops: an acquire is a fixed number of torch ops whatever the batch (52 that are not views, for a
+Few ops: an acquire is a fixed number of torch ops whatever the batch (51 that are not views, for a
 weight and one optimizer state field, on CPU tensors; ``benchmarks/offload_gpu_syncs.py`` counts them;
 80 before issue 24's second round, docs/offload.md): buffers of fixed content are kept across
 acquires (an arange, ones, the dedup scratch), ``nonzero_static`` picks the misses and dirty victims
@@ -124,8 +124,9 @@ class DeviceSlots:
 
     def _init_device_scratch(self) -> None:
         """Buffers reused by every acquire (no allocation or fill a step): int64 ``_arange`` and
-        ``_ones64``, int32 ``_ones32``, and the dedup scratch ``_first`` (bool, ``[0]`` always True) and
-        ``_segment`` (int64, ``[0]`` always 0), of ``_scratch_size`` entries; ``_stream``: the CUDA
+        ``_ones64``, int32 ``_ones32``, the dedup scratch ``_first`` (bool) and ``_segment`` (int64,
+        ``[0]`` always 0) and the hits' pins ``_hits32``, of ``_scratch_size`` entries (written and
+        read within one acquire, in the order of the cache's one stream); ``_stream``: the CUDA
         stream the acquires and releases run on (bound by the first one)."""
         self._scratch_size = 0
         self._stream: Optional[torch.cuda.Stream] = None
@@ -143,6 +144,7 @@ class DeviceSlots:
         self._ones32 = torch.ones(size, dtype=torch.int32, device=dev)
         self._first = torch.ones(size, dtype=torch.bool, device=dev)
         self._segment = torch.zeros(size, dtype=torch.int64, device=dev)
+        self._hits32 = torch.zeros(size, dtype=torch.int32, device=dev)
         self._scratch_size = size
 
     def _bind_stream(self, what: str) -> None:
@@ -210,13 +212,15 @@ class DeviceSlots:
         first, segment = self._first[:n], self._segment[:n]
         torch.ne(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
         torch.cumsum(first[1:], 0, dtype=torch.int64, out=segment[1:])
-        # padded with row R, whose entry in the padded dense map (_slot_map.padded[R]) is -2: neither a hit nor a miss
+        # padded with row R, whose entry in the padded dense map (_slot_map.padded[R]) is -2: neither a
+        # hit nor a miss
         distinct = torch.full((n,), self.num_rows, dtype=torch.int64, device=dev)
         distinct.scatter_(0, segment, sorted_ids)
         looked = self._slot_map.padded.index_select(0, distinct.clamp(0, self.num_rows))  # int32
-        hit, miss = looked >= 0, looked == -1
-        # padded and missing entries add 0 to slot 0 (no nonzero: its size would need a sync)
-        hit_slots, hit_pins = looked.clamp(min=0), hit.to(torch.int32)
+        miss = looked == -1
+        # the hits' pins: 1 a hit (written as int32 by the comparison itself); padded and missing
+        # entries add 0 to slot 0 (no nonzero: its size would need a sync)
+        hit_slots, hit_pins = looked.clamp(min=0), torch.ge(looked, 0, out=self._hits32[:n])
         if self.size:  # no slots: no hits either
             self._pins.index_add_(0, hit_slots, hit_pins)  # first: the hits are never victims here
         misses = miss.sum()
