@@ -33,6 +33,7 @@ from shardkit.sharding.sharding_plan import (
 )
 from shardkit.sharding.types import ShardingPlan
 from shardkit.testing import run_world
+from shardkit.testing.dispatch_counts import DispatchCounts
 from tests.pipeline import test_zero_sample_pipeline as base
 
 STEPS = 24
@@ -63,8 +64,9 @@ def _pipeline(dmp, pipeline_type):
 def _count_forward_misses(dmp) -> list:
     """Wrap each offloaded lookup's kernel call to add the misses it loads itself to the returned
     cell[0], and its acquisitions to count those made on the background prefetch thread (cell[1]);
-    cell[2] counts evicted slots that were pinned (a row of a batch in flight: must stay 0)."""
-    cell = [0, 0, 0]
+    cell[2] counts evicted slots that were pinned (a row of a batch in flight: must stay 0); cell[3]
+    the calls reading tensor values (a host sync on a GPU) while a forward takes its prefetch over."""
+    cell = [0, 0, 0, 0]
     for module in dmp.modules():
         if isinstance(module, OffloadedEmbeddingLookup):
             run, acquire, evict = module._run_kernel, module._acquire_rows, module.cache._evict
@@ -85,7 +87,14 @@ def _count_forward_misses(dmp) -> list:
                 cell[1] += threading.current_thread().name.startswith("shardkit-offload-prefetch")
                 return _acquire(*args)
 
+            def take(*args, _take=module._take_prefetched):
+                with DispatchCounts() as counts:
+                    out = _take(*args)
+                cell[3] += counts.syncs
+                return out
+
             module._run_kernel, module._acquire_rows = counted, acquired
+            module._take_prefetched = take
     return cell
 
 
@@ -115,13 +124,15 @@ def _worker(prefetch: bool) -> list:
 @pytest.mark.parametrize("prefetch, world_size", [(True, 1), (True, 2), (False, 2)])
 def test_offloaded_pipeline_equals_in_memory(prefetch, world_size):
     counts = run_world(_worker, world_size, prefetch, timeout=300)
-    assert all(pinned == 0 for _, _, pinned in counts), counts
+    assert all(pinned == 0 for _, _, pinned, _ in counts), counts
     if prefetch:
         # every batch's misses loaded by its prefetch, on the background thread (asynchronous prefetch)
-        assert [misses for misses, _, _ in counts] == [0] * world_size
-        assert all(background > 0 for _, background, _ in counts), counts
+        assert [misses for misses, _, _, _ in counts] == [0] * world_size
+        assert all(background > 0 for _, background, _, _ in counts), counts
+        # each group's prefetch matched to its forward by the tensors' identity, not their values
+        assert all(value_reads == 0 for *_, value_reads in counts), counts
     else:
-        assert all(misses > 0 and background == 0 for misses, background, _ in counts), counts
+        assert all(misses > 0 and background == 0 for misses, background, _, _ in counts), counts
 
 
 def test_optimizer_state_equal_after_prefetch_pipeline():

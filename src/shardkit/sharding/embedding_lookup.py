@@ -97,6 +97,7 @@ class ShardedGroupedLookup(nn.Module):
         self.keys: List[ColumnBlock] = received_keys(shards)
         self._offloaded = any(hasattr(lookup, "offload") for lookup in self.lookups)
         self._group_sizes = [len(lookup.feature_names) for lookup in self.lookups]
+        self._last_split: Optional[Tuple[KeyedJaggedTensor, List[KeyedJaggedTensor]]] = None
 
     def group(self, shards: List[PlacedShard]) -> List[List[PlacedShard]]:
         """The shards of each kernel call (default ``group_shards``); a subclass may split a group
@@ -135,10 +136,22 @@ class ShardedGroupedLookup(nn.Module):
         """Prefetch each offloaded group's rows of ``kjt`` (the input :meth:`forward` will take)."""
         if not self.lookups or not self._offloaded:
             return
-        parts = kjt.split(self._group_sizes) if len(self.lookups) > 1 else [kjt]
+        parts = self._split(kjt)
         for lookup, part in zip(self.lookups, parts):
             if isinstance(lookup, OffloadedEmbeddingLookup) and lookup.offload.prefetch:  # training tables
                 lookup.prefetch(part.values(), part.offsets(), part.stride_per_key())
+
+    def _split(self, kjt: KeyedJaggedTensor) -> List[KeyedJaggedTensor]:
+        """``kjt`` split into the groups' features; the same part objects again for the same ``kjt``
+        (the last one split): a prefetch and its forward then pass the lookup the same ids and offsets
+        tensors, which it matches by identity (comparing values would be a host sync on a GPU)."""
+        if len(self.lookups) == 1:
+            return [kjt]
+        if self._last_split is not None and self._last_split[0] is kjt:
+            return self._last_split[1]
+        parts = kjt.split(self._group_sizes)
+        self._last_split = (kjt, parts)
+        return parts
 
     def cache_stats(self) -> Dict[str, Dict[str, float]]:
         """Each offloaded table's cache counters (see ``OffloadedEmbeddingLookup.cache_stats``)."""
@@ -157,7 +170,7 @@ class ShardedGroupedLookup(nn.Module):
                 # the received weights' backward is an all-to-all that the ranks using theirs wait in
                 return empty + weights.sum() * 0
             return empty
-        parts = kjt.split(self._group_sizes) if len(self.lookups) > 1 else [kjt]
+        parts = self._split(kjt)
         outs = [self._lookup_group(lookup, part).to(self.dtype) for lookup, part in zip(self.lookups, parts)]
         if len(outs) == 1:
             return outs[0]
