@@ -118,6 +118,21 @@ def test_lockstep_with_the_host_bookkeeping(host_path, algorithm):
     assert seen["grew"] > 0 and seen["evictions"] > 0, seen  # the pressure the test claims
 
 
+def test_lockstep_without_nonzero_static(monkeypatch):
+    """The misses and dirty victims picked by a stable sort of their flags where nonzero_static does
+    not run (torch < 2.6 on CUDA): the same steps as the host path."""
+    from shardkit.kernels.offload import device_slots
+
+    monkeypatch.setattr(device_slots, "static_nonzero_runs_on", lambda device: False)
+    mask = torch.tensor([False, True, True, False, True])
+    assert device_slots.true_positions(mask, 3).tolist() == [1, 2, 4]
+    seen = {"grew": 0, "evictions": 0}
+    for capacity, seed in ((3, 0), (8, 1)):
+        for key, value in _lockstep(HOST_PATHS[-1], "lru", capacity, seed).items():
+            seen[key] += value
+    assert seen["evictions"] > 0, seen
+
+
 class _nothing:
     def __enter__(self):
         return self

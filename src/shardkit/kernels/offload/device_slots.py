@@ -53,6 +53,7 @@ import os
 from typing import Any, Dict, Optional, Tuple
 
 import torch
+from torch.torch_version import TorchVersion
 
 from shardkit.kernels.offload.row_checks import IdCheck, checked_rows
 
@@ -117,6 +118,24 @@ def choose_bookkeeping(
             raise ValueError(f"RowCache: {ENV_VAR}=1, but the device bookkeeping cannot apply: {blocker}")
         return "host", blocker
     return "device", f"{ENV_VAR}={'1' if setting else 'auto (unset)'}"
+
+
+# torch.nonzero_static runs on CUDA tensors (without a sync) from torch 2.6; on CPU tensors from 2.1
+_STATIC_NONZERO_ON_CUDA = TorchVersion(torch.__version__) >= "2.6"
+
+
+def static_nonzero_runs_on(device: torch.device) -> bool:
+    """Whether ``torch.nonzero_static`` runs on ``device`` with this torch."""
+    return device.type == "cpu" or (device.type == "cuda" and _STATIC_NONZERO_ON_CUDA)
+
+
+def true_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """int64 ``[count]``: the ascending positions of the ``count`` True entries of the bool ``mask``
+    (``count`` known on the host: no sync, unlike ``nonzero``). ``nonzero_static`` where it runs on
+    ``mask``'s device, else a stable sort of the flags (older torch on CUDA: two ops more)."""
+    if static_nonzero_runs_on(mask.device):
+        return torch.nonzero_static(mask, size=count).flatten()
+    return torch.argsort((~mask).to(torch.int8), stable=True)[:count]
 
 
 class DeviceSlots:
@@ -246,7 +265,7 @@ class DeviceSlots:
             victims = head[:misses]
             self._evict_device(victims, written[:misses], writes, min(misses, free))
             evicted = victims  # their rows dropped from the map: a failure from here on frees them
-            miss_rows = distinct.index_select(0, torch.nonzero_static(miss, size=misses).flatten())
+            miss_rows = distinct.index_select(0, true_positions(miss, misses))
             new_slots = victims.sort().values
             self._read_rows(miss_rows, new_slots)
         except BaseException:
@@ -281,8 +300,7 @@ class DeviceSlots:
         every victim is refilled by :meth:`_install_device` in the same acquire, which rewrites the
         slots' row, dirty flag, stamp and count (or freed by :meth:`_free_slots_device` on a failure)."""
         if writes:
-            # the dirty victims (nonzero_static: its size is known, no sync)
-            picked = victims.index_select(0, torch.nonzero_static(written, size=writes).flatten())
+            picked = victims.index_select(0, true_positions(written, writes))  # the dirty victims
             # any order: a zero-copy scatter (or a tensor's index_copy_) does not read the file in order
             self._write_back(self.row_of_slot.index_select(0, picked), picked, ordered=True)
             self._dirty.index_fill_(0, picked, False)  # the other victims are clean already
@@ -313,4 +331,4 @@ class DeviceSlots:
         self._resident += rows.numel()
 
 
-__all__ = ["ENV_VAR", "DeviceSlots", "choose_bookkeeping", "device_bookkeeping_setting"]
+__all__ = ["ENV_VAR", "DeviceSlots", "choose_bookkeeping", "device_bookkeeping_setting", "true_positions"]
