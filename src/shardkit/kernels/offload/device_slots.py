@@ -20,7 +20,7 @@ the ids' range and the count of ids the caller's own check rejects (``IdCheck``:
 shard bounds, so that it needs no sync of its own) come to the host together (one copy of at most 7
 numbers), because the shapes of what follows (how many rows to gather and to write back) and the
 counters depend on them. The ids are deduplicated by a sort without ``torch.unique``'s own sync (arrays
-padded to the number of ids with row R, whose entry ``_slot_map[R]`` = -2 is neither a hit nor a miss,
+padded to the number of ids with row R, whose entry ``_slot_map.padded[R]`` = -2 is neither a hit nor a miss,
 until the counts are known); the free slots are counted on the host (``_resident``). A release, the
 stamps, the pins and the copies queue without waiting. The rare paths (growth when the pinned rows
 exceed the cache, shrinking, flush, invalidate) sync as they need.
