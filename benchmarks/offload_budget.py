@@ -22,30 +22,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from benchmarks.offload_steady import warm_to_steady, zipf_sampler
-
-
-def memory_mib() -> Dict[str, float]:
-    """VmHWM, VmRSS, RssAnon, RssFile of this process in MiB (empty off Linux)."""
-    out: Dict[str, float] = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                key, value = line.split(":", 1)
-                if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
-                    out[key] = int(value.split()[0]) / 1024
-    except OSError:
-        pass
-    return out
-
-
-def reset_peak() -> bool:
-    """VmHWM back to the current RSS (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+from shardkit.testing.process_memory import memory_mib, reset_peak
 
 
 def _trim_malloc() -> None:

@@ -28,6 +28,7 @@ from shardkit.sharding.cache_params import CacheParams
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
 from shardkit.sharding.sharding_plan import construct_module_sharding_plan, table_wise
 from shardkit.testing import run_world
+from shardkit.testing.process_memory import memory_mib, reset_peak
 
 ROWS, DIM = 3 << 18, 64  # 786,432 x 64 fp32 = 192 MiB
 BUDGET = 64 << 20
@@ -41,21 +42,12 @@ CHUNK_ROWS = 1 << 15
 
 def _status(key: str) -> int:
     """A byte count of /proc/self/status (``VmData``, ``VmRSS``, ``VmHWM``)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(f"{key}:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {key} in /proc/self/status")
-
-
-def _vm_data() -> int:
-    return _status("VmData")
+    return round(memory_mib()[key] * 2**20)
 
 
 def _reset_peak_rss() -> int:
     """Reset ``VmHWM`` (the resident set's peak) to the current resident set, which is returned."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    assert reset_peak(), "/proc/self/clear_refs could not be written: the peak cannot be reset"
     return _status("VmRSS")
 
 
@@ -111,7 +103,7 @@ def _capped(root: str) -> dict:
     larger.fill_(1)
     del larger
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    resource.setrlimit(resource.RLIMIT_DATA, (_vm_data() + BUDGET, hard))
+    resource.setrlimit(resource.RLIMIT_DATA, (_status("VmData") + BUDGET, hard))
     try:
         with pytest.raises(RuntimeError, match="can't allocate memory"):
             torch.empty(ROWS, DIM).fill_(1)  # the cap bites: a copy of the table does not fit

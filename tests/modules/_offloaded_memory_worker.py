@@ -22,27 +22,7 @@ from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOp
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
 from shardkit.sharding.sharding_plan import construct_module_sharding_plan, table_wise
 from shardkit.sparse import KeyedJaggedTensor
-
-
-def memory_mib() -> dict:
-    """VmHWM, VmRSS, RssAnon and RssFile of this process in MiB."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
-                out[key] = int(value.split()[0]) / 1024
-    return out
-
-
-def reset_peak() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where not permitted."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+from shardkit.testing.process_memory import memory_mib, reset_peak
 
 
 def sharded_ebc(kernel: str, rows: int, dim: int, offload_dir: str, device: str):
