@@ -24,6 +24,7 @@ from typing import Callable, Generic, Optional, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
+from shardkit import huge_pages
 from shardkit.distributed.agreement import (
     all_gather_flat,
     gather_objects,
@@ -234,7 +235,7 @@ def all_to_all(
         recv, work = send, None
     else:
         if recv is None:
-            recv = send.new_empty(sum(recv_bytes))
+            recv = huge_pages.new_empty(send, sum(recv_bytes))
         work = all_to_all_single(recv, send, recv_bytes, send_bytes, group)
     received = recv
 
@@ -265,7 +266,7 @@ def all_to_all_flat(
         return Pending(None, lambda: flat)
     item = flat.element_size()
     if recv is None:
-        recv = flat.new_empty(sum(recv_numels))
+        recv = huge_pages.new_empty(flat, sum(recv_numels))
     work = all_to_all_single(
         recv.view(torch.uint8),
         flat.view(torch.uint8),
@@ -379,7 +380,7 @@ def _sum_pieces(pieces: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
     whose association (it is not left to right from 5 pieces on) this keeps.
     """
     if len(pieces) == 2:
-        return torch.add(pieces[0], pieces[1])
+        return torch.add(pieces[0], pieces[1], out=huge_pages.new_empty(pieces[0], pieces[0].shape))
     return join(pieces).view(len(pieces), numel).sum(dim=0)
 
 
@@ -406,7 +407,7 @@ def all_gather(
     if world == 1:
         out, work = send, None
     else:
-        out = send.new_empty(world * width)
+        out = huge_pages.new_empty(send, world * width)
         work = all_gather_flat(out, send, group=group, async_op=True)
 
     def finish() -> list[torch.Tensor]:

@@ -19,6 +19,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from shardkit import huge_pages
+
 MAX_RUNS = 8
 
 Run = Tuple[int, int, int, int]  # (first source block, blocks, first output block, output stride)
@@ -70,7 +72,7 @@ class ColumnPlacement:
         """Received flat pieces (rank ``r``'s: ``rows x columns(r)`` values, row-major) ->
         ``[rows, blocks * width]``."""
         like = pieces[0]
-        out = like.new_empty(rows, self.blocks * self.width)
+        out = huge_pages.new_empty(like, rows, self.blocks * self.width)
         if rows == 0 or self.blocks == 0:
             return out
         out_blocks = out.view(rows, self.blocks, self.width)
@@ -103,7 +105,7 @@ class ColumnPlacement:
         grad = grad.contiguous()
         rows = grad.size(0)
         if send is None:
-            send = grad.new_empty(grad.numel())
+            send = huge_pages.new_empty(grad, grad.numel())
         grad_blocks = grad.view(rows, self.blocks, self.width)
         chunks, start = [], 0
         for r, dest in enumerate(self.dest):

@@ -21,6 +21,8 @@ from typing import Tuple
 
 import torch
 
+from shardkit import huge_pages
+
 MAX_KEPT = 4
 # below this a fresh allocation is cheap (the allocator's heap reuses it): not worth holding on to
 MIN_BYTES = 1 << 20
@@ -32,7 +34,7 @@ def take(nbytes: int, device: torch.device) -> torch.Tensor:
     """A ``uint8 [nbytes]`` buffer on ``device`` whose contents are undefined (kept or new)."""
     buffer = _kept.pop((nbytes, str(device)), None)
     if buffer is None:
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        buffer = huge_pages.empty(nbytes, dtype=torch.uint8, device=device)
     return buffer
 
 
