@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit import huge_pages
 from shardkit.distributed.agreement import group_rank, group_size
 from shardkit.distributed.awaitable import Awaitable
 from shardkit.distributed.direct_collectives import all_to_all_single
@@ -108,9 +109,11 @@ class _PackedAllToAll:
         send_bytes = [sum(send[label][r] * items[label] for label in tensors) for r in range(world)]
         recv_bytes = [sum(recv[label][r] * items[label] for label in tensors) for r in range(world)]
         device = next(iter(tensors.values())).device
-        self._out = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=device)
+        # fresh pages every step at large batches (MiBs of ids): advised, see shardkit.huge_pages
+        self._out = huge_pages.empty(sum(recv_bytes), dtype=torch.uint8, device=device)
         self._items = items
-        self._work = all_to_all_single(self._out, torch.cat(pieces), recv_bytes, send_bytes, pg)
+        send = torch.cat(pieces, out=huge_pages.empty(sum(send_bytes), dtype=torch.uint8, device=device))
+        self._work = all_to_all_single(self._out, send, recv_bytes, send_bytes, pg)
 
     def wait(self) -> Dict[str, torch.Tensor]:
         if self._work is None:  # one rank: what it sends is what it receives
@@ -124,7 +127,13 @@ class _PackedAllToAll:
                 n = self._recv[label][s] * self._items[label]
                 pieces[label].append(self._out[at : at + n])
                 at += n
-        return {label: torch.cat(pieces[label]).view(self._tensors[label].dtype) for label in labels}
+        return {label: _joined(pieces[label]).view(self._tensors[label].dtype) for label in labels}
+
+
+def _joined(pieces: List[torch.Tensor]) -> torch.Tensor:
+    """The byte pieces concatenated into a new (advised) buffer, aligned for any dtype."""
+    out = huge_pages.empty(sum(p.numel() for p in pieces), dtype=torch.uint8, device=pieces[0].device)
+    return torch.cat(pieces, out=out)
 
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
