@@ -110,3 +110,13 @@ def test_switched_off_by_the_environment():
             assert not _advised(output, str(proc.pid))
     finally:
         proc.communicate("\n", timeout=60)
+
+
+@thp_usable
+def test_cat_advises_large_results_only():
+    big = [torch.full((6 << 20,), i, dtype=torch.uint8) for i in range(2)]
+    out = huge_pages.cat(big)
+    assert torch.equal(out, torch.cat(big)) and _advised(_middle(out))
+    assert huge_pages.wanted(huge_pages.MIN_BYTES) and not huge_pages.wanted(huge_pages.MIN_BYTES - 1)
+    small = [torch.arange(5, dtype=torch.int64), torch.arange(3, dtype=torch.int64)]
+    assert torch.equal(huge_pages.cat(small), torch.cat(small))

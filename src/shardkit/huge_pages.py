@@ -21,7 +21,7 @@ import ctypes
 import ctypes.util
 import os
 import sys
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -76,6 +76,20 @@ def advise(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def wanted(nbytes: int) -> bool:
+    """Whether a fresh buffer of ``nbytes`` is advised (callers skip the ``out=`` forms below it: a
+    ``torch.cat(..., out=)`` costs ~5 us more than a plain one, which small steps notice)."""
+    return _madvise is not None and nbytes >= MIN_BYTES
+
+
+def cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(tensors)`` of 1-D tensors of one dtype, into an advised buffer when it is large."""
+    numel = sum(t.numel() for t in tensors)
+    if not tensors or not wanted(numel * tensors[0].element_size()):
+        return torch.cat(list(tensors))
+    return torch.cat(list(tensors), out=empty(numel, dtype=tensors[0].dtype, device=tensors[0].device))
+
+
 def empty(*size, dtype: Optional[torch.dtype] = None, device=None) -> torch.Tensor:
     """``torch.empty(*size, dtype=dtype, device=device)``, advised by :func:`advise`."""
     return advise(torch.empty(*size, dtype=dtype, device=device))
@@ -86,4 +100,4 @@ def new_empty(like: torch.Tensor, *size) -> torch.Tensor:
     return advise(like.new_empty(*size))
 
 
-__all__ = ["MIN_BYTES", "advise", "empty", "enabled", "new_empty"]
+__all__ = ["MIN_BYTES", "advise", "cat", "empty", "enabled", "new_empty", "wanted"]

@@ -380,6 +380,8 @@ def _sum_pieces(pieces: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
     whose association (it is not left to right from 5 pieces on) this keeps.
     """
     if len(pieces) == 2:
+        if not huge_pages.wanted(pieces[0].numel() * pieces[0].element_size()):
+            return torch.add(pieces[0], pieces[1])
         return torch.add(pieces[0], pieces[1], out=huge_pages.new_empty(pieces[0], pieces[0].shape))
     return join(pieces).view(len(pieces), numel).sum(dim=0)
 

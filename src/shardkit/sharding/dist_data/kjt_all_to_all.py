@@ -112,7 +112,7 @@ class _PackedAllToAll:
         # fresh pages every step at large batches (MiBs of ids): advised, see shardkit.huge_pages
         self._out = huge_pages.empty(sum(recv_bytes), dtype=torch.uint8, device=device)
         self._items = items
-        send = torch.cat(pieces, out=huge_pages.empty(sum(send_bytes), dtype=torch.uint8, device=device))
+        send = huge_pages.cat(pieces)
         self._work = all_to_all_single(self._out, send, recv_bytes, send_bytes, pg)
 
     def wait(self) -> Dict[str, torch.Tensor]:
@@ -127,13 +127,7 @@ class _PackedAllToAll:
                 n = self._recv[label][s] * self._items[label]
                 pieces[label].append(self._out[at : at + n])
                 at += n
-        return {label: _joined(pieces[label]).view(self._tensors[label].dtype) for label in labels}
-
-
-def _joined(pieces: List[torch.Tensor]) -> torch.Tensor:
-    """The byte pieces concatenated into a new (advised) buffer, aligned for any dtype."""
-    out = huge_pages.empty(sum(p.numel() for p in pieces), dtype=torch.uint8, device=pieces[0].device)
-    return torch.cat(pieces, out=out)
+        return {label: huge_pages.cat(pieces[label]).view(self._tensors[label].dtype) for label in labels}
 
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
