@@ -3,6 +3,9 @@
 on the native and the pure-torch path; CPU time (median) and the bookkeeping's bytes.
 
     PYTHONPATH=src:. python -m benchmarks.offload_slot_map [--rows 2600000 --slots 100000 --ids 32768]
+                                                           [--quick] [--out DIR]
+
+Prints a table (one row per path) and writes ``offload_slot_map.json``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import List, Optional
 
 import torch
 
+from benchmarks.common import write_results
 from shardkit.kernels.embedding import native_for
 from shardkit.kernels.offload.row_cache import RowCache
 
@@ -25,7 +29,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warm", type=int, default=20, help="steps before the timed ones")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU time counts spinning)")
+    parser.add_argument("--quick", action="store_true", help="small sizes: runs in seconds")
+    parser.add_argument("--out", help="JSON directory (default: a new one outside the checkout)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rows, args.slots, args.ids, args.steps, args.warm = 50_000, 2_000, 1_024, 4, 2
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     backing = {"w": torch.zeros(args.rows, 16), "s": torch.zeros(args.rows)}
@@ -35,6 +43,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         u = torch.rand(args.ids, generator=gen)
         return ranks[(args.rows**u).long().clamp(max=args.rows - 1)]
 
+    rows = []
     paths = [True, False] if native_for(torch.device("cpu")) is not None else [False]
     for native in paths:
         caches = {kind: RowCache(backing, args.slots, "lru", slot_map=kind) for kind in ("dense", "hash")}
@@ -55,11 +64,17 @@ def main(argv: Optional[List[str]] = None) -> None:
                 cache.release(ticket, dirty=True)
                 times[kind].append(time.process_time() - start)
         ms = {kind: sorted(t)[len(t) // 2] * 1e3 for kind, t in times.items()}
-        print(
-            f"{'native' if native else 'torch'}: dense {ms['dense']:.2f} ms, hash {ms['hash']:.2f} ms "
-            f"(x{ms['hash'] / ms['dense']:.2f}); bookkeeping "
-            + ", ".join(f"{k} {c.bookkeeping_bytes / 1e6:.1f} MB" for k, c in caches.items())
+        rows.append(
+            {
+                "name": "native" if native else "torch",
+                "dense_ms": ms["dense"],
+                "hash_ms": ms["hash"],
+                "hash_vs_dense": ms["hash"] / ms["dense"],
+                "dense_MB": caches["dense"].bookkeeping_bytes / 1e6,
+                "hash_MB": caches["hash"].bookkeeping_bytes / 1e6,
+            }
         )
+    write_results("offload_slot_map", vars(args), rows, args.out)
 
 
 if __name__ == "__main__":

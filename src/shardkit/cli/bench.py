@@ -67,6 +67,8 @@ QUICK_ARGS: Dict[str, List[str]] = {
     "quant_lookup": ["--rows", "1000", "--dim", "16", "--batch", "64", "--pooling", "4", "--repeats", "1"],
     "offload": ["--quick"],
     "offload_row_io": ["--quick"],
+    "offload_slot_map": ["--quick"],
+    "fresh_pages": ["--mib", "8", "--calls", "1", "--rounds", "1"],
     "ec_dedup": ["--batch", "64"],
     "serving": ["--tables", "2", "--max-rows", "100", "--batch-sizes", "1", "4", "--repeats", "3"],
     "step_overhead": [
