@@ -89,12 +89,17 @@ QUICK_ARGS: Dict[str, List[str]] = {
     "offload_miss_path": ["--quick"],
     # on a CUDA machine its real rows; elsewhere the same rows on the CPU (a check that it runs)
     "offload_gpu": ["--quick"],
+    # without CUDA: the device bookkeeping's ops and host-value calls counted on CPU tensors
+    "offload_gpu_syncs": ["--quick", "--device", "cpu"],
     "step_phases": ["--steps", "3", "--warmup", "1"],
 }
-# not benchmarks of their own: shared helpers, the pipeline rows of offload.py, the steady-state cache
+# not benchmarks of their own: shared helpers, the pipeline rows and the budget run of offload.py
+# (offload_budget: its --child-big process), the steady-state cache
 # warming offload.py imports (offload_steady: no main, no table of its own), and a wrapper of a peer
 # script that runs only in the Megatron peer venv (../shared/peers; docs/performance.md has its command)
-_NOT_BENCHMARKS = {"__init__", "common", "offload_pipeline", "offload_steady", "vs_megatron_ce_dtype"}
+_NOT_BENCHMARKS = {
+    *("__init__", "common", "offload_budget", "offload_pipeline", "offload_steady", "vs_megatron_ce_dtype"),
+}
 
 
 def default_dir() -> Path:
