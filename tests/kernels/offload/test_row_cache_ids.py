@@ -12,6 +12,7 @@ import torch
 
 from shardkit.kernels.embedding import RowOutOfRange, native_for
 from shardkit.kernels.offload.row_cache import RowCache
+from tests.kernels.offload._cache_state import assert_same_state
 
 NATIVE = native_for(torch.device("cpu"))
 needs_native = pytest.mark.skipif(NATIVE is None, reason="native kernels not built (SHARDKIT_NATIVE=0?)")
@@ -25,15 +26,6 @@ def _cache(num_rows: int, capacity: int, algorithm: str, use_native: bool, width
     cache = RowCache(backing, capacity, algorithm)
     cache.use_native = use_native
     return cache
-
-
-def _same(a: RowCache, b: RowCache) -> None:
-    for name in ("row_of_slot", "slot_of_row", "_pins", "_dirty", "_stamp", "_freq"):
-        assert torch.equal(getattr(a, name), getattr(b, name)), name
-    for name in a.tensors:
-        assert torch.equal(a.tensors[name], b.tensors[name]), name
-        assert torch.equal(a.backing[name], b.backing[name]), name
-    assert vars(a.counters) == vars(b.counters)
 
 
 def _by_unique(cache: RowCache, ids: torch.Tensor):
@@ -76,15 +68,15 @@ def test_acquire_ids_equals_unique_then_acquire(algorithm, seed):
             assert torch.equal(fused.row_of_slot[sf], ids), step
             assert torch.equal(fused._tickets[tf], old._tickets[to])
             in_flight.append(((tf, to, tp), sf))
-        _same(fused, old)
-        _same(fused, pure)
+        assert_same_state(fused, old)
+        assert_same_state(fused, pure)
     for tickets, _ in in_flight:
         for cache, ticket in zip((fused, old, pure), tickets):
             cache.release(ticket, dirty=True)
     for cache in (fused, old, pure):
         cache.flush()
-    _same(fused, old)
-    _same(fused, pure)
+    assert_same_state(fused, old)
+    assert_same_state(fused, pure)
 
 
 @needs_native

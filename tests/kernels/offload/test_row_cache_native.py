@@ -10,6 +10,7 @@ import torch
 
 from shardkit.kernels.embedding import native_for
 from shardkit.kernels.offload.row_cache import RowCache
+from tests.kernels.offload._cache_state import assert_same_state
 
 NATIVE = native_for(torch.device("cpu"))
 needs_native = pytest.mark.skipif(NATIVE is None, reason="native kernels not built (SHARDKIT_NATIVE=0?)")
@@ -26,19 +27,6 @@ def _pair(num_rows: int, capacity: int, algorithm: str):
         cache.use_native = use_native
         caches.append(cache)
     return caches
-
-
-def _same(a: RowCache, b: RowCache) -> None:
-    assert torch.equal(a.row_of_slot, b.row_of_slot)
-    assert torch.equal(a.slot_of_row, b.slot_of_row)
-    assert torch.equal(a._pins, b._pins)
-    assert torch.equal(a._dirty, b._dirty)
-    assert torch.equal(a._stamp, b._stamp)
-    assert torch.equal(a._freq, b._freq)
-    for name in a.tensors:
-        assert torch.equal(a.tensors[name], b.tensors[name]), name
-        assert torch.equal(a.backing[name], b.backing[name]), name
-    assert vars(a.counters) == vars(b.counters)
 
 
 @needs_native
@@ -70,7 +58,7 @@ def test_native_bookkeeping_matches_the_torch_path(algorithm, seed):
             tn, sn = native.acquire(rows_t)
             assert torch.equal(sp, sn), step
             in_flight.append((tp, tn, rows_t))
-        _same(pure, native)
+        assert_same_state(pure, native)
         for _, tn, rows in in_flight:  # rows in flight stay where their ticket put them
             assert torch.equal(native.row_of_slot[native._tickets[tn]], rows)
     for tp, tn, _ in in_flight:
@@ -78,7 +66,7 @@ def test_native_bookkeeping_matches_the_torch_path(algorithm, seed):
         native.release(tn, dirty=True)
     pure.flush()
     native.flush()
-    _same(pure, native)
+    assert_same_state(pure, native)
     assert native.counters.evictions > 0  # the sequence did put the cache under pressure
 
 
@@ -137,7 +125,7 @@ def test_native_steady_state_evicts_from_the_queue_without_a_full_selection(algo
         for cache in (pure, native):
             ticket, _ = cache.acquire(rows)
             cache.release(ticket, dirty=True)
-        _same(pure, native)
+        assert_same_state(pure, native)
     assert native.counters.evictions > 200, native.counters
     assert selections[0] == 0
 
@@ -164,7 +152,7 @@ def test_switching_paths_between_acquires_keeps_the_choices(algorithm):
                 cache.release(ticket, dirty=False)
         for cache, ticket in zip((pure, native), held):
             cache.release(ticket, dirty=True)
-        _same(pure, native)
+        assert_same_state(pure, native)
     assert native.counters.evictions > 100, native.counters
 
 

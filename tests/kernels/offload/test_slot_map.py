@@ -19,6 +19,7 @@ from shardkit.kernels.offload.slot_map import (
     choose_slot_map,
     hash_entries,
 )
+from tests.kernels.offload._cache_state import assert_same_state
 
 NATIVE = native_for(torch.device("cpu"))
 needs_native = pytest.mark.skipif(NATIVE is None, reason="native kernels not built (SHARDKIT_NATIVE=0?)")
@@ -140,15 +141,6 @@ def _caches(num_rows: int, capacity: int, algorithm: str):
     return out
 
 
-def _same(a: RowCache, b: RowCache) -> None:
-    for name in ("row_of_slot", "slot_of_row", "_pins", "_dirty", "_stamp", "_freq"):
-        assert torch.equal(getattr(a, name), getattr(b, name)), name
-    for name in a.tensors:
-        assert torch.equal(a.tensors[name], b.tensors[name]), name
-        assert torch.equal(a.backing[name], b.backing[name]), name
-    assert vars(a.counters) == vars(b.counters)
-
-
 @pytest.mark.parametrize("algorithm", ["lru", "lfu"])
 @pytest.mark.parametrize("seed", range(3))
 def test_a_cache_with_the_hashed_map_gives_the_dense_maps_results(algorithm, seed):
@@ -186,13 +178,13 @@ def test_a_cache_with_the_hashed_map_gives_the_dense_maps_results(algorithm, see
             for cache in caches.values():
                 cache.flush()
         for cache in caches.values():
-            _same(reference, cache)
+            assert_same_state(reference, cache)
     for tickets in in_flight:
         for key, cache in caches.items():
             cache.release(tickets[key], dirty=True)
     for cache in caches.values():
         cache.invalidate()
-        _same(reference, cache)
+        assert_same_state(reference, cache)
     assert reference.counters.evictions > 0 and reference.size == capacity
 
 
