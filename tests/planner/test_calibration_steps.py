@@ -212,3 +212,21 @@ def test_column_wise_constants_are_table_wise_s_plus_an_extra_that_the_fit_recov
     assert fitted["group_overhead_s"]["column_wise"] == pytest.approx(3e-3, rel=1e-6)
     assert fitted["shard_overhead_s"]["column_wise"] == pytest.approx(1.5e-4, rel=1e-6)
     assert fitted["id_overhead_s"]["column_wise"] == pytest.approx(3e-8, rel=1e-6)
+
+
+def test_every_round_times_every_step_once_and_no_step_is_always_first():
+    n = 12
+    orders = [cs.round_order(n, r) for r in range(cs.ROUNDS)]
+    assert orders[0] == list(range(n))
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    assert len({order[0] for order in orders}) > 1
+    # the predecessors change too (a rotation would keep every step after the same one)
+    after = {tuple(sorted({o[o.index(3) - 1] for o in orders if o.index(3) > 0}))}
+    assert len(next(iter(after))) > 1
+    assert cs.round_order(n, 5) == cs.round_order(n, 5)  # the same on every rank: the steps are collectives
+
+
+def test_a_wide_table_at_a_large_batch_is_among_the_steps():
+    """The slope of a step in its ids at plan_quality's large batches (1024-2048 bags of 20 ids)."""
+    configs = cs.calibration_configs(2)
+    assert any(c.batch >= 4 * cs.BIG_BATCH and c.dim >= 128 and c.pooling == cs.BIG_POOLING for c in configs)

@@ -74,7 +74,10 @@ ID_TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel")
 TW_EXTENDED_BY = {"table_wise": ("column_wise",)}
 GROUP_DIM_STEP = 4  # the width step between the tables of the lookup-group steps (8, 12, 16, ...)
 COUNTS = (1, 4, 16, 48)  # shards of one type per rank in the tiny steps the per-shard cost is fitted from
-ROUNDS = 5  # alternating rounds of the timed steps
+# alternating rounds of the timed steps: on a machine whose cores other work shares, a step's time
+# over rounds spreads by 1.5-4x (min to max) and the median of 5 rounds of one plan moved by up to 1.6x
+# between two copies of it (docs/planner.md, "Plan quality"); 9 rounds cost ~1.8x the time of 5
+ROUNDS = 9
 STEPS_PER_ROUND = 2
 DIM = 8  # columns per rank's shard of the tiny tables
 BATCH = 32  # bags per rank of the tiny tables, one id each: the bytes terms stay negligible
@@ -124,6 +127,11 @@ def calibration_configs(world: int, big_bytes: int = BIG_BYTES) -> List[StepConf
     # step cannot make the bytes look free)
     configs.append(StepConfig(tw, big_bytes // 64, 16, **big))
     configs.append(StepConfig(tw, big_bytes // 512, 128, **big))
+    # the wide table at 4x the bags: the slope of a step in its ids at the large batches planners are
+    # given (plan_quality's few_large: 1024-2048 bags of 20 ids). Without it the per-id and per-byte
+    # terms were set by 512-bag steps and the tiny steps' fixed costs alone, and a fit that put the
+    # fixed costs low (noisy tiny steps) extrapolated a 4x larger batch 1.4x too slow
+    configs.append(StepConfig(tw, big_bytes // 512, 128, batch=4 * BIG_BATCH, pooling=BIG_POOLING))
     # one id per bag at many bags: the pooled rows sent (bags x columns) against the ids and bytes read
     # (at 20 ids per bag the dists' bytes are a fixed mix of the two; the tiny steps have too few)
     many_bags = dict(batch=BIG_BATCH * 8, pooling=1)
@@ -455,6 +463,17 @@ def fit_constants(
     }
 
 
+def round_order(n: int, round_index: int) -> List[int]:
+    """The order in which round ``round_index`` runs ``n`` steps: round 0 in the given order, every
+    other a permutation drawn from a generator seeded by the round (the same on every rank: the steps
+    are collectives). A fixed order put the same steps first in every round (the tiny table-wise
+    steps, which an idle 2-rank calibration measured 1.3-1.7x their fitted times: the order is a
+    suspect, not shown to be the cause), and a rotation keeps every step after the same one."""
+    if round_index == 0:
+        return list(range(n))
+    return torch.randperm(n, generator=torch.Generator().manual_seed(round_index)).tolist()
+
+
 def alternating_seconds(
     steps: Sequence[Callable[[], None]],
     pg: Optional[dist.ProcessGroup],
@@ -463,15 +482,17 @@ def alternating_seconds(
     per_round: int = STEPS_PER_ROUND,
     warmup: int = 2,
 ) -> List[float]:
-    """Seconds per step of each of ``steps``: every round runs ``per_round`` steps of each in turn (so a
-    machine's load drifting during the measurement hits them all alike); per step function, the median
-    over rounds of the round's mean. This rank's figures (the caller agrees on the slowest)."""
+    """Seconds per step of each of ``steps``: every round runs ``per_round`` steps of each, in the order
+    ``round_order`` (so a machine's load drifting during the measurement hits them all alike, and no
+    step always runs first or after the same one); per step function, the median over rounds of the
+    round's mean. This rank's figures (the caller agrees on the slowest)."""
     for step in steps:
         for _ in range(warmup):
             step()
     times: List[List[float]] = [[] for _ in steps]
-    for _ in range(rounds):
-        for i, step in enumerate(steps):
+    for r in range(rounds):
+        for i in round_order(len(steps), r):
+            step = steps[i]
             dist.barrier(group=pg)
             start = time.perf_counter()
             for _ in range(per_round):
@@ -560,5 +581,6 @@ __all__ = [
     "fit_constants",
     "fresh_write_step",
     "measure_step_overheads",
+    "round_order",
     "training_step",
 ]
