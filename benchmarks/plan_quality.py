@@ -20,16 +20,29 @@ fixed order measured the first plan 0.1-1 ms differently from the second even wh
 plan: the "placement" differences of the ninth session's runs), after ``--warmup`` steps each; a plan's
 figure is the median over its rounds of the slowest rank's mean step time in the round. A plan whose
 fastest warm-up step (the first aside) takes ``SLOW_FACTOR`` x the fastest plan's is clearly not the
-fastest: it is timed in one round of one step (``rounds`` says how many a plan got). Next to each
+fastest: it runs one step a round instead of ``--steps`` (every plan is timed in every round: under
+load a noisy warm-up took plans of 1.2x out of all rounds but one). Next to each
 measured time the table prints the planner's estimate of that plan (``EmbeddingShardingPlanner.estimate``,
 the slowest rank's estimated time) with the default and the calibrated constants, the ranks by
 calibrated estimate and by measurement, and whether the planner's calibrated plan is within 10% of the
 fastest measured plan; per case, whether all estimates are within 25%, whether the orders agree
 exactly, ``misordered_pairs``: of the pairs of plans measured more than 10% apart, how many
-the estimates order the other way, and ``order_beyond_noise``: the same over the pairs whose round
-times do not overlap (every round of one plan faster than every round of the other; plans whose
-rounds overlap are ties the measurement cannot order, and are not scored; ``same_order`` scores
-them). Absolute times on a shared machine are noise; the ranks and ratios are the result.
+the estimates order the other way, and ``order_beyond_noise``: the same over the pairs the measurement
+separates (the 95 % intervals of their medians do not overlap, ``_separated``; plans whose intervals
+overlap are ties the measurement cannot order, and are not scored; ``same_order`` scores them).
+
+The noise band, beside the strict verdicts (which stay as they are): every case also times a second
+copy of the calibrated planner's plan in the same rounds (``control_ratio``: its median over the
+first copy's, 1 without noise), gives each plan's median a 95 % interval (``ci_lo_ms``, ``ci_hi_ms``:
+``round_noise.median_ci``; ``ci_coverage`` when there are too few rounds for 95 %) and says whether
+the calibrated planner's plan and the fastest one overlap (``planner_ties_fastest``) and whether
+every estimate is within 25 % of some point of its plan's interval (``estimates_within_25pct_of_ci``).
+The load's change between calibrate() and the case: three of calibrate()'s own steps (``ANCHORS``)
+are timed again in the case's rounds; ``drift`` is the median of their time now over their time in
+calibrate(), and ``drift_adj_err`` the estimate x drift against the measurement (labelled as
+adjusted: it separates the model's error from the machine's change, it does not replace
+``cal_err``). ``loadavg``: /proc/loadavg before and after the case. Absolute times on a shared
+machine are noise; the ranks and ratios are the result.
 """
 
 from __future__ import annotations
@@ -44,11 +57,20 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.common import write_results
+from benchmarks.round_noise import coverage, median_ci, overlaps, relative_spread, within_of_interval
 from shardkit.cli.demo_dlrm import TABLE_SHAPES as DEMO_TABLE_SHAPES  # (rows, dim, mean ids per bag)
 from shardkit.distributed.validation import set_validation
 from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig
 from shardkit.sparse import KeyedJaggedTensor
 
+# calibration steps re-timed in every case's rounds (calibration_steps.describe of
+# calibration_configs(world)): a tiny table-wise step (fixed costs) and the wide table-wise and
+# 64 MiB row-wise ones (per id and per byte); their times against calibrate()'s say how the load changed
+ANCHORS = (
+    "{world} table_wise: {tiny}x8 b32 p1",
+    "{world} table_wise: 131072x128 b512 p20",
+    "{world} row_wise: 262144x64 b512 p20",
+)
 LR = 0.01
 SLOW_FACTOR = 4.0
 DISTINCT = 0.10  # measured times this far apart are ordered; closer ones are within the noise
@@ -169,12 +191,36 @@ def round_order(plans: int, round_index: int) -> List[int]:
     return [(i + round_index) % plans for i in range(plans)]
 
 
+def anchor_configs(world: int) -> List[Any]:
+    """The calibration steps ``case_worker`` times again beside the plans (``ANCHORS``), as
+    ``calibration_steps.StepConfig`` s of ``calibration_configs(world)``."""
+    from shardkit.planner.calibration_steps import calibration_configs, describe
+
+    by_name = {describe(c): c for c in calibration_configs(world)}
+    out = []
+    for pattern in ANCHORS:
+        name = pattern.format(world=world, tiny=64 * world)
+        if name not in by_name:
+            raise KeyError(f"plan_quality: no calibration step {name!r} to re-time (have {sorted(by_name)})")
+        out.append(by_name[name])
+    return out
+
+
 def case_worker(
-    set_name: str, quick: bool, rounds: int, steps: int, warmup: int, constants: Dict[str, Any]
+    set_name: str,
+    quick: bool,
+    rounds: int,
+    steps: int,
+    warmup: int,
+    constants: Dict[str, Any],
+    anchors: Optional[List[Any]] = None,
 ) -> Dict[str, Any]:
-    """On every rank: plan, build every plan's DMP, time them in alternating rounds."""
+    """On every rank: plan, build every plan's DMP, time them in alternating rounds, with a second copy
+    of the calibrated planner's plan (the control: two copies of one plan differ by noise alone) and
+    the calibration steps ``anchors`` (their times against calibrate()'s: the load's drift)."""
     from shardkit.model_parallel import DistributedModelParallel
     from shardkit.planner import CostModel
+    from shardkit.planner.calibration_steps import training_step
     from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
 
     torch.set_num_threads(1)
@@ -200,8 +246,17 @@ def case_worker(
         models.append(
             DistributedModelParallel(_Model(tables, torch.device("cpu")), plan=plans[key], sharders=sharders)
         )
+    control = next(i for i, r in enumerate(rows) if "planner+cal" in r["labels"])
+    torch.manual_seed(0)
+    models.append(
+        DistributedModelParallel(
+            _Model(tables, torch.device("cpu")), plan=plans[rows[control]["key"]], sharders=sharders
+        )
+    )
+    anchors = anchors or []
+    anchor_steps = [training_step(c, None, torch.device("cpu")) for c in anchors]
     # warm-up; a plan whose warm-up step is SLOW_FACTOR x the fastest's is clearly not the fastest:
-    # it is timed in one round of one step (its row says so), which keeps --quick within minutes
+    # it runs one step a round (not --steps), which keeps --quick within minutes
     first = []
     for m in models:
         m(features).backward()  # the first step pays one-time costs
@@ -214,25 +269,36 @@ def case_worker(
     first_t = torch.tensor(first, dtype=torch.float64)
     dist.all_reduce(first_t, op=dist.ReduceOp.MAX)
     slow = [t > SLOW_FACTOR * float(first_t.min()) for t in first_t.tolist()]
-    per_round: List[List[float]] = [[] for _ in models]
+    for step in anchor_steps:
+        for _ in range(warmup):
+            step()
+    # every timed thing: the plans, the control copy, the anchors (a step function each)
+    runs = [lambda m=m: m(features).backward() for m in models] + anchor_steps
+    slow += [False] * len(anchor_steps)
+    per_round: List[List[float]] = [[] for _ in runs]
     for r in range(rounds):
-        for i in round_order(len(models), r):
-            m = models[i]
-            if slow[i] and r > 0:
-                continue
+        for i in round_order(len(runs), r):
             n = 1 if slow[i] else steps
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(n):
-                m(features).backward()
+                runs[i]()
             per_round[i].append((time.perf_counter() - t0) / n)
     # the slowest rank's time per round
-    for row, times in zip(rows, per_round):
+    agreed = []
+    for times in per_round:
         mine = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-        row["measured_s"] = statistics.median(mine.tolist())
-        row["rounds_s"] = mine.tolist()
-    return {"rows": rows}
+        agreed.append(mine.tolist())
+    for row, times in zip(rows, agreed):
+        row["measured_s"] = statistics.median(times)
+        row["rounds_s"] = times
+    n_plans = len(rows)
+    return {
+        "rows": rows,
+        "control": {"of": control, "rounds_s": agreed[n_plans]},
+        "anchors": [{"rounds_s": t} for t in agreed[n_plans + 1 :]],
+    }
 
 
 def _rank(values: List[float]) -> List[int]:
@@ -256,10 +322,13 @@ def _misordered(estimates: List[float], measured: List[float], margin: float = D
 
 
 def _separated(a: List[float], b: List[float]) -> bool:
-    """Whether the measurement orders two plans beyond its noise: every round of one faster than every
-    round of the other (disjoint ranges). Two plans of 5 rounds each drawn from one distribution
-    separate so by chance with probability 2 / C(10, 5) < 1 %; pairs whose ranges overlap are ties."""
-    return max(a) < min(b) or max(b) < min(a)
+    """Whether the measurement orders two plans beyond its noise: the 95 % intervals of their medians
+    (``round_noise.median_ci``) do not overlap; pairs whose intervals overlap are ties. Under 9 rounds
+    an interval is the whole range: every round of one faster than every round of the other (two
+    plans of 5 rounds from one distribution separate so by chance with probability 2 / C(10, 5) < 1 %).
+    From 9 rounds on it is narrower than the range, so that one round in a load spike no longer makes
+    every pair a tie (15 rounds: the 4th to the 12th fastest round)."""
+    return not overlaps(median_ci(a), median_ci(b))
 
 
 def _order_beyond_noise(estimates: List[float], rounds: List[List[float]]) -> str:
@@ -285,12 +354,15 @@ def summarize(
     cal = [r["est"]["calibrated"] for r in rows]
     by_est, by_meas = _rank(cal), _rank(measured)
     fastest = min(measured)
+    fastest_ci = median_ci(rows[measured.index(fastest)]["rounds_s"])
+    drift = load_drift(result.get("anchors", []), result.get("anchor_cal_s", []))
     out = []
-    planner_ratio = None
+    planner_ratio = planner_ci = None
     for r, re_, rm in zip(rows, by_est, by_meas):
         ratio = r["measured_s"] / fastest
+        ci = median_ci(r["rounds_s"])
         if "planner+cal" in r["labels"]:
-            planner_ratio = ratio
+            planner_ratio, planner_ci = ratio, ci
         out.append(
             {
                 "name": f"{set_name} W{world}: {'/'.join(r['labels'])}",
@@ -298,13 +370,27 @@ def summarize(
                 "est_default_ms": r["est"]["default"] * 1e3,
                 "est_cal_ms": r["est"]["calibrated"] * 1e3,
                 "measured_ms": r["measured_s"] * 1e3,
+                # the 95 % interval of the median (round_noise.median_ci; the whole range under 6 rounds)
+                "ci_lo_ms": ci[0] * 1e3,
+                "ci_hi_ms": ci[1] * 1e3,
+                "spread": relative_spread(r["rounds_s"]),
                 "cal_err": r["est"]["calibrated"] / r["measured_s"] - 1.0,
+                "est_in_ci_25pct": within_of_interval(r["est"]["calibrated"], ci, 0.25),
+                "drift_adj_err": None
+                if drift is None
+                else r["est"]["calibrated"] * drift / r["measured_s"] - 1.0,
                 "rank_est": re_,
                 "rank_meas": rm,
                 "vs_fastest": ratio,
                 "rounds": len(r["rounds_s"]),
             }
         )
+    control = result.get("control")
+    control_ratio = (
+        None
+        if control is None
+        else statistics.median(control["rounds_s"]) / rows[control["of"]]["measured_s"]
+    )
     verdict = {
         "case": f"{set_name} W{world}",
         "planner_vs_fastest": planner_ratio,
@@ -314,9 +400,50 @@ def summarize(
         "same_order": by_est == by_meas,
         "misordered_pairs": _misordered(cal, measured),
         "order_beyond_noise": _order_beyond_noise(cal, [r["rounds_s"] for r in rows]),
+        # the noise band: the same plan timed twice in the same rounds (1 = no noise) ...
+        "control_ratio": control_ratio,
+        # ... whether the planner's and the fastest plan's intervals overlap (a tie the run cannot
+        # order) and whether every estimate is within 25 % of some point of its plan's interval
+        "planner_ties_fastest": planner_ci is not None and overlaps(planner_ci, fastest_ci),
+        "estimates_within_25pct_of_ci": all(o["est_in_ci_25pct"] for o in out),
+        # the calibration steps re-timed in these rounds over their calibrate() times: the load's change
+        # since calibrate(); estimates x drift against the measurement, labelled as adjusted
+        "drift": drift,
+        "max_abs_drift_adj_err": None if drift is None else max(abs(o["drift_adj_err"]) for o in out),
+        "ci_coverage": coverage(max(len(r["rounds_s"]) for r in rows)),
+        "loadavg": result.get("loadavg"),
         "calibrate_s": result["calibrate_s"],
     }
     return out, verdict
+
+
+def load_drift(anchors: List[Dict[str, Any]], calibration_s: List[float]) -> Optional[float]:
+    """The median over the anchor steps of (their median time in the case's rounds / their time in
+    calibrate()): > 1 when the machine got slower since the calibration (more load), None without
+    anchors."""
+    if not anchors:
+        return None
+    ratios = [statistics.median(a["rounds_s"]) / c for a, c in zip(anchors, calibration_s)]
+    return statistics.median(ratios)
+
+
+def loadavg() -> Optional[str]:
+    """``/proc/loadavg``'s first three figures (None where there is none)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return None
+
+
+def _calibration_seconds(fit: Dict[str, Any], config: Any) -> float:
+    """calibrate()'s measured time of ``config`` (its fit report's step of that description)."""
+    from shardkit.planner.calibration_steps import describe
+
+    for step in fit["steps"]:
+        if step["config"] == describe(config):
+            return step["measured_s"]
+    raise KeyError(f"plan_quality: calibrate() timed no step {describe(config)!r}")
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -330,12 +457,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--quick", action="store_true", help="smaller table sets and fewer rounds (~3 min)")
     parser.add_argument("--sets", nargs="+", default=["demo", "many_small", "few_large"])
     parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
-    parser.add_argument("--rounds", type=int, help="alternating rounds (default 7, --quick 5)")
+    parser.add_argument("--rounds", type=int, help="alternating rounds (default 21, --quick 15)")
     parser.add_argument("--steps", type=int, help="steps per plan and round (default 4; --quick too)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", help="JSON directory (default: a new one outside the checkout)")
     args = parser.parse_args(argv)
-    rounds = args.rounds or (5 if args.quick else 7)
+    # 15 rounds: the median of 5 rounds of one plan moved by up to 1.6x between two copies of it
+    # (demo tables, 2 ranks, shared machine); 15 give a 95 % interval of the median between the 4th and
+    # 12th round (round_noise.median_ci)
+    rounds = args.rounds or (15 if args.quick else 21)
     # 4 steps a round in --quick too: a 2-step round (~8 ms) is moved a lot by one scheduler hiccup
     steps = args.steps or 4
     rows, verdicts, calibrations = [], [], {}
@@ -360,7 +490,10 @@ def main(argv: Optional[List[str]] = None) -> None:
                 for x in fit["steps"]
             ]
         )
+        anchors = anchor_configs(world)
+        anchor_cal_s = [_calibration_seconds(fit, c) for c in anchors]
         for set_name in args.sets:
+            before = loadavg()
             result = run_world(
                 worker,
                 world,
@@ -370,9 +503,12 @@ def main(argv: Optional[List[str]] = None) -> None:
                 steps,
                 args.warmup,
                 calibration["constants"],
+                anchors,
                 timeout=900,
             )[0]
             result["calibrate_s"] = calibration["seconds"]
+            result["anchor_cal_s"] = anchor_cal_s
+            result["loadavg"] = f"{before} -> {loadavg()}"
             case_rows, verdict = summarize(set_name, world, result)
             print_table(case_rows)
             print(verdict, flush=True)

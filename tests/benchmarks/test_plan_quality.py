@@ -1,8 +1,10 @@
-"""plan_quality's verdicts on the order of plans: pairs whose round times overlap are ties."""
+"""plan_quality's verdicts on the order of plans (pairs whose medians' intervals overlap are ties) and
+its noise band (the control copy, the intervals, the load's drift since calibrate())."""
 
 from __future__ import annotations
 
-from benchmarks.plan_quality import _order_beyond_noise, _separated, round_order
+import pytest
+from benchmarks.plan_quality import _order_beyond_noise, _separated, round_order, summarize
 
 
 def test_pairs_are_separated_only_when_their_rounds_do_not_overlap():
@@ -27,3 +29,46 @@ def test_every_plan_runs_once_in_every_position_over_as_many_rounds():
     assert all(sorted(order) == [0, 1, 2, 3] for order in orders)  # each round times every plan once
     for position in range(4):
         assert sorted(order[position] for order in orders) == [0, 1, 2, 3]
+
+
+def test_from_nine_rounds_one_spike_does_not_make_a_pair_a_tie():
+    fast = [1.0, 1.02, 1.01, 0.99, 1.03, 1.0, 1.02, 1.01, 5.0]  # one round in a load spike
+    slow = [1.5, 1.52, 1.49, 1.51, 1.5, 1.53, 1.48, 1.5, 1.51]
+    assert not max(fast) < min(slow)  # the ranges overlap ...
+    assert _separated(fast, slow)  # ... the intervals of the medians do not
+
+
+def test_the_control_copy_and_the_anchors_give_the_noise_band_and_the_drift():
+    rounds = [1.0] * 7
+    result = {
+        "rows": [
+            {
+                "labels": ["planner", "planner+cal"],
+                "types": "TW2",
+                "key": "a",
+                "est": {"default": 1.0, "calibrated": 1.2},
+                "measured_s": 1.0,
+                "rounds_s": rounds,
+            },
+            {
+                "labels": ["all row_wise"],
+                "types": "RW2",
+                "key": "b",
+                "est": {"default": 1.0, "calibrated": 3.0},
+                "measured_s": 2.0,
+                "rounds_s": [2.0] * 7,
+            },
+        ],
+        "control": {"of": 0, "rounds_s": [1.1] * 7},
+        "anchors": [{"rounds_s": [3.0] * 7}, {"rounds_s": [4.0] * 7}, {"rounds_s": [1.0] * 7}],
+        "anchor_cal_s": [2.0, 2.0, 2.0],  # the machine 1.5x, 2x, 0.5x slower: median 1.5
+        "calibrate_s": 1.0,
+    }
+    rows, verdict = summarize("demo", 2, result)
+    assert verdict["control_ratio"] == pytest.approx(1.1)
+    assert verdict["drift"] == pytest.approx(1.5)
+    assert rows[0]["drift_adj_err"] == pytest.approx(1.2 * 1.5 / 1.0 - 1.0)
+    assert rows[1]["cal_err"] == pytest.approx(0.5)
+    assert verdict["estimates_within_25pct"] is False  # the strict verdict is unchanged
+    assert verdict["planner_within_10pct"] is True and verdict["planner_ties_fastest"] is True
+    assert (rows[0]["ci_lo_ms"], rows[0]["ci_hi_ms"]) == (1e3, 1e3)
