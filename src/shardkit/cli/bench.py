@@ -98,7 +98,8 @@ QUICK_ARGS: Dict[str, List[str]] = {
 # warming offload.py imports (offload_steady: no main, no table of its own), and a wrapper of a peer
 # script that runs only in the Megatron peer venv (../shared/peers; docs/performance.md has its command)
 _NOT_BENCHMARKS = {
-    *("__init__", "common", "offload_budget", "offload_pipeline", "offload_steady", "vs_megatron_ce_dtype"),
+    *("__init__", "common", "offload_budget", "offload_pipeline", "offload_steady", "round_noise"),
+    "vs_megatron_ce_dtype",
 }
 
 
