@@ -87,6 +87,7 @@ QUICK_ARGS: Dict[str, List[str]] = {
         *("--tokens", "16", "--vocab", "4096", "--rounds", "1", "--caches", "32K/512K,48K/2M"),
     ],
     "offload_miss_path": ["--quick"],
+    "offload_miss_locality": ["--quick"],
     # on a CUDA machine its real rows; elsewhere the same rows on the CPU (a check that it runs)
     "offload_gpu": ["--quick"],
     # without CUDA: the device bookkeeping's ops and host-value calls counted on CPU tensors
