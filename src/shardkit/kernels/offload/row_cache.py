@@ -400,8 +400,8 @@ class RowCache(AcquireIds, CacheSlots, DeviceSlots, RowMoves, CacheResize):
             if not ascending:
                 miss_rows = miss_rows.sort().values  # ascending: sequential reads of the backing store
             if miss_rows.numel():
-                # the victims' writes (write-behind) start once the misses are read: the reads are on
-                # the step's critical path, the writes are not (write_behind.py, "Held writes")
+                # with hold_writes, the victims' writes (write-behind) start once the misses are read:
+                # the reads are on the step's critical path, the writes are not (write_behind.py)
                 with self._writes_held():
                     loaded = self._free_slots(miss_rows.numel())
                     self._load(miss_rows, loaded)  # pins them
