@@ -223,3 +223,54 @@ def test_jobs_held_are_written_when_the_block_ends(tmp_path):
     assert writer.threads_started == 1
     writer.wait()
     assert writer.rows_written == 2
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_two_threads_under_eviction_pressure_with_a_slow_writer_lose_no_update(tmp_path, hold):
+    """A prefetch-like thread and the main thread acquire, update in place and release rows of their own
+    ranges of a backing file, through a 6-row cache whose victims a slow write-behind thread writes
+    (held until each acquire's reads are done, or not): a pinned row never leaves its slot while its
+    ticket is out (checked after each in-place update), and after a flush the file holds every update."""
+    store = _store(tmp_path / "s")
+    for tensor in store.tensors.values():  # zeros: a row's value is then its count of updates, exactly
+        tensor.zero_()
+    writer = WriteBehind(SlowIO(store.row_io(), delay=0.001), keepalive=store)
+    cache = RowCache(dict(store.tensors), 6, "lru", row_io=store.row_io(), write_behind=writer)
+    cache.hold_writes = hold
+    counts = [torch.zeros(ROWS), torch.zeros(ROWS)]
+    errors = []
+
+    def hammer(lo, hi, seed, count):
+        gen = torch.Generator().manual_seed(seed)
+        try:
+            for _ in range(80):
+                rows = (
+                    (
+                        lo
+                        + torch.randperm(hi - lo, generator=gen)[
+                            : 1 + int(torch.randint(5, (1,), generator=gen))
+                        ]
+                    )
+                    .sort()
+                    .values
+                )
+                ticket, slots = cache.acquire(rows)
+                with cache.buffers_in_use():
+                    cache.tensors["weight"].index_add_(0, slots, torch.ones(slots.numel(), 5))
+                    cache.tensors["state.m"].index_add_(0, slots, torch.ones(slots.numel()))
+                    assert torch.equal(cache.row_of_slot.index_select(0, slots), rows), "a pinned row moved"
+                count.index_add_(0, rows, torch.ones(rows.numel()))
+                cache.release(ticket, dirty=True)
+        except BaseException as error:  # noqa: BLE001 - re-raised below
+            errors.append(error)
+
+    other = threading.Thread(target=hammer, args=(30, ROWS, 1, counts[1]), daemon=True)
+    other.start()
+    hammer(0, 30, 2, counts[0])
+    other.join(60)
+    assert not other.is_alive() and not errors, errors
+    cache.flush()
+    assert writer.rows_written > 0 and writer.pending_bytes == 0
+    total = counts[0] + counts[1]
+    assert torch.equal(store.tensors["weight"], total[:, None].expand(ROWS, 5))
+    assert torch.equal(store.tensors["state.m"], total)
