@@ -25,7 +25,8 @@ An id whose buffer row is outside ``[0, R)`` raises IndexError (native, Triton) 
 read; the callers validate ids against their table with a named error before that.
 
 :func:`kernel_backend` picks a backend for a block of code (tests compare the backends this way);
-``SHARDKIT_NATIVE=0`` keeps the native one off.
+``SHARDKIT_NATIVE=0`` keeps the native one off. The native forward's software-prefetch distance is
+chosen per machine at run time (:mod:`shardkit.kernels.prefetch`; ``SHARDKIT_PREFETCH_ROWS`` overrides).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 
 from shardkit.kernels import embedding_torch
 from shardkit.kernels.native_build import native_ops
+from shardkit.kernels.prefetch import prefetch_rows
 from shardkit.kernels.row_optimizer import RowOptimizerArgs
 
 BACKENDS = ("torch", "native", "triton")
@@ -156,7 +158,7 @@ def embedding_forward(
             ids, offsets, bag_shift, per_sample_weights, bag_scale
         )
         return native_ops().embedding_forward(
-            weight, ids, offsets, bag_shift, psw, bag_scale, pooled, batch_major
+            weight, ids, offsets, bag_shift, psw, bag_scale, pooled, batch_major, prefetch_rows()
         )
     if backend == "triton":
         out = _triton_module().embedding_forward(

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from shardkit.kernels import embedding
 from shardkit.kernels.embedding_torch import buffer_rows, to_batch_major
 from shardkit.kernels.native_build import native_ops
+from shardkit.kernels.prefetch import prefetch_rows
 from shardkit.kernels.quant_rows import FLOAT_STORAGES, INT_BITS, check_storage, dequantize_rows, row_bytes
 
 
@@ -88,6 +89,7 @@ def quant_embedding_forward(
             None if bag_scale is None else bag_scale.to(torch.float32).contiguous(),
             pooled,
             batch_major,
+            prefetch_rows(),
         )
     rows = buffer_rows(ids, offsets, bag_shift)
     # a host read of the ids' range: not while torch.export / compile traces (index_select still checks)
@@ -129,7 +131,19 @@ def _register_fake() -> None:
     _fake_registered = True
 
     @torch.library.register_fake("shardkit_native::quant_embedding_forward")
-    def _(weight, storage, dim, ids, offsets, bag_shift, per_sample_weights, bag_scale, pooled, batch):
+    def _(
+        weight,
+        storage,
+        dim,
+        ids,
+        offsets,
+        bag_shift,
+        per_sample_weights,
+        bag_scale,
+        pooled,
+        batch,
+        prefetch=16,
+    ):
         bags = offsets.size(0) - 1
         if not pooled:
             return weight.new_empty((ids.size(0), dim), dtype=torch.float32)

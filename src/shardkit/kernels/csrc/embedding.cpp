@@ -40,6 +40,9 @@ template <typename scalar_t>
 inline scalar_t from_float(float x) { return static_cast<scalar_t>(x); }
 
 // Rows are read in id order; fetching a few ids ahead hides part of the DRAM latency of random rows.
+// The forward's distance is an argument of the op (chosen per machine at run time:
+// shardkit/kernels/prefetch.py); kPrefetch is its schema default and the fused backward's distance
+// for gradient rows.
 constexpr int64_t kPrefetch = 16;
 
 // Asks for every cache line of `count` elements at `p` (one prefetch covers 64 bytes only), into L2
@@ -119,7 +122,7 @@ inline int64_t bag_row(int64_t b, int64_t batch, int64_t features) {
 template <int64_t W, typename scalar_t, typename index_t>
 int64_t forward_kernel(const at::Tensor& weight, const at::Tensor& ids, const at::Tensor& offsets,
                        const int64_t* shift, const float* psw, const float* scale, bool pooled,
-                       int64_t batch, at::Tensor& out) {
+                       int64_t batch, int64_t prefetch, at::Tensor& out) {
   const int64_t num_rows = weight.size(0), dim = weight.size(1);
   const int64_t width = W > 0 ? W : dim;  // columns summed per pass over a bag's ids
   const int64_t bags = offsets.numel() - 1;
@@ -165,8 +168,8 @@ int64_t forward_kernel(const at::Tensor& weight, const at::Tensor& ids, const at
         float* a = W > 0 ? local : acc;
         for (int64_t j = 0; j < width; ++j) a[j] = 0.0f;
         for (int64_t i = lo; i < hi; ++i) {
-          const int64_t ahead = i + kPrefetch;
-          if (ahead < total) {
+          const int64_t ahead = i + prefetch;
+          if (prefetch > 0 && ahead < total) {
             const int64_t next = static_cast<int64_t>(id[ahead]) + (ahead < hi ? s : s_next);
             if (static_cast<uint64_t>(next) < static_cast<uint64_t>(num_rows)) {
               prefetch_row(table + next * dim + c0, width);
@@ -231,8 +234,10 @@ void check_common(const at::Tensor& weight, const at::Tensor& ids, const at::Ten
 at::Tensor embedding_forward(const at::Tensor& weight, const at::Tensor& ids, const at::Tensor& offsets,
                              const c10::optional<at::Tensor>& bag_shift,
                              const c10::optional<at::Tensor>& per_sample_weights,
-                             const c10::optional<at::Tensor>& bag_scale, bool pooled, int64_t batch) {
+                             const c10::optional<at::Tensor>& bag_scale, bool pooled, int64_t batch,
+                             int64_t prefetch) {
   check_common(weight, ids, offsets, bag_shift, per_sample_weights, bag_scale);
+  TORCH_CHECK(prefetch >= 0, "prefetch (rows ahead) must be >= 0, got ", prefetch);
   // read through the pointer: offsets[-1].item() would dispatch two more ops per call
   TORCH_CHECK(offsets.data_ptr<int64_t>()[offsets.numel() - 1] == ids.numel(), "offsets must end at the number of ids");
   const int64_t rows_out = pooled ? offsets.numel() - 1 : ids.numel();
@@ -249,9 +254,11 @@ at::Tensor embedding_forward(const at::Tensor& weight, const at::Tensor& ids, co
     with_block_width(weight.size(1), [&](auto w) {
       constexpr int64_t W = decltype(w)::value;
       if (ids.scalar_type() == at::kLong) {
-        bad = forward_kernel<W, scalar_t, int64_t>(weight, ids, offsets, shift, psw, scale, pooled, batch, out);
+        bad = forward_kernel<W, scalar_t, int64_t>(weight, ids, offsets, shift, psw, scale, pooled, batch,
+                                                    prefetch, out);
       } else {
-        bad = forward_kernel<W, scalar_t, int32_t>(weight, ids, offsets, shift, psw, scale, pooled, batch, out);
+        bad = forward_kernel<W, scalar_t, int32_t>(weight, ids, offsets, shift, psw, scale, pooled, batch,
+                                                    prefetch, out);
       }
     });
   });
@@ -561,7 +568,7 @@ at::Tensor embedding_fused_backward(at::Tensor& weight, const at::Tensor& ids, c
 TORCH_LIBRARY(shardkit_native, m) {
   m.def(
       "embedding_forward(Tensor weight, Tensor ids, Tensor offsets, Tensor? bag_shift, "
-      "Tensor? per_sample_weights, Tensor? bag_scale, bool pooled, int batch) -> Tensor");
+      "Tensor? per_sample_weights, Tensor? bag_scale, bool pooled, int batch, int prefetch=16) -> Tensor");
   m.def(
       "embedding_fused_backward(Tensor(a!) weight, Tensor ids, Tensor offsets, Tensor? bag_shift, "
       "Tensor? per_sample_weights, Tensor? bag_scale, Tensor grad, bool pooled, int batch, int optimizer, float lr, "

@@ -28,8 +28,6 @@ namespace {
 // The storage argument of the op: the order of (*FLOAT_STORAGES, *INT_BITS) in quant_rows.py.
 enum Storage : int64_t { kFP32 = 0, kFP16 = 1, kBF16 = 2, kINT8 = 3, kINT4 = 4, kINT2 = 5 };
 
-constexpr int64_t kPrefetch = 16;
-
 inline int bits_of(int64_t storage) { return storage == kINT8 ? 8 : storage == kINT4 ? 4 : 2; }
 
 inline int64_t data_bytes(int64_t storage, int64_t dim) {
@@ -121,7 +119,7 @@ inline void dequantize_row(const uint8_t* __restrict__ row, int64_t dim, float* 
 template <int64_t S, typename index_t>
 int64_t quant_kernel(const at::Tensor& weight, int64_t dim, const at::Tensor& ids, const at::Tensor& offsets,
                      const int64_t* shift, const float* psw, const float* scale, bool pooled, int64_t batch,
-                     at::Tensor& out) {
+                     int64_t prefetch, at::Tensor& out) {
   const int64_t num_rows = weight.size(0), row_bytes = weight.size(1);
   const int64_t bags = offsets.numel() - 1;
   const uint8_t* table = weight.data_ptr<uint8_t>();
@@ -144,8 +142,8 @@ int64_t quant_kernel(const at::Tensor& weight, int64_t dim, const at::Tensor& id
       const int64_t lo = off[b], hi = off[b + 1];
       if (pooled) std::fill(acc, acc + dim, 0.0f);
       for (int64_t i = lo; i < hi; ++i) {
-        const int64_t ahead = i + kPrefetch;
-        if (ahead < hi) {
+        const int64_t ahead = i + prefetch;
+        if (prefetch > 0 && ahead < hi) {
           const int64_t next = static_cast<int64_t>(id[ahead]) + s;
           if (static_cast<uint64_t>(next) < static_cast<uint64_t>(num_rows)) {
             for (int64_t k = 0; k < row_bytes; k += 64) __builtin_prefetch(table + next * row_bytes + k, 0, 1);
@@ -189,11 +187,11 @@ int64_t quant_kernel(const at::Tensor& weight, int64_t dim, const at::Tensor& id
 template <int64_t S>
 int64_t dispatch_ids(const at::Tensor& weight, int64_t dim, const at::Tensor& ids, const at::Tensor& offsets,
                      const int64_t* shift, const float* psw, const float* scale, bool pooled, int64_t batch,
-                     at::Tensor& out) {
+                     int64_t prefetch, at::Tensor& out) {
   if (ids.scalar_type() == at::kLong) {
-    return quant_kernel<S, int64_t>(weight, dim, ids, offsets, shift, psw, scale, pooled, batch, out);
+    return quant_kernel<S, int64_t>(weight, dim, ids, offsets, shift, psw, scale, pooled, batch, prefetch, out);
   }
-  return quant_kernel<S, int32_t>(weight, dim, ids, offsets, shift, psw, scale, pooled, batch, out);
+  return quant_kernel<S, int32_t>(weight, dim, ids, offsets, shift, psw, scale, pooled, batch, prefetch, out);
 }
 
 // fp32 [bags, dim] (pooled; [batch, bags / batch * dim] when batch > 0) or [ids, dim]. Raises IndexError
@@ -201,7 +199,9 @@ int64_t dispatch_ids(const at::Tensor& weight, int64_t dim, const at::Tensor& id
 at::Tensor quant_embedding_forward(const at::Tensor& weight, int64_t storage, int64_t dim, const at::Tensor& ids,
                                    const at::Tensor& offsets, const c10::optional<at::Tensor>& bag_shift,
                                    const c10::optional<at::Tensor>& per_sample_weights,
-                                   const c10::optional<at::Tensor>& bag_scale, bool pooled, int64_t batch) {
+                                   const c10::optional<at::Tensor>& bag_scale, bool pooled, int64_t batch,
+                                   int64_t prefetch) {
+  TORCH_CHECK(prefetch >= 0, "prefetch (rows ahead) must be >= 0, got ", prefetch);
   TORCH_CHECK(storage >= kFP32 && storage <= kINT2, "unknown storage code ", storage);
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kByte,
               "weight must be a contiguous uint8 [rows, row_bytes] tensor");
@@ -238,12 +238,12 @@ at::Tensor quant_embedding_forward(const at::Tensor& weight, int64_t storage, in
   const float* scale = bag_scale ? bag_scale->data_ptr<float>() : nullptr;
   int64_t bad = -1;
   switch (storage) {
-    case kFP32: bad = dispatch_ids<kFP32>(weight, dim, ids, offsets, shift, psw, scale, pooled, batch, out); break;
-    case kFP16: bad = dispatch_ids<kFP16>(weight, dim, ids, offsets, shift, psw, scale, pooled, batch, out); break;
-    case kBF16: bad = dispatch_ids<kBF16>(weight, dim, ids, offsets, shift, psw, scale, pooled, batch, out); break;
-    case kINT8: bad = dispatch_ids<kINT8>(weight, dim, ids, offsets, shift, psw, scale, pooled, batch, out); break;
-    case kINT4: bad = dispatch_ids<kINT4>(weight, dim, ids, offsets, shift, psw, scale, pooled, batch, out); break;
-    default: bad = dispatch_ids<kINT2>(weight, dim, ids, offsets, shift, psw, scale, pooled, batch, out); break;
+    case kFP32: bad = dispatch_ids<kFP32>(weight, dim, ids, offsets, shift, psw, scale, pooled, batch, prefetch, out); break;
+    case kFP16: bad = dispatch_ids<kFP16>(weight, dim, ids, offsets, shift, psw, scale, pooled, batch, prefetch, out); break;
+    case kBF16: bad = dispatch_ids<kBF16>(weight, dim, ids, offsets, shift, psw, scale, pooled, batch, prefetch, out); break;
+    case kINT8: bad = dispatch_ids<kINT8>(weight, dim, ids, offsets, shift, psw, scale, pooled, batch, prefetch, out); break;
+    case kINT4: bad = dispatch_ids<kINT4>(weight, dim, ids, offsets, shift, psw, scale, pooled, batch, prefetch, out); break;
+    default: bad = dispatch_ids<kINT2>(weight, dim, ids, offsets, shift, psw, scale, pooled, batch, prefetch, out); break;
   }
   if (bad >= 0) {
     const int64_t* off = offsets.data_ptr<int64_t>();
@@ -260,7 +260,7 @@ at::Tensor quant_embedding_forward(const at::Tensor& weight, int64_t storage, in
 TORCH_LIBRARY_FRAGMENT(shardkit_native, m) {
   m.def(
       "quant_embedding_forward(Tensor weight, int storage, int dim, Tensor ids, Tensor offsets, Tensor? bag_shift, "
-      "Tensor? per_sample_weights, Tensor? bag_scale, bool pooled, int batch) -> Tensor");
+      "Tensor? per_sample_weights, Tensor? bag_scale, bool pooled, int batch, int prefetch=16) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(shardkit_native, CPU, m) { m.impl("quant_embedding_forward", &quant_embedding_forward); }
