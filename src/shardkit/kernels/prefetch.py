@@ -3,16 +3,18 @@
 The native pooled forward (``csrc/embedding.cpp``) and the quantized lookup (``csrc/quant_embedding.cpp``)
 read random table rows in id order and prefetch the row ``distance`` ids ahead into L2. The distance
 that best hides DRAM latency depends on the CPU: 16 rows was best on the Intel Xeon the kernel was
-tuned on, 64 on an AMD EPYC (Zen 5) - see docs/performance.md. The unit is rows, not bytes: on the
-EPYC, 64 rows was best or within noise of the best at 64 B, 256 B and 512 B rows, while any fixed
-number of bytes ahead was too short at one width or too long at another.
+tuned on, 64 on an AMD EPYC (Zen 5) - see docs/performance.md. The unit is rows (the kernels' loop
+unit): on the EPYC, 64 rows was within 7 % of the best distance at 64 B, 256 B and 512 B rows, so one
+number measured at 256 B rows serves every width; bytes ahead transfer as well only when chosen at the
+wide end (4 KiB, enough at 64 B rows, was 1.4x slower than the best at 256 B rows).
 
 :func:`prefetch_rows` returns the distance the kernels get, decided once per process:
 
 1. ``SHARDKIT_PREFETCH_ROWS=<n>`` (an integer in ``[0, MAX_ROWS]``; 0 switches prefetching off)
    overrides everything; any other value raises ValueError at first use;
 2. else the distance measured earlier on this machine, read from
-   ``<native cache dir>/prefetch-<key>.json`` (key: CPU model name, torch version, :data:`VERSION`);
+   ``<native cache dir>/prefetch-<key>.json`` (key: CPU model name, family and model numbers, torch
+   version, :data:`VERSION`);
 3. else a short measurement (:func:`measure`, about 0.1-0.3 s once per machine and torch version):
    pooled lookups of 64-float rows from a table of a few times the L3's size, each candidate of
    :data:`CANDIDATES` timed in alternating rounds on fresh ids, one thread; the smallest candidate
@@ -65,15 +67,23 @@ def _parse_env(value: str) -> int:
 
 
 def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else the platform's processor string."""
+    """The CPU's model name with its family and model numbers (``/proc/cpuinfo``: a VM may name every
+    generation ``AMD EPYC``), else the platform's processor string."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip():  # the first processor's block is enough
+                    break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    if "model name" not in fields:
+        return platform.processor() or platform.machine()
+    return f"{fields['model name']} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')})"
 
 
 def cache_file() -> Path:
