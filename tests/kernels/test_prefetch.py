@@ -184,3 +184,13 @@ def test_without_native_kernels_nothing_is_measured(fresh_choice, monkeypatch):
     monkeypatch.setattr(prefetch, "measure", _no_measurement)
     assert prefetch.prefetch_rows() == prefetch.DEFAULT_ROWS
     assert not prefetch.cache_file().exists()
+
+
+@needs_native
+def test_inside_a_trace_nothing_is_measured(fresh_choice, monkeypatch):
+    monkeypatch.setattr(prefetch, "measure", _no_measurement)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert prefetch.prefetch_rows() == prefetch.DEFAULT_ROWS
+    prefetch.cache_file().parent.mkdir(parents=True, exist_ok=True)
+    prefetch.cache_file().write_text(json.dumps({"rows": 0}))  # 0 (no prefetch) is a valid cached choice
+    assert prefetch.prefetch_rows() == 0

@@ -40,6 +40,7 @@ from typing import Dict, Optional
 
 import torch
 
+from shardkit.kernels.cpu_cache import SYSFS_CACHE, parse_size
 from shardkit.kernels.native_build import cache_dir, native_ops
 
 ENV = "SHARDKIT_PREFETCH_ROWS"
@@ -93,17 +94,15 @@ def cache_file() -> Path:
 
 
 def last_level_cache_bytes() -> int:
-    """The largest CPU cache's size in bytes (sysfs), or 32 MiB when sysfs does not say."""
+    """The largest CPU cache's size in bytes (sysfs, as :mod:`shardkit.kernels.cpu_cache` reads it), or
+    32 MiB when sysfs does not say (the table is only sized from it)."""
     best = 0
-    base = Path("/sys/devices/system/cpu/cpu0/cache")
-    for index in base.glob("index*"):
+    for index in Path(SYSFS_CACHE).glob("index*"):
         try:
-            text = (index / "size").read_text().strip().upper()
-        except OSError:
-            continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        size = int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text or 0)
-        best = max(best, size)
+            size = parse_size((index / "size").read_text())
+        except (OSError, UnicodeDecodeError):
+            size = None
+        best = max(best, size or 0)
     return best or (32 << 20)
 
 
@@ -176,6 +175,10 @@ def _measure_and_cache(path: Path) -> int:
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(record, indent=1) + "\n")
         os.replace(tmp, path)
+        print(
+            f"shardkit: native lookups prefetch {rows} rows ahead on this CPU (measured once; {path})",
+            file=sys.stderr,
+        )
         return rows
 
 
@@ -197,7 +200,8 @@ def prefetch_rows() -> int:
                 _chosen = DEFAULT_ROWS  # nothing native runs: nothing to measure
             elif torch.compiler.is_compiling():
                 # no measurement inside a trace (its tensors may be fake); decided at the first eager call
-                return _read_cached(cache_file()) or DEFAULT_ROWS
+                cached = _read_cached(cache_file())
+                return DEFAULT_ROWS if cached is None else cached
             else:
                 path = cache_file()
                 cached = _read_cached(path)
