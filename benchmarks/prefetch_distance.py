@@ -6,6 +6,7 @@ rounds and the median ms per distance printed, with the same distance also expre
 (distance x row bytes). Used to choose the unit of SHARDKIT_PREFETCH_* (docs/performance.md):
 
     PYTHONPATH=src:. python -m benchmarks.prefetch_distance --dims 16 64 128
+    PYTHONPATH=src:. python -m benchmarks.prefetch_distance --dims 64 128 --quant int8  # quantized lookup
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import time
 import torch
 
 from shardkit.kernels.native_build import native_ops
+from shardkit.kernels.quant_embedding import _STORAGE_CODES
+from shardkit.kernels.quant_rows import STORAGES, quantize_rows
+from shardkit.kernels.quant_rows import row_bytes as quant_row_bytes
 
 
 def main() -> None:
@@ -29,6 +33,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--sets", type=int, default=8, help="id sets cycled through (fresh rows per call)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument(
+        "--quant", choices=STORAGES, help="time the quantized lookup of rows stored this way instead"
+    )
     a = p.parse_args()
     torch.set_num_threads(1)
     ops = native_ops()
@@ -37,9 +44,10 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     g = torch.Generator().manual_seed(0)
     for dim in a.dims:
-        row_bytes = dim * torch.finfo(dtype).bits // 8
+        row_bytes = quant_row_bytes(dim, a.quant) if a.quant else dim * torch.finfo(dtype).bits // 8
         rows = (a.table_mib << 20) // row_bytes
-        weight = torch.randn(rows, dim, generator=g).to(dtype)
+        weight = torch.randn(rows, dim, generator=g)
+        weight = quantize_rows(weight, a.quant) if a.quant else weight.to(dtype)
         # fresh ids per call (a cycle of sets that touch 4x the L3 together): a repeated set would
         # find its rows in the L3 from the previous call
         batches = []
@@ -54,7 +62,11 @@ def main() -> None:
                 ids, offsets = batches[k % len(batches)]
                 k += 1
                 t0 = time.perf_counter()
-                ops.embedding_forward(weight, ids, offsets, None, None, None, True, 0, d)
+                if a.quant:
+                    code = _STORAGE_CODES[a.quant]
+                    ops.quant_embedding_forward(weight, code, dim, ids, offsets, None, None, None, True, 0, d)
+                else:
+                    ops.embedding_forward(weight, ids, offsets, None, None, None, True, 0, d)
                 times[d].append(time.perf_counter() - t0)
         base = min(times[a.distances[0]])
         print(f"dim {dim} ({row_bytes} B rows), {rows} rows, {ids.numel()} ids per call")
