@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from benchmarks.common import write_results
 from shardkit.kernels.native_build import native_ops
 from shardkit.kernels.quant_embedding import _STORAGE_CODES
 from shardkit.kernels.quant_rows import STORAGES, quantize_rows
@@ -36,6 +37,7 @@ def main() -> None:
     p.add_argument(
         "--quant", choices=STORAGES, help="time the quantized lookup of rows stored this way instead"
     )
+    p.add_argument("--out", default=None, help="directory for prefetch_distance.json")
     a = p.parse_args()
     torch.set_num_threads(1)
     ops = native_ops()
@@ -43,6 +45,7 @@ def main() -> None:
         raise SystemExit("the native kernels did not build")
     dtype = getattr(torch, a.dtype)
     g = torch.Generator().manual_seed(0)
+    table = []
     for dim in a.dims:
         row_bytes = quant_row_bytes(dim, a.quant) if a.quant else dim * torch.finfo(dtype).bits // 8
         rows = (a.table_mib << 20) // row_bytes
@@ -76,7 +79,10 @@ def main() -> None:
                 f"  distance {d:>4} rows = {d * row_bytes:>6} B: min {best:7.2f} ms"
                 f" ({best / (base * 1e3):.2f}x), median {med:7.2f} ms"
             )
+            row = {"dim": dim, "row_bytes": row_bytes, "distance_rows": d, "min_ms": best, "median_ms": med}
+            table.append({**row, "vs_first_distance": best / (base * 1e3)})
         del weight
+    write_results("prefetch_distance", vars(a), table, a.out)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import warnings
 
 import torch
 
+from benchmarks.common import write_results
 from shardkit.distributed.validation import set_validation
 from shardkit.kernels import prefetch
 from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig
@@ -54,7 +55,9 @@ def _set_rows(rows: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
-    rounds = parser.parse_args().rounds
+    parser.add_argument("--out", default=None, help="directory for prefetch_vs_fbgemm.json")
+    args = parser.parse_args()
+    rounds = args.rounds
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
@@ -98,6 +101,7 @@ def main() -> None:
                 fn()
                 if r >= 2:
                     res[(name, kind)].append((time.perf_counter() - t0) * 1e3)
+    table = []
     for kind in ("fwd", "fb"):
         med = {n: statistics.median(res[(n, kind)]) for n, *_ in cases}
         line = ", ".join(f"{n} {m:.1f} ms" for n, m in med.items())
@@ -108,6 +112,11 @@ def main() -> None:
             f"{kind}: medians {line}; {ratios}; per-round sk{auto}/sk16 median {statistics.median(pr):.2f} "
             f"(min {min(pr):.2f}, max {max(pr):.2f})"
         )
+        for name, *_ in cases:
+            table.append(
+                {"pass": kind, "case": name, "median_ms": med[name], "vs_fbgemm": med[name] / med["tbe"]}
+            )
+    write_results("prefetch_vs_fbgemm", {"rounds": rounds, "chosen_rows": auto}, table, args.out)
 
 
 if __name__ == "__main__":

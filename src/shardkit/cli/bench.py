@@ -88,6 +88,7 @@ QUICK_ARGS: Dict[str, List[str]] = {
     ],
     "offload_miss_path": ["--quick"],
     "offload_miss_locality": ["--quick"],
+    "prefetch_distance": [*("--dims", "16", "--distances", "0", "16", "--table-mib", "8"), "--rounds", "1"],
     # on a CUDA machine its real rows; elsewhere the same rows on the CPU (a check that it runs)
     "offload_gpu": ["--quick"],
     # without CUDA: the device bookkeeping's ops and host-value calls counted on CPU tensors
@@ -101,6 +102,7 @@ QUICK_ARGS: Dict[str, List[str]] = {
 _NOT_BENCHMARKS = {
     *("__init__", "common", "offload_budget", "offload_pipeline", "offload_steady", "round_noise"),
     "vs_megatron_ce_dtype",
+    "prefetch_vs_fbgemm",  # needs fbgemm: runs only in the torchrec peer venv (docs/performance.md)
 }
 
 
