@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.distributed.agreement import all_gather_flat
+from shardkit.distributed.gather_blocks import all_gather_into
 from shardkit.kernels import embedding_fused_backward
 from shardkit.kernels.replica_grad import touched_rows
 from shardkit.kernels.row_optimizer import RowOptimizerArgs
@@ -73,24 +74,14 @@ def gather_counts(
 
 def all_gather_blocks(out: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
     """Every rank's block of ``out`` (1-D, one equal block per rank of ``group`` in rank order, this
-    rank's filled in) to every rank. On gloo: this rank's block sent to every other rank and theirs
-    received, all posted before any wait (gloo's all-gather ran 2-3x slower than these transfers
-    for the 10-30 MB blocks of the 2-rank CPU sweep); other backends: one all-gather."""
+    rank's filled in) to every rank: :func:`shardkit.distributed.gather_blocks.all_gather_into`
+    (on gloo, large blocks go point to point: its all-gather ran 2-3x slower than these transfers
+    for the 10-30 MB blocks of the 2-rank CPU sweep)."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     size = out.numel() // world
-    mine = out[me * size : (me + 1) * size]
     if size == 0 or world == 1:
         return
-    if dist.get_backend(group) != "gloo":
-        all_gather_flat(out, mine.clone(), group=group)
-        return
-    works = []
-    for peer in range(world):
-        if peer != me:
-            works.append(dist.isend(mine, group=group, group_dst=peer))
-            works.append(dist.irecv(out[peer * size : (peer + 1) * size], group=group, group_src=peer))
-    for work in works:
-        work.wait()
+    all_gather_into(out, out[me * size : (me + 1) * size], group=group)
 
 
 def rows_of_all_ranks(

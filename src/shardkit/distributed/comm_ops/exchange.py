@@ -35,6 +35,7 @@ from shardkit.distributed.agreement import (
 from shardkit.distributed.codecs import QuantizedCommCodec, QuantizedCommCodecs
 from shardkit.distributed.comm_ops import scratch
 from shardkit.distributed.direct_collectives import all_to_all_single
+from shardkit.distributed.gather_blocks import all_gather_into
 from shardkit.distributed.validation import validation_enabled
 
 ProcessGroup = dist.ProcessGroup
@@ -410,7 +411,9 @@ def all_gather(
         out, work = send, None
     else:
         out = huge_pages.new_empty(send, world * width)
-        work = all_gather_flat(out, send, group=group, async_op=True)
+        # point to point on gloo for large blocks (gather_blocks: gloo's all-gather faults in and
+        # copies out of a buffer of its own)
+        work = all_gather_into(out, send, group=group, async_op=True)
 
     def finish() -> list[torch.Tensor]:
         pieces = [out[r * width : r * width + wire_bytes[r]] for r in range(world)]

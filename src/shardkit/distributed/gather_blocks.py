@@ -1,0 +1,84 @@
+"""An all-gather of equal flat blocks that takes point-to-point transfers on gloo for large blocks.
+
+``all_gather_into(out, send, group)`` is ``all_gather_single(out, send, group)``: every rank's ``send``
+(1-D, the same numel and dtype on every rank) lands in ``out`` (``[world * numel]``), rank ``r``'s at
+``out[r * numel : (r + 1) * numel]``. Why not gloo's own all-gather for large blocks: it gathers into
+a fresh flat buffer of ``world x numel`` (page faults every call) and then copies every rank's block
+out of it, and it moves the data in a ring of small steps; this rank's block sent to every other rank
+and theirs received straight into ``out``, all posted before any wait, took a quarter of its wall time
+for 32 MiB blocks and less CPU for 1-8 MiB ones (2 gloo ranks on 2 cores, ``docs/performance.md``,
+"Pooled gradient all-gather on gloo"). Below ``P2P_MIN_BYTES`` (and on any other backend) it is the
+backend's all-gather: one collective beats ``2 x (world - 1)`` transfers for small blocks. The
+result is the same bytes either way (a gather moves data, it adds nothing).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+# blocks of at least this many bytes go point to point on gloo
+P2P_MIN_BYTES = 256 << 10
+
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _Transfers:
+    """The posted sends and receives of one gather, as one work: ``wait()`` waits for all of them
+    (and keeps the tensors they read and write alive until then)."""
+
+    def __init__(self, works: List[dist.Work], tensors: tuple) -> None:
+        self._works, self._tensors = works, tensors
+
+    def wait(self, timeout=None) -> bool:
+        for work in self._works:
+            work.wait()
+        self._works, self._tensors = [], ()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
+def uses_transfers(nbytes: int, group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether a gather of ``nbytes``-byte blocks over ``group`` goes point to point: on gloo (a
+    group of gloo alone or gloo for CPU tensors), from ``P2P_MIN_BYTES`` on."""
+    if nbytes < P2P_MIN_BYTES:
+        return False
+    backend = str(dist.get_backend(group))
+    return backend == "gloo" or "cpu:gloo" in backend
+
+
+def all_gather_into(
+    out: torch.Tensor, send: torch.Tensor, group: Optional[dist.ProcessGroup] = None, async_op: bool = False
+):
+    """``all_gather_single(out, send, group, async_op)`` (module doc): ``out`` 1-D ``[world * n]``,
+    ``send`` 1-D ``[n]``, both contiguous, one dtype; ``send`` may be this rank's block of ``out``
+    itself (then nothing is copied into it). Returns the work when ``async_op`` (``wait()`` before
+    reading ``out`` or writing ``send``), else None once done."""
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    n = send.numel()
+    if out.numel() != world * n:
+        raise ValueError(f"all_gather_into: out has {out.numel()} elements, not {world} x {n}")
+    mine = out[me * n : (me + 1) * n]
+    aliased = send.data_ptr() == mine.data_ptr()
+    if world == 1 or not uses_transfers(n * send.element_size(), group):
+        # the backends read and write the buffers at once: a send inside out goes as a copy
+        return _all_gather_flat(out, send.clone() if aliased else send, group=group, async_op=async_op)
+    works = []
+    for peer in range(world):
+        if peer != me:
+            works.append(dist.isend(send, group=group, group_dst=peer))
+            works.append(dist.irecv(out[peer * n : (peer + 1) * n], group=group, group_src=peer))
+    if not aliased:
+        mine.copy_(send)  # while the transfers run
+    transfers = _Transfers(works, (out, send))
+    if async_op:
+        return transfers
+    transfers.wait()
+    return None
+
+
+__all__ = ["P2P_MIN_BYTES", "all_gather_into", "uses_transfers"]
