@@ -106,3 +106,24 @@ def test_native_refuses_blocks_that_share_a_segment():
     block_keys = [[0, 3, 5], [1], [2, 6], [1]]  # features 1 and 3 both send under key 1
     with pytest.raises(RuntimeError, match="more than one block"):
         bucketize_blocks(values, offsets, bags, block_starts, block_keys, key_feature, backend="native")
+
+
+@needs_native
+def test_fixed_block_tensors_give_the_same_result_and_follow_the_batch_size():
+    """One BlockTensors reused across calls whose batch sizes change (its per-batch tensors are
+    remade) gives what the lists give on every call."""
+    from shardkit.kernels.bucketize import BlockTensors
+
+    base = _random_case(0, torch.int64)
+    fixed = BlockTensors(base[3], base[4], base[5])
+    gen = torch.Generator().manual_seed(3)
+    for bags in (base[2], base[2], [b + 2 for b in base[2]], base[2]):
+        lengths = torch.randint(0, 6, (sum(bags),), generator=gen)
+        values = torch.randint(0, 60, (int(lengths.sum()),), generator=gen)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        case = (values, offsets, bags, *base[3:])
+        got = bucketize_blocks(*case, backend="native", fixed=fixed)
+        want = bucketize_blocks(*case, backend="native")
+        want_order, want_lengths = _by_definition(*case)
+        assert got[0].tolist() == want_order and got[1].tolist() == want_lengths
+        assert all(torch.equal(a, b) for a, b in zip(got, want))

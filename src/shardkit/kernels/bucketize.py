@@ -19,7 +19,7 @@ import torch
 from shardkit.kernels.embedding import native_for
 from shardkit.kernels.embedding_torch import bag_of_each_id
 
-__all__ = ["bucketize_blocks"]
+__all__ = ["BlockTensors", "bucketize_blocks"]
 
 
 def bucketize_blocks(
@@ -32,6 +32,7 @@ def bucketize_blocks(
     ids_per_feature: Optional[Sequence[int]] = None,
     backend: str = "auto",
     need_order: bool = True,
+    fixed: Optional[BlockTensors] = None,
 ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Returns (order int64 ``[N]``, lengths int64 ``[S]``, ``values[order]``).
 
@@ -42,6 +43,9 @@ def bucketize_blocks(
     backend: "auto" (native when it can run and :func:`~shardkit.kernels.kernel_backend` does not force
     another), "native" or "torch". need_order: False returns None for ``order`` (the native kernel
     then does not write it: a pooled unweighted row-wise lookup only sends the sorted ids).
+    fixed: the native kernel's index tensors of these ``block_starts`` / ``block_keys`` /
+    ``key_feature`` and of the last ``bags_per_feature`` seen, made once (:class:`BlockTensors`, built
+    from the same lists) instead of from the lists at every call.
     """
     offsets = offsets.to(torch.int64)
     key_bags = [bags_per_feature[f] for f in key_feature]
@@ -52,17 +56,17 @@ def bucketize_blocks(
     if native is not None and values.dtype in (torch.int32, torch.int64):
         device = values.device
 
-        def tensor(data: List[int]) -> torch.Tensor:
-            return torch.tensor(data, dtype=torch.int64, device=device)
-
+        if fixed is None:
+            fixed = BlockTensors(block_starts, block_keys, key_feature)
+        bags, starts, bounds, keys, first_bags = fixed.on(device, bags_per_feature)
         order, lengths, sent = native.bucketize_blocks(
             values.contiguous(),
             offsets.contiguous(),
-            tensor([0, *accumulate(bags_per_feature)]),
-            tensor([row for starts in block_starts for row in starts]),
-            tensor([0, *accumulate(len(starts) for starts in block_starts)]),
-            tensor([k for keys in block_keys for k in keys]),
-            tensor([0, *accumulate(key_bags)][:-1]),
+            bags,
+            starts,
+            bounds,
+            keys,
+            first_bags,
             num_segments,
             need_order,
         )
@@ -71,6 +75,52 @@ def bucketize_blocks(
         values, offsets, bags_per_feature, block_starts, block_keys, key_feature, ids_per_feature
     )
     return (order if need_order else None), lengths, sent
+
+
+class BlockTensors:
+    """The native bucketize kernel's index tensors for one row-block plan, made once per device: the
+    blocks' first rows (flat), each feature's range of blocks, the blocks' sent keys (flat); and,
+    for the last ``bags_per_feature`` seen (the batch size, which rarely changes), each feature's
+    first bag and each sent key's first segment. A row-wise step at small batches built these
+    five int64 tensors from Python lists at every call (``torch.tensor`` of lists of up to a few
+    hundred entries): fixed per plan, they need not be. Built from the same lists as the call's.
+    """
+
+    def __init__(
+        self,
+        block_starts: Sequence[Sequence[int]],
+        block_keys: Sequence[Sequence[int]],
+        key_feature: Sequence[int],
+    ) -> None:
+        self._lists = (
+            [row for starts in block_starts for row in starts],
+            [0, *accumulate(len(starts) for starts in block_starts)],
+            [k for keys in block_keys for k in keys],
+        )
+        self._key_feature = list(key_feature)
+        self._plan: dict = {}  # device -> (starts, bounds, keys)
+        self._batch: Optional[tuple] = None  # (device, bags_per_feature, bags tensor, first bags tensor)
+
+    def on(self, device: torch.device, bags_per_feature: Sequence[int]) -> Tuple[torch.Tensor, ...]:
+        """``(bag bounds [F + 1], block first rows, block bounds [F + 1], block keys, first segment
+        of each key [K])``, int64 on ``device``."""
+        plan = self._plan.get(device)
+        if plan is None:
+            plan = self._plan[device] = tuple(_int64(data, device) for data in self._lists)
+        bags_key = tuple(bags_per_feature)
+        if self._batch is None or self._batch[0] != device or self._batch[1] != bags_key:
+            key_bags = [bags_key[f] for f in self._key_feature]
+            self._batch = (
+                device,
+                bags_key,
+                _int64([0, *accumulate(bags_key)], device),
+                _int64([0, *accumulate(key_bags)][:-1], device),
+            )
+        return self._batch[2], plan[0], plan[1], plan[2], self._batch[3]
+
+
+def _int64(data: List[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(data, dtype=torch.int64, device=device)
 
 
 def _bucketize_torch(values, offsets, bags_per_feature, block_starts, block_keys, key_feature, counts):

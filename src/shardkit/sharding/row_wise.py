@@ -25,6 +25,7 @@ import torch
 
 from shardkit.distributed.awaitable import Awaitable
 from shardkit.kernels import bucketize_blocks
+from shardkit.kernels.bucketize import BlockTensors
 from shardkit.modules.embedding_configs import PoolingType
 from shardkit.sharding.dist_data import (
     PooledEmbeddingsReduceScatter,
@@ -91,11 +92,15 @@ class RowBucketRouting(EmbeddingShardingImpl):
             blocks = sorted((row, k) for k, (j, row, _) in enumerate(sent) if j == i)
             self._block_starts.append([row for row, _ in blocks])
             self._block_keys.append([k for _, k in blocks])
+        # the bucketize kernel's index tensors of these blocks, made once per device
+        self._block_tensors = BlockTensors(self._block_starts, self._block_keys, self._sent_feature)
         self._dims = {f: t.config.embedding_dim for t in self.tables for f in t.config.feature_names}
         # every rank holds a non-empty block of every table (no rank pads missing features)
         names = {t.name for t in self.tables}
         self._blocks_everywhere = all({t.name for t, _ in shards} == names for shards in per_rank)
         self._pad_indices: Dict[tuple, Optional[torch.Tensor]] = {}  # see _pad_to
+        # _full_keys of each list of tables asked for (by the ids of its tables), with the tables
+        self._full_keys_of: Dict[tuple, Tuple[list, List[ColumnBlock]]] = {}
         self._mean_features = [
             f
             for t in self.tables
@@ -132,6 +137,7 @@ class RowBucketRouting(EmbeddingShardingImpl):
             self._sent_feature,
             features.length_per_key(),
             need_order=need_order or weights is not None,
+            fixed=self._block_tensors,
         )
         spkpr = features.stride_per_key_per_rank() if features.variable_stride_per_key() else None
         send = KeyedJaggedTensor(
@@ -176,9 +182,18 @@ class RowBucketRouting(EmbeddingShardingImpl):
 
     def _full_keys(self, tables) -> List[ColumnBlock]:
         """Pooled column layout of ``tables``' features (what a rank holding every block would output):
-        each table's columns are those of its shards (all of them, or one grid column block)."""
-        whole = [(t, TableShard(-1, 0, t.config.num_embeddings, *_column_span(t))) for t in tables]
-        return received_keys(whole)
+        each table's columns are those of its shards (all of them, or one grid column block).
+
+        Worked out once per list of tables (fixed by the plan, as the shards are): the output dist
+        of every step asks, and at 64 tables the walk over them cost more than the rest of the
+        output dist's Python. The cached entry holds the tables, so their ids stay theirs. Callers
+        only read the returned list."""
+        key = tuple(map(id, tables))
+        cached = self._full_keys_of.get(key)
+        if cached is None:
+            whole = [(t, TableShard(-1, 0, t.config.num_embeddings, *_column_span(t))) for t in tables]
+            cached = self._full_keys_of[key] = (list(tables), received_keys(whole))
+        return cached[1]
 
     def _pad_to(self, local_out: torch.Tensor, full_keys: List[ColumnBlock]) -> torch.Tensor:
         """Pooled ``[R, this rank's received widths]`` -> ``[R, full widths]``, zeros for blocks held
