@@ -5,11 +5,12 @@
 ``out[r * numel : (r + 1) * numel]``. Why not gloo's own all-gather for large blocks: it gathers into
 a fresh flat buffer of ``world x numel`` (page faults every call) and then copies every rank's block
 out of it, and it moves the data in a ring of small steps; this rank's block sent to every other rank
-and theirs received straight into ``out``, all posted before any wait, took a quarter of its wall time
-for 32 MiB blocks and less CPU for 1-8 MiB ones (2 gloo ranks on 2 cores, ``docs/performance.md``,
-"Pooled gradient all-gather on gloo"). Below ``P2P_MIN_BYTES`` (and on any other backend) it is the
-backend's all-gather: one collective beats ``2 x (world - 1)`` transfers for small blocks. The
-result is the same bytes either way (a gather moves data, it adds nothing).
+and theirs received straight into ``out``, all posted before any wait, took 1/4 to 2/3 of its wall
+time for 32 MiB blocks (2 gloo ranks on 2 cores, ``docs/performance.md``, "Pooled gradient
+all-gather on gloo"). Below ``P2P_MIN_BYTES`` (and on any other backend) it is the backend's
+all-gather: for 1-8 MiB blocks the transfers saved little or no wall time, and this rank's copy of
+its block into ``out`` is main-thread CPU that gloo spends on a thread of its own. The result is the
+same bytes either way (a gather moves data, it adds nothing).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-# blocks of at least this many bytes go point to point on gloo
-P2P_MIN_BYTES = 256 << 10
+# blocks of at least this many bytes go point to point on gloo (the sweep's row-wise gradients of
+# 32-256 MiB; 1-8 MiB ones gained no wall time and cost the main thread a copy)
+P2P_MIN_BYTES = 16 << 20
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
