@@ -101,6 +101,7 @@ class RowBucketRouting(EmbeddingShardingImpl):
         self._pad_indices: Dict[tuple, Optional[torch.Tensor]] = {}  # see _pad_to
         # _full_keys of each list of tables asked for (by the ids of its tables), with the tables
         self._full_keys_of: Dict[tuple, Tuple[list, List[ColumnBlock]]] = {}
+        self._reduce_scatters: Optional[tuple] = None  # (pg, codecs, the dist), see _reduce_scatter
         self._mean_features = [
             f
             for t in self.tables
@@ -195,6 +196,14 @@ class RowBucketRouting(EmbeddingShardingImpl):
             cached = self._full_keys_of[key] = (list(tables), received_keys(whole))
         return cached[1]
 
+    def _reduce_scatter(self, pg, codecs) -> PooledEmbeddingsReduceScatter:
+        """The pooled reduce-scatter over ``pg`` with ``codecs``, built once (an nn.Module costs
+        ~20-30 us to construct) and called by its ``forward`` (it is in no module tree: no hooks)."""
+        cached = self._reduce_scatters
+        if cached is None or cached[0] is not pg or cached[1] is not codecs:
+            cached = self._reduce_scatters = (pg, codecs, PooledEmbeddingsReduceScatter(pg, codecs))
+        return cached[2]
+
     def _pad_to(self, local_out: torch.Tensor, full_keys: List[ColumnBlock]) -> torch.Tensor:
         """Pooled ``[R, this rank's received widths]`` -> ``[R, full widths]``, zeros for blocks held
         elsewhere. The column index is built once per layout (the layouts are fixed by the plan)."""
@@ -266,8 +275,7 @@ class RwPooledEmbeddingSharding(RowBucketRouting):
         if ctx.variable_batch:
             return self._variable_batch_output_dist(ctx, local_out, codecs)
         full = self._pad_to(local_out, self.output_layout())
-        dist = PooledEmbeddingsReduceScatter(self.pg, codecs)
-        summed = dist(full, input_splits=ctx.stride_per_rank)
+        summed = self._reduce_scatter(self.pg, codecs).forward(full, input_splits=ctx.stride_per_rank)
         return (
             MappedAwaitable(summed, lambda out: self._divide_means(out, ctx))
             if self._mean_features

@@ -25,7 +25,7 @@ import torch
 
 from shardkit.distributed.awaitable import Awaitable
 from shardkit.distributed.topology import intra_and_cross_node_pg
-from shardkit.sharding.dist_data import PooledEmbeddingsAllToAll, PooledEmbeddingsReduceScatter
+from shardkit.sharding.dist_data import PooledEmbeddingsAllToAll
 from shardkit.sharding.embedding_lookup import ShardedGroupedLookup
 from shardkit.sharding.embedding_sharding import ColumnBlock, MappedAwaitable, ShardingContext
 from shardkit.sharding.row_wise import RowBucketRouting, RwSequenceEmbeddingSharding
@@ -88,10 +88,10 @@ class TwRwPooledEmbeddingSharding(RowBucketRouting):
         batch = ctx.stride_per_rank
         # received rows are grouped by source local rank l, nodes in order within each group
         rows_per_local_rank = [sum(batch[h * L + lr] for h in range(H)) for lr in range(L)]
-        reduce_scatter = PooledEmbeddingsReduceScatter(
+        reduce_scatter = self._reduce_scatter(
             self._intra_pg, self.codecs(CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER)
         )
-        summed = reduce_scatter(full, input_splits=rows_per_local_rank)
+        summed = reduce_scatter.forward(full, input_splits=rows_per_local_rank)
         if H == 1 and self.codecs(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL) is None:
             # one node: the reduce-scatter's result is already this rank's [B_me, node dims]; the
             # cross-node all-to-all over a group of one would only copy it (twice: pack and cat),
