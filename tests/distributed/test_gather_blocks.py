@@ -5,6 +5,8 @@ gathers) through the transfers, against the unsharded module."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,14 +14,42 @@ import torch.distributed as dist
 from shardkit.testing import run_world
 
 
+@contextlib.contextmanager
+def _patched(threshold=None):
+    """Count the backend all-gathers and the point-to-point sends (and set ``P2P_MIN_BYTES`` when
+    given) for the duration, then restore the module: the test workers are reused between tests."""
+    import shardkit.distributed.gather_blocks as gather_blocks
+
+    saved = gather_blocks.P2P_MIN_BYTES, gather_blocks._all_gather_flat, gather_blocks.dist.isend
+    counts = {"backend": 0, "isend": 0}
+
+    def backend(*args, **kwargs):
+        counts["backend"] += 1
+        return saved[1](*args, **kwargs)
+
+    def isend(*args, **kwargs):
+        counts["isend"] += 1
+        return saved[2](*args, **kwargs)
+
+    if threshold is not None:
+        gather_blocks.P2P_MIN_BYTES = threshold
+    gather_blocks._all_gather_flat, gather_blocks.dist.isend = backend, isend
+    try:
+        yield counts
+    finally:
+        gather_blocks.P2P_MIN_BYTES, gather_blocks._all_gather_flat, gather_blocks.dist.isend = saved
+
+
 def _gather_worker(threshold: int) -> dict:
+    with _patched(threshold) as counts:
+        checked = _gather_checks()
+    return {"checked": checked, "backend_calls": counts["backend"]}
+
+
+def _gather_checks() -> int:
     import shardkit.distributed.gather_blocks as gather_blocks
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    gather_blocks.P2P_MIN_BYTES = threshold
-    calls = []
-    backend_gather = gather_blocks._all_gather_flat
-    gather_blocks._all_gather_flat = lambda *a, **k: calls.append(1) or backend_gather(*a, **k)
     checked = 0
     for dtype in (torch.uint8, torch.float32, torch.int64):
         for n in (1, 5, 1000):
@@ -43,7 +73,7 @@ def _gather_worker(threshold: int) -> dict:
                 checked += 1
     with pytest.raises(ValueError, match="not 2 x 3|not 3 x 3|not 4 x 3|not 1 x 3"):
         gather_blocks.all_gather_into(torch.empty(world * 3 + 1), torch.empty(3))
-    return {"checked": checked, "backend_calls": len(calls)}
+    return checked
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -60,24 +90,42 @@ def test_small_blocks_take_the_backends_all_gather():
 
 
 def _sharded_worker() -> bool:
-    import shardkit.distributed.gather_blocks as gather_blocks
     from shardkit.modules import OptimType
     from tests.sharding.test_sharded_embedding_bag_collection import _check_exact
 
-    gather_blocks.P2P_MIN_BYTES = 0  # every all-gather of the step's gradients point to point
-    calls = []
-    backend_gather = gather_blocks._all_gather_flat
-    gather_blocks._all_gather_flat = lambda *a, **k: calls.append(1) or backend_gather(*a, **k)
-    transfers = []
-    isend = gather_blocks.dist.isend
-    gather_blocks.dist.isend = lambda *a, **k: transfers.append(1) or isend(*a, **k)
-    for optimizer in (OptimType.SGD, OptimType.ADAGRAD):
-        for weighted in (False, True):
-            _check_exact(optimizer, weighted)
-    assert not calls and transfers  # the row-wise backward's all-gather took the transfers
+    with _patched(0) as counts:  # every all-gather of the step's gradients point to point
+        for optimizer in (OptimType.SGD, OptimType.ADAGRAD):
+            for weighted in (False, True):
+                _check_exact(optimizer, weighted)
+    assert counts["backend"] == 0 and counts["isend"] > 0  # the backward's all-gathers took the transfers
     return True
 
 
 @pytest.mark.parametrize("world_size, local_size", [(2, None), (3, None), (4, 2)])
 def test_sharded_modules_match_unsharded_with_point_to_point_gathers(world_size, local_size):
     assert all(run_world(_sharded_worker, world_size, local_world_size=local_size))
+
+
+def _min_bytes_worker() -> dict:
+    import shardkit.distributed.gather_blocks as gather_blocks
+    from shardkit.sharding.replicated_exchange import all_gather_blocks
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with _patched() as counts:
+        out = torch.zeros(world * 4, dtype=torch.int32)
+        out[rank * 4 : (rank + 1) * 4] = rank + 1
+        all_gather_blocks(out, None)  # the replicas' gather: point to point whatever the size
+        sends = counts["isend"]
+        small = torch.empty(world * 4, dtype=torch.int32)
+        # the default threshold: a 16-byte block takes the backend's all-gather
+        gather_blocks.all_gather_into(small, torch.full((4,), rank + 1, dtype=torch.int32))
+    gathered, small = out.tolist(), small.tolist()
+    return {"gathered": gathered, "small": small, "backend_calls": counts["backend"], "sends": sends}
+
+
+def test_a_caller_may_lower_the_threshold():
+    for result in run_world(_min_bytes_worker, 3):
+        want = [r + 1 for r in range(3) for _ in range(4)]
+        assert result["gathered"] == want and result["small"] == want
+        assert result["backend_calls"] == 1  # only the default-threshold 16-byte gather
+        assert result["sends"] == 2  # the replicas' gather: one send to each other rank

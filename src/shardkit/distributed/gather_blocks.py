@@ -44,29 +44,35 @@ class _Transfers:
         return all(work.is_completed() for work in self._works)
 
 
-def uses_transfers(nbytes: int, group: Optional[dist.ProcessGroup]) -> bool:
+def uses_transfers(nbytes: int, group: Optional[dist.ProcessGroup], min_bytes: Optional[int] = None) -> bool:
     """Whether a gather of ``nbytes``-byte blocks over ``group`` goes point to point: on gloo (a
-    group of gloo alone or gloo for CPU tensors), from ``P2P_MIN_BYTES`` on."""
-    if nbytes < P2P_MIN_BYTES:
+    group of gloo alone or gloo for CPU tensors), from ``min_bytes`` (default ``P2P_MIN_BYTES``) on."""
+    if nbytes < (P2P_MIN_BYTES if min_bytes is None else min_bytes):
         return False
     backend = str(dist.get_backend(group))
     return backend == "gloo" or "cpu:gloo" in backend
 
 
 def all_gather_into(
-    out: torch.Tensor, send: torch.Tensor, group: Optional[dist.ProcessGroup] = None, async_op: bool = False
+    out: torch.Tensor,
+    send: torch.Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    async_op: bool = False,
+    min_bytes: Optional[int] = None,
 ):
     """``all_gather_single(out, send, group, async_op)`` (module doc): ``out`` 1-D ``[world * n]``,
     ``send`` 1-D ``[n]``, both contiguous, one dtype; ``send`` may be this rank's block of ``out``
     itself (then nothing is copied into it). Returns the work when ``async_op`` (``wait()`` before
-    reading ``out`` or writing ``send``), else None once done."""
+    reading ``out`` or writing ``send``), else None once done. ``min_bytes``: the block size from
+    which gloo goes point to point (default ``P2P_MIN_BYTES``; a caller whose block is already in
+    ``out``, so that the transfers cost the main thread no copy, may pass 0)."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     n = send.numel()
     if out.numel() != world * n:
         raise ValueError(f"all_gather_into: out has {out.numel()} elements, not {world} x {n}")
     mine = out[me * n : (me + 1) * n]
     aliased = send.data_ptr() == mine.data_ptr()
-    if world == 1 or not uses_transfers(n * send.element_size(), group):
+    if world == 1 or not uses_transfers(n * send.element_size(), group, min_bytes):
         # the backends read and write the buffers at once: a send inside out goes as a copy
         return _all_gather_flat(out, send.clone() if aliased else send, group=group, async_op=async_op)
     works = []
