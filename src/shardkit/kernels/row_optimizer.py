@@ -46,6 +46,33 @@ class RowOptimizerArgs:
         return self.lr * math.sqrt(1 - self.beta2**self.step) / (1 - self.beta1**self.step)
 
 
+# partial sums of row_sum_of_squares (csrc/embedding.cpp kSquareLanes: the native rule's order)
+SQUARE_LANES = 16
+
+
+def row_sum_of_squares(grad: torch.Tensor) -> torch.Tensor:
+    """``[U]``: the sum of each row's squares of ``grad`` ``[U, D]``, in the native kernel's order.
+
+    Lane ``l`` (of :data:`SQUARE_LANES`) sums ``grad[:, j] ** 2`` for ``j = l, l + 16, ...`` in
+    increasing ``j``; then lanes ``l`` and ``l + w`` are added for ``w = 8, 4, 2, 1``. Elementwise ops
+    only, so every sum rounds as the native kernel's (a torch reduction's order is its own, and varies
+    with the CPU's vector width): the two backends' row-wise Adagrad results are bitwise equal.
+    """
+    squares = grad * grad
+    rows, dim = squares.shape
+    lanes = torch.zeros(rows, SQUARE_LANES, dtype=squares.dtype, device=squares.device)
+    full = dim - dim % SQUARE_LANES
+    for j in range(0, full, SQUARE_LANES):
+        lanes.add_(squares[:, j : j + SQUARE_LANES])
+    if full < dim:
+        lanes[:, : dim - full].add_(squares[:, full:])
+    width = SQUARE_LANES // 2
+    while width > 0:
+        lanes = lanes[:, :width] + lanes[:, width : 2 * width]
+        width //= 2
+    return lanes[:, 0]
+
+
 @torch.no_grad()
 def apply_rows_(weight: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, args: RowOptimizerArgs) -> None:
     """One optimizer step on ``rows`` of ``weight`` (and of the state), in place.
@@ -73,8 +100,12 @@ def apply_rows_(weight: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, ar
     elif args.kind == "ROWWISE_ADAGRAD":
         (state,) = args.state
         state_sum = state.index_select(0, rows)
-        state_sum.add_(grad.pow(2).mean(dim=1))
-        param.addcdiv_(grad, state_sum.sqrt().add_(eps).unsqueeze(1), value=-lr)
+        state_sum.add_(row_sum_of_squares(grad).div_(grad.size(1)))
+        # the correctly rounded fp32 sqrt, as the native kernel's: torch's own fp32 sqrt on CPU is off by
+        # one ulp for ~20% of inputs on some CPUs (Zen 5, torch 2.13); a float64 sqrt rounded to fp32 is
+        # exact (only [U] values)
+        denom = state_sum.double().sqrt().to(torch.float32).add_(eps)
+        param.addcdiv_(grad, denom.unsqueeze(1), value=-lr)
         state.index_copy_(0, rows, state_sum)
     else:
         exp_avg, exp_avg_sq = args.state
