@@ -120,3 +120,21 @@ def test_cat_advises_large_results_only():
     assert huge_pages.wanted(huge_pages.MIN_BYTES) and not huge_pages.wanted(huge_pages.MIN_BYTES - 1)
     small = [torch.arange(5, dtype=torch.int64), torch.arange(3, dtype=torch.int64)]
     assert torch.equal(huge_pages.cat(small), torch.cat(small))
+
+
+@thp_usable
+def test_embedding_tables_and_their_optimizer_state_are_advised():
+    # the lookups read and update random rows: the table buffer (and a [rows, dim] optimizer state) of
+    # a grouped lookup are advised when allocated (values as without the advice)
+    from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig
+
+    def collection(rows: int, optimizer: str) -> EmbeddingBagCollection:
+        table = EmbeddingBagConfig(rows, 64, name="t", feature_names=["f"])
+        return EmbeddingBagCollection([table], fused_optimizer=FusedOptimizerConfig(optimizer))
+
+    large = collection(1 << 16, "ADAGRAD")  # 16 MiB of fp32 weights, the same of Adagrad sums
+    (weight,) = large.parameters()
+    (state,) = large.lookups[0].optimizer.buffers()
+    assert state.shape == weight.shape
+    assert _advised(_middle(weight)) and _advised(_middle(state))
+    assert torch.isfinite(weight).all() and torch.equal(state, torch.zeros_like(state))

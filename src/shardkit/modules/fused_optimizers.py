@@ -24,6 +24,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from shardkit import huge_pages
 from shardkit.kernels.row_optimizer import RowOptimizerArgs
 
 
@@ -101,7 +102,7 @@ class SparseRowOptimizer(nn.Module):
         self.step_count = 0
         for name, shape in _state_shapes(config.optimizer, num_rows, dim).items():
             self.register_buffer(
-                name, torch.empty(shape, dtype=torch.float32, device=device), persistent=False
+                name, huge_pages.empty(shape, dtype=torch.float32, device=device), persistent=False
             )
         if torch.device(device or "cpu").type != "meta":
             self.reset_state()
