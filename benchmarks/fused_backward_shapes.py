@@ -35,8 +35,16 @@ SHAPES = {
     "row32": (8, 1_000_000, 16, 4096, 20, 2),
     "row35": (8, 302_000, 16, 2048, 20, 1),
     "row27": (256, 28_300, 64, 512, 2, 2),
+    # the row-wise Adagrad rows (rw_adagrad): row31 table-wise (this rank's 4 of 8 tables, here all 8),
+    # row34 table-row-wise (half of each table's rows), row29 (256 tables, dim 16), row23 (column-wise:
+    # 64 tables cut in two 32-wide blocks, each rank 64 blocks)
+    "row31": (8, 631_589, 128, 2048, 20, 1),
+    "row34": (8, 631_589, 128, 4096, 20, 2),
+    "row29": (256, 167_825, 16, 512, 2, 2),
+    "row23": (64, 163_997, 32, 256, 4, 1),
 }
 LR = 0.01
+EPS = 1e-8
 
 
 def _inputs(tables: int, top: int, dim: int, batch: int, pooling: int, part: int, seed: int = 0):
@@ -59,7 +67,7 @@ def _inputs(tables: int, top: int, dim: int, batch: int, pooling: int, part: int
     return weight, ids, offsets, shift, grad, sizes
 
 
-def _fbgemm(sizes: List[int], dim: int):
+def _fbgemm(sizes: List[int], dim: int, optimizer: str):
     try:
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
@@ -70,14 +78,21 @@ def _fbgemm(sizes: List[int], dim: int):
     except ImportError:
         return None
     specs = [(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for rows in sizes]
-    return SplitTableBatchedEmbeddingBagsCodegen(specs, optimizer=EmbOptimType.EXACT_SGD, learning_rate=LR)
+    kind = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}[optimizer]
+    return SplitTableBatchedEmbeddingBagsCodegen(specs, optimizer=kind, learning_rate=LR, eps=EPS)
 
 
-def measure(name: str, repeats: int) -> Dict[str, Any]:
+def _optimizer(optimizer: str, rows: int) -> RowOptimizerArgs:
+    if optimizer == "sgd":
+        return RowOptimizerArgs("SGD", lr=LR)
+    return RowOptimizerArgs("ROWWISE_ADAGRAD", lr=LR, eps=EPS, state=(torch.zeros(rows),))
+
+
+def measure(name: str, repeats: int, optimizer: str = "sgd") -> Dict[str, Any]:
     tables, top, dim, batch, pooling, part = SHAPES[name]
     weight, ids, offsets, shift, grad, sizes = _inputs(tables, top, dim, batch, pooling, part)
-    sgd = RowOptimizerArgs("SGD", lr=LR)
-    tbe = _fbgemm(sizes, dim)
+    rule = _optimizer(optimizer, weight.size(0))
+    tbe = _fbgemm(sizes, dim, optimizer)
     # fbgemm: feature-major [tables * batch] bags of table-local ids, output [batch, tables * dim]
     flush = torch.zeros(16 * 2**20)
     times: Dict[str, List[float]] = {"sk": [], "fb_fwd": [], "fb_all": []}
@@ -89,7 +104,7 @@ def measure(name: str, repeats: int) -> Dict[str, Any]:
         times[key].append(time.perf_counter() - start)
 
     def shardkit_bwd() -> None:
-        embedding_fused_backward(weight, ids, offsets, shift, None, None, grad, True, sgd, batch_major=batch)
+        embedding_fused_backward(weight, ids, offsets, shift, None, None, grad, True, rule, batch_major=batch)
 
     def fb_fwd() -> None:
         with torch.no_grad():
@@ -106,7 +121,8 @@ def measure(name: str, repeats: int) -> Dict[str, Any]:
                 fn()  # warm-up
             else:
                 timed(key, fn)
-    row: Dict[str, Any] = {"name": name, "ids": ids.numel(), "rows": weight.size(0), "dim": dim}
+    row: Dict[str, Any] = {"name": name, "optimizer": optimizer, "ids": ids.numel(), "rows": weight.size(0)}
+    row["dim"] = dim
     row["sk_bwd_ms"] = 1e3 * statistics.median(times["sk"])
     if tbe is not None:
         fb = statistics.median(times["fb_all"]) - statistics.median(times["fb_fwd"])
@@ -119,11 +135,18 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=15, help="timed calls per library and shape")
+    parser.add_argument(
+        "--optimizer",
+        choices=["sgd", "rowwise_adagrad"],
+        default="sgd",
+        help="the fused rule (both libraries)",
+    )
     parser.add_argument("--out", help="JSON directory (default: a new one outside the checkout)")
     parsed = parser.parse_args(argv)
     torch.set_num_threads(1)
-    rows = [measure(name, parsed.repeats) for name in parsed.shapes]
-    write_results("fused_backward_shapes", {"repeats": parsed.repeats, "threads": 1}, rows, parsed.out)
+    rows = [measure(name, parsed.repeats, parsed.optimizer) for name in parsed.shapes]
+    meta = {"repeats": parsed.repeats, "threads": 1, "optimizer": parsed.optimizer}
+    write_results("fused_backward_shapes", meta, rows, parsed.out)
 
 
 if __name__ == "__main__":
