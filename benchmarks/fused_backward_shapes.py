@@ -1,5 +1,5 @@
-"""The fused backward + SGD kernel alone, at the shapes of the SGD rows of ``vs_torchrec_sweep``: shardkit's
-native kernel against fbgemm's CPU TBE (what torchrec runs), when fbgemm imports.
+"""The fused backward + SGD (or row-wise Adagrad) kernel alone, at the shapes of ``vs_torchrec_sweep`` rows:
+shardkit's native kernel against fbgemm's CPU TBE (what torchrec runs), when fbgemm imports.
 
 Run from the repository root: ``python -m benchmarks.fused_backward_shapes`` (with fbgemm:
 ``PYTHONPATH=src:. $HOME/peers/torchrec/bin/python -m benchmarks.fused_backward_shapes``); ~1 min.
@@ -9,7 +9,9 @@ geometric from 1e3, bag lengths uniform in [1, 2 * pooling - 1], uniform ids; ro
 rank's block of rows): ``row32`` (row-wise, batch 2048 x 2 ranks, 8 tables of up to 1e6 rows, half of each
 table's rows here, dim 16), ``row35`` (data-parallel, 8 tables of up to 3e5 rows, this rank's 2048 samples;
 an approximation: the fused replica's kernel runs on a scratch buffer of the gathered rows, here on the
-whole tables), ``row27`` (row-wise, batch 256 x 2, 256 tables of up to 2.8e4 rows, dim 64). One thread. The
+whole tables), ``row27`` (row-wise, batch 256 x 2, 256 tables of up to 2.8e4 rows, dim 64), and for
+``--optimizer rowwise_adagrad`` (both libraries apply row-wise Adagrad, EXACT_ROWWISE_ADAGRAD) also the
+sweep's row-wise Adagrad rows ``row31`` / ``row34`` / ``row29`` / ``row23`` (see SHAPES). One thread. The
 gradient is batch-major (a KeyedTensor's layout), as the sharded lookup hands it over. Between two timed
 calls a 64 MiB buffer is written, so that the table and the gradient do not stay in cache from one call to
 the next (in a training step other work evicts them). Reported: median ms per call of shardkit's backward +
