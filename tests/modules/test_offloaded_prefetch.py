@@ -9,7 +9,10 @@ batch i+1 (which takes the prefetched rows over).
 - an exception in the background prefetch is raised, with its message, by the next forward (or by
   ``sync_storage`` when no forward comes), and the lookup works again afterwards;
 - a forward of other ids than prefetched acquires its own and releases the prefetch's pins; an id out of
-  range in a prefetch gives the forward's error naming the feature.
+  range in a prefetch gives the forward's error naming the feature;
+- the pipeline's order (batch i+1's prefetch asked for before batch i's forward, two in flight): bitwise
+  like in memory under eviction pressure, no pinned row evicted, and a forward does not wait for the
+  next batch's prefetch (held inside its load while the forward runs).
 """
 
 from __future__ import annotations
@@ -290,3 +293,85 @@ def test_a_device_view_needs_pinned_memory():
 
     with pytest.raises(ValueError, match="contiguous pinned CPU tensor"):
         device_view(torch.zeros(4, 3), torch.device("cuda"))
+
+
+def _count_pinned_evictions(lookup: OffloadedEmbeddingLookup) -> list:
+    """Wrap the cache's eviction to add to cell[0] the victims that were pinned (a row of a batch in
+    flight: must stay 0)."""
+    cell = [0]
+    cache, evict = lookup.cache, lookup.cache._evict
+
+    def evicting(victims):
+        cell[0] += int((cache._pins.index_select(0, victims) > 0).sum())
+        return evict(victims)
+
+    cache._evict = evicting
+    return cell
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_prefetch_before_the_forward_equals_in_memory(background):
+    """PrefetchTrainPipelineSparseDist's order: batch i+1's prefetch asked for before batch i's forward,
+    two prefetches in flight. With a cache of 4 of 40 rows (every prefetch evicts) the lookup trains
+    bitwise like the in-memory one, no pinned row is evicted, every forward takes its own prefetch over
+    (acquiring nothing itself) and leaves the next batch's in flight."""
+    memory, offloaded = _lookups(background)
+    threads = _record_acquires(offloaded)
+    pinned_evicted = _count_pinned_evictions(offloaded)
+    steps = 12
+    loss_weight = torch.arange(1.0, DIM + 1)
+    offloaded.prefetch(*_batch(0), [BAGS, BAGS])
+    for step in range(steps):
+        if step + 1 < steps:  # the next batch's prefetch, before this forward
+            offloaded.prefetch(*_batch(step + 1), [BAGS, BAGS])
+        ids, offsets = _batch(step)
+        outs = [lk(ids, offsets, [BAGS, BAGS]) for lk in (memory, offloaded)]
+        assert torch.equal(outs[1], outs[0]), f"step {step}"
+        assert len(offloaded._prefetched) == (1 if step + 1 < steps else 0), step  # the next stays
+        for out in outs:
+            out.mul(loss_weight).sum().backward()
+    offloaded.sync_storage()
+    assert torch.equal(offloaded.weight, memory.weight)
+    for name, value in memory.optimizer.state_slices(0, 2 * ROWS).items():
+        assert torch.equal(offloaded.optimizer.state_slices(0, 2 * ROWS)[name], value), name
+    assert pinned_evicted == [0]
+    assert len(threads) == steps  # one acquisition a batch, each by its prefetch
+    worker = [name.startswith("shardkit-offload-prefetch") for name in threads]
+    assert all(worker) if background else not any(worker), threads
+    stats = offloaded.cache_stats()["t0+t1"]
+    assert stats["evictions"] > 0 and stats["rows_written"] > 0, stats
+
+
+def test_a_forward_does_not_wait_for_the_next_batchs_prefetch():
+    """Batch 1's prefetch is held inside its load (on the worker, the cache's lock held) while batch 0's
+    forward runs: that forward returns without waiting for it, takes its own prefetch over and leaves
+    batch 1's in flight; batch 1's forward then waits for it and both match the in-memory lookup."""
+    memory, offloaded = _lookups(True)
+    batches = [_batch(0), _batch(1)]
+    assert not set(batches[1][0].tolist()) <= set(batches[0][0].tolist())  # batch 1 has rows to load
+    offloaded.prefetch(*batches[0], [BAGS, BAGS])
+    offloaded.wait_for_prefetch()
+    started, proceed = threading.Event(), threading.Event()
+    load = offloaded.cache._load
+
+    def held(rows, slots):
+        started.set()
+        if not proceed.wait(20):
+            raise TimeoutError("the test did not let the prefetch go on")
+        return load(rows, slots)
+
+    offloaded.cache._load = held
+    offloaded.prefetch(*batches[1], [BAGS, BAGS])
+    try:
+        assert started.wait(20)
+        out = offloaded(*batches[0], [BAGS, BAGS])  # on a forward waiting for batch 1: a 20 s hang
+        assert not proceed.is_set() and len(offloaded._prefetched) == 1
+    finally:
+        proceed.set()
+    want = memory(*batches[0], [BAGS, BAGS])
+    assert torch.equal(out, want)
+    for o in (out, want):
+        o.sum().backward()
+    outs = [lk(*batches[1], [BAGS, BAGS]) for lk in (memory, offloaded)]
+    assert torch.equal(outs[1], outs[0]) and not offloaded._prefetched
+    assert offloaded.cache.pinned_tickets != ()  # batch 1's rows, pinned until its backward

@@ -62,14 +62,16 @@ def _pipeline(dmp, pipeline_type):
 
 
 def _count_forward_misses(dmp) -> list:
-    """Wrap each offloaded lookup's kernel call to add the misses it loads itself to the returned
-    cell[0], and its acquisitions to count those made on the background prefetch thread (cell[1]);
-    cell[2] counts evicted slots that were pinned (a row of a batch in flight: must stay 0); cell[3]
-    the calls reading tensor values (a host sync on a GPU) while a forward takes its prefetch over."""
+    """Wrap each offloaded lookup's acquisitions: cell[0] counts those of a non-empty batch made on the
+    main thread (a forward loading its rows itself: a miss counter cannot tell, the next batch's
+    prefetch loading rows in the background during the forward), cell[1] those made on the
+    background prefetch thread; cell[2] counts evicted slots that were pinned (a row of a batch in
+    flight: must stay 0); cell[3] the calls reading tensor values (a host sync on a GPU) while a
+    forward takes its prefetch over."""
     cell = [0, 0, 0, 0]
     for module in dmp.modules():
         if isinstance(module, OffloadedEmbeddingLookup):
-            run, acquire, evict = module._run_kernel, module._acquire_rows, module.cache._evict
+            acquire, evict = module._acquire_rows, module.cache._evict
 
             def evicting(victims, _evict=evict, _cache=module.cache):
                 cell[2] += int((_cache._pins.index_select(0, victims) > 0).sum())
@@ -77,15 +79,11 @@ def _count_forward_misses(dmp) -> list:
 
             module.cache._evict = evicting
 
-            def counted(*args, _run=run, _cache=module.cache):
-                before = _cache.counters.misses
-                out = _run(*args)
-                cell[0] += _cache.counters.misses - before
-                return out
-
-            def acquired(*args, _acquire=acquire):
-                cell[1] += threading.current_thread().name.startswith("shardkit-offload-prefetch")
-                return _acquire(*args)
+            def acquired(ids, *args, _acquire=acquire):
+                background = threading.current_thread().name.startswith("shardkit-offload-prefetch")
+                cell[1] += background
+                cell[0] += not background and ids.numel() > 0
+                return _acquire(ids, *args)
 
             def take(*args, _take=module._take_prefetched):
                 with DispatchCounts() as counts:
@@ -93,7 +91,7 @@ def _count_forward_misses(dmp) -> list:
                 cell[3] += counts.syncs
                 return out
 
-            module._run_kernel, module._acquire_rows = counted, acquired
+            module._acquire_rows = acquired
             module._take_prefetched = take
     return cell
 
@@ -126,13 +124,13 @@ def test_offloaded_pipeline_equals_in_memory(prefetch, world_size):
     counts = run_world(_worker, world_size, prefetch, timeout=300)
     assert all(pinned == 0 for _, _, pinned, _ in counts), counts
     if prefetch:
-        # every batch's misses loaded by its prefetch, on the background thread (asynchronous prefetch)
-        assert [misses for misses, _, _, _ in counts] == [0] * world_size
+        # every batch's rows acquired by its prefetch, on the background thread (asynchronous prefetch)
+        assert [in_forward for in_forward, _, _, _ in counts] == [0] * world_size
         assert all(background > 0 for _, background, _, _ in counts), counts
         # each group's prefetch matched to its forward by the tensors' identity, not their values
         assert all(value_reads == 0 for *_, value_reads in counts), counts
     else:
-        assert all(misses > 0 and background == 0 for misses, background, _, _ in counts), counts
+        assert all(in_forward > 0 and background == 0 for in_forward, background, _, _ in counts), counts
 
 
 def test_optimizer_state_equal_after_prefetch_pipeline():

@@ -114,7 +114,8 @@ class GroupedEmbeddingLookup(nn.Module):
         bounds = {(s.row_start, s.row_end) for s in self.shards}
         self._uniform_bounds: Optional[Tuple[int, int]] = bounds.pop() if len(bounds) == 1 else None
         self._constants: Dict[torch.device, _DeviceConstants] = {}
-        self._last_bag_shift: Optional[Tuple[Tuple[torch.device, Tuple[int, ...]], torch.Tensor]] = None
+        # the last three bag shifts used, newest last (see _bag_shift)
+        self._last_bag_shifts: List[Tuple[Tuple[torch.device, Tuple[int, ...]], torch.Tensor]] = []
         # huge pages (advice only; SHARDKIT_HUGE_PAGES=0 switches it off): the lookups read and update
         # random rows, and with 4 KiB pages nearly every row of a large buffer is a TLB miss (a row-wise
         # Adagrad backward at 1e6 x 128 took 15-20% less CPU advised, Zen 5 VM)
@@ -256,11 +257,18 @@ class GroupedEmbeddingLookup(nn.Module):
     def _bag_shift(self, device: torch.device, bags_per_feature: Sequence[int]) -> torch.Tensor:
         """int64 ``[sum(bags_per_feature)]``: each bag's shift from table id to buffer row (cached)."""
         key = (device, tuple(bags_per_feature))
-        if self._last_bag_shift is None or self._last_bag_shift[0] != key:
+        kept = [entry for entry in self._last_bag_shifts if entry[0] == key]
+        if kept:
+            bag_shift = kept[0][1]
+        else:
             shift = self._device_constants(device).shift
             counts = torch.tensor(key[1], device=device)
-            self._last_bag_shift = (key, torch.repeat_interleave(shift, counts, output_size=sum(key[1])))
-        return self._last_bag_shift[1]
+            bag_shift = torch.repeat_interleave(shift, counts, output_size=sum(key[1]))
+        # the last three used, newest last: the same tensor again for batch i+1's prefetch and its
+        # forward, between which come batch i's forward and batch i+2's prefetch
+        others = [entry for entry in self._last_bag_shifts if entry[0] != key]
+        self._last_bag_shifts = [*others[-2:], (key, bag_shift)]
+        return bag_shift
 
     def _per_id(
         self, per_feature: torch.Tensor, offsets: torch.Tensor, bag_bounds: List[int], num_ids: int

@@ -123,7 +123,7 @@ class PrefetchedRows:
         the prefetched tensors were written in place (their version counter moved: the rows were
         acquired for other values). A view of the same memory (address, shape, strides, dtype) is
         matched without reading the values, which on a GPU would be a host sync (a sharded module
-        splits its input per group into new views a call)."""
+        splits its input per group into new views a call). Two empty batches of ids match (no rows)."""
 
         def same(a: Optional[torch.Tensor], b: Optional[torch.Tensor], version: Optional[int]) -> bool:
             if a is None or b is None:
@@ -138,6 +138,8 @@ class PrefetchedRows:
                 return True  # the same memory, unchanged since the prefetch
             return torch.equal(a, b)
 
+        if self.ids.numel() == 0 and ids.numel() == 0:
+            return True  # neither reads a row (compared without reading values: a sync on a GPU)
         mine = (self.ids, self.offsets, self.bag_shift)
         return all(same(a, b, v) for a, b, v in zip(mine, (ids, offsets, bag_shift), self._versions))
 

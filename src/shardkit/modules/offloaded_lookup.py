@@ -385,10 +385,15 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
         into the cache and pin them until that forward has taken them over. On a CPU cache this runs in
         the background (:attr:`background_prefetch`): the forward of these ids waits for it; an exception
         there is raised by the next forward. No-op for ``uvm``."""
-        if self.cache is None or ids.numel() == 0:
+        if self.cache is None:
             return
         offsets = offsets.to(torch.int64)
         bag_shift = self._bag_shift(ids.device, bags_per_feature) if any(self._shifts) else None
+        if ids.numel() == 0:
+            # nothing to load, but recorded all the same: its forward then finds its own prefetch and
+            # leaves the later ones (the coming batches') in flight instead of releasing them
+            self._prefetched.append(PrefetchedRows(ids, offsets, bag_shift, lambda: None, False))
+            return
         job = functools.partial(self._acquire_rows, ids, offsets, bag_shift, tuple(bags_per_feature))
         self._prefetched.append(PrefetchedRows(ids, offsets, bag_shift, job, self.background_prefetch))
 
@@ -412,29 +417,45 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
     def _checks_ids_itself(self) -> bool:
         return self.cache is not None  # in the acquire's host sync (_acquire_rows)
 
-    def _settle_prefetches(self) -> None:
-        """Wait for the prefetches in flight; raise the first one's exception (dropping them all), but
-        an ``IndexError`` (an id outside the shard) is left to the forward of those ids, which raises
-        it naming the feature (:meth:`_take_prefetched`)."""
-        self.wait_for_prefetch()
-        for record in self._prefetched:
+    def _settle_prefetches(self, count: Optional[int] = None) -> None:
+        """Wait for the first ``count`` prefetches in flight (all: None); raise the first one's exception
+        (dropping them all), but an ``IndexError`` (an id outside the shard) is left to the forward of
+        those ids, which raises it naming the feature (:meth:`_take_prefetched`)."""
+        settled = self._prefetched[:count]
+        for record in settled:
+            record.wait()
+        for record in settled:
             if record.error is not None and not isinstance(record.error, IndexError):
                 self._drop_prefetches()
                 raise record.error
 
+    def _prefetches_for(self, ids, offsets, bag_shift) -> int:
+        """How many of the prefetches in flight a forward of these ids settles: those up to the first
+        one of exactly these ids (the later ones, asked for the coming batches, e.g. batch i+1's
+        during batch i's forward under ``PrefetchTrainPipelineSparseDist``, stay in flight for their
+        own forwards), or all of them when none is."""
+        for k, record in enumerate(self._prefetched):
+            if record.matches(ids, offsets, bag_shift):
+                return k + 1
+        return len(self._prefetched)
+
     def _drop_prefetches(self) -> None:
         for record in self._prefetched:
+            record.wait()  # one still in flight pins its rows when it ends: release them after that
             if record.outcome is not None:
                 record.outcome[0].release(dirty=False)
         self._prefetched.clear()
 
     def _take_prefetched(self, ids, offsets, bag_shift) -> Optional[tuple]:
-        """The settled prefetch of exactly these ids, whose pinned rows this forward takes over (None:
-        none, or it failed on an id out of range, which this forward's own acquire raises again). The
-        other prefetches are released; a failure of one of them is raised."""
-        records, match = self._prefetched, None
-        self._prefetched = []
+        """The prefetch of exactly these ids (the first one), whose pinned rows this forward takes over
+        (None: none, or it failed on an id out of range, which this forward's own acquire raises
+        again). The prefetches before it are released (all of them when none matches); a failure of
+        one of them is raised. The prefetches after it stay in flight."""
+        count = self._prefetches_for(ids, offsets, bag_shift)
+        records, match = self._prefetched[:count], None
+        self._prefetched = self._prefetched[count:]
         for record in records:
+            record.wait()  # the forward waited for them already: a no-op unless called without it
             if match is None and record.matches(ids, offsets, bag_shift):
                 match = record
             elif record.outcome is not None:
@@ -459,11 +480,17 @@ class OffloadedEmbeddingLookup(GroupedEmbeddingLookup):
         weights: Optional[torch.Tensor] = None,
         sample_major: bool = False,
     ) -> torch.Tensor:
-        """As :meth:`GroupedEmbeddingLookup.forward`, after waiting for the prefetches in flight (whose
-        exception, if any, is raised here, before this forward's own checks). A forward that raises
-        releases the prefetched rows it did not take over."""
+        """As :meth:`GroupedEmbeddingLookup.forward`, after waiting for the prefetches in flight up to the
+        one of these ids (all of them when none is; an exception of one of them is raised here, before
+        this forward's own checks). A forward that raises releases the prefetched rows it did not take
+        over, waiting for the prefetches still in flight."""
         if self._prefetched:
-            self._settle_prefetches()
+            # wait for this batch's prefetch (and older ones), not for those of the coming batches
+            int_offsets = offsets.to(torch.int64)  # as the kernel gets them (GroupedEmbeddingLookup)
+            shifts = None
+            if any(self._shifts) and len(bags_per_feature) == len(self.feature_names):
+                shifts = self._bag_shift(ids.device, bags_per_feature)  # else: the forward's ValueError
+            self._settle_prefetches(self._prefetches_for(ids, int_offsets, shifts))
         self._forward_bags = tuple(bags_per_feature)  # for the id check of this forward's acquire
         try:
             return super().forward(ids, offsets, bags_per_feature, weights, sample_major)

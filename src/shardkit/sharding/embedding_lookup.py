@@ -97,7 +97,8 @@ class ShardedGroupedLookup(nn.Module):
         self.keys: List[ColumnBlock] = received_keys(shards)
         self._offloaded = any(hasattr(lookup, "offload") for lookup in self.lookups)
         self._group_sizes = [len(lookup.feature_names) for lookup in self.lookups]
-        self._last_split: Optional[Tuple[KeyedJaggedTensor, List[KeyedJaggedTensor]]] = None
+        # the last three inputs split, newest last (see _split)
+        self._last_splits: List[Tuple[KeyedJaggedTensor, List[KeyedJaggedTensor]]] = []
 
     def group(self, shards: List[PlacedShard]) -> List[List[PlacedShard]]:
         """The shards of each kernel call (default ``group_shards``); a subclass may split a group
@@ -143,14 +144,16 @@ class ShardedGroupedLookup(nn.Module):
 
     def _split(self, kjt: KeyedJaggedTensor) -> List[KeyedJaggedTensor]:
         """``kjt`` split into the groups' features; the same part objects again for the same ``kjt``
-        (the last one split): a prefetch and its forward then pass the lookup the same ids and offsets
-        tensors, which it matches by identity (comparing values would be a host sync on a GPU)."""
+        (one of the last three used: batch i's forward and batch i+2's prefetch come between batch
+        i+1's prefetch and its forward): a prefetch
+        and its forward then pass the lookup the same ids and offsets tensors, which it matches by
+        identity (comparing values would be a host sync on a GPU)."""
         if len(self.lookups) == 1:
             return [kjt]
-        if self._last_split is not None and self._last_split[0] is kjt:
-            return self._last_split[1]
-        parts = kjt.split(self._group_sizes)
-        self._last_split = (kjt, parts)
+        kept = [parts for split, parts in self._last_splits if split is kjt]
+        parts = kept[0] if kept else kjt.split(self._group_sizes)
+        others = [entry for entry in self._last_splits if entry[0] is not kjt]
+        self._last_splits = [*others[-2:], (kjt, parts)]  # the last three used, newest last
         return parts
 
     def cache_stats(self) -> Dict[str, Dict[str, float]]:
