@@ -24,9 +24,7 @@ spread over the table by a random permutation):
   thread``, a step's misses read on one thread (``SHARDKIT_OFFLOAD_READ_THREADS=1``) instead of the
   default two (docs/offload.md, "Native bookkeeping and reader threads"); and at
   ``--lfu-load-factors`` (default 0.2): ``lfu``, the cache's replacement LFU instead of LRU (fewer
-  misses on Zipf ids, docs/offload.md, "Costs"); and at ``--held-writes-load-factors`` (default 0.2):
-  ``held writes``, an acquire's evicted rows handed to the write-behind thread only once its misses
-  are read (``RowCache.hold_writes``, docs/offload.md, "Held writes");
+  misses on Zipf ids, docs/offload.md, "Costs");
 - the same table trained through ``PrefetchTrainPipelineSparseDist``: in memory, and offloaded with
   ``prefetch_pipeline`` at ``--pipeline-load-factors`` (default 0.2), the prefetch of batch i+1 run
   synchronously and on the background thread (``benchmarks/offload_pipeline.py``);
@@ -123,9 +121,6 @@ VARIANTS = {
     "1 read thread": {"SHARDKIT_OFFLOAD_READ_THREADS": "1"},
     # the cache's replacement LFU instead of LRU (fewer misses on Zipf ids: docs/offload.md, "Costs")
     "lfu": {},
-    # an acquire's evicted rows written (write-behind) only once its misses are read (RowCache.hold_writes,
-    # docs/offload.md, "Held writes"): the reads get both cores, the writes overlap the kernels
-    "held writes": {},
 }
 
 
@@ -152,10 +147,6 @@ def _table_variant(kernel: str, rows: int, dim: int, load_factor: float, offload
         assert offloaded_lookup(module).cache._row_io.read_threads == 1
     if variant == "lfu":
         assert offloaded_lookup(module).cache.algorithm == "lfu"
-    if variant == "held writes":
-        cache = offloaded_lookup(module).cache
-        assert cache._write_behind is not None, "held writes need the write-behind thread"
-        cache.hold_writes = True
     return module
 
 
@@ -247,7 +238,6 @@ def step_rows(args, offload_dir: str) -> List[Dict[str, Any]]:
     ]
     configs += [("fused_uvm_caching", lf, "1 read thread") for lf in args.one_read_thread_load_factors]
     configs += [("fused_uvm_caching", lf, "lfu") for lf in args.lfu_load_factors]
-    configs += [("fused_uvm_caching", lf, "held writes") for lf in args.held_writes_load_factors]
     modules = [
         _table_variant(kernel, args.rows, args.dim, lf, offload_dir, variant)
         for kernel, lf, variant in configs
@@ -432,14 +422,6 @@ def main(argv: Optional[List[str]] = None) -> None:
         default=[0.2],
         help="load factors also run with LFU replacement instead of LRU (rows named 'lfu'; none: skip)",
     )
-    parser.add_argument(
-        "--held-writes-load-factors",
-        type=float,
-        nargs="*",
-        default=[0.2],
-        help="load factors also run with an acquire's write-backs started after its reads (rows 'held "
-        "writes'; none: skip)",
-    )
     parser.add_argument("--steps", type=int, default=10, help="measured steps (median)")
     parser.add_argument(
         "--warmup", type=int, default=5, help="training steps after warming, before measuring"
@@ -494,11 +476,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     lfu02 = goals.get("fused_uvm_caching lf=0.2 lfu (steady)")
     if lfu02 is not None:
         print(f"load factor 0.2 with LFU instead of LRU (steady state): {lfu02:.2f}x in memory")
-    held02 = goals.get("fused_uvm_caching lf=0.2 held writes (steady)")
-    if held02 is not None and lf02 is not None:
-        print(
-            f"load factor 0.2 with held writes (steady state): {held02:.2f}x in memory (default {lf02:.2f}x)"
-        )
     piped = goals.get("pipeline fused_uvm_caching lf=0.2 prefetch async")
     if piped is not None:
         print(

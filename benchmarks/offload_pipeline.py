@@ -10,11 +10,7 @@ a small model (``loss = sum of the pooled values``) under
 - ``pipeline fused_uvm_caching lf=X prefetch sync``: ``prefetch_pipeline=True``, batch i+1's rows
   acquired during step i, in the pipeline's own thread (``background_prefetch = False``);
 - ``pipeline fused_uvm_caching lf=X prefetch async``: the same, on the background prefetch thread,
-  asked for before batch i's forward, so overlapping step i's forward, backward and optimizer step
-  (docs/offload.md, "Asynchronous prefetch");
-- ``pipeline fused_uvm_caching lf=X prefetch async, after forward``: the order before (batch i+1's
-  input waited for and its prefetch asked for after batch i's forward, overlapping its backward only),
-  for comparison in the same run.
+  overlapping step i's backward (docs/offload.md, "Asynchronous prefetch").
 
 The pipelines train in turn, ``--pipeline-block`` steps at a time (a block's time ends when its last
 step's background prefetch is done too, so no work spills into the next pipeline's block); a step's
@@ -59,7 +55,7 @@ class _Model(nn.Module):
         return values.sum(), values.detach()
 
 
-def _pipeline(kernel: str, load_factor: float, background: bool, args, offload_dir: str, early: bool = True):
+def _pipeline(kernel: str, load_factor: float, background: bool, args, offload_dir: str):
     from benchmarks.offload import sharded_table, warm
     from shardkit.modules.offloaded_lookup import OffloadedEmbeddingLookup
     from shardkit.pipeline import PrefetchTrainPipelineSparseDist
@@ -73,7 +69,6 @@ def _pipeline(kernel: str, load_factor: float, background: bool, args, offload_d
         warm(sharded, args.rows, args)  # to the steady state, before the pipeline takes over the forward
     model = _Model(sharded)
     pipeline = PrefetchTrainPipelineSparseDist(model, sharded.fused_optimizer, torch.device("cpu"))
-    pipeline._ready_before_forward = early  # False: the order before, batch i+1 advanced after forward i
     return pipeline, lookups
 
 
@@ -83,13 +78,13 @@ def pipeline_rows(args, offload_dir: str) -> List[Dict[str, Any]]:
 
     steps = args.warmup + args.pipeline_steps
     inputs = [_Batch(kjt) for kjt in batches(args.rows, args, steps + 2)]
-    configs = [("pipeline fused", "fused", 1.0, False, True)]
+    configs = [("pipeline fused", "fused", 1.0, False)]
     for lf in args.pipeline_load_factors:
-        for background, early in ((False, True), (True, True), (True, False)):
-            mode = ("async" if background else "sync") + ("" if early else ", after forward")
+        for background in (False, True):
+            mode = "async" if background else "sync"
             name = f"pipeline fused_uvm_caching lf={lf} prefetch {mode}"
-            configs.append((name, "fused_uvm_caching", lf, background, early))
-    built = [_pipeline(kernel, lf, bg, args, offload_dir, early) for _, kernel, lf, bg, early in configs]
+            configs.append((name, "fused_uvm_caching", lf, background))
+    built = [_pipeline(kernel, lf, bg, args, offload_dir) for _, kernel, lf, bg in configs]
     data = [iter(inputs) for _ in configs]
     for _ in range(args.warmup):
         for (pipeline, _), it in zip(built, data):

@@ -5,12 +5,10 @@
   of batch i (sizes phase) and move on to the tensors phase right after it, so they run during batch
   i's forward, backward and optimizer step; batch i+1's forward then only waits for the tensors.
 - ``PrefetchTrainPipelineSparseDist``: three batches in flight; batch i+1's input dist is completed
-  at the start of step i (before batch i's forward, its offloaded rows then prefetched during the whole
-  step), so the forward of each batch finds its input already received.
+  during step i, so the forward of each batch finds its input already received.
 
-Each batch moves through stages (``_Stage``); by the end of every step, each later batch in flight has
-advanced one stage (the prefetch pipeline's batch i+1 before the forward of batch i, the others after
-it). The model's forward must take the batch and return ``(losses, output)``; ``progress`` runs
+Each batch moves through stages (``_Stage``); after every forward, each later batch in flight advances
+one stage. The model's forward must take the batch and return ``(losses, output)``; ``progress`` runs
 ``losses.sum().backward()`` and the optimizer step when the model is training, and returns ``output``.
 Every rank must draw the same number of batches: the input dists and the model's forward are
 collectives. With validation on (the default; ``shardkit.distributed.set_validation``) the ranks
@@ -167,8 +165,6 @@ class TrainPipelineSparseDist(_Trainer, TrainPipeline[In, Out]):
     _forward_stage = _Stage.TENSORS
     _context_type: Type[TrainPipelineContext] = TrainPipelineContext
     _forward_type: Type[BaseForward] = PipelinedForward
-    # whether batch i+1 reaches the forward's stage before the forward of batch i (else: after it)
-    _ready_before_forward = False
 
     def __init__(
         self,
@@ -264,10 +260,6 @@ class TrainPipelineSparseDist(_Trainer, TrainPipeline[In, Out]):
             raise StopIteration
         if self._model.training:
             self._optimizer.zero_grad()
-        if self._ready_before_forward and len(self._in_flight) > 1:
-            # batch i+1's input is received and its prefetch asked for before this step's forward, so
-            # an offloaded table's background prefetch overlaps the whole step (forward included)
-            self._advance(self._in_flight[1])
         # the next batch enters the pipeline: its input dist starts now and runs during this step
         if self._load(dataloader_iter):
             self._advance(self._in_flight[-1])
@@ -275,10 +267,8 @@ class TrainPipelineSparseDist(_Trainer, TrainPipeline[In, Out]):
         for forward in self._forwards:
             forward.set_context(current.context)
         losses, output = self._model(current.batch)
-        # after this step, batch k (k = 1, 2, ...) is batch k - 1 of the pipeline: at its stage
-        for k, item in enumerate(list(self._in_flight)[1:], start=1):
-            while item.stage < self._forward_stage - (k - 1):
-                self._advance(item)
+        for item in list(self._in_flight)[1:]:
+            self._advance(item)
         if self._model.training:
             torch.sum(losses).backward()
             self._optimizer.step()
@@ -290,18 +280,15 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     """Three batches in flight: during step i, batch i+1's input dist completes (its input is received
     and kept in its context) and batch i+2's starts, so no forward waits for communication.
 
-    Batch i+1's input is waited for at the start of step i, before the forward of batch i, and each
-    sharded module's ``prefetch`` then loads the rows it will read into the caches of its
-    ``fused_uvm_caching`` tables whose cache params set ``prefetch_pipeline`` (pinned until that forward:
-    batch i's rows stay pinned too, until its backward, so nothing in flight is evicted). A background
-    prefetch (a CPU cache) so overlaps batch i's forward, backward and optimizer step, and batch i's
-    forward waits only for batch i's prefetch. Arguments as ``TrainPipelineSparseDist``.
+    When batch i+1's input has arrived (during step i, after its forward), each sharded module's
+    ``prefetch`` loads the rows it will read into the caches of its ``fused_uvm_caching`` tables whose
+    cache params set ``prefetch_pipeline`` (pinned until that forward: batch i's rows stay pinned too, so
+    nothing in flight is evicted). Arguments as ``TrainPipelineSparseDist``.
     """
 
     _forward_stage = _Stage.READY
     _context_type = PrefetchTrainPipelineContext
     _forward_type = PrefetchPipelinedForward
-    _ready_before_forward = True
 
 
 __all__ = [

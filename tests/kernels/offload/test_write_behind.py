@@ -49,12 +49,10 @@ def _step(cache, rows, add):
     return loaded
 
 
-@pytest.mark.parametrize("hold", [True, False])
 @pytest.mark.parametrize("algorithm, limit", [("lru", 1 << 20), ("lfu", 1 << 20), ("lru", 64)])
-def test_random_sequences_equal_writing_in_the_step(tmp_path, algorithm, limit, hold):
+def test_random_sequences_equal_writing_in_the_step(tmp_path, algorithm, limit):
     """Two copies of a file, one cache writing in the step, one through a (slow) write-behind thread
-    (limit 64 bytes: every submit waits for the previous write, inside the held block too), its writes
-    held until the acquire's reads are done or not (``hold``): every acquire loads the same values,
+    (limit 64 bytes: every submit waits for the previous write): every acquire loads the same values,
     the same slots; after a flush the files are bitwise equal, and so are the counters."""
     a, b = _store(tmp_path / "a"), _store(tmp_path / "b")
     writer = WriteBehind(SlowIO(b.row_io(), delay=0.002), limit_bytes=limit, keepalive=b)
@@ -62,7 +60,6 @@ def test_random_sequences_equal_writing_in_the_step(tmp_path, algorithm, limit, 
         RowCache(dict(a.tensors), 7, algorithm, row_io=a.row_io()),
         RowCache(dict(b.tensors), 7, algorithm, row_io=b.row_io(), write_behind=writer),
     ]
-    caches[1].hold_writes = hold
     gen = torch.Generator().manual_seed(3)
     for step in range(60):
         # small random batches over a few hot rows: evicted rows often come back at once
@@ -142,101 +139,16 @@ def test_submit_refuses_rows_that_do_not_ascend(tmp_path):
         writer.submit(rows, {n: t.index_select(0, rows).clone() for n, t in store.tensors.items()})
 
 
-class RecordingIO:
-    """A row_io that logs ("read" / "write", rows) in call order (the writes from the writer thread)."""
-
-    def __init__(self, row_io):
-        self.row_io, self.log, self.lock = row_io, [], threading.Lock()
-        self.regions = getattr(row_io, "regions", None)
-        self.writer = None
-        self.threads_at_read = []  # writer.threads_started at each read
-
-    def read_into(self, rows, buffers, slots):
-        with self.lock:
-            self.log.append(("read", rows.tolist()))
-            self.threads_at_read.append(self.writer.threads_started)
-        return self.row_io.read_into(rows, buffers, slots)
-
-    def write_from(self, rows, buffers, slots):
-        with self.lock:
-            self.log.append(("write", rows.tolist()))
-        return self.row_io.write_from(rows, buffers, slots)
-
-
-def test_an_acquire_reads_its_misses_before_its_victims_are_written(tmp_path):
-    """Held writes (``hold_writes``): the writer thread starts only after the acquire's reads, so every
-    acquire's miss read is logged before the write of the rows it evicted (which the reads never wait
-    for: a victim is cached, a miss is not); each acquire that evicts starts the (exited) writer once."""
-    store = _store(tmp_path / "s")
-    io = RecordingIO(store.row_io())
-    writer = io.writer = WriteBehind(io, keepalive=store)
-    cache = RowCache(dict(store.tensors), 4, "lru", row_io=io, write_behind=writer)
-    assert not cache.hold_writes  # off by default
-    cache.hold_writes = True
-    _step(cache, torch.tensor([0, 1, 2, 3]), 1.0)  # fills the cache: nothing evicted
-    assert writer.threads_started == 0
-    for step, rows in enumerate(([4, 5], [6, 7, 8], [9], [0, 1, 2, 3])):
-        io.log.clear()
-        _step(cache, torch.tensor(rows), 1.0)
-        writer.wait()
-        kinds = [kind for kind, _ in io.log]
-        assert kinds == ["read", "write"], (step, io.log)
-        assert io.log[0][1] == rows and len(io.log[1][1]) == len(rows), (step, io.log)
-        # the read ran before this acquire started the writer (its victims were submitted before it)
-        assert io.threads_at_read[-1] == step, (step, io.threads_at_read)
-        assert writer.threads_started == step + 1
-    cache.flush()
-
-
-def test_a_wait_inside_a_held_block_writes_the_held_jobs(tmp_path):
-    """A held job is never waited for unwritten: wait(), wait_for() of one of its rows and a submit
-    beyond the byte limit inside held() start the writer thread (no deadlock)."""
-    store = _store(tmp_path / "s")
-    writer = WriteBehind(store.row_io(), limit_bytes=64, keepalive=store)
-
-    def job(rows):
-        rows = torch.tensor(rows)
-        return rows, {n: t.index_select(0, rows).clone() + 1 for n, t in store.tensors.items()}
-
-    expected = store.tensors["weight"].clone()
-    expected[[1, 2, 3, 4, 7]] += 1
-    with writer.held():
-        writer.submit(*job([1, 2]))
-        assert writer.threads_started == 0 and writer.pending_bytes > 0  # queued, not started
-        writer.wait_for(torch.tensor([2]))  # held row: written first
-        assert writer.rows_written == 2
-        writer.submit(*job([3, 4]))  # 48 bytes
-        writer.submit(*job([7]))  # beyond 64 bytes: waits for [3, 4], which it starts
-        writer.wait()
-        assert writer.rows_written == 5 and writer.pending_bytes == 0
-    assert torch.equal(store.tensors["weight"], expected)
-
-
-def test_jobs_held_are_written_when_the_block_ends(tmp_path):
-    store = _store(tmp_path / "s")
-    writer = WriteBehind(store.row_io(), keepalive=store)
-    rows = torch.tensor([5, 6])
-    with writer.held():
-        with writer.held():  # reentrant: the outer block's end starts the writer
-            writer.submit(rows, {n: t.index_select(0, rows).clone() for n, t in store.tensors.items()})
-        assert writer.threads_started == 0
-    assert writer.threads_started == 1
-    writer.wait()
-    assert writer.rows_written == 2
-
-
-@pytest.mark.parametrize("hold", [True, False])
-def test_two_threads_under_eviction_pressure_with_a_slow_writer_lose_no_update(tmp_path, hold):
+def test_two_threads_under_eviction_pressure_with_a_slow_writer_lose_no_update(tmp_path):
     """A prefetch-like thread and the main thread acquire, update in place and release rows of their own
-    ranges of a backing file, through a 6-row cache whose victims a slow write-behind thread writes
-    (held until each acquire's reads are done, or not): a pinned row never leaves its slot while its
-    ticket is out (checked after each in-place update), and after a flush the file holds every update."""
+    ranges of a backing file, through a 6-row cache whose victims a slow write-behind thread writes: a
+    pinned row never leaves its slot while its ticket is out (checked after each in-place update), and
+    after a flush the file holds every update."""
     store = _store(tmp_path / "s")
     for tensor in store.tensors.values():  # zeros: a row's value is then its count of updates, exactly
         tensor.zero_()
     writer = WriteBehind(SlowIO(store.row_io(), delay=0.001), keepalive=store)
     cache = RowCache(dict(store.tensors), 6, "lru", row_io=store.row_io(), write_behind=writer)
-    cache.hold_writes = hold
     counts = [torch.zeros(ROWS), torch.zeros(ROWS)]
     errors = []
 

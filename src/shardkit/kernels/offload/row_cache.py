@@ -213,10 +213,6 @@ class RowCache(AcquireIds, CacheSlots, DeviceSlots, RowMoves, CacheResize):
         if write_behind is not None and (device is not None and torch.device(device).type != "cpu"):
             raise ValueError(f"RowCache: write_behind needs host buffers, the cache is on {device}")
         self._write_behind = write_behind
-        # True: an acquire's victims written once its misses are read (write_behind.py, "Held
-        # writes"); off by default: on the shared 2-core machine, loaded, it made the step slower
-        # (docs/offload.md, "Held writes"); benchmarks.offload's "held writes" rows measure it
-        self.hold_writes = False
         self.algorithm = _algorithm_name(algorithm)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.backing = backing
@@ -400,11 +396,8 @@ class RowCache(AcquireIds, CacheSlots, DeviceSlots, RowMoves, CacheResize):
             if not ascending:
                 miss_rows = miss_rows.sort().values  # ascending: sequential reads of the backing store
             if miss_rows.numel():
-                # with hold_writes, the victims' writes (write-behind) start once the misses are read:
-                # the reads are on the step's critical path, the writes are not (write_behind.py)
-                with self._writes_held():
-                    loaded = self._free_slots(miss_rows.numel())
-                    self._load(miss_rows, loaded)  # pins them
+                loaded = self._free_slots(miss_rows.numel())
+                self._load(miss_rows, loaded)  # pins them
         except BaseException:
             hit_slots = looked[looked >= 0]
             self._pins.index_add_(0, hit_slots, ones_int32(hit_slots.numel(), -1))
@@ -432,12 +425,6 @@ class RowCache(AcquireIds, CacheSlots, DeviceSlots, RowMoves, CacheResize):
         self.counters.misses += misses
         ticket = self._issue_ticket(slots)
         return ticket, (slots if slot_ids is None else slot_ids).to(self.device)
-
-    def _writes_held(self) -> contextlib.AbstractContextManager:
-        """``WriteBehind.held`` of the cache's writer while :attr:`hold_writes` (else a no-op block)."""
-        if self._write_behind is None or not self.hold_writes:
-            return contextlib.nullcontext()
-        return self._write_behind.held()
 
     def wait_loaded(self, ticket: int) -> None:
         """Make the current CUDA stream wait until the rows of ``ticket`` are in their slots (the copies

@@ -16,28 +16,14 @@ order. Memory: at most ``limit_bytes`` of staged rows (a submit beyond it waits 
 Errors: an exception of a write (a full disk, ...) is kept and raised by the next :meth:`submit`,
 :meth:`wait_for` or :meth:`wait` (the cache's next acquire or flush); the writes queued after it are
 not attempted.
-
-Held writes (:meth:`WriteBehind.held`, used by a cache whose ``hold_writes`` is set; off by default):
-an acquire evicts (submitting its victims' rows) *before* it reads its misses, and those reads are on
-the step's critical path (the forward waits for them), while the writes are not. With the writer
-started at once, the writes take a core from the reads (a two-core machine: the writer and the second
-reader thread share one). Inside ``held()`` a submit queues its job without starting the writer thread
-(a thread already writing earlier jobs takes it in turn, as before); the thread starts when the block
-ends, after the reads, and overlaps the step's kernels instead. Measured on the shared, loaded 2-core
-machine it made the step slower (the writes, started later, ended later: docs/offload.md, "Held
-writes"), so it is off by default until an idle run decides. Nothing else changes: the jobs run in
-submission order, and anything that must wait for a write (:meth:`wait_for` of a row held back,
-:meth:`wait`, a submit beyond ``limit_bytes``) starts the thread first, so a held job is never waited
-for without being written.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 import threading
-from typing import Any, Deque, Dict, Iterator, Optional, Tuple
+from typing import Any, Deque, Dict, Optional, Tuple
 
 import torch
 
@@ -87,24 +73,7 @@ class WriteBehind:
         self._pending_bytes = 0
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
-        self._holds = 0  # open held() blocks: a submit queues without starting the thread
         self.rows_written = 0  # rows the thread wrote (tests)
-        self.threads_started = 0  # writer threads started so far (tests)
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """Queue the jobs submitted inside the block without starting the writer thread; start it (if
-        jobs wait) when the block ends (see the module docstring: the writes then overlap what follows
-        the block, not the block itself). Reentrant; any wait inside the block starts the thread."""
-        with self._cond:
-            self._holds += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._holds -= 1
-                if not self._holds:
-                    self._start_locked()
 
     def submit(self, rows: torch.Tensor, staging: Dict[str, torch.Tensor]) -> None:
         """Queue ``staging[name][i]`` (``[n, *width]`` per field, host, contiguous; owned by the writer
@@ -118,22 +87,14 @@ class WriteBehind:
         with self._cond:
             self._raise_error()
             while self._pending_bytes and self._pending_bytes + nbytes > self.limit_bytes:
-                self._start_locked()  # held jobs too: waited for, so written
                 self._cond.wait()
                 self._raise_error()
             self._jobs.append((rows, staging, nbytes))
             self._pending_bytes += nbytes
-            if not self._holds:
-                self._start_locked()
+            if self._thread is None:  # the thread exits when the queue runs empty: none idles
+                self._thread = threading.Thread(target=self._run, name="shardkit-write-behind", daemon=True)
+                self._thread.start()
             self._cond.notify_all()
-
-    def _start_locked(self) -> None:
-        """Start the writer thread if jobs wait and none runs (holding ``_cond``); the thread exits when
-        the queue runs empty: none idles."""
-        if self._jobs and self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="shardkit-write-behind", daemon=True)
-            self.threads_started += 1
-            self._thread.start()
 
     def wait_for(self, rows: torch.Tensor) -> None:
         """Return once no write of any of ``rows`` (int64, host) is pending (waits for every pending
@@ -147,7 +108,6 @@ class WriteBehind:
     def wait(self) -> None:
         """Return once every queued write is done; raises a write's kept exception."""
         with self._cond:
-            self._start_locked()  # held jobs too: waited for, so written
             while self._jobs or self._in_flight is not None:
                 self._cond.wait()
             self._raise_error()
