@@ -20,7 +20,7 @@ def _patched(threshold=None):
     given) for the duration, then restore the module: the test workers are reused between tests."""
     import shardkit.distributed.gather_blocks as gather_blocks
 
-    saved = gather_blocks.P2P_MIN_BYTES, gather_blocks._all_gather_flat, gather_blocks.dist.isend
+    saved = gather_blocks.P2P_MIN_BYTES, gather_blocks.all_gather_flat, gather_blocks.dist.isend
     counts = {"backend": 0, "isend": 0}
 
     def backend(*args, **kwargs):
@@ -33,11 +33,11 @@ def _patched(threshold=None):
 
     if threshold is not None:
         gather_blocks.P2P_MIN_BYTES = threshold
-    gather_blocks._all_gather_flat, gather_blocks.dist.isend = backend, isend
+    gather_blocks.all_gather_flat, gather_blocks.dist.isend = backend, isend
     try:
         yield counts
     finally:
-        gather_blocks.P2P_MIN_BYTES, gather_blocks._all_gather_flat, gather_blocks.dist.isend = saved
+        gather_blocks.P2P_MIN_BYTES, gather_blocks.all_gather_flat, gather_blocks.dist.isend = saved
 
 
 def _gather_worker(threshold: int) -> dict:

@@ -20,11 +20,11 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from shardkit.distributed.agreement import all_gather_flat
+
 # blocks of at least this many bytes go point to point on gloo (the sweep's row-wise gradients of
 # 32-256 MiB; 1-8 MiB ones gained no wall time and cost the main thread a copy)
 P2P_MIN_BYTES = 16 << 20
-
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _Transfers:
@@ -74,7 +74,7 @@ def all_gather_into(
     aliased = send.data_ptr() == mine.data_ptr()
     if world == 1 or not uses_transfers(n * send.element_size(), group, min_bytes):
         # the backends read and write the buffers at once: a send inside out goes as a copy
-        return _all_gather_flat(out, send.clone() if aliased else send, group=group, async_op=async_op)
+        return all_gather_flat(out, send.clone() if aliased else send, group=group, async_op=async_op)
     works = []
     for peer in range(world):
         if peer != me:

@@ -167,6 +167,13 @@ def cache_sizes() -> CacheSizes:
     return CacheSizes(l1d=given.get("l1d", base.l1d), l2=given.get("l2", base.l2), source=OVERRIDE_ENV)
 
 
+def last_level_cache_bytes(root: str = SYSFS_CACHE) -> int:
+    """The largest CPU cache's size in bytes (sysfs: the L3 where there is one), or 32 MiB when sysfs
+    does not say (callers only size a working set from it, e.g. kernels/prefetch.py's measurement)."""
+    sizes = [parse_size(_read(index / "size") or "") for index in Path(root).glob("index*")]
+    return max([size for size in sizes if size], default=32 << 20)
+
+
 def rows_in_cache(row_bytes: int, cache_bytes: int, limit: int) -> int:
     """How many rows of ``row_bytes`` of working set (all buffers a block touches per row) fit half of
     ``cache_bytes``, at least 1 and at most ``limit``. Half: the other half holds what streams past
@@ -192,6 +199,7 @@ __all__ = [
     "cache_sizes",
     "columns_in_cache",
     "detected_cache_sizes",
+    "last_level_cache_bytes",
     "override_sizes",
     "parse_size",
     "rows_in_cache",

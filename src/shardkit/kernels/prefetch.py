@@ -40,7 +40,7 @@ from typing import Dict, Optional
 
 import torch
 
-from shardkit.kernels.cpu_cache import SYSFS_CACHE, parse_size
+from shardkit.kernels.cpu_cache import last_level_cache_bytes
 from shardkit.kernels.native_build import cache_dir, native_ops
 
 ENV = "SHARDKIT_PREFETCH_ROWS"
@@ -91,19 +91,6 @@ def cache_file() -> Path:
     """Where this machine's measured distance is kept (keyed by CPU model, torch version, VERSION)."""
     key = hashlib.sha256(f"{cpu_model()}|{torch.__version__}|{VERSION}".encode()).hexdigest()[:16]
     return cache_dir() / f"prefetch-{key}.json"
-
-
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache's size in bytes (sysfs, as :mod:`shardkit.kernels.cpu_cache` reads it), or
-    32 MiB when sysfs does not say (the table is only sized from it)."""
-    best = 0
-    for index in Path(SYSFS_CACHE).glob("index*"):
-        try:
-            size = parse_size((index / "size").read_text())
-        except (OSError, UnicodeDecodeError):
-            size = None
-        best = max(best, size or 0)
-    return best or (32 << 20)
 
 
 def measure(
