@@ -29,7 +29,6 @@ TRUE = CostModel.default("cpu").replace(
     output_value_s=5e-9,
     miss_latency_bytes=128.0,
     lookup_group_s=1.5e-4,
-    fresh_buffer_bw=0.4e9,  # the sorted-way step's fresh buffers: fitted, not the write's figure
 )
 # what calibrate knows before the fit: the measured collective bandwidth, a lone lookup's bandwidth
 BEFORE = CostModel.default("cpu").replace(ddr_lookup_bw=3e9, intra_node_bw=0.3e9)
@@ -50,7 +49,6 @@ def _check(fitted, true: CostModel, rel: float = 1e-6) -> None:
     assert fitted["replica_value_s"] == pytest.approx(true.replica_value_s, rel=rel)
     assert fitted["replica_group_s"] == pytest.approx(true.replica_group_s, rel=rel)
     assert fitted["lookup_group_s"] == pytest.approx(true.lookup_group_s, rel=rel)
-    assert fitted["fresh_buffer_bw"] == pytest.approx(true.fresh_buffer_bw, rel=rel)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -132,11 +130,8 @@ def test_calibrate_fits_the_slowest_ranks_step_times_on_every_rank(run_world):
     for name in ("group_overhead_s", "shard_overhead_s", "id_overhead_s"):
         assert got[name] == pytest.approx(true[name], rel=1e-6), name
     assert got["id_miss_s"] == 0.0
-    # fitted from the sorted-way step's (slowest rank's) time, not the fresh write's
-    assert got["fresh_buffer_bw"] == pytest.approx(true["fresh_buffer_bw"], rel=1e-6)
-    assert got["fresh_buffer_bw"] != pytest.approx(cs.FRESH_BYTES / FRESH_S, rel=1e-3)
-    # the write timed in the same rounds (the slowest rank's) is reported beside the fit
-    assert report["fresh_write_bw"] == pytest.approx(cs.FRESH_BYTES / FRESH_S, rel=1e-12)
+    # the fresh buffer's write timed in the same rounds (the slowest rank's), not the lone measurement
+    assert got["fresh_buffer_bw"] == pytest.approx(cs.FRESH_BYTES / FRESH_S, rel=1e-12)
 
 
 @pytest.mark.parametrize("device_type, field", [("cpu", "ddr_lookup_bw"), ("cuda", "hbm_lookup_bw")])
@@ -235,45 +230,3 @@ def test_a_wide_table_at_a_large_batch_is_among_the_steps():
     """The slope of a step in its ids at plan_quality's large batches (1024-2048 bags of 20 ids)."""
     configs = cs.calibration_configs(2)
     assert any(c.batch >= 4 * cs.BIG_BATCH and c.dim >= 128 and c.pooling == cs.BIG_POOLING for c in configs)
-
-
-def test_the_sorted_way_step_is_charged_its_fresh_buffers():
-    import dataclasses
-
-    from shardkit.planner.estimators import distinct_rows
-
-    for world in (2, 4):
-        config = cs.sorted_way_config(world)
-        slower = TRUE.replace(fresh_buffer_bw=TRUE.fresh_buffer_bw / 2)
-        extra = cs.estimated_seconds(config, world, slower) - cs.estimated_seconds(config, world, TRUE)
-        touched = distinct_rows(config.rows, config.batch * config.pooling)
-        fresh = 4 * touched * (128 + world * (2 * 128 + 4))  # replica_fresh_bytes' formula
-        assert extra == pytest.approx(fresh / TRUE.fresh_buffer_bw, rel=1e-9)
-        # gathered, not all-reduced: few enough rows touched at every world size
-        assert world * touched * 130 < config.rows * 129
-        # the same table keeping its scratch (by its size) writes no fresh buffers
-        plain = dataclasses.replace(config, sorted_way=False)
-        assert cs.estimated_seconds(plain, world, slower) == cs.estimated_seconds(plain, world, TRUE)
-
-
-def _sorted_way_worker():
-    import dataclasses
-
-    import shardkit.sharding.replicated_fused_lookup as fused
-
-    calls = []
-    touched = fused._touched_grad
-    fused._touched_grad = lambda *a: calls.append(1) or touched(*a)
-    config = cs.sorted_way_config(dist.get_world_size(), SMALL_BIG)
-    for step in (cs.training_step(config, None, torch.device("cpu")),) * 2:
-        step()
-    sorted_calls = len(calls)
-    plain = cs.training_step(dataclasses.replace(config, sorted_way=False), None, torch.device("cpu"))
-    plain()
-    plain()
-    return sorted_calls, len(calls) - sorted_calls
-
-
-def test_the_sorted_way_step_sorts_its_touched_rows_and_the_plain_one_does_not(run_world):
-    for sorted_calls, plain_calls in run_world(_sorted_way_worker, 2):
-        assert (sorted_calls, plain_calls) == (2, 0)

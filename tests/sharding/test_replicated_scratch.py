@@ -33,18 +33,10 @@ def _train_worker(rows, dim, steps, limit):
     from shardkit.sparse import KeyedJaggedTensor
     from tests.sharding._replicated_case import reference_and_replica
 
-    lookup_limit = None  # ("lookup", n): the lookups' own limit (calibrate's sorted-way step)
-    if isinstance(limit, tuple):
-        lookup_limit, limit = limit[1], None
     if limit is not None:
         exchange.SCRATCH_LIMIT_BYTES = limit
     rank, world = dist.get_rank(), dist.get_world_size()
     reference, sharded = reference_and_replica(rows, dim, OptimType.ROWWISE_ADAGRAD)
-    if lookup_limit is not None:
-        lookups = [m for m in sharded.modules() if isinstance(m, fused.ReplicatedFusedLookup)]
-        assert lookups
-        for m in lookups:
-            m.scratch_limit_bytes = lookup_limit
     sorted_calls, targets = [], []
     touched_grad = fused._touched_grad
     fused._touched_grad = lambda *a: sorted_calls.append(1) or touched_grad(*a)
@@ -74,8 +66,8 @@ def _train_worker(rows, dim, steps, limit):
 
 @pytest.mark.parametrize(
     "world, dim, limit",
-    [(2, 5, None), (3, 8, None), (3, 5, None), (3, 5, 0), (2, 5, ("lookup", 0))],
-    ids=["2ranks-dim5", "3ranks-dim8", "3ranks-dim5", "3ranks-dim5-over-limit", "2ranks-lookup-limit-0"],
+    [(2, 5, None), (3, 8, None), (3, 5, None), (3, 5, 0)],
+    ids=["2ranks-dim5", "3ranks-dim8", "3ranks-dim5", "3ranks-dim5-over-limit"],
 )
 def test_sparse_exchange_trains_like_the_unsharded_module(world, dim, limit):
     import torch
@@ -87,8 +79,7 @@ def test_sparse_exchange_trains_like_the_unsharded_module(world, dim, limit):
     for got, want, sorted_calls, target_rows, dense_buffer in results:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         # in the kept buffer no backward sorts its touched rows; over the limit every one does
-        over = limit == 0 or limit == ("lookup", 0)
-        assert sorted_calls == (steps if over else 0), sorted_calls
+        assert sorted_calls == (steps if limit == 0 else 0), sorted_calls
         # either way the gradient is summed into a block of the touched rows (at most 2 bags of 3
         # ids a rank), never into a buffer of the table's 64 rows
         assert target_rows <= 6, target_rows

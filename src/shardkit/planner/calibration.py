@@ -18,8 +18,7 @@ import torch.nn.functional as F
 
 from shardkit.distributed.agreement import group_size
 from shardkit.distributed.topology import get_local_size
-from shardkit.planner.calibration_rounds import FRESH_BYTES, fresh_write_step
-from shardkit.planner.calibration_steps import measure_step_overheads
+from shardkit.planner.calibration_steps import FRESH_BYTES, fresh_write_step, measure_step_overheads
 from shardkit.planner.cost_model import CostModel
 
 
@@ -57,7 +56,7 @@ def measure_lookup_bw(
 
 def measure_fresh_buffer_bw(device: torch.device, nbytes: int = FRESH_BYTES, repeats: int = 5) -> float:
     """Bytes per second at which a buffer of ``nbytes`` allocated just before is written once on
-    ``device`` (``calibration_rounds.fresh_write_step``): each repeat allocates a new buffer, fills it
+    ``device`` (``calibration_steps.fresh_write_step``): each repeat allocates a new buffer, fills it
     and frees it. On CPU the allocator takes a buffer this large (above glibc's largest mmap
     threshold, 32 MiB) from the system and gives it back when freed, so every repeat pays the page
     faults of its first write, as a backward that makes its buffers every step does
@@ -102,8 +101,7 @@ def calibrate(
             ``lookup_cache_bytes``, ``replica_grad_passes``, the lookup field;
             :mod:`shardkit.planner.calibration_steps`). Collective too.
         fit_report: a dict that, with ``measure_steps``, receives the fit's ``residual`` (root mean
-            square relative error), ``fresh_write_bw`` (the write of a fresh buffer timed in the
-            steps' rounds) and ``steps``: per timed configuration (``config``, a description),
+            square relative error) and ``steps``: per timed configuration (``config``, a description),
             its measured and fitted seconds, to judge the fit by.
         base: the constants not measured (default ``CostModel.default(compute_device)``).
         sizes: ``rows``, ``dim``, ``batch``, ``pooling`` of the timed lookup (smaller is faster and
@@ -111,10 +109,8 @@ def calibrate(
 
     The lookup bandwidth replaces ``hbm_lookup_bw`` on CUDA and ``ddr_lookup_bw`` on CPU;
     ``fresh_buffer_bw`` is measured by writing newly allocated 64 MiB buffers
-    (:func:`measure_fresh_buffer_bw`); with ``measure_steps`` it is fitted from a training step whose
-    replica takes the sorted way (``calibration_steps.sorted_way_config``), the same write timed in
-    the steps' rounds its fallback (``fit_report["fresh_write_bw"]``); the all-to-all bandwidth
-    replaces ``intra_node_bw`` when the
+    (:func:`measure_fresh_buffer_bw`; with ``measure_steps``, in the steps' alternating rounds, which
+    replaces that figure); the all-to-all bandwidth replaces ``intra_node_bw`` when the
     group is one node, else ``cross_node_bw``.
     All ranks measure at the same time, so ranks sharing cores are measured sharing them (a machine
     running more ranks than cores gets the slower figures it will train at).
@@ -148,13 +144,12 @@ def calibrate(
         measured = dict(zip(names, values.tolist()))
     if measure_steps and comm_field is not None:
         fitted = measure_step_overheads(pg, device, model.replace(**measured))
-        residual, fitted_s, configs, times, fresh_write_bw = (
-            fitted.pop(k) for k in ("residual", "fitted_s", "configs", "measured_s", "fresh_write_bw")
+        residual, fitted_s, configs, times = (
+            fitted.pop(k) for k in ("residual", "fitted_s", "configs", "measured_s")
         )
         if fit_report is not None:
             fit_report.update(
                 residual=residual,
-                fresh_write_bw=fresh_write_bw,
                 steps=[
                     {"config": c, "measured_s": t, "fitted_s": f} for c, t, f in zip(configs, times, fitted_s)
                 ],

@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import statistics
+import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -48,20 +50,11 @@ import torch.distributed as dist
 from shardkit.distributed.agreement import group_size
 from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig
-from shardkit.planner.calibration_rounds import (
-    FRESH_BYTES,
-    ROUNDS,
-    STEPS_PER_ROUND,
-    alternating_seconds,
-    fresh_write_step,
-    round_order,
-)
 from shardkit.planner.constraints import ParameterConstraints
 from shardkit.planner.cost_model import CostModel
 from shardkit.planner.least_squares import huber_refit, nnls
 from shardkit.planner.topology import Topology
 from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
-from shardkit.sharding.replicated_fused_lookup import ReplicatedFusedLookup
 from shardkit.sharding.sharding_plan import (
     column_wise,
     construct_module_sharding_plan,
@@ -81,14 +74,16 @@ ID_TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel")
 TW_EXTENDED_BY = {"table_wise": ("column_wise",)}
 GROUP_DIM_STEP = 4  # the width step between the tables of the lookup-group steps (8, 12, 16, ...)
 COUNTS = (1, 4, 16, 48)  # shards of one type per rank in the tiny steps the per-shard cost is fitted from
+# alternating rounds of the timed steps: on a machine whose cores other work shares, a step's time
+# over rounds spreads by 1.5-4x (min to max) and the median of 5 rounds of one plan moved by up to 1.6x
+# between two copies of it (docs/planner.md, "Plan quality"); 9 rounds cost ~1.8x the time of 5
+ROUNDS = 9
+STEPS_PER_ROUND = 2
 DIM = 8  # columns per rank's shard of the tiny tables
 BATCH = 32  # bags per rank of the tiny tables, one id each: the bytes terms stay negligible
 MIB = 1 << 20
 BIG_BYTES = 64 * MIB  # the largest lookup table (beyond a CPU's per-core caches)
 BIG_DIM, BIG_BATCH, BIG_POOLING = 64, 512, 20
-# ids of all ranks together in the sorted-way step (sorted_way_config) of a table of SORTED_ROWS rows
-# (the 64 MiB one at 128 columns): 2048 bags of 20 per rank on 2 ranks
-SORTED_IDS, SORTED_ROWS = 2 * 2048 * BIG_POOLING, 64 * MIB // 512
 CACHE_CANDIDATES = tuple(float(MIB << k) for k in range(10))  # 1 MiB .. 512 MiB
 # the row bytes a miss latency streams (CostModel.miss_latency_bytes): one cache line .. 8, or per id
 MISS_LATENCY_CANDIDATES = (64.0, 128.0, 256.0, 512.0, float("inf"))
@@ -100,9 +95,7 @@ class StepConfig:
     """A calibration step: one table per entry of ``types`` (that sharding), each of ``rows`` rows and
     ``dim`` columns per shard (a column-wise table has ``dim`` x world columns; table ``i`` has
     ``i x dim_step`` more: tables of different widths are separate lookup groups), ``batch`` bags of
-    ``pooling`` uniform random ids per rank and table. ``sorted_way``: its data-parallel lookups keep
-    no scratch (``ReplicatedFusedLookup.scratch_limit_bytes = 0``), so their backward gathers in the
-    fresh buffers of its sorted touched rows as a group over ``SCRATCH_LIMIT_BYTES`` does."""
+    ``pooling`` uniform random ids per rank and table."""
 
     types: Tuple[str, ...]
     rows: int
@@ -110,7 +103,6 @@ class StepConfig:
     batch: int = BATCH
     pooling: int = 1
     dim_step: int = 0
-    sorted_way: bool = False
 
     def width(self, index: int) -> int:
         """Columns per shard of table ``index``."""
@@ -166,23 +158,7 @@ def calibration_configs(world: int, big_bytes: int = BIG_BYTES) -> List[StepConf
     # rank and row-wise at 16 (every rank holds a shard of each)
     configs += [StepConfig(tw * k, tiny_rows, dim_step=GROUP_DIM_STEP) for k in (4, 16)]
     configs.append(StepConfig(("row_wise",) * 16, tiny_rows, dim_step=GROUP_DIM_STEP))
-    configs.append(sorted_way_config(world, big_bytes))
     return configs
-
-
-def sorted_way_config(world: int, big_bytes: int = BIG_BYTES) -> StepConfig:
-    """The step that prices a replica group too large for the kept scratch (``fresh_buffer_bw``): the
-    wide replica of ``big_bytes`` taking the sorted way (a group over ``SCRATCH_LIMIT_BYTES`` would
-    take seconds to build and to step), at ``SORTED_IDS / world`` ids per rank: the gathered buffers
-    then hold about the same ``world x touched`` rows at every world size, 35-40 MB at 64 MiB (above
-    the 32 MiB that glibc's allocator takes from the system afresh every time, as a large group's
-    are; at 512 bags on 2 ranks they were 2.1 GB/s against 0.7 for plan_quality's 413 MB group), and
-    few enough rows are touched that they are gathered, not all-reduced (a smaller ``big_bytes``: the
-    ids scaled with the rows, the same share of rows touched)."""
-    rows = max(64, big_bytes // 512)
-    ids = SORTED_IDS * rows // SORTED_ROWS
-    batch = max(1, ids // world // BIG_POOLING)
-    return StepConfig(("data_parallel",), rows, 128, batch=batch, pooling=BIG_POOLING, sorted_way=True)
 
 
 def _generator(sharding_type: str, index: int, world: int):
@@ -230,10 +206,6 @@ def training_step(
     world = group_size(pg)
     module, plan = _module_and_plan(config, world, device.type)
     sharded = EmbeddingBagCollectionSharder().shard(module, plan, ShardingEnv.from_process_group(pg), device)
-    if config.sorted_way:
-        for lookup in sharded.modules():
-            if isinstance(lookup, ReplicatedFusedLookup):
-                lookup.scratch_limit_bytes = 0
     n = len(config.types)
     gen = torch.Generator().manual_seed(dist.get_rank())
     values = torch.randint(0, config.rows, (n * config.batch * config.pooling,), generator=gen).to(device)
@@ -251,10 +223,8 @@ def training_step(
 
 def estimator(config: StepConfig, world: int) -> Callable[[CostModel], float]:
     """``model -> the cost model's step time of config`` (the slowest rank's), as
-    ``EmbeddingShardingPlanner.estimate`` computes it (a ``sorted_way`` step: with the fresh buffers
-    of its groups, which by their size alone would keep scratch); the tables and shards are built once
-    (the fit evaluates every configuration under many models)."""
-    from shardkit.planner.estimators import replica_fresh_bytes
+    ``EmbeddingShardingPlanner.estimate`` computes it; the tables and shards are built once (the fit
+    evaluates every configuration under many models)."""
     from shardkit.planner.plan_estimate import placed_partition, plan_options  # the planner uses calibrate's
     from shardkit.planner.planners import EmbeddingShardingPlanner
 
@@ -271,15 +241,11 @@ def estimator(config: StepConfig, world: int) -> Callable[[CostModel], float]:
     tables = [t for t, _ in planner.enumerator.tables(module, sharders)]
     options = plan_options(tables, ShardingPlan({"": plan}), planner.topology)
     planner.storage_estimator.estimate(options, planner.topology)
-    forced = 0.0  # plan_estimate charges a group's fresh bytes by its size; the step keeps no scratch
-    if config.sorted_way:
-        forced = replica_fresh_bytes(options, world, scratch_limit=0) - replica_fresh_bytes(options, world)
 
     def estimate(model: CostModel) -> float:
         topology = Topology(world_size=world, compute_device="cpu", cost_model=model)
         planner.perf_estimator.estimate(options, topology)
-        load = max(placed_partition(options, topology, hbm_free, ddr_free).load)
-        return load + forced / model.fresh_buffer_bw
+        return max(placed_partition(options, topology, hbm_free, ddr_free).load)
 
     return estimate
 
@@ -298,7 +264,7 @@ def feature_names() -> List[str]:
         + [f"id:{t}" for t in ID_TYPES]
         + ["id_miss", "output_value", "lookup", "replica", "replica_row", "replica_value", "replica_group"]
         + ["lookup_group"]
-        + ["comm", "fresh"]
+        + ["comm"]
     )
 
 
@@ -333,14 +299,17 @@ def config_features(
     caches: Sequence[float] = CACHE_CANDIDATES,
     miss_widths: Sequence[float] = MISS_LATENCY_CANDIDATES,
 ) -> Tuple[float, List[float], List[float]]:
-    """``(known, features, miss)`` of a configuration: the seconds no fitted constant explains (0:
-    every term is fitted), the estimator's seconds per unit of each constant of ``feature_names()``
-    but ``id_miss`` (0 there; ``lookup``, ``comm`` and ``fresh``: seconds at 1 byte/s), and the
-    ``id_miss`` feature at each cache size of ``caches`` and ``miss_latency_bytes`` of ``miss_widths``
-    (cache-major: ``miss[i * len(miss_widths) + j]``)."""
+    """``(known, features, miss)`` of a configuration: the seconds no fitted constant explains (the
+    fresh buffers of a data-parallel group too large for the kept scratch, at ``model``'s measured
+    ``fresh_buffer_bw``; 0 for every group of ``calibration_configs``), the estimator's seconds per
+    unit of each constant of ``feature_names()`` but ``id_miss`` (0 there; ``lookup`` and ``comm``:
+    seconds at 1 byte/s), and the ``id_miss`` feature at each cache size of ``caches`` and
+    ``miss_latency_bytes`` of ``miss_widths`` (cache-major: ``miss[i * len(miss_widths) + j]``)."""
     est = estimator(config, world)
     zero = _zero(model)
-    known = est(zero)
+    # measured apart, not fitted: the fresh buffers of a replica group too large for the kept scratch
+    # (none of calibration_configs' groups is; a larger big_bytes can make one)
+    known = est(zero.replace(fresh_buffer_bw=model.fresh_buffer_bw))
     used = set(config.types)
     values: Dict[str, float] = {"step": 1.0}
     for t in TYPES:
@@ -361,10 +330,6 @@ def config_features(
     # the dists' bytes, at 1 byte/s: fitted in the same rounds as the rest (the lone all-to-all of
     # calibrate() is one moment of the machine's load; it is the fallback)
     values["comm"] = est(zero.replace(intra_node_bw=1.0, cross_node_bw=1.0))
-    # the fresh buffers of a replica group that keeps no scratch (the sorted-way step's), at 1 byte/s:
-    # fitted from a real step of that way, not from a lone write (which priced it at 0.4-0.6x the
-    # sorted way's measured cost per byte at 4 ranks on 2 cores, loaded)
-    values["fresh"] = est(zero.replace(fresh_buffer_bw=1.0))
     values["replica"] = (
         est(unit_bw.replace(replica_grad_passes=1.0)) - values["lookup"] if "data_parallel" in used else 0.0
     )
@@ -428,12 +393,7 @@ def fit_constants(
 
     # the bandwidths calibrate() measured alone: the lookup's (ddr on CPU, hbm on CUDA), the all-to-all's
     lone_lookup = model.hbm_lookup_bw if device_type == "cuda" else model.ddr_lookup_bw
-    fallback = {
-        names.index("lookup"): lone_lookup,
-        names.index("comm"): model.intra_node_bw,
-        # the fresh write timed in the same rounds: its bytes' price when no step has fresh buffers
-        names.index("fresh"): model.fresh_buffer_bw,
-    }
+    fallback = {names.index("lookup"): lone_lookup, names.index("comm"): model.intra_node_bw}
 
     def solve(a: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """NNLS of the relative errors, each configuration's weighted by ``weights`` (default 1)."""
@@ -464,8 +424,7 @@ def fit_constants(
             charged.update({col: 1.0 / fallback[col] for col in vanished})
         x = min((first, x), key=lambda y: float((w * ((a @ y + known) / t - 1.0) ** 2).sum()))
         for col in fallback:  # bytes found free: a bandwidth of 1e18 B/s (their time is < 1e-6 anyway)
-            # bytes no step has (e.g. no fresh buffers at a small big_bytes): the lone figure stands
-            x[col] = 1.0 / fallback[col] if not bool(a[:, col].any()) else max(float(x[col]), 1e-18)
+            x[col] = max(float(x[col]), 1e-18)
         return x
 
     best = None
@@ -499,27 +458,79 @@ def fit_constants(
         "replica_value_s": v["replica_value"],
         "replica_group_s": v["replica_group"],
         "lookup_group_s": v["lookup_group"],
-        "fresh_buffer_bw": 1.0 / v["fresh"],
         "residual": residual,
         "fitted_s": (base_with_miss(pair) @ x + known).tolist(),
     }
+
+
+def round_order(n: int, round_index: int) -> List[int]:
+    """The order in which round ``round_index`` runs ``n`` steps: round 0 in the given order, every
+    other a permutation drawn from a generator seeded by the round (the same on every rank: the steps
+    are collectives). A fixed order put the same steps first in every round (the tiny table-wise
+    steps, which an idle 2-rank calibration measured 1.3-1.7x their fitted times: the order is a
+    suspect, not shown to be the cause), and a rotation keeps every step after the same one."""
+    if round_index == 0:
+        return list(range(n))
+    return torch.randperm(n, generator=torch.Generator().manual_seed(round_index)).tolist()
+
+
+def alternating_seconds(
+    steps: Sequence[Callable[[], None]],
+    pg: Optional[dist.ProcessGroup],
+    device: torch.device,
+    rounds: int = ROUNDS,
+    per_round: int = STEPS_PER_ROUND,
+    warmup: int = 2,
+) -> List[float]:
+    """Seconds per step of each of ``steps``: every round runs ``per_round`` steps of each, in the order
+    ``round_order`` (so a machine's load drifting during the measurement hits them all alike, and no
+    step always runs first or after the same one); per step function, the median over rounds of the
+    round's mean. This rank's figures (the caller agrees on the slowest)."""
+    for step in steps:
+        for _ in range(warmup):
+            step()
+    times: List[List[float]] = [[] for _ in steps]
+    for r in range(rounds):
+        for i in round_order(len(steps), r):
+            step = steps[i]
+            dist.barrier(group=pg)
+            start = time.perf_counter()
+            for _ in range(per_round):
+                step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[i].append((time.perf_counter() - start) / per_round)
+    return [statistics.median(t) for t in times]
+
+
+# the fresh buffer written in the alternating rounds (CostModel.fresh_buffer_bw): above glibc's largest
+# mmap threshold (32 MiB), so the allocator takes it from the system and every write pays the page faults
+FRESH_BYTES = 64 * MIB
+
+
+def fresh_write_step(device: torch.device, nbytes: int = FRESH_BYTES) -> Callable[[], None]:
+    """A step that allocates ``nbytes``, writes them once and frees them: what a backward making its
+    buffers every step pays per byte (page faults included on CPU)."""
+
+    def step() -> None:
+        torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+
+    return step
 
 
 def measure_step_overheads(
     pg: Optional[dist.ProcessGroup], device: torch.device, model: CostModel, big_bytes: Optional[int] = None
 ) -> Dict[str, object]:
     """The fitted constants (``fit_constants``) from the slowest rank's step times: the same on every
-    rank (``fresh_buffer_bw`` fitted from the sorted-way step, :func:`sorted_way_config`), plus
-    ``fresh_write_bw`` (``FRESH_BYTES`` over the slowest rank's time of :func:`fresh_write_step`,
-    timed in the same alternating rounds as the steps: the fit's fallback for the fresh bytes),
+    rank, plus ``fresh_buffer_bw`` (``FRESH_BYTES`` over the slowest rank's time of
+    :func:`fresh_write_step`, timed in the same alternating rounds as the steps: under the same load),
     ``configs`` (``describe`` of each configuration) and ``measured_s`` (their times).
     ``model``: the constants so far (the calibrated collective bandwidths, the lone lookup's bandwidth
     as the fallback); ``big_bytes``: the largest tables (default ``BIG_BYTES``)."""
     world = group_size(pg)
     configs = calibration_configs(world, BIG_BYTES if big_bytes is None else big_bytes)
     steps = [training_step(c, pg, device) for c in configs] + [fresh_write_step(device)]
-    # the sorted-way step takes 5-10x a 512-bag step: once a round (its rounds' median as the others')
-    times = alternating_seconds(steps, pg, device, once=[c.sorted_way for c in configs])
+    times = alternating_seconds(steps, pg, device)
     # the sharded modules hold the group (through reference cycles of modules, hooks and autograd
     # state): free them now, or the group outlives destroy_process_group (docs/running.md)
     del steps
@@ -541,7 +552,7 @@ def measure_step_overheads(
     shared = [fit]
     dist.broadcast_object_list(shared, src=rank0, group=pg)
     fitted = shared[0]
-    fitted["fresh_write_bw"] = fresh_bw
+    fitted["fresh_buffer_bw"] = fresh_bw
     fitted["configs"] = [describe(c) for c in configs]
     fitted["measured_s"] = agreed.tolist()
     return fitted
@@ -550,7 +561,6 @@ def measure_step_overheads(
 def describe(config: StepConfig) -> str:
     """``"8 x row_wise 4096x64 b512 p20"``: a configuration in a line."""
     kinds = ", ".join(f"{config.types.count(t)} {t}" for t in TYPES if t in config.types)
-    kinds += " sorted" if config.sorted_way else ""
     widths = f"{config.dim}..{config.width(len(config.types) - 1)}" if config.dim_step else f"{config.dim}"
     return f"{kinds}: {config.rows}x{widths} b{config.batch} p{config.pooling}"
 
@@ -559,8 +569,6 @@ __all__ = [
     "CACHE_CANDIDATES",
     "COUNTS",
     "FRESH_BYTES",
-    "ROUNDS",
-    "STEPS_PER_ROUND",
     "ID_TYPES",
     "StepConfig",
     "TYPES",
@@ -574,6 +582,5 @@ __all__ = [
     "fresh_write_step",
     "measure_step_overheads",
     "round_order",
-    "sorted_way_config",
     "training_step",
 ]

@@ -114,9 +114,7 @@ def _fused_replica_groups(options: Sequence[ShardingOption]) -> dict:
     return groups
 
 
-def replica_fresh_bytes(
-    options: Sequence[ShardingOption], world: int, scratch_limit: Optional[int] = None
-) -> float:
+def replica_fresh_bytes(options: Sequence[ShardingOption], world: int) -> float:
     """Bytes of freshly allocated memory each rank writes per step for a plan's groups of FUSED
     data-parallel tables (one group per width and dtype, :func:`replica_groups`) whose exchange takes
     the sorted way: a group whose dense exchange buffer would exceed the kept scratch's limit
@@ -129,15 +127,13 @@ def replica_fresh_bytes(
     ``U`` the group's distinct rows per rank (uniform ids). A group within the limit reuses its
     buffers across steps (0 bytes). Measured on 2 ranks for 4 tables of 200000 x 128 at 20480 ids
     per rank (one 413 MB group): the sorted way 180 ms a step against 86 ms with the scratch
-    buffers (shared machine, loaded). ``scratch_limit``: the lookups' limit
-    (``ReplicatedFusedLookup.scratch_limit_bytes``; None: the library's default; calibrate()'s
-    sorted-way step sets 0)."""
+    buffers (shared machine, loaded)."""
     if world <= 1:
         return 0.0
     total = 0.0
     for (_, cols, _), tables in _fused_replica_groups(options).items():
         rows = sum(t.rows for t in tables)
-        if uses_scratch(rows, cols, world, scratch_limit):
+        if uses_scratch(rows, cols, world):
             continue
         touched = sum(distinct_rows(t.rows, t.ids) for t in tables)
         if world * touched * (cols + 2) >= rows * (cols + 1):  # the dense all-reduce (kept buffer)

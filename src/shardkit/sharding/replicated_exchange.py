@@ -42,13 +42,11 @@ from shardkit.kernels.row_optimizer import RowOptimizerArgs
 SCRATCH_LIMIT_BYTES = 256 << 20
 
 
-def uses_scratch(num_rows: int, dim: int, world: int, limit: Optional[int] = None) -> bool:
+def uses_scratch(num_rows: int, dim: int, world: int) -> bool:
     """Whether a table of ``[num_rows, dim]`` replicated on ``world`` ranks takes the sparse way with
     the kept :class:`DenseRowExchange` parts (its dense buffer, ``rows x (dim + 1) + world`` fp32
-    values, at most ``limit`` bytes; None: ``SCRATCH_LIMIT_BYTES``), not in fresh buffers of its
-    sorted touched rows."""
-    limit = SCRATCH_LIMIT_BYTES if limit is None else limit
-    return 4 * (num_rows * (dim + 1) + world) <= limit
+    values, at most ``SCRATCH_LIMIT_BYTES``), not in fresh buffers of its sorted touched rows."""
+    return 4 * (num_rows * (dim + 1) + world) <= SCRATCH_LIMIT_BYTES
 
 
 def gather_bound(counts: List[int]) -> int:

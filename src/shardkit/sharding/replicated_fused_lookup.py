@@ -97,7 +97,7 @@ class _ReplicatedFusedFn(torch.autograd.Function):
             _scatter_dense(exchange, args, world, dist.get_rank(lookup.process_group))
             lookup.step_replicas(exchange, weight, step)
             return (None,) * 9
-        elif uses_scratch(weight.size(0), weight.size(1), world, lookup.scratch_limit_bytes):
+        elif uses_scratch(weight.size(0), weight.size(1), world):
             _sparse_in_scratch(lookup, weight, args, world, step)
             return (None,) * 9
         else:
@@ -242,10 +242,6 @@ class ReplicatedFusedLookup(GroupedEmbeddingLookup):
     # the rows per rank the next sparse gather makes room for (gather_bound of the last exchange's
     # counts, alike on every rank); None: no exchange yet, gather the counts first
     next_gather_rows: Optional[int] = None
-    # the largest dense exchange buffer (bytes) this lookup keeps as scratch (``uses_scratch``); None:
-    # ``replicated_exchange.SCRATCH_LIMIT_BYTES``. calibrate() sets 0 on one step's lookup so that a
-    # table small enough to build in a second takes the sorted way (``planner.calibration_steps``)
-    scratch_limit_bytes: Optional[int] = None
     _dense_exchange: Optional[DenseRowExchange] = None
 
     def dense_exchange(self, weight: torch.Tensor) -> DenseRowExchange:
