@@ -65,8 +65,11 @@ def test_native_kernels_build_on_this_machine():
 @pytest.mark.parametrize("pooled", [True, False])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("scaled", [False, True])
-def test_forward_matches_torch(dtype, id_dtype, pooled, weighted, scaled):
-    weight = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(3)).to(dtype)
+# 24: 8-wide blocks; 48: 16-wide blocks, three passes; 128: one 128-wide pass (fp32 unweighted bags take
+# the vector-register sums from 16-wide blocks up)
+@pytest.mark.parametrize("dim", [DIM, 48, 128])
+def test_forward_matches_torch(dtype, id_dtype, pooled, weighted, scaled, dim):
+    weight = torch.randn(ROWS, dim, generator=torch.Generator().manual_seed(3)).to(dtype)
     ids, offsets, shift, psw, scale = _batch(id_dtype)
     args = (weight, ids, offsets, shift, psw if weighted else None, scale if scaled else None, pooled)
     with kernel_backend("torch"):
@@ -87,7 +90,8 @@ def test_forward_matches_torch(dtype, id_dtype, pooled, weighted, scaled):
 @pytest.mark.parametrize("pooled", [True, False])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dim", [DIM, 8, 16])  # a run-time width, and compile-time ones (8: column blocks)
+# a run-time width, and compile-time ones (8: column blocks; 128: the sweep's widest)
+@pytest.mark.parametrize("dim", [DIM, 8, 16, 128])
 def test_fused_backward_matches_torch(kind, pooled, weighted, dtype, dim):
     ids, offsets, shift, psw, scale = _batch(seed=1)
     results = {}
@@ -141,8 +145,9 @@ def test_fused_backward_matches_torch(kind, pooled, weighted, dtype, dim):
 
 
 @needs_native
-def test_native_out_of_range_id_raises_and_reads_nothing():
-    weight = torch.randn(ROWS, DIM)
+@pytest.mark.parametrize("dim", [DIM, 128])  # the generic loop and the vector-register one
+def test_native_out_of_range_id_raises_and_reads_nothing(dim):
+    weight = torch.randn(ROWS, dim)
     ids = torch.tensor([1, 2, ROWS + 5, 3])
     offsets = torch.tensor([0, 2, 4])
     with (
@@ -152,7 +157,7 @@ def test_native_out_of_range_id_raises_and_reads_nothing():
         embedding_forward(weight, ids, offsets)
     with kernel_backend("native"), pytest.raises(RuntimeError, match="outside the buffer"):
         embedding_fused_backward(
-            weight, ids, offsets, None, None, None, torch.ones(2, DIM), True, RowOptimizerArgs("SGD", 0.1)
+            weight, ids, offsets, None, None, None, torch.ones(2, dim), True, RowOptimizerArgs("SGD", 0.1)
         )
 
 
@@ -222,18 +227,21 @@ def test_collection_trains_the_same_on_both_backends(kind):
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("native", marks=needs_native)])
-def test_batch_major_layout_is_the_transposed_plain_layout(backend):
-    # 4 features x 10 samples = BAGS bags, feature-major; the batch-major output is [10, 4 * DIM]
+@pytest.mark.parametrize("weighted", [True, False])  # unweighted fp32: the vector-register forward
+@pytest.mark.parametrize("dim", [DIM, 128])
+def test_batch_major_layout_is_the_transposed_plain_layout(backend, weighted, dim):
+    # 4 features x 10 samples = BAGS bags, feature-major; the batch-major output is [10, 4 * dim]
     ids, offsets, shift, psw, scale = _batch(seed=2)
-    weight = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(6))
+    psw = psw if weighted else None
+    weight = torch.randn(ROWS, dim, generator=torch.Generator().manual_seed(6))
     with kernel_backend(backend):
         plain = embedding_forward(weight, ids, offsets, shift, psw, scale, True)
         major = embedding_forward(weight, ids, offsets, shift, psw, scale, True, batch_major=10)
-    assert major.shape == (10, 4 * DIM)
-    assert torch.equal(major, plain.view(4, 10, DIM).transpose(0, 1).reshape(10, 4 * DIM))
+    assert major.shape == (10, 4 * dim)
+    assert torch.equal(major, plain.view(4, 10, dim).transpose(0, 1).reshape(10, 4 * dim))
 
-    grad_major = torch.randn(10, 4 * DIM, generator=torch.Generator().manual_seed(7))
-    grad_plain = grad_major.view(10, 4, DIM).transpose(0, 1).reshape(BAGS, DIM)
+    grad_major = torch.randn(10, 4 * dim, generator=torch.Generator().manual_seed(7))
+    grad_plain = grad_major.view(10, 4, dim).transpose(0, 1).reshape(BAGS, dim)
     tables = []
     for grad, batch in ((grad_plain, 0), (grad_major, 10)):
         table = weight.clone()

@@ -47,7 +47,7 @@ ENV = "SHARDKIT_PREFETCH_ROWS"
 MAX_ROWS = 4096
 CANDIDATES = (8, 16, 32, 64, 128)
 # bump when the kernels' loops or the measurement change: old files are then ignored
-VERSION = 1
+VERSION = 2
 # the schema default of the ops (csrc kPrefetch): used when no measurement can run
 DEFAULT_ROWS = 16
 _LOCK = threading.Lock()

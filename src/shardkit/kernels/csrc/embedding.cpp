@@ -84,12 +84,14 @@ inline void advise_huge_pages(const at::Tensor& t) {
 #endif
 }
 
-// Calls f(std::integral_constant<int64_t, W>) with the widest block W in {64, 32, 16, 8} that divides
-// dim, or W = 0 (run-time width) when none does: fixed-width blocks keep the accumulators in vector
-// registers, which a loop over a run-time dim does not.
+// Calls f(std::integral_constant<int64_t, W>) with the widest block W in {128, 64, 32, 16, 8} that
+// divides dim, or W = 0 (run-time width) when none does: fixed-width blocks keep the accumulators in
+// vector registers, which a loop over a run-time dim does not. 128 (one pass over a bag's ids at dim
+// 128 instead of two of 64) pays with the vector-register sums below: 8 zmm registers on AVX-512.
 template <typename F>
 inline void with_block_width(int64_t dim, F&& f) {
-  if (dim % 64 == 0) f(std::integral_constant<int64_t, 64>());
+  if (dim % 128 == 0) f(std::integral_constant<int64_t, 128>());
+  else if (dim % 64 == 0) f(std::integral_constant<int64_t, 64>());
   else if (dim % 32 == 0) f(std::integral_constant<int64_t, 32>());
   else if (dim % 16 == 0) f(std::integral_constant<int64_t, 16>());
   else if (dim % 8 == 0) f(std::integral_constant<int64_t, 8>());
@@ -163,6 +165,55 @@ int64_t forward_kernel(const at::Tensor& weight, const at::Tensor& ids, const at
       }
       // past this bag, the next bag's shift is right for most ids (a wrong guess costs nothing)
       const int64_t s_next = shift && b + 1 < bags ? shift[b + 1] : s;
+      // fp32 unweighted bags: the sums in vector registers (GCC vector type; the same adds in the
+      // same order, so the same bits). The generic loop below keeps them in a stack array that gcc 12
+      // spilled and reloaded on every id at W = 128. Rows are prefetched into L1 (prefetcht0) here:
+      // with register sums that measured 0.86-0.94x the time of L2 prefetches at dims 128 / 64 and
+      // equal at 16 (Zen 5, loaded; docs/performance.md, session 13), the reverse of the
+      // generic loop's finding (prefetch_row's comment).
+      if constexpr (std::is_same<scalar_t, float>::value && W >= 16 && W % 16 == 0) {
+        if (!psw) {
+          typedef float vec16 __attribute__((vector_size(64)));
+          constexpr int64_t kVecs = W / 16;
+          for (int64_t c0 = 0; c0 < dim; c0 += W) {
+            vec16 a[kVecs];
+#pragma GCC unroll 8
+            for (int64_t k = 0; k < kVecs; ++k) a[k] = vec16{};
+            for (int64_t i = lo; i < hi; ++i) {
+              const int64_t ahead = i + prefetch;
+              if (prefetch > 0 && ahead < total) {
+                const int64_t next = static_cast<int64_t>(id[ahead]) + (ahead < hi ? s : s_next);
+                if (static_cast<uint64_t>(next) < static_cast<uint64_t>(num_rows)) {
+                  const char* pb = reinterpret_cast<const char*>(table + next * dim + c0);
+#pragma GCC unroll 8
+                  for (int64_t k = 0; k < W * 4; k += 64) __builtin_prefetch(pb + k, 0, 3);
+                }
+              }
+              const int64_t row = static_cast<int64_t>(id[i]) + s;
+              if (static_cast<uint64_t>(row) >= static_cast<uint64_t>(num_rows)) {
+                bad = std::min(bad, i);
+                continue;
+              }
+              const float* src = table + row * dim + c0;
+#pragma GCC unroll 8
+              for (int64_t k = 0; k < kVecs; ++k) {
+                vec16 v;
+                std::memcpy(&v, src + 16 * k, sizeof(v));
+                a[k] += v;
+              }
+            }
+            float* o = dst + out_row * dim + c0;
+            if (scale) {
+              const float c = scale[b];
+#pragma GCC unroll 8
+              for (int64_t k = 0; k < kVecs; ++k) a[k] *= c;
+            }
+#pragma GCC unroll 8
+            for (int64_t k = 0; k < kVecs; ++k) std::memcpy(o + 16 * k, &a[k], sizeof(vec16));
+          }
+          continue;
+        }
+      }
       for (int64_t c0 = 0; c0 < dim; c0 += width) {
         float local[W > 0 ? W : 1];
         float* a = W > 0 ? local : acc;
@@ -347,10 +398,12 @@ inline float sum_of_squares(const float* g, int64_t run_time_dim) {
   return lane[0];
 }
 
-// One optimizer step on one row: p (fp32 copy of the row) and its summed gradient g, both [dim].
+// One optimizer step on one row: p (the fp32 row itself, or an fp32 copy of a half / bf16 row) and its
+// summed gradient g, both [dim], never overlapping (restrict: p may be the table's row).
 // Each line mirrors the op order of the torch path (shardkit/kernels/row_optimizer.py).
 template <int64_t kDim>
-inline void apply_rule(const OptimArgs& o, int64_t row, int64_t run_time_dim, float* p, const float* g) {
+inline void apply_rule(const OptimArgs& o, int64_t row, int64_t run_time_dim, float* __restrict__ p,
+                       const float* __restrict__ g) {
   const int64_t dim = kDim > 0 ? kDim : run_time_dim;
   switch (o.kind) {
     case kSGD:
@@ -477,10 +530,13 @@ void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::
     // d is a compile-time width when kDim is, so the sums below are vector code
     const bool plain = !by_position, by_bag = by_position && pooled;
     const int64_t d = kDim > 0 ? kDim : dim, shift_bits = 32 + low;
-    // the optimizer state of a row, asked for at the row's first id like its weights: within a block
-    // rows are first touched in random order, so nothing else fetches it ahead (a row-wise Adagrad sum
-    // read from DRAM was ~17% of the backward's samples at dim 128, perf on Zen 5). Pointers tested per
-    // row, not a switch on the rule: gcc 12 dropped the prefetches of a switch-based helper entirely.
+    // a row's weights and optimizer state are asked for kPrefetch keys ahead, with its gradient row:
+    // within a block rows are first touched in random order, so nothing else fetches them ahead (a
+    // row-wise Adagrad sum read from DRAM was ~17% of the backward's samples at dim 128, perf on Zen 5),
+    // and asking at the row's first id (before session 13) left too little time in a block of a large
+    // table, which has a few ids only: the weight row's first read was ~35% of the step's samples.
+    // Pointers tested per row, not a switch on the rule: gcc 12 dropped the prefetches of a
+    // switch-based helper entirely.
     const float* state_a = optim.kind == kSGD ? nullptr : optim.state0;
     const float* state_b = optim.kind == kAdam ? optim.state1 : nullptr;
     const int64_t state_width = optim.kind == kRowwiseAdagrad ? 1 : d;
@@ -495,7 +551,14 @@ void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::
       const int64_t base = block << low;
       touched.clear();
       for (; k < n && static_cast<int64_t>(keys[k] >> shift_bits) == block; ++k) {
-        if (k + kPrefetch < n) prefetch_row(grad + source_of(keys[k + kPrefetch]) * d, d);
+        if (k + kPrefetch < n) {  // a repeated row is asked for again: cheap, it is in cache by then
+          const uint64_t ahead = keys[k + kPrefetch];
+          prefetch_row(grad + source_of(ahead) * d, d);
+          const int64_t arow = static_cast<int64_t>(ahead >> 32);
+          prefetch_row(table + arow * d, d);
+          if (state_a) prefetch_row(state_a + arow * state_width, state_width);
+          if (state_b) prefetch_row(state_b + arow * state_width, state_width);
+        }
         const uint64_t key = keys[k];
         const int64_t local = static_cast<int64_t>(key >> 32) - base;
         float* __restrict__ acc = sums.get() + local * d;
@@ -503,9 +566,6 @@ void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::
         if (stamp[local] != block) {  // the row's first id: its sum starts at 0
           stamp[local] = block;
           touched.push_back(static_cast<int32_t>(local));
-          prefetch_row(table + (base + local) * d, d);
-          if (state_a) prefetch_row(state_a + (base + local) * state_width, state_width);
-          if (state_b) prefetch_row(state_b + (base + local) * state_width, state_width);
           if (plain) {  // 0 + g in one pass: the same sums as zeroing, then adding (one store less)
             for (int64_t j = 0; j < d; ++j) acc[j] = 0.0f + g[j];
             continue;
@@ -532,9 +592,15 @@ void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::
       for (const int32_t local : touched) {
         const int64_t row = base + local;
         scalar_t* w = table + row * d;
-        for (int64_t j = 0; j < d; ++j) param[j] = to_float(w[j]);
-        apply_rule<kDim>(optim, row, d, param, sums.get() + local * d);
-        for (int64_t j = 0; j < d; ++j) w[j] = from_float<scalar_t>(param[j]);
+        if constexpr (std::is_same<scalar_t, float>::value) {
+          // in place: a copy to fp32 and back is a no-op for fp32 rows (the same values), and it cost
+          // ~12% of a row-wise Adagrad backward at dim 128
+          apply_rule<kDim>(optim, row, d, w, sums.get() + local * d);
+        } else {
+          for (int64_t j = 0; j < d; ++j) param[j] = to_float(w[j]);
+          apply_rule<kDim>(optim, row, d, param, sums.get() + local * d);
+          for (int64_t j = 0; j < d; ++j) w[j] = from_float<scalar_t>(param[j]);
+        }
       }
     }
   });
