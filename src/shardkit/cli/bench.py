@@ -103,6 +103,7 @@ _NOT_BENCHMARKS = {
     *("__init__", "common", "offload_budget", "offload_pipeline", "offload_steady", "round_noise"),
     "vs_megatron_ce_dtype",
     "prefetch_vs_fbgemm",  # needs fbgemm: runs only in the torchrec peer venv (docs/performance.md)
+    "sweep_kernel_vs_fbgemm",  # needs fbgemm: runs only in the torchrec peer venv (docs/performance.md)
 }
 
 
