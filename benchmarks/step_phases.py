@@ -6,7 +6,9 @@ python, ``PYTHONPATH=src:. $HOME/peers/torchrec/bin/python -m benchmarks.step_ph
 gloo, validation off), runs ``--steps`` steps bare, then the same number with a thread-CPU timer
 around each phase (pipeline stages, input dist and its check, the KJT all-to-all's phases, lookup,
 output dist and its wait, dense archs, backward and its comm / lookup parts, optimizers) and prints,
-for rank 0, each phase's inclusive main-thread CPU ms per step (phases nest: they do not add up).
+for rank 0 (``--rank 1``: rank 1), each phase's inclusive main-thread CPU ms and wall ms per step
+(phases nest: they do not add up); wall minus CPU is where the rank waited (for the other rank at a
+collective, for gloo's threads, or for a core on a loaded machine).
 Unlike cProfile, only the ~30 wrapped calls per step pay a timer, so the shares stay close to the
 bare step's. ``--base-src DIR`` imports shardkit from another checkout's ``src/``. The rows (``step`` bare and
 with the timers, then the phases) are printed as a table and written to ``--out DIR/step_phases.json``
@@ -56,8 +58,9 @@ PHASES = [
 ]
 
 
-def _install(spent: Dict[str, float], calls: collections.Counter) -> None:
-    """Wrap every phase with a thread-CPU timer (missing ones are skipped: another checkout)."""
+def _install(spent: Dict[str, float], waited: Dict[str, float], calls: collections.Counter) -> None:
+    """Wrap every phase with a thread-CPU timer and a wall-clock timer (missing ones are skipped:
+    another checkout); ``waited`` collects the wall time, from which the rows' ``wall_ms`` come."""
     for module, owner_name, name in PHASES:
         owner: Any = importlib.import_module(module)
         if owner_name is not None:
@@ -68,11 +71,12 @@ def _install(spent: Dict[str, float], calls: collections.Counter) -> None:
         inner = getattr(owner, name)
 
         def timed(*args, __inner=inner, __label=label, **kwargs):
-            start = time.thread_time()
+            start, start_wall = time.thread_time(), time.perf_counter()
             try:
                 return __inner(*args, **kwargs)
             finally:
                 spent[__label] += time.thread_time() - start
+                waited[__label] += time.perf_counter() - start_wall
                 calls[__label] += 1
 
         setattr(owner, name, timed)
@@ -103,21 +107,24 @@ def _worker(rank: int, cfg: Dict[str, Any], port: int, queue) -> None:
             pipeline.progress(batches)
         steps = cfg["steps"]
         dist.barrier()
-        start = time.thread_time()
+        start, start_wall = time.thread_time(), time.perf_counter()
         for _ in range(steps):
             pipeline.progress(batches)
-        bare = time.thread_time() - start
+        bare = (time.thread_time() - start, time.perf_counter() - start_wall)
         spent: Dict[str, float] = collections.defaultdict(float)
+        waited: Dict[str, float] = collections.defaultdict(float)
         calls: collections.Counter = collections.Counter()
-        _install(spent, calls)
+        _install(spent, waited, calls)
         dist.barrier()
-        start = time.thread_time()
+        start, start_wall = time.thread_time(), time.perf_counter()
         for _ in range(steps):
             pipeline.progress(batches)
-        wrapped = time.thread_time() - start
-        if rank == 0:
-            phases = {k: (1e3 * v / steps, calls[k] / steps) for k, v in spent.items()}
-            queue.put((1e3 * bare / steps, 1e3 * wrapped / steps, phases))
+        wrapped = (time.thread_time() - start, time.perf_counter() - start_wall)
+        if rank == cfg["rank"]:
+            phases = {
+                k: (1e3 * v / steps, 1e3 * waited[k] / steps, calls[k] / steps) for k, v in spent.items()
+            }
+            queue.put(([1e3 * t / steps for t in bare], [1e3 * t / steps for t in wrapped], phases))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -133,25 +140,35 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--base-src", help="import shardkit from this directory (another checkout's src/)")
+    parser.add_argument(
+        "--rank", type=int, default=0, choices=(0, 1), help="the rank whose phases are printed"
+    )
     parser.add_argument("--out", default=None, help="directory for step_phases.json")
     args = parser.parse_args(argv)
     load_average = list(os.getloadavg())
     cfg = {
         "ranks": 2, "tables": 26, "rows_min": 1000, "rows_max": 100_000, "dim": 16, "batch": 32,
         "pooling": 2, "sharding": "table_wise", "model": "dlrm", "steps": args.steps,
-        "warmup": args.warmup, "base_src": os.path.abspath(args.base_src) if args.base_src else None,
+        "warmup": args.warmup, "rank": args.rank,
+        "base_src": os.path.abspath(args.base_src) if args.base_src else None,
     }  # fmt: skip
     queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_worker, args=(cfg, _free_port(), queue), nprocs=2, start_method="spawn")
     bare, wrapped, phases = queue.get()
-    print("rank 0 main-thread CPU ms per step (inclusive: phases nest) and calls per step")
+    print(
+        f"rank {args.rank} main-thread CPU ms and wall ms per step (inclusive: phases nest), calls per step"
+    )
     rows = [
-        {"name": "step (bare)", "cpu_ms": bare, "calls": 1.0},
-        {"name": "step (with the timers)", "cpu_ms": wrapped, "calls": 1.0},
+        {"name": "step (bare)", "cpu_ms": bare[0], "wall_ms": bare[1], "calls": 1.0},
+        {"name": "step (with the timers)", "cpu_ms": wrapped[0], "wall_ms": wrapped[1], "calls": 1.0},
     ]
-    for label, (millis, calls) in sorted(phases.items(), key=lambda kv: -kv[1][0]):
-        rows.append({"name": label, "cpu_ms": millis, "calls": calls})
-    config = {**cfg, "timer": "rank 0 main-thread CPU time", "load_average": load_average}
+    for label, (millis, wall, calls) in sorted(phases.items(), key=lambda kv: -kv[1][0]):
+        rows.append({"name": label, "cpu_ms": millis, "wall_ms": wall, "calls": calls})
+    config = {
+        **cfg,
+        "timer": f"rank {args.rank} main-thread CPU time and wall time",
+        "load_average": load_average,
+    }
     write_results("step_phases", config, rows, args.out)
 
 

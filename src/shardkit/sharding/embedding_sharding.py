@@ -44,6 +44,7 @@ from shardkit.sharding.dist_data import (
     KJTAllToAllTensorsAwaitable,
     SequenceEmbeddingsAllToAll,
 )
+from shardkit.sharding.dist_data.kjt_slots import SlotCapacity
 from shardkit.sharding.offload_plan import offload_spec
 from shardkit.sharding.types import CommOp, ParameterSharding, ShardingType
 from shardkit.sparse import KeyedJaggedTensor
@@ -201,16 +202,19 @@ def start_kjt_all_to_all(
     splits: List[int],
     stagger: int = 1,
     need_recat: bool = False,
+    slots: Optional[SlotCapacity] = None,
 ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
     """Start ``KJTAllToAll(pg, splits, stagger)(send)``, recording into ``ctx`` what the output dist needs.
 
     ``need_recat`` (sequence shardings) reads the awaitable's ``recat`` once the KJT has arrived.
+    ``slots``: the calling sharding's ``input_slots`` (the tensors then travel with the header: one
+    collective per step at small batches; ``kjt_slots``).
     """
     ctx.sent_lengths_per_key = send.length_per_key()
     if ctx.variable_batch:
         ctx.sent_batches = send.stride_per_key()
     # the awaitable KJTAllToAll's forward returns, without constructing the nn.Module every step
-    splits_awaitable = KJTAllToAllSplitsAwaitable(pg, send, list(splits), stagger, ctx.input_verdict)
+    splits_awaitable = KJTAllToAllSplitsAwaitable(pg, send, list(splits), stagger, ctx.input_verdict, slots)
 
     def record(tensors: KJTAllToAllTensorsAwaitable) -> KJTAllToAllTensorsAwaitable:
         ctx.stride_per_rank = tensors.stride_per_rank
@@ -270,6 +274,8 @@ class EmbeddingShardingImpl(abc.ABC):
         self.weighted = weighted
         self._codecs = dict(qcomm_codecs_registry or {})
         self._feature_names: List[str] = [f for t in self.tables for f in t.config.feature_names]
+        # the slot capacity of this sharding's KJT all-to-all (if it makes one): the same on every rank
+        self.input_slots = SlotCapacity()
 
     def feature_names(self) -> List[str]:
         """The input features of this sharding's tables, in order (the keys ``input_dist`` takes)."""

@@ -119,7 +119,9 @@ class RowBucketRouting(EmbeddingShardingImpl):
             ctx.unbucketize = torch.empty_like(order).index_copy_(
                 0, order, torch.arange(order.numel(), device=order.device)
             )
-        return start_kjt_all_to_all(ctx, self.pg, send, self._splits, self.stagger, need_recat)
+        return start_kjt_all_to_all(
+            ctx, self.pg, send, self._splits, self.stagger, need_recat, self.input_slots
+        )
 
     def bucketize(
         self, features: KeyedJaggedTensor, need_order: bool = True

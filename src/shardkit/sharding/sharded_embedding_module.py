@@ -495,10 +495,14 @@ class ShardedEmbeddingModule(ShardedModule):
                 verdict = InputVerdict(f"{type(err).__name__}: {err}", [1, *verdict.flags[1:]])
         if verdict.failed:
             exchanges = self._input_exchanges or []
-            for has_exchange in exchanges[len(started) :]:
+            for sharding, has_exchange in list(zip(self._shardings, exchanges))[len(started) :]:
                 if has_exchange:
                     kjt = features if isinstance(features, KeyedJaggedTensor) else None
-                    started.append(KJTAllToAllSplitsAwaitable(self._env.process_group, kjt, [], 1, verdict))
+                    # the sharding's own slots: the other ranks' all-to-all of it has their size
+                    slots = getattr(sharding, "input_slots", None)
+                    started.append(
+                        KJTAllToAllSplitsAwaitable(self._env.process_group, kjt, [], 1, verdict, slots)
+                    )
         return _InputDistAwaitable(started)
 
     def _split_by_sharding(

@@ -73,7 +73,9 @@ class PermuteRouting(EmbeddingShardingImpl):
     def _route(self, ctx: ShardingContext, features: KeyedJaggedTensor, need_recat: bool):
         record_input(ctx, features)
         send = features if self._identity else self._key_permutation.apply(features)
-        return start_kjt_all_to_all(ctx, self.pg, send, self._splits, need_recat=need_recat)
+        return start_kjt_all_to_all(
+            ctx, self.pg, send, self._splits, need_recat=need_recat, slots=self.input_slots
+        )
 
 
 class TwPooledEmbeddingSharding(PermuteRouting):

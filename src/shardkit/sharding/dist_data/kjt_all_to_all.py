@@ -2,13 +2,15 @@
 
 Two phases, as chained awaitables:
 
-1. ``KJTAllToAll(pg, splits)(kjt)`` starts an all-to-all of one fixed-size header row per rank pair
-   (sizes, batch size, fingerprints of keys and settings, status; see ``kjt_splits``) and returns a
-   ``KJTAllToAllSplitsAwaitable``.
+1. ``KJTAllToAll(pg, splits)(kjt)`` starts an all-to-all of one fixed-size slot per rank pair: a
+   header row (sizes, batch size, fingerprints of keys and settings, status; see ``kjt_splits``),
+   followed, when they fit the slot's capacity, by the tensors for that rank (``kjt_slots``), and
+   returns a ``KJTAllToAllSplitsAwaitable``.
 2. Its ``wait()`` checks the headers (every rank raises the same ``ValueError`` on bad input or
-   disagreement), starts one all-to-all of all the tensors, packed (lengths, values, weights, and
-   per-key batch sizes with a variable batch) and returns a ``KJTAllToAllTensorsAwaitable``, whose
-   ``wait()`` gives the output KeyedJaggedTensor.
+   disagreement), starts one all-to-all of the tensors that did not fit, packed (lengths, values,
+   weights, and per-key batch sizes with a variable batch), if any rank's did not, and returns a
+   ``KJTAllToAllTensorsAwaitable``, whose ``wait()`` gives the output KeyedJaggedTensor. In steady
+   state at small batches everything travels in the first all-to-all: one collective per exchange.
 
 Output on rank ``me``: the ``splits[me]`` keys assigned to it, each with the rows of every rank's
 batch concatenated in rank order (or the ``stagger`` order, see ``recat``); stride ``sum`` of the
@@ -22,23 +24,23 @@ rank's backward must reach its output weights (the sharded lookups see to that).
 from __future__ import annotations
 
 import functools
-from itertools import accumulate
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit import huge_pages
 from shardkit.distributed.agreement import group_rank, group_size
 from shardkit.distributed.awaitable import Awaitable
 from shardkit.distributed.direct_collectives import all_to_all_single
+from shardkit.sharding.dist_data.kjt_slots import SlotAllToAll, SlotCapacity, pack_slots, payload_bytes
 from shardkit.sharding.dist_data.kjt_splits import (
     HEADER,
     SendPlan,
     build_send_plan,
     check_headers,
     header_rows,
+    largest_need,
     status_and_check,
 )
 from shardkit.sharding.dist_data.recat import expand_recat, feature_order, get_recat, permute_value_segments
@@ -73,68 +75,6 @@ def _recat_of(local: int, world: int, stagger: int) -> Tuple[Tuple[int, ...], bo
     every step of a plan, so worked out once (a cached tuple, which no caller can change)."""
     recat = tuple(get_recat(local, world, stagger))
     return recat, list(recat) != sorted(recat)
-
-
-class _PackedAllToAll:
-    """One uneven all-to-all for several 1-D tensors of any dtypes (one collective instead of one per tensor).
-
-    What goes to rank ``r`` is, back to back as bytes, the ``send[label][r]`` elements of each tensor
-    (its elements for the ranks before ``r`` skipped), in label order. ``wait()`` -> label -> the
-    received ``[sum(recv[label])]`` tensor of that label's dtype, the pieces of the source ranks in
-    rank order (a fresh tensor per label, so that its bytes are aligned for the dtype). The copies
-    into and out of the packed buffers cost a memcpy of the data each way; at the small batches where
-    the step is dominated by fixed costs, that is far cheaper than a collective.
-    """
-
-    def __init__(
-        self,
-        tensors: Dict[str, torch.Tensor],
-        send: Dict[str, List[int]],
-        recv: Dict[str, List[int]],
-        pg,
-    ) -> None:
-        self._tensors, self._recv = tensors, recv
-        self._work: Optional[dist.Work] = None
-        world = group_size(pg)
-        if world == 1:
-            return
-        as_bytes = {label: _flat_bytes(tensor) for label, tensor in tensors.items()}
-        items = {label: tensor.element_size() for label, tensor in tensors.items()}
-        starts = {label: [0, *accumulate(send[label])] for label in tensors}
-        pieces = [
-            as_bytes[label][starts[label][r] * items[label] : starts[label][r + 1] * items[label]]
-            for r in range(world)
-            for label in tensors
-        ]
-        send_bytes = [sum(send[label][r] * items[label] for label in tensors) for r in range(world)]
-        recv_bytes = [sum(recv[label][r] * items[label] for label in tensors) for r in range(world)]
-        device = next(iter(tensors.values())).device
-        # fresh pages every step at large batches (MiBs of ids): advised, see shardkit.huge_pages
-        self._out = huge_pages.empty(sum(recv_bytes), dtype=torch.uint8, device=device)
-        self._items = items
-        send = huge_pages.cat(pieces)
-        self._work = all_to_all_single(self._out, send, recv_bytes, send_bytes, pg)
-
-    def wait(self) -> Dict[str, torch.Tensor]:
-        if self._work is None:  # one rank: what it sends is what it receives
-            return dict(self._tensors)
-        self._work.wait()
-        labels, world = list(self._tensors), len(next(iter(self._recv.values())))
-        pieces: Dict[str, List[torch.Tensor]] = {label: [] for label in labels}
-        at = 0
-        for s in range(world):
-            for label in labels:
-                n = self._recv[label][s] * self._items[label]
-                pieces[label].append(self._out[at : at + n])
-                at += n
-        return {label: huge_pages.cat(pieces[label]).view(self._tensors[label].dtype) for label in labels}
-
-
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A 1-D tensor's bytes (contiguous() keeps a one-element expanded tensor at stride 0, which cannot
-    be viewed as bytes)."""
-    flat = tensor.clone(memory_format=torch.contiguous_format) if tensor.stride() != (1,) else tensor
-    return flat.view(torch.uint8)
 
 
 class _WeightsAllToAll(torch.autograd.Function):
@@ -181,22 +121,27 @@ class KJTAllToAll(nn.Module):
         self._pg = pg
         self._splits = list(splits)
         self._stagger = stagger
+        self._slots = SlotCapacity()
 
     def forward(self, input: KeyedJaggedTensor) -> KJTAllToAllSplitsAwaitable:
-        """Start phase one (the sizes) for ``input``."""
-        return KJTAllToAllSplitsAwaitable(self._pg, input, self._splits, self._stagger)
+        """Start phase one (the sizes, and the tensors where they fit the slots) for ``input``."""
+        return KJTAllToAllSplitsAwaitable(self._pg, input, self._splits, self._stagger, slots=self._slots)
 
 
 class KJTAllToAllSplitsAwaitable(Awaitable["KJTAllToAllTensorsAwaitable"]):
-    """Phase one in flight: the header exchange. ``wait()`` checks it and starts phase two.
+    """Phase one in flight: the slots' exchange. ``wait()`` checks the headers and finishes the exchange.
 
-    One host sync in ``wait()`` (reading the received sizes), which phase two needs to size its
-    buffers; building the plan reads the input's ``length_per_key`` (cached on most KJTs).
+    One host sync in ``wait()`` (reading the received headers), which the rest of the exchange needs
+    to size its buffers; building the plan reads the input's ``length_per_key`` (cached on most KJTs).
 
     ``verdict`` (a sharded module's ``InputVerdict``, duck-typed: ``failed``, ``code()``,
     ``flags_of(status, code)``, ``judge(rows, group, error)``): the module's input check rides in the
     header (its ``check`` field; a failed verdict sends status 1 and no plan) and ``wait()`` judges
     every rank's verdict before anything else, so the check costs no collective of its own.
+
+    ``slots``: the exchange site's slot capacity (``kjt_slots.SlotCapacity``: the same object for
+    every exchange of one site, e.g. one sharding's input dist, on every rank); None: bare headers,
+    the tensors always by a second all-to-all.
     """
 
     def __init__(
@@ -206,6 +151,7 @@ class KJTAllToAllSplitsAwaitable(Awaitable["KJTAllToAllTensorsAwaitable"]):
         splits: List[int],
         stagger: int,
         verdict=None,
+        slots: Optional[SlotCapacity] = None,
     ) -> None:
         super().__init__()
         self._pg, self._input, self._stagger = pg, input, stagger
@@ -214,29 +160,50 @@ class KJTAllToAllSplitsAwaitable(Awaitable["KJTAllToAllTensorsAwaitable"]):
         self._plan: Optional[SendPlan] = None
         self._error: Optional[Exception] = None
         self._verdict = verdict
+        self._slots = slots
+        self._tensors: Dict[str, torch.Tensor] = {}
+        self._counts: Dict[str, List[int]] = {}
         if verdict is None or not verdict.failed:  # a failed verdict sends status 1, no plan
             try:
                 self._plan = build_send_plan(input, splits, stagger, world, rank)
+                self._tensors, self._counts = _sent_tensors(input, self._plan)
             except Exception as err:  # any failure: the other ranks must still hear of it
                 if world == 1 and verdict is None:
                     raise
                 # keep going: the other ranks are entering the header exchange and would wait for this one
-                self._error = err
+                self._plan, self._error = None, err
         device = input.device() if isinstance(input, KeyedJaggedTensor) else torch.device("cpu")
         check = 0 if verdict is None or verdict.failed else verdict.code()
-        headers = header_rows(self._plan, world, device, check).view(-1)
-        width = len(HEADER)
-        self._headers, self._work = _start_all_to_all(headers, [width] * world, [width] * world, pg)
+        payload = payload_bytes(self._tensors, self._counts, world) if self._plan else [0] * world
+        headers = header_rows(self._plan, world, device, check, max(payload))
+        self._capacity = 0 if slots is None or world == 1 else slots.capacity
+        self._slot_bytes = len(HEADER) * 8 + self._capacity
+        send = pack_slots(headers, self._tensors, self._counts, payload, self._capacity, slots)
+        if world == 1:
+            self._received, self._work = send, None
+        else:
+            self._received = torch.empty(world * self._slot_bytes, dtype=torch.uint8, device=device)
+            self._work = all_to_all_single(
+                self._received, send, [self._slot_bytes] * world, [self._slot_bytes] * world, pg
+            )
 
     def _wait_impl(self) -> KJTAllToAllTensorsAwaitable:
         if self._work is not None:
             self._work.wait()
-        rows = self._headers.view(self._world, len(HEADER)).tolist()
+        # the header rows at the start of each slot (slots are multiples of 8 bytes: aligned int64)
+        rows = self._received.view(torch.int64).view(self._world, -1)[:, : len(HEADER)].tolist()
         if self._verdict is not None:  # the sharded module's input check first, as it would have run first
             error = None if self._error is None else f"{type(self._error).__name__}: {self._error}"
             flags = [self._verdict.flags_of(status, check) for status, check in status_and_check(rows)]
             self._verdict.judge(flags, self._pg if self._world > 1 else None, error)
         received = check_headers(rows, self._plan, self._error, self._pg)
+        need = largest_need(rows)
+        # some rank pair's payload did not fit its slot: every rank starts the second all-to-all, and
+        # only here does the capacity change (see kjt_slots: the same on every rank)
+        spill = need > self._capacity
+        if spill and self._slots is not None and self._world > 1:
+            self._slots.refit(need)
+        slots = (self._received, self._slot_bytes, len(HEADER) * 8, self._capacity, spill)
         return KJTAllToAllTensorsAwaitable(
             self._pg,
             self._input,
@@ -245,7 +212,24 @@ class KJTAllToAllSplitsAwaitable(Awaitable["KJTAllToAllTensorsAwaitable"]):
             received.values,
             received.batch,
             self._stagger,
+            sent=(self._tensors, self._counts),
+            slots=slots,
         )
+
+
+def _sent_tensors(
+    input: KeyedJaggedTensor, plan: SendPlan
+) -> Tuple[Dict[str, torch.Tensor], Dict[str, List[int]]]:
+    """The tensors the exchange sends (label -> tensor, in the order they are packed) and the
+    elements of each that go to each rank."""
+    tensors: Dict[str, torch.Tensor] = {"lengths": input.lengths(), "values": input.values()}
+    counts: Dict[str, List[int]] = {"lengths": plan.lengths, "values": plan.values}
+    if input.weights_or_none() is not None:
+        tensors["weights"], counts["weights"] = input.weights(), plan.values
+    if plan.variable_batch:
+        tensors["strides"] = host_list_to_device(plan.stride_per_key, input.device())
+        counts["strides"] = list(plan.splits)
+    return tensors, counts
 
 
 class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
@@ -274,6 +258,8 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         recv_values: List[int],
         batch_per_rank: List[int],
         stagger: int,
+        sent: Optional[Tuple[Dict[str, torch.Tensor], Dict[str, List[int]]]] = None,
+        slots: Optional[tuple] = None,
     ) -> None:
         super().__init__()
         world, rank = group_size(pg), group_rank(pg)
@@ -281,23 +267,34 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         self._local = plan.splits[rank]
         self.keys: List[str] = plan.keys[plan.key_bounds[rank] : plan.key_bounds[rank + 1]]
         self.stride_per_rank: Optional[List[int]] = None if plan.variable_batch else list(batch_per_rank)
-        tensors: Dict[str, torch.Tensor] = {"lengths": input.lengths(), "values": input.values()}
-        self.input_splits: Dict[str, List[int]] = {"lengths": plan.lengths, "values": plan.values}
+        tensors, counts = sent if sent is not None else _sent_tensors(input, plan)
+        self.input_splits: Dict[str, List[int]] = dict(counts)
         self.output_splits: Dict[str, List[int]] = {"lengths": recv_lengths, "values": recv_values}
-        if input.weights_or_none() is not None:
-            tensors["weights"] = input.weights()
-            self.input_splits["weights"], self.output_splits["weights"] = plan.values, recv_values
-        if plan.variable_batch:
-            tensors["strides"] = host_list_to_device(plan.stride_per_key, input.device())
-            self.input_splits["strides"] = list(plan.splits)
+        if "weights" in tensors:
+            self.output_splits["weights"] = recv_values
+        if "strides" in tensors:
             self.output_splits["strides"] = [self._local] * world
         self.labels: List[str] = list(tensors)
         # the weights' gradient path; the settings fingerprint made every rank agree on it
         self._sent_weights = tensors["weights"] if "weights" in tensors and plan.weights_grad else None
         self._pg = pg
-        # every tensor in one collective (torchrec makes one per tensor): at small batches a
-        # collective's fixed cost, not the bytes, is what the step waits for
-        self._pending = _PackedAllToAll(tensors, self.input_splits, self.output_splits, pg)
+        self._tensors = tensors
+        self._pending: Optional[SlotAllToAll] = None
+        if world > 1:
+            # ``slots``: the first all-to-all's output and its layout (KJTAllToAllSplitsAwaitable);
+            # without it, every tensor in one second collective (torchrec makes one per tensor)
+            received, slot_bytes, header_bytes, capacity, spill = slots or (None, 0, 0, 0, True)
+            self._pending = SlotAllToAll(
+                tensors,
+                self.input_splits,
+                self.output_splits,
+                pg,
+                received,
+                slot_bytes,
+                header_bytes,
+                capacity,
+                spill,
+            )
         self._device = input.device()
         self._segment_rows: Optional[List[int]] = None
         if not plan.variable_batch:
@@ -325,7 +322,8 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         return self._segment_rows
 
     def _wait_impl(self) -> KeyedJaggedTensor:
-        received = self._pending.wait()
+        # one rank: what it sends is what it receives
+        received = dict(self._tensors) if self._pending is None else self._pending.wait()
         local, world = self._local, self._world
         stride_per_key_per_rank = None
         if "strides" in received:

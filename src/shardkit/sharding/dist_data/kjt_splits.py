@@ -22,9 +22,10 @@ from shardkit.distributed.agreement import format_per_rank, gather_objects
 from shardkit.sparse import KeyedJaggedTensor
 
 # fields of one header row, in order
-# ("check": the sharded module's input verdict code carried along, ``InputVerdict.code``; else 0)
-HEADER = ("status", "keys", "settings", "lengths", "values", "batch", "num_keys", "check")
-_STATUS, _KEYS, _SETTINGS, _LENGTHS, _VALUES, _BATCH, _NUM_KEYS, _CHECK = range(len(HEADER))
+# ("check": the sharded module's input verdict code carried along, ``InputVerdict.code``; else 0;
+# "need": the sender's largest payload to any rank, in bytes, which sizes the slots: ``kjt_slots``)
+HEADER = ("status", "keys", "settings", "lengths", "values", "batch", "num_keys", "check", "need")
+_STATUS, _KEYS, _SETTINGS, _LENGTHS, _VALUES, _BATCH, _NUM_KEYS, _CHECK, _NEED = range(len(HEADER))
 VARIABLE_BATCH = -1  # the "batch" field of a KJT with a variable batch size per feature
 
 
@@ -115,16 +116,18 @@ def build_send_plan(
     )
 
 
-def header_rows(plan: Optional[SendPlan], world: int, device: torch.device, check: int = 0) -> torch.Tensor:
+def header_rows(
+    plan: Optional[SendPlan], world: int, device: torch.device, check: int = 0, need: int = 0
+) -> torch.Tensor:
     """``[world, len(HEADER)]`` int64: row ``r`` goes to rank ``r``. An invalid plan (None) sends status 1;
-    ``check`` goes in the ``check`` field."""
+    ``check`` and ``need`` go in their fields."""
     if plan is None:
         row = [1] + [0] * (len(HEADER) - 1)
         return torch.tensor([row] * world, dtype=torch.int64, device=device)
     # the same keys and settings every step: the hashes come from a small cache (by their repr)
     keys, settings = _cached_fingerprint(repr(plan.keys)), _cached_fingerprint(repr(plan.settings))
     rows = [
-        [0, keys, settings, plan.lengths[r], plan.values[r], plan.batch, plan.splits[r], check]
+        [0, keys, settings, plan.lengths[r], plan.values[r], plan.batch, plan.splits[r], check, need]
         for r in range(world)
     ]
     return torch.tensor(rows, dtype=torch.int64, device=device)
@@ -137,6 +140,12 @@ class Received:
     lengths: List[int]
     values: List[int]
     batch: List[int]
+
+
+def largest_need(rows: List[List[int]]) -> int:
+    """The largest payload any rank sends any rank (every rank receives every sender's ``need``, so
+    every rank gets the same number)."""
+    return max(row[_NEED] for row in rows)
 
 
 def status_and_check(rows: List[List[int]]) -> List[tuple]:
@@ -195,5 +204,6 @@ __all__ = [
     "check_headers",
     "fingerprint",
     "header_rows",
+    "largest_need",
     "status_and_check",
 ]
