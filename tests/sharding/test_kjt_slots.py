@@ -103,4 +103,4 @@ def test_refit_rounds_up_and_stops_at_the_limit():
     assert slots.capacity % 8 == 0 and slots.capacity >= 1250
     slots.refit(kjt_slots.LIMIT + 1)
     assert slots.capacity == 0
-    assert torch.equal(slots.zeros(24), torch.zeros(24, dtype=torch.uint8))
+    assert torch.equal(slots.zeros(24, torch.device("cpu")), torch.zeros(24, dtype=torch.uint8))

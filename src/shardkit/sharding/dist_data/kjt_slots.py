@@ -46,18 +46,21 @@ class SlotCapacity:
 
     def __init__(self) -> None:
         self.capacity = 0
-        self._zeros = torch.zeros(0, dtype=torch.uint8)
+        self._zeros: Dict[torch.device, torch.Tensor] = {}
 
     def refit(self, need: int) -> None:
         """A second all-to-all starts because some payload exceeded the capacity; ``need`` is the
         exchange's largest payload (the same number on every rank)."""
         self.capacity = 0 if need > LIMIT else (need + need // 4 + 64 + 7) // 8 * 8
 
-    def zeros(self, nbytes: int) -> torch.Tensor:
-        """``nbytes`` zero bytes (a view of one buffer, kept between steps) to fill a slot."""
-        if self._zeros.numel() < nbytes:
-            self._zeros = torch.zeros(max(nbytes, self.capacity), dtype=torch.uint8)
-        return self._zeros[:nbytes]
+    def zeros(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """``nbytes`` zero bytes on ``device`` (a view of one buffer, kept between steps) to fill a slot."""
+        zeros = self._zeros.get(device)
+        if zeros is None or zeros.numel() < nbytes:
+            zeros = self._zeros[device] = torch.zeros(
+                max(nbytes, self.capacity), dtype=torch.uint8, device=device
+            )
+        return zeros[:nbytes]
 
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -113,7 +116,7 @@ def pack_slots(
             pieces.extend(next(payloads) for _ in tensors)
             pad -= size
         if pad:
-            pieces.append(slots.zeros(pad))
+            pieces.append(slots.zeros(pad, headers.device))
     return torch.cat(pieces)
 
 
