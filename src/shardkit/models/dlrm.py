@@ -155,8 +155,19 @@ class DLRM(nn.Module):
         self.over_arch = OverArch(over_in, over_arch_layer_sizes, dense_device)
 
     def forward(self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
+        if type(self.sparse_arch).forward is not SparseArch.forward:  # a user's sparse arch: as torchrec
+            embedded_dense = self.dense_arch(dense_features)
+            return self.over_arch(self.inter_arch(embedded_dense, self.sparse_arch(sparse_features)))
+        # the collection first: a sharded one returns a LazyAwaitable, so its output all-to-all runs
+        # while the dense arch computes; and in backward (the autograd engine runs the ready node made
+        # last first) the dense arch's gradient is computed while the pooled gradient's all-to-all
+        # runs, where the dense-first order waited for it at once. Same values, bitwise.
+        sparse_arch = self.sparse_arch
+        pooled = sparse_arch.embedding_bag_collection(sparse_features)
         embedded_dense = self.dense_arch(dense_features)
-        embedded_sparse = self.sparse_arch(sparse_features)
+        embedded_sparse = _features_by_name(
+            pooled, sparse_arch._sparse_feature_names, sparse_arch.F, sparse_arch.D
+        )
         return self.over_arch(self.inter_arch(embedded_dense, embedded_sparse))
 
 
