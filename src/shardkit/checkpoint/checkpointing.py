@@ -69,7 +69,7 @@ from shardkit.checkpoint.state import (
     staging_copy,
 )
 from shardkit.distributed.agreement import gather_objects, group_rank, group_size
-from shardkit.distributed.timeouts import ENV_VAR, is_timeout, silent_ranks
+from shardkit.distributed.timeouts import ENV_VAR, is_peer_closed, is_timeout, roll_call
 from shardkit.kernels.offload.backing_store import store_of
 from shardkit.sharding.types import ShardingPlan
 
@@ -143,38 +143,51 @@ def _quiet_dcp():
         yield
 
 
-def _timed_out(err: BaseException) -> bool:
-    """Whether ``err``, its causes, or (dcp's ``CheckpointException``) a rank's failure in it is a
-    collective or store wait that timed out."""
+def _timed_out(err: BaseException) -> str:
+    """``"timeout"`` when ``err``, its causes, or (dcp's ``CheckpointException``) a rank's failure in
+    it is a collective or store wait that timed out; ``"cut off"`` when it is gloo's report of a peer
+    that closed its connections (a peer whose own wait timed out first does); else ``""``."""
     seen = set()
     todo = [err]
+    found = ""
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
         if is_timeout(e):
-            return True
+            return "timeout"
+        if is_peer_closed(e):
+            found = "cut off"
         todo += [e.__cause__, e.__context__]
         if isinstance(e, CheckpointException):
             todo += [f for f in e.failures.values() if isinstance(f, BaseException)]
-    return False
+    return found
 
 
 @contextlib.contextmanager
 def _naming_silent_ranks(what: str, path: str):
     """A timeout inside the block (a rank stalled inside reading or writing, so the others' next
-    collective timed out) becomes a ``CheckpointError`` naming the ranks that do not answer a roll
-    call (``shardkit.distributed.timeouts.silent_ranks``); other errors pass unchanged."""
+    collective timed out), or a peer closing its connections after its own timeout, becomes a
+    ``CheckpointError`` naming the ranks that do not answer a roll call
+    (``shardkit.distributed.timeouts.roll_call``); other errors pass unchanged."""
     try:
         yield
     except (Exception, CheckpointException) as err:
-        if not _timed_out(err):
+        how = _timed_out(err)
+        if not how:
             raise
-        silent = silent_ranks()
+        # a survivor cut off by a peer that timed out first holds the roll call too
+        # (shardkit.distributed.timeouts.naming_silent_ranks); one cut off by a rank that left with
+        # its own error raises its error unchanged
+        call = roll_call(stop_when_one_left=how == "cut off")
+        if how == "cut off" and call.left:
+            raise
+        silent = call.silent
         who = f"rank(s) {silent} did not answer" if silent else "every rank answered a roll call afterwards"
+        event = "a collective timed out" if how == "timeout" else "a peer closed its connections"
         raise CheckpointError(
-            f"{what} {path} failed on rank {group_rank(None)}: a collective timed out ({who}; a rank stalled "
+            f"{what} {path} failed on rank {group_rank(None)}: {event} ({who}; a rank stalled "
             f"inside the checkpoint's reads or writes, or died); the timeout is set by "
             f"init_process_group(timeout=...) or {ENV_VAR}. torch said: {str(err)[:500]}"
         ) from err

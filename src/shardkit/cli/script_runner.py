@@ -10,8 +10,8 @@ exception" abort (docs/running.md):
   step), each keeps the default group alive after ``destroy_process_group``;
 - ``SHARDKIT_TIMEOUT`` (seconds; 600 when unset) is the default timeout of the script's
   ``init_process_group`` (a script that passes ``timeout=`` keeps its own), and a collective that
-  times out is reported naming the ranks that went silent
-  (``shardkit.distributed.timeouts.naming_silent_ranks``);
+  times out (here, or on a peer that then closed its connections) is reported naming the ranks that
+  went silent (``shardkit.distributed.timeouts.naming_silent_ranks``);
 - after it: the atexit handlers run, a default group the script left is destroyed, the output is
   flushed and the process ends with ``os._exit``, skipping the interpreter's finalization, during
   which a group's gloo threads that are still alive abort the process.
@@ -70,7 +70,9 @@ def main() -> None:
     code = 0
     try:
         _default_timeout_from_env()
-        with naming_silent_ranks():
+        # leaving: a script that fails on its own marks this rank so, and the ranks its closed
+        # connections cut off raise their own error at once instead of naming it silent
+        with naming_silent_ranks(leaving=True):
             runpy.run_path(script, run_name="__main__")
     except SystemExit as err:
         code = _exit_code(err)

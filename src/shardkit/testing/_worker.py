@@ -35,6 +35,10 @@ def _reset_shardkit_state() -> None:
         state.reset_all()
 
 
+# seconds a failed task's ranks wait in the roll call that names the silent ranks; the parent gives
+# the other ranks more than this once one has failed (harness.FAILURE_GRACE_S)
+ROLL_CALL_GRACE_S = 5.0
+
 # torch modules whose collectives tests wrap (to count or fail them) besides shardkit's and the test's own
 _PATCHED_TORCH_MODULES = ("torch.distributed", "torch.distributed.distributed_c10d")
 _CONSTANT_TYPES = (bool, int, float, str, bytes)
@@ -97,7 +101,11 @@ def _raise_naming_silent_ranks(err: Exception) -> None:
     # imported on the error path only: a worker starts as fast as ``import torch``
     from shardkit.distributed.timeouts import naming_silent_ranks
 
-    with naming_silent_ranks():
+    # leaving: a rank that fails on its own is marked so in the store before it destroys its group,
+    # so the ranks that its closed connections cut off raise their own error at once instead of
+    # waiting out a roll call for it (and naming it silent); ROLL_CALL_GRACE_S < FAILURE_GRACE_S of
+    # the harness, so that a rank in a roll call reports before it would be killed
+    with naming_silent_ranks(grace_s=ROLL_CALL_GRACE_S, leaving=True):
         raise err
 
 
@@ -157,9 +165,11 @@ def _run_task_body(task: dict) -> tuple:
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=group_timeout_s))
         try:
             result = fn(*args, **kwargs)
+            # the closing barrier too: a rank that waits here for a silent one, or is cut off here by a
+            # peer that timed out in fn (gloo closes its connections), names the silent rank
+            dist.barrier()
         except Exception as err:
             _raise_naming_silent_ranks(err)
-        dist.barrier()
         reply = ("ok", rank, pickle.dumps(result))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent with its traceback
         reply = ("error", rank, traceback.format_exc())

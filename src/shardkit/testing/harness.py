@@ -22,12 +22,15 @@ import time
 from multiprocessing.connection import wait
 from typing import Any, Callable, Mapping, Optional
 
-from shardkit.testing._worker import worker_main
+from shardkit.testing._worker import ROLL_CALL_GRACE_S, worker_main
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("SHARDKIT_TEST_TIMEOUT", "120"))
-# After one rank fails, how long the others get to finish (they usually fail fast because the failed
-# rank closes its connections) before they are killed.
-FAILURE_GRACE_S = 5.0
+# After one rank fails, how long the others get to finish before they are killed. They usually fail
+# fast (the failed rank closes its connections), but a rank cut off by a peer's timeout first holds a
+# roll call (ROLL_CALL_GRACE_S) to name the silent rank, and may start it seconds after the first
+# failure (the first failed rank's own roll call, of the test's grace, ended before it closed its
+# connections): it must report, not be killed in it.
+FAILURE_GRACE_S = ROLL_CALL_GRACE_S + 5.0
 
 
 # How long new workers get to start (spawn, import torch) before the pool gives up on them. A task's
@@ -46,7 +49,8 @@ _TIMED_OUT = "did not finish within the"
 # the fraction of a task's timeout after which its workers write every thread's stack (faulthandler):
 # before the parent kills a worker that hangs, so that the test's error shows where it hung
 STACKS_AT_FRACTION = 0.9
-_PEER_CLOSED = "Connection closed by peer"
+# gloo's words for a connection its peer closed ("Read error ...: Connection reset by peer" too)
+_PEER_CLOSED = ("Connection closed by peer", "Connection reset by peer")
 # Exit code of a worker that found run_world called while it imported the user's script (no
 # ``if __name__ == "__main__":`` guard); the parent turns it into one line instead of N tracebacks.
 NO_MAIN_GUARD_EXIT = 87
@@ -77,7 +81,8 @@ def _connection_set_up_failures(errors: Mapping[int, str]) -> list[int]:
     consequences = [
         r
         for r, body in errors.items()
-        if r not in set_up and (body.startswith(_KILLED_AFTER_FAILURE) or _PEER_CLOSED in body)
+        if r not in set_up
+        and (body.startswith(_KILLED_AFTER_FAILURE) or any(w in body for w in _PEER_CLOSED))
     ]
     return set_up if len(set_up) + len(consequences) == len(errors) else []
 
