@@ -38,6 +38,13 @@ time one more step of each and pick one step count for both (about ``--round-s``
 least 1 step), then alternate the libraries for ``--rounds`` rounds (fewer, down to 2, where one step is
 longer than a round: the timed part of a row stays near ``rounds x round-s`` per library). Many short
 rounds, best of each, because on a shared machine a load spike then costs one round, not the row.
+Every library gets at least ``--min-steps`` (6) timed steps a row, as more rounds
+(:func:`schedule`): a row whose step is as long as a round (row 41, b2048 x 256 tables, ~1 s a step
+idle, several s loaded) got 2 rounds of 1 step, and its best-of-2 single steps read 0.73x in one run
+and 1.84x in the next; at 6 single-step rounds a load spike or a slow step costs one of six. Only the
+rows whose step is longer than about ``rounds x round-s / min-steps`` take longer: with the twelfth
+session's idle step times, 5 of the 45 rows at the defaults (timed part of the sweep 248 -> 290 s) and
+9 at ``--rounds 4 --round-s 0.25`` (96 -> 154 s).
 Reported: the best round's steps per second (slowest rank), the least main-thread CPU ms per step
 (busiest rank) over the rounds, and the ratios shardkit/torchrec of both (> 1: shardkit is faster).
 """
@@ -79,13 +86,16 @@ DEFAULT_BUDGET = 2**27
 SETUP_S = 8.0
 STEP_S = 0.005
 OUTPUT_BYTES_PER_S = 60e6
+# timed steps per library and row, at least (see schedule)
+MIN_STEPS = 6
 
 
-def expected_seconds(config: Dict[str, Any], rounds: int, round_s: float, warmup: int) -> float:
+def expected_seconds(
+    config: Dict[str, Any], rounds: int, round_s: float, warmup: int, min_steps: int = MIN_STEPS
+) -> float:
     """Rough seconds one row takes (see SETUP_S)."""
     step = STEP_S + 4 * config["batch"] * config["tables"] * config["dim"] / OUTPUT_BYTES_PER_S
-    iters = min(200, max(1, round(round_s / step)))
-    rounds = max(2, min(rounds, int(rounds * round_s / (iters * step))))
+    iters, rounds = schedule(step, rounds, round_s, min_steps)
     return SETUP_S + 2 * step * (warmup + 1 + rounds * iters)
 
 
@@ -130,7 +140,22 @@ def grid(quick: bool = False) -> List[Dict[str, Any]]:
     return rows
 
 
-def sweep_worker(config: Dict[str, Any], rounds: int, round_s: float, warmup: int) -> Dict[str, Any]:
+def schedule(probe: float, rounds: int, round_s: float, min_steps: int = MIN_STEPS) -> tuple:
+    """``(iters, rounds)``: steps per round and rounds per library for a row whose step took ``probe`` s.
+
+    About ``round_s`` seconds per round (1 to 200 steps); a row whose step is longer than a round gets
+    fewer rounds (at least 2), not a longer run, except that every library runs at least ``min_steps``
+    timed steps (``ceil(min_steps / iters)`` rounds): with 1-2 steps a round, best-of-2 single steps
+    read one load spike or one slow step as the row's result (row 41 read 0.73x, then 1.84x).
+    """
+    iters = int(min(200, max(1, round(round_s / probe))))
+    by_time = max(2, min(rounds, int(rounds * round_s / (iters * probe))))
+    return iters, max(by_time, math.ceil(min_steps / iters))
+
+
+def sweep_worker(
+    config: Dict[str, Any], rounds: int, round_s: float, warmup: int, min_steps: int = MIN_STEPS
+) -> Dict[str, Any]:
     """One row on this rank: both libraries' models, warm-up, a common step count, alternating rounds."""
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
@@ -146,9 +171,7 @@ def sweep_worker(config: Dict[str, Any], rounds: int, round_s: float, warmup: in
         for i in range(warmup):
             steps[lib](i)
     probe = max(timed(steps[lib], 1)[0] for lib in steps)  # one more untimed step each
-    iters = int(min(200, max(1, round(round_s / probe))))
-    # a row whose step is longer than a round gets fewer rounds (at least 2), not a longer run
-    rounds = max(2, min(rounds, int(rounds * round_s / (iters * probe))))
+    iters, rounds = schedule(probe, rounds, round_s, min_steps)
     best: Dict[str, List[float]] = {lib: [math.inf, math.inf] for lib in steps}
     for r in range(rounds):
         for lib in ("torchrec", "shardkit") if r % 2 == 0 else ("shardkit", "torchrec"):
@@ -183,6 +206,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     )
     parser.add_argument("--round-s", type=float, default=None, help="seconds per round (0.5; quick 0.25)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per library (+1 probe)")
+    parser.add_argument(
+        "--min-steps",
+        type=int,
+        default=MIN_STEPS,
+        help=f"timed steps per library and row, at least (more rounds for long steps; {MIN_STEPS})",
+    )
     parser.add_argument("--only", nargs="+", type=int, help="run only these row numbers (1-based)")
     parser.add_argument(
         "--dp-kernel",
@@ -207,7 +236,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     numbered = list(enumerate(configs, 1))
     if parsed.only:
         numbered = [(n, c) for n, c in numbered if n in parsed.only]
-    expected = sum(expected_seconds(c, parsed.rounds, round_s, parsed.warmup) for _, c in numbered)
+    if parsed.min_steps < 1:
+        parser.error(f"--min-steps must be >= 1, got {parsed.min_steps}")
+    expected = sum(
+        expected_seconds(c, parsed.rounds, round_s, parsed.warmup, parsed.min_steps) for _, c in numbered
+    )
     print(
         f"vs_torchrec_sweep: {len(numbered)} rows, expected ~{expected / 60:.1f} min on an idle 2-core "
         f"machine (more when loaded); {parsed.rounds} alternating rounds of ~{round_s} s per library",
@@ -220,7 +253,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         row: Dict[str, Any] = {"name": label(config), "row": n, **{k: v for k, v in config.items()}}
         row["table_rows"] = f"{min(config['table_rows'])}..{max(config['table_rows'])}"
         try:
-            got = run_world(worker, 2, config, parsed.rounds, round_s, parsed.warmup, timeout=900)[0]
+            got = run_world(
+                worker, 2, config, parsed.rounds, round_s, parsed.warmup, parsed.min_steps, timeout=900
+            )[0]
         except WorldError as err:
             print(err, file=sys.stderr)  # every rank's traceback
             row["error"] = [line for line in str(err).splitlines() if line.strip()][-1].strip()
@@ -254,6 +289,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         "rounds": parsed.rounds,
         "round_s": round_s,
         "warmup": parsed.warmup,
+        "min_steps": parsed.min_steps,
         "world": 2,
         "backend": "gloo",
         "threads_per_rank": 1,

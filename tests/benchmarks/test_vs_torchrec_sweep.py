@@ -13,6 +13,7 @@ from benchmarks.vs_torchrec_sweep import (
     TABLE_COUNTS,
     TYPES,
     grid,
+    schedule,
 )
 
 from shardkit.cli.bench import QUICK_ARGS
@@ -54,3 +55,17 @@ def test_batches_draw_each_feature_s_ids_within_its_own_table():
         per_key = values.split(lengths.view(3, 5).sum(1).tolist())
         for ids, rows in zip(per_key, args["table_rows"]):
             assert ids.dtype == torch.int64 and int(ids.min()) >= 0 and int(ids.max()) < rows
+
+
+def test_every_library_runs_at_least_min_steps_timed_steps_and_short_steps_keep_the_time_budget():
+    # a step as long as a round: 1 step a round, as many rounds as min_steps asks (was 2 rounds)
+    assert schedule(1.27, rounds=6, round_s=0.5, min_steps=6) == (1, 6)
+    assert schedule(2.45, rounds=6, round_s=0.5, min_steps=6) == (1, 6)
+    assert schedule(0.2, rounds=4, round_s=0.25, min_steps=5) == (1, 5)
+    # short steps: the rounds asked for, about round_s each, min_steps already met
+    assert schedule(0.005, rounds=6, round_s=0.5, min_steps=6) == (100, 6)
+    assert schedule(0.001, rounds=4, round_s=0.5, min_steps=6) == (200, 4)
+    for probe in (0.001, 0.01, 0.07, 0.3, 0.9, 4.0):
+        iters, rounds = schedule(probe, rounds=6, round_s=0.5, min_steps=6)
+        assert iters >= 1 and rounds >= 2 and iters * rounds >= 6
+        assert iters * probe * rounds <= max(6 * 0.5 * 1.5, 6 * probe)  # near the budget, or min_steps
