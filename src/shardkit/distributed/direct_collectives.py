@@ -5,7 +5,9 @@ an exception logger: about ten Python calls before the ``ProcessGroup`` method i
 exchanges of the comm ops and the KJT all-to-all build their arguments themselves (flat contiguous
 tensors of one dtype, int split sizes, a group object), and a training step at small batches starts
 four of them, so they call the method directly. Anything else (no group object, a tensor subclass,
-a torch.compile trace, a torch without the method) goes through torch's function.
+a torch.compile trace, a torch without the method) goes through torch's function. With
+``SHARDKIT_SHM_EXCHANGE=1``, CPU exchanges of a gloo group whose ranks share one host go through
+shared memory instead (:mod:`shardkit.distributed.shm_exchange`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+
+from shardkit.distributed import shm_exchange
 
 ProcessGroup = dist.ProcessGroup
 _METHOD = getattr(ProcessGroup, "all_to_all_single", None)
@@ -30,6 +34,17 @@ def _options(async_op: bool) -> dist.AllToAllOptions:
         opts = _OPTIONS[async_op] = dist.AllToAllOptions()
         opts.asyncOp = async_op
     return opts
+
+
+def _split_bytes(tensor: torch.Tensor, splits: List[int], world: int) -> List[int]:
+    """Bytes per rank of ``splits`` (rows of dim 0; empty: dim 0 divided evenly, as torch's)."""
+    rows = tensor.shape[0] if tensor.dim() else 1
+    row_bytes = tensor.element_size() * (tensor.numel() // rows if rows else 0)
+    if not splits:
+        if rows % world:
+            raise ValueError(f"all_to_all_single: {rows} rows do not split evenly over {world} ranks")
+        splits = [rows // world] * world
+    return [n * row_bytes for n in splits]
 
 
 def all_to_all_single(
@@ -55,6 +70,16 @@ def all_to_all_single(
         return dist.all_to_all_single(
             output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
         )
+    if shm_exchange.shm_exchange_enabled() and input.device.type == "cpu" and output.device.type == "cpu":
+        exchange = shm_exchange.exchange_for(group)
+        if exchange is not None:  # one host, gloo: through shared memory, complete on return
+            exchange.all_to_all(
+                output.reshape(-1).view(torch.uint8),
+                input.reshape(-1).view(torch.uint8),
+                _split_bytes(output, output_split_sizes, exchange.world),
+                _split_bytes(input, input_split_sizes, exchange.world),
+            )
+            return shm_exchange.DONE if async_op else None
     opts = _OPTIONS.get(async_op) or _options(async_op)  # made on the first call only
     work = group.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
     if async_op:

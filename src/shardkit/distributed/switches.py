@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Sequence
 
 from shardkit.distributed.comm_ops.request import get_gradient_division
+from shardkit.distributed.shm_exchange import shm_exchange_enabled
 from shardkit.distributed.validation import validation_enabled
 
 # switches defined in higher layers (e.g. shardkit.sharding's set_ec_index_dedup), registered when
@@ -31,6 +32,7 @@ def result_switches() -> Dict[str, bool]:
     return {
         "validation (set_validation / SHARDKIT_VALIDATE)": validation_enabled(),
         "gradient division (set_gradient_division)": get_gradient_division(),
+        "shared-memory exchange (set_shm_exchange / SHARDKIT_SHM_EXCHANGE)": shm_exchange_enabled(),
         **{name: bool(getter()) for name, getter in _REGISTERED.items()},
     }
 

@@ -1,0 +1,167 @@
+"""The shared-memory all-to-all gives gloo's bytes exactly, through growth, uneven and empty splits, on
+subgroups, 2-D tensors, and leaves no file behind; the sharded training step is bitwise the same."""
+
+from __future__ import annotations
+
+import glob
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardkit.distributed import shm_exchange
+from shardkit.distributed.direct_collectives import all_to_all_single
+from shardkit.distributed.switches import result_switches
+from shardkit.testing import run_world
+
+
+def _both(send, recv_splits, send_splits, group, dtype):
+    """(shared-memory result, gloo's result) of one exchange."""
+    rows = sum(recv_splits)
+    shape = (rows, *send.shape[1:])
+    shm_exchange.set_shm_exchange(True)
+    try:
+        got = torch.empty(shape, dtype=dtype)
+        work = all_to_all_single(got, send, recv_splits, send_splits, group, async_op=True)
+        assert work.wait() and work.is_completed()
+    finally:
+        shm_exchange.set_shm_exchange(False)
+    ref = torch.empty(shape, dtype=dtype)
+    all_to_all_single(ref, send, recv_splits, send_splits, group, async_op=False)
+    return got, ref
+
+
+def _exchanges(seed: int) -> list:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(seed)
+    # every rank draws the same split matrix: splits[s][d] rows from s to d (zeros included)
+    mismatches = []
+    groups = [dist.group.WORLD, dist.new_group(list(range(1, world)))]
+    for size_scale in (1, 3000, 10, 200_000, 7):  # growth past the 1 MiB first file, then smaller
+        for group in groups:
+            members = list(range(world)) if group is dist.group.WORLD else list(range(1, world))
+            w = len(members)
+            splits = torch.randint(0, 4, (w, w), generator=gen) * size_scale  # drawn on every rank
+            if rank not in members:
+                continue
+            me = members.index(rank)
+            splits[0, 1] = 0  # a pair that sends nothing
+            for dtype, cols in ((torch.float32, 1), (torch.int64, 3), (torch.uint8, 1)):
+                send_splits, recv_splits = splits[me].tolist(), splits[:, me].tolist()
+                shape = (sum(send_splits), cols) if cols > 1 else (sum(send_splits),)
+                send = (torch.randn(shape) * 100).to(dtype) + rank
+                got, ref = _both(send, recv_splits, send_splits, group, dtype)
+                if not torch.equal(got.view(torch.uint8), ref.view(torch.uint8)):
+                    mismatches.append((size_scale, dtype, me))
+    shm_exchange.close_all()
+    dist.barrier()
+    return mismatches
+
+
+def test_shared_memory_all_to_all_equals_gloo_bytes_and_leaves_no_file():
+    before = set(glob.glob("/dev/shm/shardkit-x-*"))
+    assert run_world(_exchanges, 3, 7) == [[], [], []]
+    assert set(glob.glob("/dev/shm/shardkit-x-*")) <= before
+
+
+def _bad_env() -> str:
+    shm_exchange._enabled = None
+    try:
+        shm_exchange.shm_exchange_enabled()
+    except ValueError as err:
+        return str(err)
+    finally:
+        shm_exchange._enabled = None
+    return ""
+
+
+def test_a_bad_setting_is_an_error_naming_it(monkeypatch):
+    monkeypatch.setenv("SHARDKIT_SHM_EXCHANGE", "yes")
+    message = _bad_env()
+    assert "SHARDKIT_SHM_EXCHANGE='yes'" in message and "0 or 1" in message
+
+
+def test_the_switch_is_one_the_ranks_must_agree_on():
+    shm_exchange.set_shm_exchange(True)
+    try:
+        assert result_switches()["shared-memory exchange (set_shm_exchange / SHARDKIT_SHM_EXCHANGE)"]
+    finally:
+        shm_exchange.set_shm_exchange(False)
+
+
+class _Wrapper(torch.nn.Module):
+    def __init__(self, ebc: torch.nn.Module) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, features):
+        return self.ebc(features)
+
+
+def _sharded_steps(kind: str, enabled: bool) -> dict:
+    from shardkit.distributed.sharding_env import ShardingEnv
+    from shardkit.model_parallel import DistributedModelParallel
+    from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig
+    from shardkit.sharding import sharding_plan as plans
+    from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
+    from shardkit.sharding.sharding_plan import construct_module_sharding_plan
+    from shardkit.sharding.types import ShardingPlan
+    from shardkit.sparse import KeyedJaggedTensor
+
+    shm_exchange.set_shm_exchange(enabled)
+    try:
+        torch.manual_seed(0)
+        rows = [300, 5000, 70, 20000]
+        configs = [
+            EmbeddingBagConfig(n, 16, name=f"t{i}", feature_names=[f"f{i}"]) for i, n in enumerate(rows)
+        ]
+        module = EmbeddingBagCollection(configs, fused_optimizer=FusedOptimizerConfig("ADAGRAD", lr=0.1))
+        make = {
+            "table_wise": lambda i: plans.table_wise(rank=i % 2),
+            "row_wise": lambda i: plans.row_wise(),
+            "column_wise": lambda i: plans.column_wise(ranks=[0, 1]),
+        }[kind]
+        plan = construct_module_sharding_plan(
+            module, {f"t{i}": make(i) for i in range(4)}, world_size=2, local_size=2
+        )
+        model = DistributedModelParallel(
+            _Wrapper(module),
+            env=ShardingEnv.from_process_group(dist.group.WORLD),
+            device=torch.device("cpu"),
+            plan=ShardingPlan({"ebc": plan}),
+            sharders=[EmbeddingBagCollectionSharder()],
+        )
+        gen = torch.Generator().manual_seed(10 + dist.get_rank())
+        outs = []
+        for _ in range(3):
+            lengths = torch.randint(0, 5, (4 * 64,), generator=gen)
+            limit = torch.tensor(rows).repeat_interleave(64).repeat_interleave(lengths)
+            values = (torch.rand(limit.numel(), generator=gen) * limit).long()
+            kjt = KeyedJaggedTensor([f"f{i}" for i in range(4)], values, lengths=lengths)
+            out = model(kjt)
+            pooled = out.wait() if hasattr(out, "wait") else out
+            pooled.values().pow(2).sum().backward()
+            outs.append(pooled.values().detach().clone())
+        state = {k: v for k, v in model.state_dict().items()}
+        weights = []
+        for key in sorted(state):
+            value = state[key]
+            if hasattr(value, "local_shards"):
+                weights += [s.tensor.clone() for s in value.local_shards()]
+            elif isinstance(value, torch.Tensor):
+                weights.append(value.clone())
+        calls = sum(e._calls for e in shm_exchange._EXCHANGES.values() if e is not None)
+        return {"outs": outs, "weights": weights, "shm_calls": calls}
+    finally:
+        shm_exchange.set_shm_exchange(False)
+        shm_exchange.close_all()
+
+
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "column_wise"])
+def test_a_sharded_training_step_is_bitwise_the_same_through_shared_memory(kind):
+    on, off = run_world(_sharded_steps, 2, kind, True), run_world(_sharded_steps, 2, kind, False)
+    for a, b in zip(on, off):
+        assert a["shm_calls"] >= 3 * 3 and b["shm_calls"] == 0  # input, output, gradient exchanges
+        assert len(a["weights"]) == len(b["weights"]) > 0
+        assert all(torch.equal(x, y) for x, y in zip(a["outs"], b["outs"]))
+        assert all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"]))
