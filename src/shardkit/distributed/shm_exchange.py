@@ -34,6 +34,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from shardkit.distributed.state import register_reset
+
 ENV = "SHARDKIT_SHM_EXCHANGE"
 _enabled: Optional[bool] = None
 
@@ -215,6 +217,14 @@ def close_all() -> None:
     _EXCHANGES.clear()
 
 
+def _reset() -> None:
+    """Back to the environment's setting, every exchange closed (``state.reset_all``)."""
+    global _enabled
+    close_all()
+    _enabled = None
+
+
+register_reset("shm_exchange", _reset)
 atexit.register(close_all)  # files made in the last call are otherwise unlinked at the next one
 
 
