@@ -102,7 +102,9 @@ def install_timers() -> None:
         _reset()
         return
     method = dist.ProcessGroup.all_to_all_single
-    _ORIGINALS[dist.ProcessGroup] = {"all_to_all_single": method}
+    # the class's own entry (pybind's instancemethod) is what goes back: the attribute read above is
+    # a plain builtin that a group would no longer be bound to (its calls would lose ``self``)
+    _ORIGINALS[dist.ProcessGroup] = {"all_to_all_single": vars(dist.ProcessGroup)["all_to_all_single"]}
     _ORIGINALS[dist] = {name: getattr(dist, name) for name in _OTHERS}
 
     def group_all_to_all(group, output, input, output_splits, input_splits, opts):

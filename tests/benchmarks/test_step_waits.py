@@ -46,11 +46,17 @@ def test_timed_collectives_give_the_same_results_and_count_every_exchange(run_wo
 
 
 def _restored():
-    original = dist.ProcessGroup.all_to_all_single
+    original = vars(dist.ProcessGroup)["all_to_all_single"]
     step_waits.install_timers()
     wrapped = dist.ProcessGroup.all_to_all_single
     step_waits.uninstall_timers()
-    return wrapped is not original and dist.ProcessGroup.all_to_all_single is original
+    # the group's method must still bind the group: a call through it works after the timers are gone
+    world = dist.get_world_size()
+    recv = torch.empty(world)
+    opts = dist.AllToAllOptions()
+    dist.group.WORLD.all_to_all_single(recv, torch.full((world,), 1.0), [1] * world, [1] * world, opts).wait()
+    restored = vars(dist.ProcessGroup)["all_to_all_single"] is original
+    return wrapped is not original and restored and torch.equal(recv, torch.ones(world))
 
 
 def test_uninstall_puts_the_group_method_back(run_world):

@@ -161,7 +161,9 @@ def _sharded_steps(kind: str, enabled: bool) -> dict:
 def test_a_sharded_training_step_is_bitwise_the_same_through_shared_memory(kind):
     on, off = run_world(_sharded_steps, 2, kind, True), run_world(_sharded_steps, 2, kind, False)
     for a, b in zip(on, off):
-        assert a["shm_calls"] >= 3 * 3 and b["shm_calls"] == 0  # input, output, gradient exchanges
+        # each of the 3 steps exchanges its input and its output through shared memory (table-wise and
+        # column-wise their gradients too; row-wise's travel in an all-gather)
+        assert a["shm_calls"] >= 2 * 3 and b["shm_calls"] == 0
         assert len(a["weights"]) == len(b["weights"]) > 0
         assert all(torch.equal(x, y) for x, y in zip(a["outs"], b["outs"]))
         assert all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"]))
