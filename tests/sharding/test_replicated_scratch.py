@@ -38,8 +38,8 @@ def _train_worker(rows, dim, steps, limit):
     rank, world = dist.get_rank(), dist.get_world_size()
     reference, sharded = reference_and_replica(rows, dim, OptimType.ROWWISE_ADAGRAD)
     sorted_calls, targets = [], []
-    touched_grad = fused._touched_grad
-    fused._touched_grad = lambda *a: sorted_calls.append(1) or touched_grad(*a)
+    sorted_rows = fused._sorted_rows
+    fused._sorted_rows = lambda *a: sorted_calls.append(1) or sorted_rows(*a)
     # the rows of every buffer this rank's gradient is summed into (the sorted way, the scatter)
     accumulate, scatter = fused._accumulate, fused.grad_scatter
     fused._accumulate = lambda buffer, *a, **k: targets.append(buffer.size(0)) or accumulate(buffer, *a, **k)
@@ -86,6 +86,24 @@ def test_sparse_exchange_trains_like_the_unsharded_module(world, dim, limit):
         assert not dense_buffer  # every step took the sparse way: no table-sized buffer was made
     for got, *_ in results[1:]:
         assert torch.equal(got, results[0][0]), "the replicas differ"
+
+
+@pytest.mark.parametrize("world, dim", [(2, 128), (3, 5)], ids=["2ranks-dim128", "3ranks-dim5"])
+def test_the_sorted_way_trains_bitwise_like_the_scratch_way(world, dim):
+    """Both ways gather into the kept wire buffer and step the gathered rows in rank order: the same
+    tables bit for bit (and, on 2 ranks, where the division by the world is exact, the unsharded
+    module's)."""
+    import torch
+
+    from shardkit.testing import run_world
+
+    sorted_way = run_world(_train_worker, world, 64, dim, 6, 0)
+    scratch_way = run_world(_train_worker, world, 64, dim, 6, None)
+    assert [r[2] for r in sorted_way] == [6] * world and [r[2] for r in scratch_way] == [0] * world
+    for (got, want, *_), (other, *_) in zip(sorted_way, scratch_way):
+        assert torch.equal(got, other)
+        if world == 2:
+            assert torch.equal(got, want)
 
 
 def _blocks_worker():

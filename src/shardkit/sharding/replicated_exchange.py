@@ -17,7 +17,9 @@ alike, so all take the same way):
   rank gather again), one fused backward
   steps every gathered row reading the gradients where they landed (no concatenation of gradients)
   and the wire buffer is reused (a fresh buffer of that size costs page faults every step); a
-  larger table sorts its touched rows and gathers them in fresh buffers (:func:`rows_of_all_ranks`);
+  larger table sorts its touched rows (``torch.unique``) and exchanges them the same way, in the
+  same kept wire buffer (:func:`rows_of_all_ranks`, fresh buffers, serves only the backward that
+  also gives the per-sample weights' gradient);
 - dense (:class:`DenseRowExchange`): one all-reduce of a reused fp32 buffer holding the table's
   gradient ``[rows, dim]``, a touched flag per row and each rank's count (``rows x (dim + 1) +
   world`` words), the counts telling the next backward which way to take without a counts gather.
@@ -40,6 +42,12 @@ from shardkit.kernels.row_optimizer import RowOptimizerArgs
 # position: 9 bytes a row) for tables whose dense exchange buffer would be at most this big; a larger table
 # sorts its touched rows instead
 SCRATCH_LIMIT_BYTES = 256 << 20
+
+
+# the kept wire buffer is made again (smaller) when a gather needs less than 1 / WIRE_SHRINK of it:
+# kept across the small swings of the touched rows (gather_bound's slack is 1/16), given back after
+# a lasting drop (a smaller batch)
+WIRE_SHRINK = 4
 
 
 def uses_scratch(num_rows: int, dim: int, world: int) -> bool:
@@ -130,8 +138,9 @@ class DenseRowExchange:
         # what of the buffer is zero: the flags and counts (the tail), the gradient rows
         self._tail_clean = self._grad_clean = True
         # the sparse way's kept scratch (touched_rows): all False between backwards
-        self.marks = torch.zeros(num_rows, dtype=torch.bool, device=device)
-        # the sparse way's gather: every rank's block, this rank's written in place (grown, never shrunk)
+        self.marks: Optional[torch.Tensor] = None  # made by touched() (a sorting table never holds it)
+        # the sparse way's gather: every rank's block, this rank's written in place (grown when too
+        # small, made again when over WIRE_SHRINK times what a gather needs)
         self._wire = torch.empty(0, dtype=torch.int32, device=device)
         self._gathered = (0, 0, 0)  # the last gather's (head, slots, width)
         self.position: Optional[torch.Tensor] = None  # buffer row -> its index among the touched rows
@@ -167,6 +176,7 @@ class DenseRowExchange:
         """The sparse way's distinct sorted touched buffer rows (int64 ``[U]``) of the lookup's ids,
         read off the kept marks (no sort); :attr:`position` maps each to its index among them."""
         if self.position is None:
+            self.marks = torch.zeros(self.num_rows, dtype=torch.bool, device=self.device)
             self.position = torch.empty(self.num_rows, dtype=torch.int64, device=self.device)
         return touched_rows(self.marks, self.position, ids, offsets, bag_shift)
 
@@ -207,7 +217,7 @@ class DenseRowExchange:
         head += (head + most) * dim % 2  # an even block: int64 words at 8-byte boundaries
         slots = head + most
         width = slots * dim
-        if self._wire.numel() < world * width:
+        if not world * width <= self._wire.numel() <= WIRE_SHRINK * world * width:
             self._wire = torch.empty(world * width, dtype=torch.int32, device=rows.device)
         got = self._wire[: world * width]
         me = dist.get_rank(group)
@@ -270,6 +280,7 @@ __all__ = [
     "DenseRowExchange",
     "all_gather_blocks",
     "SCRATCH_LIMIT_BYTES",
+    "WIRE_SHRINK",
     "gather_bound",
     "gather_counts",
     "prefers_dense",

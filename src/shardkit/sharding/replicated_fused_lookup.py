@@ -6,11 +6,11 @@ With the FUSED kernel (a collection that asks for a fused optimizer: its own, an
 the sharder's ``fused_params``) this module's backward
 
 1. computes this rank's gradient of the rows its ids touched (the gradient divided by the world
-   size while ``get_gradient_division()``, as the other shardings' output dists divide theirs): in
-   a table's kept exchange buffer by a scatter in id order with no sort of the ids
-   (:mod:`shardkit.kernels.replica_grad`: each row's sum is the fused backward's), or, for a table
-   too large for that buffer, with the kernel backend's fused backward (an SGD step into a zeroed
-   fp32 buffer of its sorted touched rows);
+   size while ``get_gradient_division()``, as the other shardings' output dists divide theirs),
+   straight into its block of the exchange's kept wire buffer: by a scatter in id order with no sort
+   of the ids (:mod:`shardkit.kernels.replica_grad`: each row's sum is the fused backward's), or, for
+   a table too large for the kept per-row marks, with the kernel backend's fused backward (an SGD
+   step into the zeroed block of its sorted touched rows);
 2. exchanges the ranks' row gradients (:mod:`shardkit.sharding.replicated_exchange`): every rank's
    touched rows and gradients by all-gather, or, when most rows are touched, one all-reduce of the
    dense gradient with touched flags and the ranks' counts, in a buffer reused across backwards;
@@ -97,11 +97,9 @@ class _ReplicatedFusedFn(torch.autograd.Function):
             _scatter_dense(exchange, args, world, dist.get_rank(lookup.process_group))
             lookup.step_replicas(exchange, weight, step)
             return (None,) * 9
-        elif uses_scratch(weight.size(0), weight.size(1), world):
-            _sparse_in_scratch(lookup, weight, args, world, step)
-            return (None,) * 9
         else:
-            rows, grad = _touched_grad(*args, weight.size(1), world)
+            _sparse_exchange(lookup, weight, args, world, step)
+            return (None,) * 9
         counts = gather_counts(rows.numel(), rows.device, lookup.process_group, world)
         if prefers_dense(counts, weight.size(0), weight.size(1)):
             exchange = lookup.dense_exchange(weight)
@@ -118,26 +116,42 @@ class _ReplicatedFusedFn(torch.autograd.Function):
         return None, None if psw_grad is None else psw_grad.to(weights.dtype), *([None] * 7)
 
 
-def _sparse_in_scratch(lookup, weight, args, world, step) -> None:
-    """The backward of a table that :func:`uses_scratch`: this rank's touched rows read off the kept
-    exchange's marks (sorted, with no sort of the ids, :func:`touched_rows`), then one all-gather of
-    every rank's count, rows and gradient rows sized by the last exchange's counts
-    (:func:`gather_bound`; the first backward gathers the counts first, and a rank touching more rows
-    than that makes every rank gather again, sized to fit), this rank's rows' gradient scattered
-    straight into its block of the wire buffer (each id's target: its row's position among the
-    touched rows, :func:`grad_scatter`), and the fused step of the gathered rows; or, when the counts
-    say most rows are touched, the gradient scattered into the dense buffer and the dense all-reduce."""
+def _sparse_exchange(lookup, weight, args, world, step) -> None:
+    """The sparse backward (no per-sample weights' gradient): this rank's distinct sorted touched
+    rows, then one all-gather of every rank's count, rows and gradient rows in the kept wire buffer
+    sized by the last exchange's counts (:func:`gather_bound`; the first backward gathers the counts
+    first, and a rank touching more rows than that makes every rank gather again, sized to fit), this
+    rank's rows' gradient written straight into its block of that buffer, and one fused step of the
+    gathered rows reading them in place (:meth:`DenseRowExchange.step_gathered`); or, when the counts
+    say most rows are touched, the gradient scattered into the dense buffer and the dense all-reduce.
+
+    The touched rows: for a table that :func:`uses_scratch`, read off the kept exchange's marks (no
+    sort of the ids, :func:`touched_rows`) with each id's target its row's position among them
+    (:func:`grad_scatter`); for a larger one (whose 9 bytes a row of marks and positions are not
+    kept), sorted by ``torch.unique`` and the gradient summed by the fused backward over the
+    renumbered ids (:func:`_accumulate`). Either way no buffer of the touched rows' size is made
+    per step: a fresh one over glibc's mmap threshold (32 MiB) costs page faults every step."""
     ids, offsets, bag_shift, weights, bag_scale, grad_out, pooled, batch_major = args
     exchange = lookup.dense_exchange(weight)
-    rows = exchange.touched(ids, offsets, bag_shift)
+    if uses_scratch(weight.size(0), weight.size(1), world):
+        rows = exchange.touched(ids, offsets, bag_shift)
 
-    def fill(out: torch.Tensor) -> None:
-        seen = torch.zeros(out.size(0), dtype=torch.float32, device=out.device)
-        factor, exact = _scale_and_lr(world)
-        kernel_args = (ids, offsets, bag_shift, weights, bag_scale, grad_out, pooled, batch_major)
-        grad_scatter(out, seen, *kernel_args, factor if exact else 1.0, exchange.position, weight.size(0))
-        if not exact:
-            out.div_(world)  # before the sum over the ranks, as the other shardings divide
+        def fill(out: torch.Tensor) -> None:
+            seen = torch.zeros(out.size(0), dtype=torch.float32, device=out.device)
+            factor, exact = _scale_and_lr(world)
+            kernel_args = (ids, offsets, bag_shift, weights, bag_scale, grad_out, pooled, batch_major)
+            grad_scatter(out, seen, *kernel_args, factor if exact else 1.0, exchange.position, weight.size(0))
+            if not exact:
+                out.div_(world)  # before the sum over the ranks, as the other shardings divide
+
+    else:
+        rows, local_ids = _sorted_rows(ids, offsets, bag_shift)
+
+        def fill(out: torch.Tensor) -> None:
+            out.zero_()  # the wire buffer's pages are kept: a memset, no page faults
+            _accumulate(
+                out, local_ids, offsets, None, weights, bag_scale, grad_out, pooled, batch_major, world
+            )
 
     most = lookup.next_gather_rows
     if most is None:  # no exchange yet: the counts first (they may say dense)
@@ -195,24 +209,20 @@ def _accumulate(
     return exact or divide
 
 
-def _touched_grad(ids, offsets, bag_shift, weights, bag_scale, grad_out, pooled, batch_major, dim, world):
-    """This rank's distinct sorted touched buffer rows (int64 ``[U]``) and their gradient (fp32
-    ``[U, D]``, already divided, :func:`_scale_and_lr`), with ids renumbered into the touched rows so
-    nothing of the size of the table is made."""
-    touched, local_ids = torch.unique(
-        embedding_torch.buffer_rows(ids, offsets, bag_shift), return_inverse=True
-    )
-    grad = torch.zeros(touched.numel(), dim, dtype=torch.float32, device=grad_out.device)
-    _accumulate(grad, local_ids, offsets, None, weights, bag_scale, grad_out, pooled, batch_major, world)
-    return touched, grad
+def _sorted_rows(ids, offsets, bag_shift) -> Tuple[torch.Tensor, torch.Tensor]:
+    """This rank's distinct sorted touched buffer rows (int64 ``[U]``) and each id renumbered into
+    them (int64 ``[N]``), by ``torch.unique``: nothing of the size of the table is made."""
+    return torch.unique(embedding_torch.buffer_rows(ids, offsets, bag_shift), return_inverse=True)
 
 
 def _touched_grad_autograd(
     weight, ids, offsets, bag_shift, weights, bag_scale, grad_out, pooled, batch_major, world
 ):
-    """:func:`_touched_grad` and the per-sample weights' gradient (fp32 ``[N]``, against the rows
-    before the update), by torch autograd over a re-run of the lookup on the touched rows (the
-    kernels give the per-sample weights' gradient only together with an optimizer step)."""
+    """This rank's distinct sorted touched buffer rows (int64 ``[U]``), their gradient (fp32
+    ``[U, D]``, already divided, :func:`_scale_and_lr`) and the per-sample weights' gradient (fp32
+    ``[N]``, against the rows before the update), by torch autograd over a re-run of the lookup on
+    the touched rows (the kernels give the per-sample weights' gradient only together with an
+    optimizer step)."""
     touched, local_ids = torch.unique(
         embedding_torch.buffer_rows(ids, offsets, bag_shift), return_inverse=True
     )
