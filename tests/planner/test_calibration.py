@@ -8,13 +8,12 @@ from tests.planner._sharder import ebc_sharder, meta_ebc, random_tables
 SMALL_LOOKUP = {"rows": 4096, "dim": 16, "batch": 64, "pooling": 4}
 
 
-def test_calibrate_replaces_the_lookup_and_fresh_buffer_bandwidths_only():
+def test_calibrate_replaces_the_lookup_bandwidth_only():
     base = CostModel.default("cpu").replace(lookup_overhead_s=1e-3)
     measured = calibrate("cpu", base=base, **SMALL_LOOKUP)
     assert measured.ddr_lookup_bw > 0 and measured.ddr_lookup_bw != base.ddr_lookup_bw
-    assert measured.fresh_buffer_bw > 0 and measured.fresh_buffer_bw != base.fresh_buffer_bw
     # no process group: the communication constants stay as given
-    assert measured.replace(ddr_lookup_bw=base.ddr_lookup_bw, fresh_buffer_bw=base.fresh_buffer_bw) == base
+    assert measured.replace(ddr_lookup_bw=base.ddr_lookup_bw) == base
 
 
 def test_the_planner_uses_calibrated_constants():

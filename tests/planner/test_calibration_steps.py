@@ -88,7 +88,6 @@ def test_noisy_times_never_give_a_negative_cost():
     _check_consistent(configs, world, BEFORE, fitted)
 
 
-FRESH_S = 0.123  # the fake time of the fresh buffer's write (64 MiB): not a figure calibrate could measure
 SMALL_BIG = 1 * MIB  # the end-to-end test's largest tables: seconds of set-up, not minutes
 
 
@@ -102,9 +101,8 @@ def _calibrate_with_fake_step_times():
     configs = cs.calibration_configs(world, SMALL_BIG)
     true = TRUE.replace(id_miss_s=0.0)  # tables of at most 1 MiB: no cache size to find
     fake = [cs.estimated_seconds(c, world, true) * (1.0 if rank == 1 else 0.8) for c in configs]
-    # rank 1 slower: ranks agree on it; the last step is the fresh buffer's write (FRESH_S on rank 1)
-    fresh_s = FRESH_S * (1.0 if rank == 1 else 0.8)
-    cs.alternating_seconds = lambda steps, pg, device, **_: (fake + [fresh_s])[-len(steps) :]
+    # rank 1 slower: ranks agree on it
+    cs.alternating_seconds = lambda steps, pg, device, **_: fake[-len(steps) :]
     report = {}
     got = calibrate("cpu", rows=4096, dim=16, batch=64, pooling=4, fit_report=report).to_dict()
     return got, true.to_dict(), report
@@ -130,8 +128,6 @@ def test_calibrate_fits_the_slowest_ranks_step_times_on_every_rank(run_world):
     for name in ("group_overhead_s", "shard_overhead_s", "id_overhead_s"):
         assert got[name] == pytest.approx(true[name], rel=1e-6), name
     assert got["id_miss_s"] == 0.0
-    # the fresh buffer's write timed in the same rounds (the slowest rank's), not the lone measurement
-    assert got["fresh_buffer_bw"] == pytest.approx(cs.FRESH_BYTES / FRESH_S, rel=1e-12)
 
 
 @pytest.mark.parametrize("device_type, field", [("cpu", "ddr_lookup_bw"), ("cuda", "hbm_lookup_bw")])

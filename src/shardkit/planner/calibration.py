@@ -1,7 +1,6 @@
 """Calibration: measure this machine's lookup and communication speeds for the cost model.
 
-``calibrate()`` times a pooled embedding lookup (the bytes of the rows it reads per second), the write
-of freshly allocated buffers (page faults included) and, given
+``calibrate()`` times a pooled embedding lookup (the bytes of the rows it reads per second) and, given
 a process group of more than one rank, an all-to-all (the bytes each rank sends per second). It
 returns the default ``CostModel`` of the device with the measured constants replaced; pass it as
 ``Topology(cost_model=...)``. Every rank of the group gets the same constants (the slowest rank's).
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 
 from shardkit.distributed.agreement import group_size
 from shardkit.distributed.topology import get_local_size
-from shardkit.planner.calibration_steps import FRESH_BYTES, fresh_write_step, measure_step_overheads
+from shardkit.planner.calibration_steps import measure_step_overheads
 from shardkit.planner.cost_model import CostModel
 
 
@@ -54,18 +53,6 @@ def measure_lookup_bw(
     return ids.numel() * dim * weight.element_size() / seconds
 
 
-def measure_fresh_buffer_bw(device: torch.device, nbytes: int = FRESH_BYTES, repeats: int = 5) -> float:
-    """Bytes per second at which a buffer of ``nbytes`` allocated just before is written once on
-    ``device`` (``calibration_steps.fresh_write_step``): each repeat allocates a new buffer, fills it
-    and frees it. On CPU the allocator takes a buffer this large (above glibc's largest mmap
-    threshold, 32 MiB) from the system and gives it back when freed, so every repeat pays the page
-    faults of its first write, as a backward that makes its buffers every step does
-    (``CostModel.fresh_buffer_bw``); on CUDA the caching allocator reuses its blocks and this is the
-    write's speed. One moment of the machine: with ``measure_steps``, calibrate() times the same
-    write in the steps' alternating rounds instead."""
-    return nbytes / _median_seconds(fresh_write_step(device, nbytes), repeats, device)
-
-
 def measure_all_to_all_bw(
     pg: Optional[dist.ProcessGroup], device: torch.device, nbytes: int = 1 << 22, repeats: int = 5
 ) -> float:
@@ -87,7 +74,7 @@ def calibrate(
     fit_report: Optional[Dict[str, Any]] = None,
     **sizes: int,
 ) -> CostModel:
-    """A ``CostModel`` with this machine's lookup and fresh-buffer bandwidths and (on a group of > 1 rank)
+    """A ``CostModel`` with this machine's lookup bandwidth and (on a group of > 1 rank)
     collective bandwidth and the fitted step constants.
 
     Args:
@@ -108,9 +95,7 @@ def calibrate(
             noisier).
 
     The lookup bandwidth replaces ``hbm_lookup_bw`` on CUDA and ``ddr_lookup_bw`` on CPU;
-    ``fresh_buffer_bw`` is measured by writing newly allocated 64 MiB buffers
-    (:func:`measure_fresh_buffer_bw`; with ``measure_steps``, in the steps' alternating rounds, which
-    replaces that figure); the all-to-all bandwidth replaces ``intra_node_bw`` when the
+    the all-to-all bandwidth replaces ``intra_node_bw`` when the
     group is one node, else ``cross_node_bw``.
     All ranks measure at the same time, so ranks sharing cores are measured sharing them (a machine
     running more ranks than cores gets the slower figures it will train at).
@@ -126,9 +111,6 @@ def calibrate(
         # all ranks measure at once: ranks that share cores (or memory bandwidth) are measured sharing them
         dist.barrier(group=pg)
     measured: Dict[str, Any] = {lookup_field: measure_lookup_bw(device, **sizes)}
-    if distributed:
-        dist.barrier(group=pg)  # the ranks write their fresh buffers at the same time too
-    measured["fresh_buffer_bw"] = measure_fresh_buffer_bw(device)
     comm_field = None
     if measure_comm and distributed:
         world = group_size(pg)
@@ -160,4 +142,4 @@ def calibrate(
     return model.replace(**measured)
 
 
-__all__ = ["calibrate", "measure_all_to_all_bw", "measure_fresh_buffer_bw", "measure_lookup_bw"]
+__all__ = ["calibrate", "measure_all_to_all_bw", "measure_lookup_bw"]

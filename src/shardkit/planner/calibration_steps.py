@@ -287,7 +287,6 @@ def _zero(model: CostModel) -> CostModel:
         replica_row_s=0.0,
         replica_value_s=0.0,
         replica_group_s=0.0,
-        fresh_buffer_bw=_INF,
         lookup_group_s=0.0,
     )
 
@@ -300,16 +299,13 @@ def config_features(
     miss_widths: Sequence[float] = MISS_LATENCY_CANDIDATES,
 ) -> Tuple[float, List[float], List[float]]:
     """``(known, features, miss)`` of a configuration: the seconds no fitted constant explains (the
-    fresh buffers of a data-parallel group too large for the kept scratch, at ``model``'s measured
-    ``fresh_buffer_bw``; 0 for every group of ``calibration_configs``), the estimator's seconds per
+    estimate with every fitted constant 0), the estimator's seconds per
     unit of each constant of ``feature_names()`` but ``id_miss`` (0 there; ``lookup`` and ``comm``:
     seconds at 1 byte/s), and the ``id_miss`` feature at each cache size of ``caches`` and
     ``miss_latency_bytes`` of ``miss_widths`` (cache-major: ``miss[i * len(miss_widths) + j]``)."""
     est = estimator(config, world)
     zero = _zero(model)
-    # measured apart, not fitted: the fresh buffers of a replica group too large for the kept scratch
-    # (none of calibration_configs' groups is; a larger big_bytes can make one)
-    known = est(zero.replace(fresh_buffer_bw=model.fresh_buffer_bw))
+    known = est(zero)
     used = set(config.types)
     values: Dict[str, float] = {"step": 1.0}
     for t in TYPES:
@@ -503,33 +499,16 @@ def alternating_seconds(
     return [statistics.median(t) for t in times]
 
 
-# the fresh buffer written in the alternating rounds (CostModel.fresh_buffer_bw): above glibc's largest
-# mmap threshold (32 MiB), so the allocator takes it from the system and every write pays the page faults
-FRESH_BYTES = 64 * MIB
-
-
-def fresh_write_step(device: torch.device, nbytes: int = FRESH_BYTES) -> Callable[[], None]:
-    """A step that allocates ``nbytes``, writes them once and frees them: what a backward making its
-    buffers every step pays per byte (page faults included on CPU)."""
-
-    def step() -> None:
-        torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
-
-    return step
-
-
 def measure_step_overheads(
     pg: Optional[dist.ProcessGroup], device: torch.device, model: CostModel, big_bytes: Optional[int] = None
 ) -> Dict[str, object]:
     """The fitted constants (``fit_constants``) from the slowest rank's step times: the same on every
-    rank, plus ``fresh_buffer_bw`` (``FRESH_BYTES`` over the slowest rank's time of
-    :func:`fresh_write_step`, timed in the same alternating rounds as the steps: under the same load),
-    ``configs`` (``describe`` of each configuration) and ``measured_s`` (their times).
+    rank, plus ``configs`` (``describe`` of each configuration) and ``measured_s`` (their times).
     ``model``: the constants so far (the calibrated collective bandwidths, the lone lookup's bandwidth
     as the fallback); ``big_bytes``: the largest tables (default ``BIG_BYTES``)."""
     world = group_size(pg)
     configs = calibration_configs(world, BIG_BYTES if big_bytes is None else big_bytes)
-    steps = [training_step(c, pg, device) for c in configs] + [fresh_write_step(device)]
+    steps = [training_step(c, pg, device) for c in configs]
     times = alternating_seconds(steps, pg, device)
     # the sharded modules hold the group (through reference cycles of modules, hooks and autograd
     # state): free them now, or the group outlives destroy_process_group (docs/running.md)
@@ -539,9 +518,6 @@ def measure_step_overheads(
     if dist.get_backend(pg) == "nccl":
         agreed = agreed.to(device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=pg)
-    fresh_bw = FRESH_BYTES / float(agreed[-1])
-    agreed = agreed[:-1]
-    model = model.replace(fresh_buffer_bw=fresh_bw)
     # rank 0 fits (seconds of estimator calls), every rank gets its constants
     rank0 = dist.get_global_rank(pg, 0) if pg is not None else 0
     fit = (
@@ -552,7 +528,6 @@ def measure_step_overheads(
     shared = [fit]
     dist.broadcast_object_list(shared, src=rank0, group=pg)
     fitted = shared[0]
-    fitted["fresh_buffer_bw"] = fresh_bw
     fitted["configs"] = [describe(c) for c in configs]
     fitted["measured_s"] = agreed.tolist()
     return fitted
@@ -568,7 +543,6 @@ def describe(config: StepConfig) -> str:
 __all__ = [
     "CACHE_CANDIDATES",
     "COUNTS",
-    "FRESH_BYTES",
     "ID_TYPES",
     "StepConfig",
     "TYPES",
@@ -579,7 +553,6 @@ __all__ = [
     "estimated_seconds",
     "feature_names",
     "fit_constants",
-    "fresh_write_step",
     "measure_step_overheads",
     "round_order",
     "training_step",

@@ -83,12 +83,6 @@ class CostModel:
             sharding type, width and dtype in one module share a lookup (one kernel call forward and
             backward, ``shardkit.sharding.embedding_lookup.group_shards``), so shards of many widths
             cost more than as many shards of one width (``shardkit.planner.estimators.lookup_group_keys``).
-        fresh_buffer_bw: bytes per second at which a rank writes a buffer it has just allocated (the
-            page faults of memory the allocator takes from the system included; ``calibrate()``
-            measures it on all ranks at once). It prices the fresh buffers of a FUSED data-parallel
-            group whose exchange takes the sorted way (``shardkit.planner.estimators.replica_fresh_bytes``:
-            a group too large for the kept scratch buffers allocates its gradient, wire and
-            concatenation buffers every step), charged to every rank once per plan.
         output_value_s: seconds per output value (pooled: bag x column; sequence: id x column) a
             shard produces per step, forward and backward, beside the bytes its output dist puts on
             the wire: the kernel writes each value and its backward reads its gradient, and the dist
@@ -117,12 +111,11 @@ class CostModel:
     lookup_cache_bytes: float = 32 * 2**20
     miss_latency_bytes: float = float("inf")
     output_value_s: float = 0.0
-    fresh_buffer_bw: float = 3 * GB
     lookup_group_s: float = 0.0
 
     def __post_init__(self) -> None:
         bandwidths = ("hbm_lookup_bw", "ddr_lookup_bw", "uvm_lookup_bw", "intra_node_bw", "cross_node_bw")
-        for name in (*bandwidths, "disk_lookup_bw", "fresh_buffer_bw"):
+        for name in (*bandwidths, "disk_lookup_bw"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"CostModel.{name} must be positive, got {getattr(self, name)}")
         for name in ("lookup_cache_bytes", "miss_latency_bytes"):
@@ -174,20 +167,15 @@ class CostModel:
             return self.id_miss_s * max(1.0, row_bytes / self.miss_latency_bytes)
         return self.id_miss_s * (row_bytes / self.miss_latency_bytes).clamp(min=1.0)
 
-    def plan_overhead(
-        self, sharding_types, replica_groups: int = 0, replica_fresh_bytes: float = 0.0
-    ) -> float:
+    def plan_overhead(self, sharding_types, replica_groups: int = 0) -> float:
         """Seconds per step every rank pays for a plan using ``sharding_types``: the step's own
         overhead plus each type's group overhead (once per type), plus ``replica_group_s`` per group of
-        FUSED data-parallel tables (``shardkit.planner.estimators.replica_groups``), plus the fresh
-        buffers those groups write when their exchange takes the sorted way
-        (``shardkit.planner.estimators.replica_fresh_bytes``) at ``fresh_buffer_bw``."""
+        FUSED data-parallel tables (``shardkit.planner.estimators.replica_groups``)."""
         types = set(sharding_types)
         return (
             self.step_overhead_s
             + sum(self.group_overhead_s.get(t, 0.0) for t in types)
             + replica_groups * self.replica_group_s
-            + replica_fresh_bytes / self.fresh_buffer_bw
         )
 
     @classmethod
@@ -214,9 +202,6 @@ class CostModel:
                 replica_row_s=0.2e-6,
                 replica_value_s=5e-9,
                 replica_group_s=1e-3,
-                # a buffer fresh from the system: page faults and the write (calibrate() measured
-                # 2.7 GB/s for 100 MB on one rank of the shared 2-core machine); a round figure
-                fresh_buffer_bw=3 * GB,
             )
         return cls(
             hbm_lookup_bw=1000 * GB,  # about a third of H100 peak: random rows, not streaming
@@ -225,8 +210,6 @@ class CostModel:
             intra_node_bw=150 * GB,  # NVLink all-to-all, per rank
             cross_node_bw=12.5 * GB,  # 100 Gb/s NIC per rank
             lookup_overhead_s=10e-6,
-            # the CUDA caching allocator reuses its blocks: a "fresh" buffer costs its write in HBM
-            fresh_buffer_bw=1000 * GB,
         )
 
     def replace(self, **changes: Any) -> CostModel:

@@ -24,7 +24,6 @@ from shardkit.modules.embedding_configs import data_type_to_dtype
 from shardkit.planner.topology import Topology
 from shardkit.planner.types import CACHING_KERNELS, OFFLOAD_KERNELS, ShardingOption, TableInfo
 from shardkit.sharding.cache_params import DEFAULT_CACHE_LOAD_FACTOR
-from shardkit.sharding.replicated_exchange import uses_scratch
 from shardkit.sharding.types import EmbeddingComputeKernel, ShardingType
 
 # a caching kernel's default share of the table's rows in its fast-tier cache (the table in the slow tier)
@@ -112,34 +111,6 @@ def _fused_replica_groups(options: Sequence[ShardingOption]) -> dict:
             key = (o.table.module_path, o.table.cols, o.table.element_size)
             groups.setdefault(key, []).append(o.table)
     return groups
-
-
-def replica_fresh_bytes(options: Sequence[ShardingOption], world: int) -> float:
-    """Bytes of freshly allocated memory each rank writes per step for a plan's groups of FUSED
-    data-parallel tables (one group per width and dtype, :func:`replica_groups`) whose exchange takes
-    the sorted way: a group whose dense exchange buffer would exceed the kept scratch's limit
-    (``shardkit.sharding.replicated_exchange.uses_scratch`` of the group's summed rows, as the
-    lookup decides at run time) and whose ranks touch few enough rows to gather them (not the dense
-    all-reduce, whose buffer is kept). Such a backward (``replicated_fused_lookup._touched_grad``,
-    ``replicated_exchange.rows_of_all_ranks``) makes, every step, the touched rows' zeroed fp32
-    gradient ``[U, D]``, the gather's buffer of ``W x U x (D + 2)`` 4-byte words, and the
-    concatenated gradients ``[W U, D]`` fp32 and rows ``W U`` int64: ``4 U (D + W (2 D + 4))`` bytes,
-    ``U`` the group's distinct rows per rank (uniform ids). A group within the limit reuses its
-    buffers across steps (0 bytes). Measured on 2 ranks for 4 tables of 200000 x 128 at 20480 ids
-    per rank (one 413 MB group): the sorted way 180 ms a step against 86 ms with the scratch
-    buffers (shared machine, loaded)."""
-    if world <= 1:
-        return 0.0
-    total = 0.0
-    for (_, cols, _), tables in _fused_replica_groups(options).items():
-        rows = sum(t.rows for t in tables)
-        if uses_scratch(rows, cols, world):
-            continue
-        touched = sum(distinct_rows(t.rows, t.ids) for t in tables)
-        if world * touched * (cols + 2) >= rows * (cols + 1):  # the dense all-reduce (kept buffer)
-            continue
-        total += 4.0 * touched * (cols + world * (2 * cols + 4))
-    return total
 
 
 def lookup_group_keys(o: ShardingOption) -> List[Optional[tuple]]:
@@ -403,6 +374,5 @@ __all__ = [
     "load_factor",
     "lookup_group_keys",
     "replica_exchange",
-    "replica_fresh_bytes",
     "replica_groups",
 ]
