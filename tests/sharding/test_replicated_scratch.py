@@ -163,3 +163,35 @@ def test_dense_exchange_on_three_ranks_trains_like_the_unsharded_module():
         assert dense_buffer and target_rows == 4  # summed into the table-sized dense buffer
     for got, *_ in results[1:]:
         assert torch.equal(got, results[0][0]), "the replicas differ"
+
+
+def _wire_worker():
+    """Gathers of 2 ranks sized for 8, 8, 9, 100, 40 and 2 rows per rank (dim 4): the wire buffer's
+    size after each, and whether each gather reused the buffer before it."""
+    import torch
+
+    from shardkit.sharding.replicated_exchange import DenseRowExchange
+
+    exchange = DenseRowExchange(1000, 4, 2, torch.device("cpu"))
+    rows = torch.tensor([3, 7], dtype=torch.int64)
+    sizes, reused = [], []
+    for most in (8, 8, 9, 100, 40, 2):
+        before = exchange._wire.data_ptr()
+        counts = exchange.gather(rows, most, None, lambda out: out.fill_(1.0))
+        assert counts == [2, 2]
+        sizes.append(exchange._wire.numel())
+        reused.append(exchange._wire.data_ptr() == before)
+    return sizes, reused
+
+
+def test_the_wire_buffer_is_kept_grown_and_remade_after_a_large_drop():
+    from shardkit.sharding.replicated_exchange import WIRE_SHRINK
+    from shardkit.testing import run_world
+
+    for sizes, reused in run_world(_wire_worker, 2):
+        # kept while it fits (8 rows, then 8 again)
+        assert reused[1] and sizes[1] == sizes[0]
+        assert sizes[3] > sizes[2] and not reused[3]  # grown for 100 rows
+        # 40 rows need more than 1 / WIRE_SHRINK of the 100 rows' buffer: kept
+        assert reused[4] and sizes[4] == sizes[3]
+        assert sizes[3] > WIRE_SHRINK * sizes[5] and not reused[5]  # 2 rows: remade smaller

@@ -53,7 +53,7 @@ WIRE_SHRINK = 4
 def uses_scratch(num_rows: int, dim: int, world: int) -> bool:
     """Whether a table of ``[num_rows, dim]`` replicated on ``world`` ranks takes the sparse way with
     the kept :class:`DenseRowExchange` parts (its dense buffer, ``rows x (dim + 1) + world`` fp32
-    values, at most ``SCRATCH_LIMIT_BYTES``), not in fresh buffers of its sorted touched rows."""
+    values, at most ``SCRATCH_LIMIT_BYTES``); a larger table sorts its touched rows instead."""
     return 4 * (num_rows * (dim + 1) + world) <= SCRATCH_LIMIT_BYTES
 
 
