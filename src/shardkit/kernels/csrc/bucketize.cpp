@@ -80,6 +80,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bucketize_impl(
         len[base + sample] += off[b + 1] - off[b];
         continue;
       }
+      if (bptr[f + 1] - bptr[f] == 2) {
+        // two blocks: the bag's ids at or above the second block's first row, counted in a register
+        // (through len[], each id's count was a load of the store the id before made)
+        const int64_t split = starts[bptr[f] + 1];
+        int64_t high = 0;
+        for (int64_t i = off[b]; i < off[b + 1]; ++i) high += static_cast<int64_t>(v[i]) >= split;
+        len[kbase[bkey[bptr[f]]] + sample] += off[b + 1] - off[b] - high;
+        len[kbase[bkey[bptr[f] + 1]] + sample] += high;
+        continue;
+      }
       for (int64_t i = off[b]; i < off[b + 1]; ++i) ++len[segment_of(f, sample, v[i])];
     }
   }
@@ -102,6 +112,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bucketize_impl(
         for (int64_t j = 0; j < count; ++j) ord[pos + j] = first_id + j;
       }
       for (int64_t s = seg; s < seg + (fbag[f + 1] - fbag[f]); ++s) cursor[s] += len[s];
+      continue;
+    }
+    if (bptr[f + 1] - bptr[f] == 2) {
+      // two blocks (two ranks): both places of a bag in registers and no branch on the id; through
+      // cursor[] each id's place was a load of the store the id before made (a serial chain)
+      const int64_t split = starts[bptr[f] + 1];
+      int64_t* lower = cursor.data() + kbase[bkey[bptr[f]]] - fbag[f];
+      int64_t* upper = cursor.data() + kbase[bkey[bptr[f] + 1]] - fbag[f];
+      for (int64_t b = fbag[f]; b < fbag[f + 1]; ++b) {
+        int64_t low_at = lower[b], high_at = upper[b];
+        for (int64_t i = off[b]; i < off[b + 1]; ++i) {
+          const index_t id = v[i];
+          const bool high = static_cast<int64_t>(id) >= split;
+          const int64_t pos = high ? high_at : low_at;
+          out[pos] = id;
+          if (ord != nullptr) ord[pos] = i;
+          high_at += high;
+          low_at += !high;
+        }
+      }
       continue;
     }
     for (int64_t b = fbag[f]; b < fbag[f + 1]; ++b) {
