@@ -118,10 +118,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bucketize_impl(
       // two blocks (two ranks): both places of a bag in registers and no branch on the id; through
       // cursor[] each id's place was a load of the store the id before made (a serial chain)
       const int64_t split = starts[bptr[f] + 1];
-      int64_t* lower = cursor.data() + kbase[bkey[bptr[f]]] - fbag[f];
-      int64_t* upper = cursor.data() + kbase[bkey[bptr[f] + 1]] - fbag[f];
+      const int64_t lower = kbase[bkey[bptr[f]]], upper = kbase[bkey[bptr[f] + 1]];
       for (int64_t b = fbag[f]; b < fbag[f + 1]; ++b) {
-        int64_t low_at = lower[b], high_at = upper[b];
+        int64_t low_at = cursor[lower + b - fbag[f]], high_at = cursor[upper + b - fbag[f]];
         for (int64_t i = off[b]; i < off[b + 1]; ++i) {
           const index_t id = v[i];
           const bool high = static_cast<int64_t>(id) >= split;
