@@ -155,3 +155,33 @@ def test_two_block_features_match_the_torch_path(dtype, need_order):
     assert got[2].dtype == dtype
     if need_order:
         assert got[0].tolist() == _by_definition(*case)[0]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("need_order", [True, False])
+def test_features_of_three_to_nine_blocks_match_the_definition(dtype, need_order):
+    """Features of 3 to 8 blocks (the kernel's branch-free paths, one per block count) and of 9 (its
+    binary search), ids below the first block, at block starts and past the last, against the
+    definition and the pure-torch path."""
+    gen = torch.Generator().manual_seed(11)
+    counts = [3, 4, 5, 6, 7, 8, 9]
+    bags = [30] * len(counts)
+    block_starts, block_keys, key_feature = [], [], []
+    for f, count in enumerate(counts):
+        block_starts.append([5 + 20 * j for j in range(count)])
+        block_keys.append(list(range(len(key_feature), len(key_feature) + count)))
+        key_feature += [f] * count
+    lengths = torch.randint(0, 25, (sum(bags),), generator=gen)
+    values = torch.randint(0, 200, (int(lengths.sum()),), generator=gen)
+    values[::6] = 45  # a block start of every feature
+    values = values.to(dtype)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    case = (values, offsets, bags, block_starts, block_keys, key_feature)
+    got = bucketize_blocks(*case, backend="native", need_order=need_order)
+    want = bucketize_blocks(*case, backend="torch")
+    want_order, want_lengths = _by_definition(*case)
+    assert got[1].tolist() == want_lengths and torch.equal(got[1], want[1])
+    assert torch.equal(got[2], want[2]) and got[2].dtype == dtype
+    if need_order:
+        assert got[0].tolist() == want_order
