@@ -127,3 +127,61 @@ def test_fixed_block_tensors_give_the_same_result_and_follow_the_batch_size():
         want_order, want_lengths = _by_definition(*case)
         assert got[0].tolist() == want_order and got[1].tolist() == want_lengths
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("need_order", [True, False])
+def test_two_block_features_match_the_torch_path(dtype, need_order):
+    """Features of two blocks (a 2-rank row-wise plan: the native kernel's register-counted path)
+    next to features of one and three blocks: ids below the first block, at the split and above it,
+    bags long and empty, against the pure-torch path (and the order against the definition)."""
+    gen = torch.Generator().manual_seed(7)
+    bags = [40, 40, 0, 40, 40]
+    block_starts = [[0, 500], [3, 250], [0, 10], [0], [0, 300, 600]]
+    block_keys = [[0, 5], [1, 6], [2, 7], [3], [4, 8, 9]]
+    key_feature = [0, 1, 2, 3, 4, 0, 1, 2, 4, 4]
+    lengths = torch.randint(0, 60, (sum(bags),), generator=gen)
+    lengths[::7] = 0
+    values = torch.randint(0, 1000, (int(lengths.sum()),), generator=gen)
+    values[::5] = 500  # at the split of feature 0 (and above feature 1's)
+    values[1::11] = 1  # below feature 1's first block
+    values = values.to(dtype)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    case = (values, offsets, bags, block_starts, block_keys, key_feature)
+    got = bucketize_blocks(*case, backend="native", need_order=need_order)
+    want = bucketize_blocks(*case, backend="torch")
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    assert got[2].dtype == dtype
+    if need_order:
+        assert got[0].tolist() == _by_definition(*case)[0]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("need_order", [True, False])
+def test_features_of_three_to_nine_blocks_match_the_definition(dtype, need_order):
+    """Features of 3 to 8 blocks (the kernel's branch-free paths, one per block count) and of 9 (its
+    binary search), ids below the first block, at block starts and past the last, against the
+    definition and the pure-torch path."""
+    gen = torch.Generator().manual_seed(11)
+    counts = [3, 4, 5, 6, 7, 8, 9]
+    bags = [30] * len(counts)
+    block_starts, block_keys, key_feature = [], [], []
+    for f, count in enumerate(counts):
+        block_starts.append([5 + 20 * j for j in range(count)])
+        block_keys.append(list(range(len(key_feature), len(key_feature) + count)))
+        key_feature += [f] * count
+    lengths = torch.randint(0, 25, (sum(bags),), generator=gen)
+    values = torch.randint(0, 200, (int(lengths.sum()),), generator=gen)
+    values[::6] = 45  # a block start of every feature
+    values = values.to(dtype)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    case = (values, offsets, bags, block_starts, block_keys, key_feature)
+    got = bucketize_blocks(*case, backend="native", need_order=need_order)
+    want = bucketize_blocks(*case, backend="torch")
+    want_order, want_lengths = _by_definition(*case)
+    assert got[1].tolist() == want_lengths and torch.equal(got[1], want[1])
+    assert torch.equal(got[2], want[2]) and got[2].dtype == dtype
+    if need_order:
+        assert got[0].tolist() == want_order

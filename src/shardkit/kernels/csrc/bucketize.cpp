@@ -11,9 +11,59 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
+
+// A feature of kBlocks (3..8) blocks whose second..last first rows are first[1..kBlocks-1]: the block
+// of an id is the number of those at or below it (the last block starting at or before the id; the
+// first block for smaller ids), a sum of compares with no branch (std::upper_bound's binary search
+// mispredicted about every other id). Counting: ids at or above each first row, in registers.
+template <int kBlocks, typename index_t>
+inline void count_small(const index_t* v, int64_t i0, int64_t i1, const int64_t* first, int64_t* counts) {
+  int64_t at_least[kBlocks] = {};
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t id = static_cast<int64_t>(v[i]);
+    for (int j = 1; j < kBlocks; ++j) at_least[j] += id >= first[j];
+  }
+  counts[0] = (i1 - i0) - at_least[1];
+  for (int j = 1; j < kBlocks - 1; ++j) counts[j] = at_least[j] - at_least[j + 1];
+  counts[kBlocks - 1] = at_least[kBlocks - 1];
+}
+
+// Placing: each id at its block's next place, the places in registers (selects, no indexed store
+// that the next id's load would wait for).
+template <int kBlocks, typename index_t>
+inline void place_small(const index_t* v, int64_t i0, int64_t i1, const int64_t* first, int64_t* places,
+                        index_t* out, int64_t* ord) {
+  int64_t at[kBlocks];
+  for (int j = 0; j < kBlocks; ++j) at[j] = places[j];
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t id = static_cast<int64_t>(v[i]);
+    int64_t block = 0;
+    for (int j = 1; j < kBlocks; ++j) block += id >= first[j];
+    int64_t pos = at[0];
+    for (int j = 1; j < kBlocks; ++j) pos = block == j ? at[j] : pos;
+    out[pos] = v[i];
+    if (ord != nullptr) ord[pos] = i;
+    for (int j = 0; j < kBlocks; ++j) at[j] += block == j;
+  }
+}
+
+// Calls f(std::integral_constant<int, C>) for a block count C of 3..8; false for another count.
+template <typename F>
+inline bool with_small_blocks(int64_t count, F&& f) {
+  switch (count) {
+    case 3: f(std::integral_constant<int, 3>()); return true;
+    case 4: f(std::integral_constant<int, 4>()); return true;
+    case 5: f(std::integral_constant<int, 5>()); return true;
+    case 6: f(std::integral_constant<int, 6>()); return true;
+    case 7: f(std::integral_constant<int, 7>()); return true;
+    case 8: f(std::integral_constant<int, 8>()); return true;
+    default: return false;
+  }
+}
 
 // Feature f's bags are [feature_bag_start[f], feature_bag_start[f+1]); its blocks are
 // [block_ptr[f], block_ptr[f+1]) of block_starts (ascending first rows) / block_keys. An id goes to
@@ -80,6 +130,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bucketize_impl(
         len[base + sample] += off[b + 1] - off[b];
         continue;
       }
+      if (bptr[f + 1] - bptr[f] == 2) {
+        // two blocks: the bag's ids at or above the second block's first row, counted in a register
+        // (through len[], each id's count was a load of the store the id before made)
+        const int64_t split = starts[bptr[f] + 1];
+        int64_t high = 0;
+        for (int64_t i = off[b]; i < off[b + 1]; ++i) high += static_cast<int64_t>(v[i]) >= split;
+        len[kbase[bkey[bptr[f]]] + sample] += off[b + 1] - off[b] - high;
+        len[kbase[bkey[bptr[f] + 1]] + sample] += high;
+        continue;
+      }
+      const bool small = with_small_blocks(bptr[f + 1] - bptr[f], [&](auto blocks) {
+        constexpr int C = decltype(blocks)::value;
+        int64_t counts[C];
+        count_small<C>(v, off[b], off[b + 1], starts + bptr[f], counts);
+        for (int j = 0; j < C; ++j) len[kbase[bkey[bptr[f] + j]] + sample] += counts[j];
+      });
+      if (small) continue;
       for (int64_t i = off[b]; i < off[b + 1]; ++i) ++len[segment_of(f, sample, v[i])];
     }
   }
@@ -104,6 +171,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bucketize_impl(
       for (int64_t s = seg; s < seg + (fbag[f + 1] - fbag[f]); ++s) cursor[s] += len[s];
       continue;
     }
+    if (bptr[f + 1] - bptr[f] == 2) {
+      // two blocks (two ranks): both places of a bag in registers and no branch on the id; through
+      // cursor[] each id's place was a load of the store the id before made (a serial chain)
+      const int64_t split = starts[bptr[f] + 1];
+      const int64_t lower = kbase[bkey[bptr[f]]], upper = kbase[bkey[bptr[f] + 1]];
+      for (int64_t b = fbag[f]; b < fbag[f + 1]; ++b) {
+        int64_t low_at = cursor[lower + b - fbag[f]], high_at = cursor[upper + b - fbag[f]];
+        for (int64_t i = off[b]; i < off[b + 1]; ++i) {
+          const index_t id = v[i];
+          const bool high = static_cast<int64_t>(id) >= split;
+          const int64_t pos = high ? high_at : low_at;
+          out[pos] = id;
+          if (ord != nullptr) ord[pos] = i;
+          high_at += high;
+          low_at += !high;
+        }
+      }
+      continue;
+    }
+    const bool small = with_small_blocks(bptr[f + 1] - bptr[f], [&](auto blocks) {
+      constexpr int C = decltype(blocks)::value;
+      for (int64_t b = fbag[f]; b < fbag[f + 1]; ++b) {
+        int64_t places[C];
+        for (int j = 0; j < C; ++j) places[j] = cursor[kbase[bkey[bptr[f] + j]] + b - fbag[f]];
+        place_small<C>(v, off[b], off[b + 1], starts + bptr[f], places, out, ord);
+      }
+    });
+    if (small) continue;
     for (int64_t b = fbag[f]; b < fbag[f + 1]; ++b) {
       const int64_t sample = b - fbag[f];
       for (int64_t i = off[b]; i < off[b + 1]; ++i) {
