@@ -265,9 +265,9 @@ def test_batch_major_layout_is_the_transposed_plain_layout(backend, weighted, di
 @needs_native
 @pytest.mark.parametrize("kind", ["SGD", "ROWWISE_ADAGRAD"])
 @pytest.mark.parametrize("weighted", [False, True])
-# block_bytes 0: the default (blocks of 64 KiB here); one row's bytes (64 at dim 16, 512 at 128): a
-# full sort by row, whose unweighted runs are summed in registers (update_by_row_runs); 1024 / 65536:
-# blocks of 16 / 128 rows
+# block_bytes 0: the default (unweighted: a full sort by row, each row's run of ids summed in registers,
+# update_by_row_runs; weighted: blocks of 64 KiB of sums); one row's bytes (64 at dim 16, 512 at 128): a
+# full sort by row, weighted or not; 1024 / 65536: blocks of 16 / 128 rows, weighted or not
 @pytest.mark.parametrize(
     "dim, block_bytes", [(16, 0), (16, 64), (16, 1024), (128, 0), (128, 512), (128, 65536)]
 )
