@@ -65,7 +65,7 @@ def _closure_objects(fn):
     return _closure_value(fn, "model"), _closure_value(fn, "optimizer")
 
 
-def profile_worker(config: Dict[str, Any], steps: int, rounds: int) -> List[Any]:
+def profile_worker(config: Dict[str, Any], steps: int, rounds: int, shapes: bool = False) -> List[Any]:
     """Every rank's per-op self ms per step and calls per step, per library (all profiled rounds)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -89,8 +89,9 @@ def profile_worker(config: Dict[str, Any], steps: int, rounds: int) -> List[Any]
                 for i in range(steps):
                     step_of[lib](i)
                 cpu[lib] += time.thread_time() - start
-            for event in prof.key_averages():
-                entry = ops[lib][event.key]
+            for event in prof.key_averages(group_by_input_shape=shapes):
+                name = f"{event.key} {event.input_shapes}" if shapes and event.input_shapes else event.key
+                entry = ops[lib][name]
                 total = event.cpu_time_total if event.key.startswith("phase:") else event.self_cpu_time_total
                 entry[0] += total / 1e3
                 entry[1] += event.count
@@ -107,7 +108,9 @@ def profile_worker(config: Dict[str, Any], steps: int, rounds: int) -> List[Any]
     return gathered
 
 
-def perf_worker(config: Dict[str, Any], steps: int, rank: int, out_dir: str) -> List[Any]:
+def perf_worker(
+    config: Dict[str, Any], steps: int, rank: int, out_dir: str, event: str = "cpu-clock"
+) -> List[Any]:
     """Each library's ``steps`` steps with ``perf record`` attached to rank ``rank`` (no torch.profiler):
     ``out_dir/perf-<lib>.data``; every rank's main-thread CPU ms per step."""
     import signal
@@ -128,7 +131,8 @@ def perf_worker(config: Dict[str, Any], steps: int, rank: int, out_dir: str) -> 
         if dist.get_rank() == rank:
             target = os.path.join(out_dir, f"perf-{lib}.data")
             recorder = subprocess.Popen(
-                ["perf", "record", "-q", "-F", "2000", "-g", "-p", str(os.getpid()), "-o", target],
+                ["perf", "record", "-q", "-e", event, *(["-F", "2000"] if event == "cpu-clock" else [])]
+                + ["-g", "-p", str(os.getpid()), "-o", target],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
@@ -154,11 +158,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--rounds", type=int, default=4, help="rounds per library (alternated)")
     parser.add_argument("--rank", type=int, default=0, choices=(0, 1), help="the rank whose ops are printed")
     parser.add_argument("--top", type=int, default=30, help="ops printed per row")
+    parser.add_argument("--shapes", action="store_true", help="one entry per op and input shapes")
     parser.add_argument(
         "--perf",
         metavar="DIR",
         help="instead: perf record rank --rank's steps (DIR/row<n>/perf-<lib>.data)",
     )
+    parser.add_argument("--perf-event", default="cpu-clock", help="perf's event (e.g. page-faults)")
     parser.add_argument("--out", help="JSON directory (default: a new one outside the checkout)")
     parsed = parser.parse_args(argv)
     configs = grid()
@@ -181,6 +187,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                     parsed.steps * parsed.rounds,
                     parsed.rank,
                     row_dir,
+                    parsed.perf_event,
                     timeout=900,
                 )[0]
             finally:
@@ -195,7 +202,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         config = configs[n - 1]
         load = os.getloadavg()[0]
         try:
-            ranks = run_world(profile_worker, 2, config, parsed.steps, parsed.rounds, timeout=900)[0]
+            ranks = run_world(
+                profile_worker, 2, config, parsed.steps, parsed.rounds, parsed.shapes, timeout=900
+            )[0]
         finally:
             shutdown_workers()
         got = ranks[parsed.rank]
@@ -215,7 +224,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             rows.append(
                 {
                     "row": n,
-                    "op": name[:70],
+                    "op": name[:110],
                     "shardkit_ms": round(s_ms, 3),
                     "shardkit_calls": round(s_calls, 1),
                     "torchrec_ms": round(t_ms, 3),
