@@ -20,7 +20,7 @@ import random
 import statistics
 import time
 import warnings
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -50,11 +50,30 @@ def _tbe(rows: List[int], dim: int, optimizer: str):
     return SplitTableBatchedEmbeddingBagsCodegen(specs, optimizer=kind, learning_rate=0.01)
 
 
-def measure_row(number: int, rounds: int) -> Dict[str, float]:
-    """Median ms and median per-round ratios for sweep row ``number`` (1-based)."""
+def _rank_lookup(config: Dict, rank: int, world: int = 2) -> tuple:
+    """``(table rows, values, lengths, batch)`` of the lookup rank ``rank`` of a ``world``-rank
+    table-wise plan runs: its tables (``t % world == rank``, the sweep's placement) and every rank's
+    first batch, each feature's bags in source-rank order (as the KJT all-to-all delivers them)."""
+    tables, batch = config["tables"], config["batch"]
+    per_rank = []
+    for source in range(world):
+        values, lengths = _batches(config, source)[0]
+        per_feature = lengths.view(tables, batch)
+        per_rank.append((values.split(per_feature.sum(1).tolist()), per_feature))
+    mine = [t for t in range(tables) if t % world == rank]
+    values = torch.cat([per_rank[s][0][t] for t in mine for s in range(world)])
+    lengths = torch.cat([per_rank[s][1][t] for t in mine for s in range(world)])
+    return [config["table_rows"][t] for t in mine], values, lengths, world * batch
+
+
+def measure_row(number: int, rounds: int, rank: Optional[int] = None) -> Dict[str, float]:
+    """Median ms and median per-round ratios for sweep row ``number`` (1-based); ``rank``: only the
+    lookup that rank of the 2-rank table-wise plan runs (see :func:`_rank_lookup`)."""
     config = grid()[number - 1]
     rows, dim, batch = config["table_rows"], config["dim"], config["batch"]
     values, lengths = _batches(config, 0)[0]
+    if rank is not None:
+        rows, values, lengths, batch = _rank_lookup(config, rank)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     weight = huge_pages.empty(sum(rows), dim).uniform_(-0.01, 0.01)
     rule = RULES[config["optimizer"]]
@@ -98,6 +117,8 @@ def measure_row(number: int, rounds: int) -> Dict[str, float]:
             if r >= 2:
                 times[lib].append(took)
     result: Dict[str, float] = {"name": label(config), "row": number, "ids": values.numel()}
+    if rank is not None:
+        result["rank"] = rank
     for i, part in enumerate(("fwd", "bwd")):
         for lib in libs:
             result[f"{lib}_{part}_ms"] = 1e3 * statistics.median(t[i] for t in times[lib])
@@ -110,12 +131,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="+", type=int, default=[17, 31], help="sweep rows (1-based)")
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument(
+        "--rank",
+        type=int,
+        choices=(0, 1),
+        help="only the lookup this rank of a 2-rank table-wise plan runs (its tables, both ranks' batches)",
+    )
     parser.add_argument("--out", default=None, help="directory for sweep_kernel_vs_fbgemm.json")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    results = [measure_row(n, args.rounds) for n in args.rows]
-    write_results("sweep_kernel_vs_fbgemm", {"rounds": args.rounds, "threads": 1}, results, args.out)
+    results = [measure_row(n, args.rounds, args.rank) for n in args.rows]
+    config = {"rounds": args.rounds, "threads": 1, "rank": args.rank}
+    write_results("sweep_kernel_vs_fbgemm", config, results, args.out)
 
 
 if __name__ == "__main__":

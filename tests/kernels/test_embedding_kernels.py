@@ -265,14 +265,19 @@ def test_batch_major_layout_is_the_transposed_plain_layout(backend, weighted, di
 @needs_native
 @pytest.mark.parametrize("kind", ["SGD", "ROWWISE_ADAGRAD"])
 @pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("block_bytes", [0, 64, 1024])  # 0: the default; 64: one row a block at dim 16
+# block_bytes 0: the default (unweighted: a full sort by row, each row's run of ids summed in registers,
+# update_by_row_runs; weighted: blocks of 64 KiB of sums); one row's bytes (64 at dim 16, 512 at 128): a
+# full sort by row, weighted or not; 1024 / 65536: blocks of 16 / 128 rows, weighted or not
+@pytest.mark.parametrize(
+    "dim, block_bytes", [(16, 0), (16, 64), (16, 1024), (128, 0), (128, 512), (128, 65536)]
+)
 @pytest.mark.parametrize("threads", [1, 2])  # 2: per-thread digit counts merged, blocks split by thread
-def test_fused_backward_sorts_exactly_across_blocks(kind, weighted, block_bytes, threads):
+def test_fused_backward_sorts_exactly_across_blocks(kind, weighted, dim, block_bytes, threads):
     # the native backward groups ids by blocks of rows (a radix sort by the row's high bits), then sums
     # each row's gradients per block in position order. 20000 rows at dim 16 are 20 blocks by default,
     # 20000 one-row blocks (a full two-pass sort by row) at 64 bytes; many ids per row, so the order of
     # each row's sum matters: fp32 SGD and row-wise Adagrad must equal the pure-torch reference bitwise
-    rows, dim, bags, batch = 20_000, 16, 600, 200  # 3 features x 200 samples, batch-major gradient
+    rows, bags, batch = 20_000, 600, 200  # 3 features x 200 samples, batch-major gradient
     gen = torch.Generator().manual_seed(8)
     lengths = torch.randint(0, 40, (bags,), generator=gen)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
