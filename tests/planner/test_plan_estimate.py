@@ -245,7 +245,8 @@ def test_column_blocks_of_one_width_on_one_rank_are_one_lookup_group():
 
 def test_a_replica_group_on_the_dense_way_pays_its_fixed_cost_once_and_only_then():
     """``replica_dense_s``: a group of FUSED replicas whose backward all-reduces its dense gradient
-    (most of its rows touched) pays it once per step; the way is the group's (its tables' rows and
+    (most of its rows touched) pays it once per step, in place of the sparse way's ``replica_group_s``
+    (it gathers no rows); the way is the group's (its tables' rows and
     touched rows summed, as the library's exchange decides on the group's stacked table), so a small,
     fully touched table in a group with a large one of its width takes the sparse way and pays nothing."""
     from shardkit.planner.estimators import dense_replica_groups
@@ -268,6 +269,11 @@ def test_a_replica_group_on_the_dense_way_pays_its_fixed_cost_once_and_only_then
 
     for names, dense in ((["small16"], 1), (["small16", "big16"], 0), (["small16", "big16", "small32"], 1)):
         assert estimate(names, charged) - estimate(names, base) == pytest.approx(dense * 0.7e-3), names
+    # the dense way's group pays replica_dense_s instead of the sparse way's replica_group_s
+    swapped = base.replace(replica_group_s=0.0, replica_dense_s=1e-3)
+    assert estimate(["small16", "big16", "small32"], swapped) == pytest.approx(
+        estimate(["small16", "big16", "small32"], base)
+    )
     # the count itself, from the planner's options of the plan
     planner = _planner(base, constraints=constraints)
     from shardkit.planner.plan_estimate import plan_options
@@ -277,8 +283,9 @@ def test_a_replica_group_on_the_dense_way_pays_its_fixed_cost_once_and_only_then
     assert dense_replica_groups([options["small16"], options["small32"]], 2) == 2
     assert dense_replica_groups([options["small16"], options["big16"]], 2) == 0
     assert dense_replica_groups([options["small16"]], 1) == 0  # one rank exchanges nothing
+    # two groups, one of them dense: one replica_group_s (1 ms) and one replica_dense_s (0 here)
     assert base.plan_overhead(["data_parallel"], 2, 1) == pytest.approx(
-        base.step_overhead_s + base.group_overhead_s["data_parallel"] + 2e-3
+        base.step_overhead_s + base.group_overhead_s["data_parallel"] + 1e-3
     )
     assert charged.plan_overhead(["data_parallel"], 2, 1) - base.plan_overhead(["data_parallel"], 2, 1) == (
         pytest.approx(0.7e-3)

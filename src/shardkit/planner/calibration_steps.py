@@ -10,8 +10,8 @@ all ranks at once (so ranks that share cores are measured sharing them), and fit
              + ids x id_miss_s x miss(shard bytes) + (1 + bwd) ids x c x e / lookup_bw
              + for a fused data-parallel replica: rows applied x (replica_row_s + c x replica_value_s)
              + replica_grad_passes x r c e / lookup_bw (a table-sized gradient buffer))
-           + replica_group_s x the groups of fused replicas (one per width)
-           + replica_dense_s x those groups whose backward takes the dense way
+           + replica_group_s x the groups of fused replicas (one per width) on the sparse way
+           + replica_dense_s x those on the dense way (an all-reduce in place of the gather)
            + the dists' bytes (input ids, pooled rows forward and backward, a replica's exchange)
              / the collective bandwidth
 
