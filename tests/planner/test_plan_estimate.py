@@ -257,7 +257,7 @@ def test_a_replica_group_on_the_dense_way_pays_its_fixed_cost_once_and_only_then
     ebc = meta_ebc(configs)
     constraints = {n: ParameterConstraints(pooling_factors=[20.0]) for n in shapes}
     fused = {n: data_parallel(compute_kernel="fused") for n in shapes}
-    base = MEASURED_LIKE.replace(replica_group_s=1e-3)
+    base = MEASURED_LIKE.replace(replica_group_s=1e-3, replica_dense_s=0.0)
     charged = base.replace(replica_dense_s=0.7e-3)
 
     def estimate(names, model):

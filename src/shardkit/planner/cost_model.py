@@ -212,6 +212,9 @@ class CostModel:
                 replica_row_s=0.2e-6,
                 replica_value_s=5e-9,
                 replica_group_s=1e-3,
+                # a group on the dense way all-reduces instead of gathering: one collective too, so
+                # the same round figure (the default model's estimates as before this constant)
+                replica_dense_s=1e-3,
             )
         return cls(
             hbm_lookup_bw=1000 * GB,  # about a third of H100 peak: random rows, not streaming
