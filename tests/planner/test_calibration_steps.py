@@ -26,6 +26,7 @@ TRUE = CostModel.default("cpu").replace(
     replica_row_s=3e-7,
     replica_value_s=2e-9,
     replica_group_s=4e-4,
+    replica_dense_s=6e-4,
     output_value_s=5e-9,
     miss_latency_bytes=128.0,
     lookup_group_s=1.5e-4,
@@ -48,6 +49,7 @@ def _check(fitted, true: CostModel, rel: float = 1e-6) -> None:
     assert fitted["replica_row_s"] == pytest.approx(true.replica_row_s, rel=rel)
     assert fitted["replica_value_s"] == pytest.approx(true.replica_value_s, rel=rel)
     assert fitted["replica_group_s"] == pytest.approx(true.replica_group_s, rel=rel)
+    assert fitted["replica_dense_s"] == pytest.approx(true.replica_dense_s, rel=rel)
     assert fitted["lookup_group_s"] == pytest.approx(true.lookup_group_s, rel=rel)
 
 
@@ -81,7 +83,7 @@ def test_noisy_times_never_give_a_negative_cost():
     fitted = cs.fit_constants(configs, noisy, world, BEFORE)
     assert fitted["step_overhead_s"] >= 0.0 and fitted["id_miss_s"] >= 0.0
     assert fitted["replica_grad_passes"] >= 0.0 and fitted["lookup_bw"] > 0.0
-    assert min(fitted[f"replica_{k}_s"] for k in ("row", "value", "group")) >= 0.0
+    assert min(fitted[f"replica_{k}_s"] for k in ("row", "value", "group", "dense")) >= 0.0
     for name in ("group_overhead_s", "shard_overhead_s", "id_overhead_s"):
         assert all(v >= 0.0 for v in fitted[name].values()), fitted
     assert 0.0 < fitted["residual"] < 0.5
@@ -121,6 +123,7 @@ def test_calibrate_fits_the_slowest_ranks_step_times_on_every_rank(run_world):
         "replica_row_s",
         "replica_value_s",
         "replica_group_s",
+        "replica_dense_s",
         "output_value_s",
         "ddr_lookup_bw",
     ):
@@ -226,3 +229,36 @@ def test_a_wide_table_at_a_large_batch_is_among_the_steps():
     """The slope of a step in its ids at plan_quality's large batches (1024-2048 bags of 20 ids)."""
     configs = cs.calibration_configs(2)
     assert any(c.batch >= 4 * cs.BIG_BATCH and c.dim >= 128 and c.pooling == cs.BIG_POOLING for c in configs)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_dense_ways_fixed_cost_and_in_cache_replica_rows_have_steps_of_their_own(world):
+    """``replica_dense_s`` is fitted from two dense-way steps of different table sizes (one alone could
+    not tell the fixed cost from ``replica_grad_passes``' passes over the table: an idle 2-rank fit
+    made 893 passes of its 512 KiB table), and the small in-cache replica group takes the sparse way
+    with thousands of rows (the per-row update where no miss term can take it)."""
+    configs = cs.calibration_configs(world)
+    column = cs.feature_names().index("replica_dense")
+    charged = {}
+    for config in configs:
+        _, features, _ = cs.config_features(config, world, BEFORE)
+        if features[column] > 1e-9:  # (the other steps: free bandwidths' 1e-30 s a byte)
+            charged[cs.describe(config)] = features[column]
+    # exactly the two dense-way steps, each paying one group's fixed cost
+    assert sorted(charged) == [
+        f"1 data_parallel: {rows}x{cs.BIG_DIM} b{cs.BIG_BATCH} p{cs.BIG_POOLING}" for rows in (2048, 512)
+    ]
+    assert all(v == pytest.approx(1.0) for v in charged.values())
+    small = [c for c in configs if c.types == ("data_parallel",) * 8 and c.rows == cs.SMALL_REPLICA_ROWS]
+    assert len(small) == 1
+    (config,) = small
+    assert config.rows * config.dim * 4 <= min(cs.CACHE_CANDIDATES)  # no miss, whatever the cache
+    ids = config.batch * config.pooling
+    touched = config.rows * (1 - (1 - 1 / config.rows) ** ids)
+    assert len(config.types) * touched > 1000  # thousands of rows updated per rank
+    # the two constants are fitted apart: times made with only the fixed cost give no passes, and back
+    only_fixed = TRUE.replace(replica_grad_passes=0.0)
+    times = [cs.estimated_seconds(c, world, only_fixed) for c in configs]
+    fitted = cs.fit_constants(configs, times, world, BEFORE)
+    assert fitted["replica_dense_s"] == pytest.approx(TRUE.replica_dense_s, rel=1e-6)
+    assert fitted["replica_grad_passes"] == pytest.approx(0.0, abs=1e-6)

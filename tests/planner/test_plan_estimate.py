@@ -241,3 +241,52 @@ def test_column_blocks_of_one_width_on_one_rank_are_one_lookup_group():
         assert plan.plan[""]["t0"].ranks == [0, 0, 0, 0]
         times.append([r["time_s"] for r in planner.last_report.ranks])
     assert times[1] == pytest.approx([times[0][0] + 1e-3] + times[0][1:], rel=1e-9)
+
+
+def test_a_replica_group_on_the_dense_way_pays_its_fixed_cost_once_and_only_then():
+    """``replica_dense_s``: a group of FUSED replicas whose backward all-reduces its dense gradient
+    (most of its rows touched) pays it once per step, in place of the sparse way's ``replica_group_s``
+    (it gathers no rows); the way is the group's (its tables' rows and
+    touched rows summed, as the library's exchange decides on the group's stacked table), so a small,
+    fully touched table in a group with a large one of its width takes the sparse way and pays nothing."""
+    from shardkit.planner.estimators import dense_replica_groups
+
+    # 64 rows at 64 bags x 20 ids a rank: every row touched (dense alone); 100000 rows: few touched
+    shapes = {"small16": (64, 16), "big16": (100_000, 16), "small32": (64, 32)}
+    configs = [EmbeddingBagConfig(r, d, name=n, feature_names=[n]) for n, (r, d) in shapes.items()]
+    ebc = meta_ebc(configs)
+    constraints = {n: ParameterConstraints(pooling_factors=[20.0]) for n in shapes}
+    fused = {n: data_parallel(compute_kernel="fused") for n in shapes}
+    base = MEASURED_LIKE.replace(replica_group_s=1e-3, replica_dense_s=0.0)
+    charged = base.replace(replica_dense_s=0.7e-3)
+
+    def estimate(names, model):
+        sub = meta_ebc([c for c in configs if c.name in names])
+        plan = _plan(sub, {n: fused[n] for n in names})
+        planner = _planner(model, constraints={n: constraints[n] for n in names})
+        report = planner.estimate(sub, [ebc_sharder()], plan)
+        return report.max_time_s
+
+    for names, dense in ((["small16"], 1), (["small16", "big16"], 0), (["small16", "big16", "small32"], 1)):
+        assert estimate(names, charged) - estimate(names, base) == pytest.approx(dense * 0.7e-3), names
+    # the dense way's group pays replica_dense_s instead of the sparse way's replica_group_s
+    swapped = base.replace(replica_group_s=0.0, replica_dense_s=1e-3)
+    assert estimate(["small16", "big16", "small32"], swapped) == pytest.approx(
+        estimate(["small16", "big16", "small32"], base)
+    )
+    # the count itself, from the planner's options of the plan
+    planner = _planner(base, constraints=constraints)
+    from shardkit.planner.plan_estimate import plan_options
+
+    tables = [t for t, _ in planner.enumerator.tables(ebc, [ebc_sharder()])]
+    options = {o.table.name: o for o in plan_options(tables, _plan(ebc, fused), planner.topology)}
+    assert dense_replica_groups([options["small16"], options["small32"]], 2) == 2
+    assert dense_replica_groups([options["small16"], options["big16"]], 2) == 0
+    assert dense_replica_groups([options["small16"]], 1) == 0  # one rank exchanges nothing
+    # two groups, one of them dense: one replica_group_s (1 ms) and one replica_dense_s (0 here)
+    assert base.plan_overhead(["data_parallel"], 2, 1) == pytest.approx(
+        base.step_overhead_s + base.group_overhead_s["data_parallel"] + 1e-3
+    )
+    assert charged.plan_overhead(["data_parallel"], 2, 1) - base.plan_overhead(["data_parallel"], 2, 1) == (
+        pytest.approx(0.7e-3)
+    )

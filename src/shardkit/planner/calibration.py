@@ -85,7 +85,8 @@ def calibrate(
         measure_steps: False skips timing training steps of synthetic sharded tables, which fits the
             fixed and per-id costs and the training step's lookup bandwidth (``step_overhead_s``,
             ``group_overhead_s``, ``shard_overhead_s``, ``id_overhead_s``, ``id_miss_s``,
-            ``lookup_cache_bytes``, ``replica_grad_passes``, the lookup field;
+            ``lookup_cache_bytes``, ``replica_grad_passes``, ``replica_row_s``, ``replica_value_s``,
+            ``replica_group_s``, ``replica_dense_s``, ``lookup_group_s``, the lookup field;
             :mod:`shardkit.planner.calibration_steps`). Collective too.
         fit_report: a dict that, with ``measure_steps``, receives the fit's ``residual`` (root mean
             square relative error) and ``steps``: per timed configuration (``config``, a description),

@@ -10,7 +10,8 @@ all ranks at once (so ranks that share cores are measured sharing them), and fit
              + ids x id_miss_s x miss(shard bytes) + (1 + bwd) ids x c x e / lookup_bw
              + for a fused data-parallel replica: rows applied x (replica_row_s + c x replica_value_s)
              + replica_grad_passes x r c e / lookup_bw (a table-sized gradient buffer))
-           + replica_group_s x the groups of fused replicas (one per width)
+           + replica_group_s x the groups of fused replicas (one per width) on the sparse way
+           + replica_dense_s x those on the dense way (an all-reduce in place of the gather)
            + the dists' bytes (input ids, pooled rows forward and backward, a replica's exchange)
              / the collective bandwidth
 
@@ -31,8 +32,10 @@ column-wise tables of ``BIG_BYTES`` / 4 and ``BIG_BYTES`` (their routing per id)
 ``BIG_BYTES`` / 4 at ``BATCH`` bags of one id and at ``BIG_BATCH`` bags of ``BIG_POOLING`` ids (its
 per-id work and its update of every rank's touched rows), the same bytes at 16 columns and one of
 ``BIG_BYTES`` at 128 (the update per row against per value, in and out of the caches), one whose rows
-are nearly all touched (the dense all-reduce's table-sized passes), and 4 and 16 tiny replicas of as
-many widths (one lookup group each). How the fixed costs grow with the batch is measured only
+are nearly all touched, at two sizes (the dense all-reduce's fixed cost against its table-sized
+passes), a group of small replicas that fit the caches at a batch touching thousands of their rows
+(the update per row and value where no miss pays for it), and 4 and 16 tiny replicas of as many
+widths (one lookup group each). How the fixed costs grow with the batch is measured only
 through the per-id terms.
 """
 
@@ -88,6 +91,9 @@ CACHE_CANDIDATES = tuple(float(MIB << k) for k in range(10))  # 1 MiB .. 512 MiB
 # the row bytes a miss latency streams (CostModel.miss_latency_bytes): one cache line .. 8, or per id
 MISS_LATENCY_CANDIDATES = (64.0, 128.0, 256.0, 512.0, float("inf"))
 _INF = 1e30  # a bandwidth that makes its bytes free
+# rows of each table of the small-replica step: 8 x 4096 x 16 fp32 (256 KiB each, in every cache size
+# the fit tries), whose 256 ids a rank touch ~250 rows each (2000 of the group's 32768: the sparse way)
+SMALL_REPLICA_ROWS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +157,17 @@ def calibration_configs(world: int, big_bytes: int = BIG_BYTES) -> List[StepConf
     configs.append(StepConfig(("data_parallel",), max(64, big_bytes // 4) // 64, 16, **big))
     configs.append(StepConfig(("data_parallel",), max(64, big_bytes // 512), 128, **big))
     configs.append(StepConfig(("data_parallel",), 2048, BIG_DIM, **big))
+    # the same way at a quarter of the rows: the dense all-reduce's fixed cost (a collective, the
+    # flags and counts; replica_dense_s) against its passes over the table (replica_grad_passes),
+    # which one size alone cannot tell apart (one step made them 893 passes of a 512 KiB table)
+    configs.append(StepConfig(("data_parallel",), 512, BIG_DIM, **big))
+    # a group of small replicas (one width) that fit the caches, at a batch touching thousands of
+    # their rows on the sparse way: the update per row and value where no miss pays for it (the
+    # large replicas above miss, so their per-row cost could go to the miss term, and the tiny ones
+    # touch a few dozen rows); the small tables of real models (plan_quality's demo and many_small)
+    configs.append(
+        StepConfig(("data_parallel",) * 8, SMALL_REPLICA_ROWS, 16, batch=BIG_BATCH // 4, pooling=2)
+    )
     # replicas of different widths: one lookup group each, two all-gathers each in backward
     configs += [StepConfig(("data_parallel",) * k, tiny_rows, dim_step=DIM) for k in (4, 16)]
     # sharded tables of different widths: one lookup group each on its rank (the tiny steps above hold
@@ -263,6 +280,7 @@ def feature_names() -> List[str]:
         + [f"shard:{t}" for t in TYPES]
         + [f"id:{t}" for t in ID_TYPES]
         + ["id_miss", "output_value", "lookup", "replica", "replica_row", "replica_value", "replica_group"]
+        + ["replica_dense"]
         + ["lookup_group"]
         + ["comm"]
     )
@@ -287,6 +305,7 @@ def _zero(model: CostModel) -> CostModel:
         replica_row_s=0.0,
         replica_value_s=0.0,
         replica_group_s=0.0,
+        replica_dense_s=0.0,
         lookup_group_s=0.0,
     )
 
@@ -329,7 +348,7 @@ def config_features(
     values["replica"] = (
         est(unit_bw.replace(replica_grad_passes=1.0)) - values["lookup"] if "data_parallel" in used else 0.0
     )
-    for name in ("replica_row", "replica_value", "replica_group"):
+    for name in ("replica_row", "replica_value", "replica_group", "replica_dense"):
         values[name] = est(zero.replace(**{f"{name}_s": 1.0})) if "data_parallel" in used else 0.0
     values["output_value"] = est(zero.replace(output_value_s=1.0))
     values["lookup_group"] = est(zero.replace(lookup_group_s=1.0))
@@ -453,6 +472,7 @@ def fit_constants(
         "replica_row_s": v["replica_row"],
         "replica_value_s": v["replica_value"],
         "replica_group_s": v["replica_group"],
+        "replica_dense_s": v["replica_dense"],
         "lookup_group_s": v["lookup_group"],
         "residual": residual,
         "fitted_s": (base_with_miss(pair) @ x + known).tolist(),

@@ -59,8 +59,13 @@ class CostModel:
         replica_value_s: seconds per value (row x column) of those gathered rows: unpacking the
             exchanged gradients, summing and applying them.
         replica_group_s: seconds per step per group of FUSED data-parallel tables (tables of one
-            width and dtype share a lookup, and its backward runs two all-gathers: the counts, then
-            the rows), charged to every rank.
+            width and dtype share a lookup) whose backward takes the sparse way (the gather of every
+            rank's touched rows, the counts riding in it or gathered first), charged to every rank.
+        replica_dense_s: seconds per step per such group whose backward takes the dense way instead
+            (most of its rows touched: ``estimators.dense_replica_groups``): the all-reduce of its
+            dense gradient buffer (a collective, beside its bytes) and the buffer's fixed per-step
+            work (flags, counts, the step of the flagged rows), charged to every rank in place of
+            ``replica_group_s``. The part that grows with the table is ``replica_grad_passes``.
         id_overhead_s: sharding type -> seconds per id a shard of that type looks up, beside the bytes
             terms (routing work per id: bucketizing, permuting, the input dist's per-id bookkeeping);
             a type not named costs nothing per id.
@@ -106,6 +111,7 @@ class CostModel:
     replica_row_s: float = 0.0
     replica_value_s: float = 0.0
     replica_group_s: float = 0.0
+    replica_dense_s: float = 0.0
     id_overhead_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
     id_miss_s: float = 0.0
     lookup_cache_bytes: float = 32 * 2**20
@@ -129,6 +135,7 @@ class CostModel:
             "replica_row_s",
             "replica_value_s",
             "replica_group_s",
+            "replica_dense_s",
             "id_miss_s",
             "output_value_s",
             "lookup_group_s",
@@ -167,15 +174,18 @@ class CostModel:
             return self.id_miss_s * max(1.0, row_bytes / self.miss_latency_bytes)
         return self.id_miss_s * (row_bytes / self.miss_latency_bytes).clamp(min=1.0)
 
-    def plan_overhead(self, sharding_types, replica_groups: int = 0) -> float:
+    def plan_overhead(self, sharding_types, replica_groups: int = 0, dense_groups: int = 0) -> float:
         """Seconds per step every rank pays for a plan using ``sharding_types``: the step's own
-        overhead plus each type's group overhead (once per type), plus ``replica_group_s`` per group of
-        FUSED data-parallel tables (``shardkit.planner.estimators.replica_groups``)."""
+        overhead plus each type's group overhead (once per type), plus per group of FUSED data-parallel
+        tables (``replica_groups``, ``shardkit.planner.estimators.replica_groups``) ``replica_dense_s``
+        for the ``dense_groups`` of them that take the dense way
+        (``shardkit.planner.estimators.dense_replica_groups``) and ``replica_group_s`` for the others."""
         types = set(sharding_types)
         return (
             self.step_overhead_s
             + sum(self.group_overhead_s.get(t, 0.0) for t in types)
-            + replica_groups * self.replica_group_s
+            + (replica_groups - dense_groups) * self.replica_group_s
+            + dense_groups * self.replica_dense_s
         )
 
     @classmethod
@@ -202,6 +212,9 @@ class CostModel:
                 replica_row_s=0.2e-6,
                 replica_value_s=5e-9,
                 replica_group_s=1e-3,
+                # a group on the dense way all-reduces instead of gathering: one collective too, so
+                # the same round figure (the default model's estimates as before this constant)
+                replica_dense_s=1e-3,
             )
         return cls(
             hbm_lookup_bw=1000 * GB,  # about a third of H100 peak: random rows, not streaming

@@ -102,6 +102,23 @@ def replica_groups(options: Sequence[ShardingOption]) -> int:
     return len(_fused_replica_groups(options))
 
 
+def dense_replica_groups(options: Sequence[ShardingOption], world: int) -> int:
+    """Groups of FUSED data-parallel tables in a plan's ``options`` (``replica_groups``) whose backward
+    takes the dense way (``CostModel.replica_dense_s``). The library decides per group, on the group's
+    stacked table (``sharding.replicated_exchange.prefers_dense``): dense when gathering every rank's
+    touched rows of the group (``world x touched x (cols + 2)`` words) is not fewer words than the
+    dense buffer's ``rows x (cols + 1)``; here ``touched`` is the sum over the group's tables of the
+    distinct rows one rank's uniform ids touch (``distinct_rows``), ``rows`` their rows."""
+    if world <= 1:
+        return 0
+    dense = 0
+    for (_, cols, _), tables in _fused_replica_groups(options).items():
+        rows = sum(t.rows for t in tables)
+        touched = sum(distinct_rows(t.rows, t.ids) for t in tables)
+        dense += world * touched * (cols + 2) >= rows * (cols + 1)
+    return dense
+
+
 def _fused_replica_groups(options: Sequence[ShardingOption]) -> dict:
     """(module, width, bytes per value) -> the tables of the plan's FUSED data-parallel options in that
     lookup group (each sharded module groups its own tables: ``sharding.embedding_lookup.group_shards``)."""
@@ -370,6 +387,7 @@ __all__ = [
     "EmbeddingStorageEstimator",
     "cache_bookkeeping_bytes",
     "cached_row_bytes",
+    "dense_replica_groups",
     "distinct_rows",
     "load_factor",
     "lookup_group_keys",

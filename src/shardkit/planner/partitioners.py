@@ -17,7 +17,7 @@ import math
 from typing import List, Optional, Sequence
 
 from shardkit.planner.errors import UnplacedShard
-from shardkit.planner.estimators import lookup_group_keys, replica_groups
+from shardkit.planner.estimators import dense_replica_groups, lookup_group_keys, replica_groups
 from shardkit.planner.topology import Topology
 from shardkit.planner.types import FIXED, FREE, ShardingOption
 
@@ -123,7 +123,9 @@ class GreedyPerfPartitioner:
         # what every rank pays once per step for the plan as a whole (the same on every rank, so it
         # does not change where shards go, but it does make a plan mixing more sharding types slower)
         overhead = topology.cost_model.plan_overhead(
-            (o.sharding_type for o in proposal), replica_groups(proposal)
+            (o.sharding_type for o in proposal),
+            replica_groups(proposal),
+            dense_replica_groups(proposal, world),
         )
         return Partition(
             options=[o for o in placed if o is not None],

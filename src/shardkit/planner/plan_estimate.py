@@ -15,7 +15,7 @@ from typing import List, Sequence
 import torch
 
 from shardkit.planner.errors import UnplacedShard
-from shardkit.planner.estimators import lookup_group_keys, replica_groups
+from shardkit.planner.estimators import dense_replica_groups, lookup_group_keys, replica_groups
 from shardkit.planner.partitioners import Partition
 from shardkit.planner.topology import Topology
 from shardkit.planner.types import ShardingOption, TableInfo
@@ -105,7 +105,9 @@ def placed_partition(
             ddr[r] -= sd[k]
             disk[r] -= sk[k]
             disk_used[r] += sk[k]
-    overhead = topology.cost_model.plan_overhead((o.sharding_type for o in options), replica_groups(options))
+    overhead = topology.cost_model.plan_overhead(
+        (o.sharding_type for o in options), replica_groups(options), dense_replica_groups(options, world)
+    )
     return Partition(
         options=list(options),
         load=[x + overhead for x in load],
