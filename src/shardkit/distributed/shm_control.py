@@ -8,6 +8,7 @@ the others'::
       [0] published: how many calls this rank has published (call n is published when it is >= n + 1)
       [1] done:      how many calls this rank has completed (read every peer's bytes of)
       [2] state:     0 while the rank is in the exchange; LEFT (an error) or CLOSED once it left
+      [3] bell:      incremented after each of the words above changes (a futex: waiters sleep on it)
       then ENTRIES entries (call n uses entry n % ENTRIES), each 5 + 3W words:
       [0] n + 1  [1] status (OK / NO_SPACE)  [2] data buffer  [3] its generation  [4] its size
       [5 : 5 + W] bytes for each rank  [5 + W : 5 + 2W] where they start in the buffer
@@ -20,14 +21,17 @@ correct only where the CPU keeps stores in order and loads in order (x86-64's TS
 multi-threaded or not, end before the Python store that follows them). :data:`STRONGLY_ORDERED` says
 whether this machine is one; elsewhere the exchange is not used (gloo carries the bytes).
 
-Waiting (:meth:`Control.wait_for`) polls the peers' words: a short spin, then ``os.sched_yield()``,
-then sleeps growing to 1 ms, so that two ranks on two shared cores never burn one for long; every
-wait ends at a deadline with a :class:`~shardkit.distributed.timeouts.CollectiveTimeoutError` naming
-the ranks whose word did not arrive.
+Waiting (:meth:`Control.wait_for`) polls the peers' words for a few microseconds, then sleeps in the
+kernel on the lagging peer's bell (a shared futex, through ``ctypes``: the waker's kernel call wakes
+it, as a socket's data wakes gloo's reader; a core is never burnt while the peers compute), or, where
+``futex`` cannot be called (``SHARDKIT_SHM_FUTEX=0``), in sleeps growing to 1 ms. Every wait ends at
+a deadline with a :class:`~shardkit.distributed.timeouts.CollectiveTimeoutError` naming the ranks
+whose word did not arrive.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import platform
@@ -36,16 +40,54 @@ from typing import List, Optional, Sequence
 
 from shardkit.distributed.timeouts import CollectiveTimeoutError
 
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not FUTEX_PRIVATE_FLAG): the word is in another process too
+_SYS_FUTEX = {"x86_64": 202, "amd64": 202}.get(platform.machine().lower())
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _make_futex():
+    """``futex(address, op, value, timeout_s)`` through libc's ``syscall``, or None where unavailable."""
+    if _SYS_FUTEX is None or os.environ.get("SHARDKIT_SHM_FUTEX", "1") == "0":
+        return None
+    try:
+        syscall = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):
+        return None
+    syscall.restype = ctypes.c_long
+
+    def futex(address: int, op: int, value: int, timeout_s: Optional[float]) -> int:
+        spec = None
+        if timeout_s is not None:
+            timeout_s = max(timeout_s, 0.0)
+            spec = ctypes.byref(_Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9)))
+        return syscall(
+            ctypes.c_long(_SYS_FUTEX),
+            ctypes.c_void_p(address),
+            ctypes.c_int(op),
+            ctypes.c_int(value),
+            spec,
+            None,
+            0,
+        )
+
+    return futex
+
+
+_futex = _make_futex()
+
 # plain stores and loads are ordered (TSO) only on x86: elsewhere the exchange is off (gloo)
-STRONGLY_ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+STRONGLY_ORDERED = platform.machine().lower() in ("x86_64", "amd64")
 ENTRIES = 32  # calls whose entries a rank keeps; call n reuses call n - ENTRIES's entry
-PUBLISHED, DONE, STATE = 0, 1, 2
+PUBLISHED, DONE, STATE, BELL = 0, 1, 2, 3
 HEAD = 8  # words before the entries (one 64-byte line)
 OK, NO_SPACE = 0, 1  # an entry's status
 LEFT, CLOSED = 1, 2  # a rank's state: left with an error; closed its exchange (or exited)
-_SPIN = 64  # polls before yielding
-_YIELD_S = 2e-4  # then sched_yield for this long, then sleep
-_SLEEP_MAX_S = 1e-3
+_SPIN = 64  # polls before sleeping
+_SLEEP_MAX_S = 1e-3  # without futex
+_FUTEX_SLICE_S = 0.1  # a futex sleep at most this long between checks of the deadline
 
 
 def entry_words(world: int) -> int:
@@ -96,6 +138,11 @@ class Control:
         self.entry = entry_words(world)
         self.me = rank * self.region
         self.peers = [r for r in range(world) if r != rank]
+        self._anchor = None  # the ctypes view whose address is the mapping's (held: it pins the address)
+        self._base: Optional[int] = None
+        if _futex is not None:
+            self._anchor = ctypes.c_char.from_buffer(mapping)
+            self._base = ctypes.addressof(self._anchor)
 
     # --- this rank's words
     def entry_base(self, rank: int, call: int) -> int:
@@ -113,12 +160,21 @@ class Control:
         ).cast("q")
         words[base] = call + 1
         words[self.me + PUBLISHED] = call + 1
+        self._ring()
 
     def mark_done(self, call: int) -> None:
         self.words[self.me + DONE] = call + 1
+        self._ring()
 
     def mark_left(self, state: int = LEFT) -> None:
         self.words[self.me + STATE] = state
+        self._ring()
+
+    def _ring(self) -> None:
+        """After a word changed: the bell moves (stored after the word), waiters sleeping on it wake."""
+        self.words[self.me + BELL] += 1  # only this rank writes it
+        if self._base is not None:
+            _futex(self._base + 8 * (self.me + BELL), _FUTEX_WAKE, 0x7FFFFFFF, None)
 
     # --- the peers' words
     def read_entry(self, rank: int, call: int) -> List[int]:
@@ -143,9 +199,10 @@ class Control:
         """Until every peer's ``word`` is ``>= at_least``; ``CollectiveTimeoutError`` at ``deadline``
         (``time.monotonic()``) or when a peer left with an error, naming those peers."""
         words, region, peers = self.words, self.region, self.peers
-        polls, yield_until, sleep = 0, 0.0, 2e-5
+        polls, sleep = 0, 2e-5
         while True:
-            if all(words[r * region + word] >= at_least for r in peers):
+            lag = next((r for r in peers if words[r * region + word] < at_least), None)
+            if lag is None:
                 return
             polls += 1
             if polls < _SPIN:
@@ -154,13 +211,16 @@ class Control:
             now = time.monotonic()
             if left or now >= deadline:
                 raise self.timeout_error(word, at_least, what, call, left)
-            if polls == _SPIN:
-                yield_until = now + _YIELD_S
-            if now < yield_until:
-                os.sched_yield()
-            else:
+            if self._base is None:
                 time.sleep(sleep)
                 sleep = min(2 * sleep, _SLEEP_MAX_S)
+                continue
+            bell = words[lag * region + BELL]  # read before the word: a later ring changes it
+            if words[lag * region + word] >= at_least:
+                continue
+            seconds = min(deadline - now, _FUTEX_SLICE_S)
+            expected = (bell & 0xFFFFFFFF) - ((bell & 0x80000000) << 1)  # its low 32 bits, signed
+            _futex(self._base + 8 * (lag * region + BELL), _FUTEX_WAIT, expected, seconds)
 
     def timeout_error(self, word: int, at_least: int, what: str, call: int, left: List[int]) -> Exception:
         missing = [r for r in self.lagging(word, at_least) if r not in left]
@@ -186,6 +246,7 @@ class Control:
         )
 
     def close(self) -> None:
+        self._anchor = self._base = None
         self.words.release()
         try:
             self.mapping.close()

@@ -367,10 +367,11 @@ class SharedMemoryExchange:
             self._peers[(rank, buffer)] = known
         return known[1]
 
-    def _unlink_read(self) -> None:
+    def _unlink_read(self, gone=()) -> None:
+        """Unlink the files every peer has mapped (every peer but ``gone``: those left)."""
         keep = []
         for call, path in self._made:
-            if self.control.lagging(DONE, call + 1):
+            if [r for r in self.control.lagging(DONE, call + 1) if r not in gone]:
                 keep.append((call, path))
             else:
                 _remove(path)
@@ -406,10 +407,8 @@ class SharedMemoryExchange:
         with self._lock:
             deadline = time.monotonic() + grace_s
             while self._made and self._broken is None and time.monotonic() < deadline:
-                self._unlink_read()
+                self._unlink_read(gone=self.control.left())  # a peer that closed reads no more
                 if self._made:
-                    if self.control.left():
-                        break
                     time.sleep(1e-3)
             if self._broken is None:
                 self._broken = "close()"
