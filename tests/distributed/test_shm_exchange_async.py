@@ -42,7 +42,13 @@ def _reference(sends):
     return refs
 
 
-def _in_flight(order: str, scale: int) -> list:
+def _in_flight(order: str, scale: int, futex: bool = True) -> list:
+    if not futex:  # the waits' fallback where futex cannot be called: sleeps
+        saved, shm_control._futex = shm_control._futex, None
+        try:
+            return _in_flight(order, scale)
+        finally:
+            shm_control._futex = saved
     world = dist.get_world_size()
     sends = _sends(world, 3 * shm_exchange.BUFFERS + 2, scale)
     refs = _reference(sends)
@@ -87,6 +93,11 @@ def test_calls_in_flight_complete_in_any_order_with_gloos_bytes(order):
     for calls, same in run_world(_in_flight, 3, order, 40_000):  # past the 128 KiB one-piece copy
         assert calls == 3 * shm_exchange.BUFFERS + 2 and all(same), same
     assert set(glob.glob(FILES)) <= before
+
+
+def test_without_futex_the_waits_sleep_and_give_the_same_bytes():
+    for _, same in run_world(_in_flight, 2, "pipeline", 40_000, False):
+        assert all(same), same
 
 
 def _skips(skipper: int, timeout_s: float) -> dict:
