@@ -9,6 +9,8 @@ the others'::
       [1] done:      how many calls this rank has completed (read every peer's bytes of)
       [2] state:     0 while the rank is in the exchange; LEFT (an error) or CLOSED once it left
       [3] bell:      incremented after each of the words above changes (a futex: waiters sleep on it)
+      [4] sleeping:  1 + the rank whose bell this rank sleeps on, 0 while awake (rings skip the
+                     wake-up call when no peer sleeps on them)
       then ENTRIES entries (call n uses entry n % ENTRIES), each 5 + 3W words:
       [0] n + 1  [1] status (OK / NO_SPACE)  [2] data buffer  [3] its generation  [4] its size
       [5 : 5 + W] bytes for each rank  [5 + W : 5 + 2W] where they start in the buffer
@@ -35,6 +37,7 @@ import ctypes
 import mmap
 import os
 import platform
+import struct
 import time
 from typing import List, Optional, Sequence
 
@@ -81,13 +84,13 @@ _futex = _make_futex()
 # plain stores and loads are ordered (TSO) only on x86: elsewhere the exchange is off (gloo)
 STRONGLY_ORDERED = platform.machine().lower() in ("x86_64", "amd64")
 ENTRIES = 32  # calls whose entries a rank keeps; call n reuses call n - ENTRIES's entry
-PUBLISHED, DONE, STATE, BELL = 0, 1, 2, 3
+PUBLISHED, DONE, STATE, BELL, SLEEPING = 0, 1, 2, 3, 4
 HEAD = 8  # words before the entries (one 64-byte line)
 OK, NO_SPACE = 0, 1  # an entry's status
 LEFT, CLOSED = 1, 2  # a rank's state: left with an error; closed its exchange (or exited)
 _SPIN = 64  # polls before sleeping
 _SLEEP_MAX_S = 1e-3  # without futex
-_FUTEX_SLICE_S = 0.1  # a futex sleep at most this long between checks of the deadline
+_FUTEX_SLICE_S = 0.005  # a futex sleep at most this long (then the deadline and the words again)
 
 
 def entry_words(world: int) -> int:
@@ -138,6 +141,7 @@ class Control:
         self.entry = entry_words(world)
         self.me = rank * self.region
         self.peers = [r for r in range(world) if r != rank]
+        self._entry = struct.Struct(f"{4 + 3 * world}q")  # an entry after its call number
         self._anchor = None  # the ctypes view whose address is the mapping's (held: it pins the address)
         self._base: Optional[int] = None
         if _futex is not None:
@@ -155,9 +159,7 @@ class Control:
         ``published = call + 1``."""
         base = self.entry_base(self.rank, call)
         words = self.words
-        words[base + 1 : base + 5 + 3 * self.world] = memoryview(
-            _pack([status, buffer, generation, size, *header])
-        ).cast("q")
+        self._entry.pack_into(self.mapping, 8 * (base + 1), status, buffer, generation, size, *header)
         words[base] = call + 1
         words[self.me + PUBLISHED] = call + 1
         self._ring()
@@ -172,18 +174,29 @@ class Control:
 
     def _ring(self) -> None:
         """After a word changed: the bell moves (stored after the word), waiters sleeping on it wake."""
-        self.words[self.me + BELL] += 1  # only this rank writes it
+        words, region, me = self.words, self.region, self.rank + 1
+        words[self.me + BELL] += 1  # only this rank writes it
         if self._base is not None:
-            _futex(self._base + 8 * (self.me + BELL), _FUTEX_WAKE, 0x7FFFFFFF, None)
+            for r in self.peers:
+                if words[r * region + SLEEPING] == me:
+                    _futex(self._base + 8 * (self.me + BELL), _FUTEX_WAKE, 0x7FFFFFFF, None)
+                    break
 
     # --- the peers' words
     def read_entry(self, rank: int, call: int) -> List[int]:
         """``[status, buffer, generation, size, *sizes, *starts, *expected]`` of ``rank``'s call ``call``."""
-        base = self.entry_base(rank, call)
-        return self.words[base + 1 : base + 5 + 3 * self.world].tolist()
+        return self._entry.unpack_from(self.mapping, 8 * (self.entry_base(rank, call) + 1))
 
     def done_of(self, rank: int) -> int:
         return self.words[rank * self.region + DONE]
+
+    def reached(self, word: int, at_least: int) -> bool:
+        """Whether every peer's ``word`` is ``>= at_least``."""
+        words, region = self.words, self.region
+        for r in self.peers:
+            if words[r * region + word] < at_least:
+                return False
+        return True
 
     def lagging(self, word: int, at_least: int) -> List[int]:
         """The peers whose ``word`` is below ``at_least``."""
@@ -215,12 +228,18 @@ class Control:
                 time.sleep(sleep)
                 sleep = min(2 * sleep, _SLEEP_MAX_S)
                 continue
-            bell = words[lag * region + BELL]  # read before the word: a later ring changes it
-            if words[lag * region + word] >= at_least:
-                continue
-            seconds = min(deadline - now, _FUTEX_SLICE_S)
-            expected = (bell & 0xFFFFFFFF) - ((bell & 0x80000000) << 1)  # its low 32 bits, signed
-            _futex(self._base + 8 * (lag * region + BELL), _FUTEX_WAIT, expected, seconds)
+            # sleeping first, then the bell, then the word: a ring after the word was read changes the
+            # bell, and the kernel compares it before sleeping. The ringer reads ``sleeping`` without
+            # a fence (none in Python): it may miss a sleeper by the nanoseconds its store takes to
+            # leave the store buffer, which the kernel's comparison almost always sees; at worst the
+            # sleeper wakes at the end of its slice
+            words[self.me + SLEEPING] = lag + 1
+            bell = words[lag * region + BELL]
+            if words[lag * region + word] < at_least:
+                seconds = min(deadline - now, _FUTEX_SLICE_S)
+                expected = (bell & 0xFFFFFFFF) - ((bell & 0x80000000) << 1)  # its low 32 bits, signed
+                _futex(self._base + 8 * (lag * region + BELL), _FUTEX_WAIT, expected, seconds)
+            words[self.me + SLEEPING] = 0
 
     def timeout_error(self, word: int, at_least: int, what: str, call: int, left: List[int]) -> Exception:
         missing = [r for r in self.lagging(word, at_least) if r not in left]
@@ -252,12 +271,6 @@ class Control:
             self.mapping.close()
         except BufferError:  # a view still exported: the mapping goes with its last reference
             pass
-
-
-def _pack(values: List[int]) -> bytes:
-    import struct
-
-    return struct.pack(f"{len(values)}q", *values)
 
 
 def deadline_after(seconds: Optional[float]) -> float:

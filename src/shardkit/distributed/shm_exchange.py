@@ -280,8 +280,10 @@ class SharedMemoryExchange:
 
     def _take_buffer(self, call: int, need: int) -> Optional[_Buffer]:
         """A buffer every peer has finished reading, holding at least ``need`` bytes (None: no space)."""
-        self._unlink_read()
-        free = [b for b in self._buffers if b.last < 0 or not self.control.lagging(DONE, b.last + 1)]
+        if self._made:
+            self._unlink_read()
+        reached = self.control.reached
+        free = [b for b in self._buffers if b.last < 0 or reached(DONE, b.last + 1)]
         fits = [b for b in free if b.size >= need]
         if fits:
             buf = fits[0]
@@ -346,7 +348,7 @@ class SharedMemoryExchange:
 
     def _wait_done(self, call: int, why: str) -> None:
         """Until every peer has completed ``call`` (this rank has: ``_publish``'s rule)."""
-        if call < 0 or not self.control.lagging(DONE, call + 1):
+        if call < 0 or self.control.reached(DONE, call + 1):
             return
         deadline = time.monotonic() + self.timeout_s
         self.control.wait_for(DONE, call + 1, deadline, f"{why} for call {self._calls - 1}", call)
