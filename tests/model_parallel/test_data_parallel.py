@@ -44,3 +44,61 @@ def _wrapper_worker(has_forward_sync_buffers: bool) -> bool:
 @pytest.mark.parametrize("has_forward_sync_buffers", [True, False], ids=["torch>=2.13", "older-torch"])
 def test_buffers_synced_once_and_gradients_averaged(run_world, has_forward_sync_buffers):
     assert run_world(_wrapper_worker, 2, has_forward_sync_buffers) == [True, True]
+
+
+def _dense_after_steps(shm: bool, precision, steps: int = 3) -> dict:
+    """A DLRM's dense parameters after ``steps`` DMP steps, with the shared-memory exchange ``shm``."""
+    import copy
+
+    from shardkit.distributed import shm_exchange
+    from shardkit.sharding.sharding_plan import construct_module_sharding_plan, row_wise
+    from tests.model_parallel import _dlrm as d
+
+    shm_exchange.set_shm_exchange(shm)
+    try:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        model = copy.deepcopy(d.make_model())
+        names = [name for name, *_ in d.TABLES]
+        plan = ShardingPlan(
+            {"ebc": construct_module_sharding_plan(model.ebc, {n: row_wise() for n in names}, world, world)}
+        )
+        wrapper = data_parallel.DefaultDataParallelWrapper(allreduce_comm_precision=precision)
+        dmp = DistributedModelParallel(model, plan=plan, data_parallel_wrapper=wrapper)
+        hooks = [state for _, state in getattr(dmp._dmp_wrapped_module, "_comm_hooks", [])]
+        dense = torch.optim.SGD(dict(dmp.bare_named_parameters()).values(), lr=d.LR)
+        for step in range(steps):
+            dense.zero_grad()
+            loss, _ = dmp(d.rank_batch(step, rank))
+            loss.backward()
+            dense.step()
+        return {
+            "dense": {
+                n: p.detach().clone() for n, p in dmp.module.named_parameters() if not n.startswith("ebc.")
+            },
+            "shm_hook_calls": [h.calls for h in hooks if isinstance(h, data_parallel.ShmAllReduceState)],
+            "hooks": len(hooks),
+        }
+    finally:
+        shm_exchange.set_shm_exchange(False)
+        shm_exchange.close_all()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_gradient_all_reduce_goes_through_shared_memory_with_the_same_parameters(run_world, world_size):
+    on = run_world(_dense_after_steps, world_size, True, None)
+    off = run_world(_dense_after_steps, world_size, False, None)
+    for a, b in zip(on, off):
+        assert a["shm_hook_calls"] == [3] and b["hooks"] == 0  # one bucket per step, through the hook
+        assert a["dense"].keys() == b["dense"].keys() and a["dense"]
+        for name in a["dense"]:
+            if world_size == 2:  # x / 2 + y / 2: one rounding whatever the order, bitwise gloo's
+                assert torch.equal(a["dense"][name], b["dense"][name]), name
+            else:  # gloo sums 3 ranks in its own order: fp32 reassociation
+                torch.testing.assert_close(a["dense"][name], b["dense"][name], rtol=1e-5, atol=1e-6)
+    # the same bits on every rank either way
+    assert all(torch.equal(on[0]["dense"][n], r["dense"][n]) for r in on for n in on[0]["dense"])
+
+
+def test_no_shared_memory_hook_over_a_callers_comm_hook(run_world):
+    got = run_world(_dense_after_steps, 2, True, "fp16", 1)
+    assert all(r["shm_hook_calls"] == [] and r["hooks"] == 1 for r in got)

@@ -94,6 +94,7 @@ QUICK_ARGS: Dict[str, List[str]] = {
     # without CUDA: the device bookkeeping's ops and host-value calls counted on CPU tensors
     "offload_gpu_syncs": ["--quick", "--device", "cpu"],
     "step_phases": ["--steps", "3", "--warmup", "1"],
+    "shm_transport": ["--quick"],
     # needs torchrec (the peer venv); elsewhere it writes a "skipped" result saying what to install
     "step_waits": ["--rows", "1", "--steps", "1", "--rounds", "1"],
 }

@@ -72,14 +72,17 @@ def all_to_all_single(
         )
     if shm_exchange.shm_exchange_enabled() and input.device.type == "cpu" and output.device.type == "cpu":
         exchange = shm_exchange.exchange_for(group)
-        if exchange is not None:  # one host, gloo: through shared memory, complete on return
-            exchange.all_to_all(
+        if exchange is not None:  # one host, gloo: through shared memory
+            work = exchange.all_to_all(
                 output.reshape(-1).view(torch.uint8),
                 input.reshape(-1).view(torch.uint8),
                 _split_bytes(output, output_split_sizes, exchange.world),
                 _split_bytes(input, input_split_sizes, exchange.world),
             )
-            return shm_exchange.DONE if async_op else None
+            if async_op:
+                return work
+            work.wait()
+            return None
     opts = _OPTIONS.get(async_op) or _options(async_op)  # made on the first call only
     work = group.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
     if async_op:

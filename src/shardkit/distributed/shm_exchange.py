@@ -1,25 +1,39 @@
-"""An all-to-all between the CPU ranks of one host through shared memory instead of gloo's loopback TCP.
+"""All-to-alls and all-reduces between the CPU ranks of one host through shared memory, not gloo's TCP.
 
-Opt-in: ``SHARDKIT_SHM_EXCHANGE=1`` (or :func:`set_shm_exchange`), read by
-:func:`shardkit.distributed.direct_collectives.all_to_all_single`, which the comm ops and the KJT
-all-to-all call. It must agree between the ranks (a rank on gloo and one on shared memory would hang):
-it is one of :func:`shardkit.distributed.switches.result_switches`.
+Opt-in: ``SHARDKIT_SHM_EXCHANGE=1`` (or :func:`set_shm_exchange`; the default is :data:`DEFAULT_ENABLED`),
+read by :func:`shardkit.distributed.direct_collectives.all_to_all_single`, which the comm ops and the
+KJT all-to-all call, and by the DDP comm hook of ``DistributedModelParallel``
+(:mod:`shardkit.model_parallel.data_parallel`). It must agree between the ranks (one of
+:func:`shardkit.distributed.switches.result_switches`).
 
 Why: gloo moves an all-to-all's bytes through loopback TCP; on the 2-core test machine 4 MiB per peer
-took 2.4-4.0 ms where a copy of them takes 0.4 ms (docs/performance.md, "What the ranks wait on").
+took 2.3-3.6 ms where a copy of them takes 0.4 ms, and a 64 B exchange 0.2-0.7 ms of wall.
 
-How, per call (``W`` ranks of ``group``, all on this host): every rank has two shared files (in
-``/dev/shm``, mapped by every rank of the group, unlinked once mapped) and alternates between them.
-It copies its chunk for each other rank into its current file at the chunk's offset in its input; one
-small all-gather of ``[generation, W + 1 send offsets]`` per rank is the fence: after it every rank
-has written, and knows where its chunks lie in the others' files; each rank then copies its chunks
-out into ``output`` (its own chunk straight from ``input``). Two files: a rank writes file ``b`` again
-two calls later, after the fence of the call between, which every rank enters only once it has read
-everything of the call before. A file too small for a send is replaced by a larger one (its
-generation, in the fence, tells the peers to map the new one). The exchange completes when it
-starts (no background thread): the returned work is already done.
+How (``W`` ranks of a gloo ``group``, all on this host, x86-64): a control block per group
+(:mod:`shardkit.distributed.shm_control`) and, per rank, up to :data:`BUFFERS` data files in
+``/dev/shm``, each mapped by every rank and unlinked once every rank has mapped it. A call:
 
-Bytes are copied as they are: the result is bitwise gloo's.
+- start: the rank picks a data buffer that every peer has finished reading, copies its chunks for
+  the others into it, writes the call's entry (buffer, generation, bytes and offset per peer, bytes
+  it expects from each) and then its published count; its own chunk goes straight to ``output``;
+- ``wait()``: waits for every peer's published count (no gloo in the path), checks every pair's
+  sizes (the same check on every rank, so a mismatch is an error on every rank), copies its chunks
+  out of the peers' buffers and publishes its done count. Works complete in call order (waiting for
+  call n completes the rank's earlier calls first), so any order of ``wait()`` is correct.
+
+A rank reuses a buffer only after every peer's done count passed the call that last used it; when
+every buffer is busy it first completes its own pending calls up to that one (it holds their output
+tensors), then waits: whatever the program order, no rank waits for a peer that waits for it.
+
+Space: a data file is reserved (``posix_fallocate``) before it is mapped. A rank whose reservation
+fails publishes the call with status ``NO_SPACE``; every rank, reading every entry of that call, then
+exchanges that call through gloo and every later call through gloo too (the same decision from the
+same published data, at the same point of every rank's program).
+
+Every wait ends at the group's timeout with a ``CollectiveTimeoutError`` naming the ranks that did not
+publish (or finish reading), the call and the group size; a rank that fails marks itself as left so
+that the others stop waiting for it at once. Bytes are copied as they are: all-to-alls are bitwise
+gloo's; an all-reduce sums in rank order, the same bits on every rank.
 """
 
 from __future__ import annotations
@@ -27,27 +41,38 @@ from __future__ import annotations
 import atexit
 import os
 import socket
+import threading
+import time
 import uuid
 import weakref
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from shardkit.distributed import shm_control
+from shardkit.distributed.shm_control import DONE, NO_SPACE, OK, PUBLISHED, Control
 from shardkit.distributed.state import register_reset
 
 ENV = "SHARDKIT_SHM_EXCHANGE"
+DEFAULT_ENABLED = False  # the setting without SHARDKIT_SHM_EXCHANGE (one line to flip)
+BUFFERS = 4  # data buffers per rank and group (two suffice for calls that are waited at once)
+SMALL = 128 << 10  # sends up to this many bytes are copied in one piece, the rank's own chunk included
+MIN_FILE = 64 << 10
 _enabled: Optional[bool] = None
 
 
 def shm_exchange_enabled() -> bool:
-    """Whether CPU all-to-alls of one-host gloo groups go through shared memory (default: off)."""
+    """Whether CPU all-to-alls of one-host gloo groups go through shared memory."""
     global _enabled
     if _enabled is None:
-        value = os.environ.get(ENV, "0")
-        if value not in ("0", "1"):
+        value = os.environ.get(ENV)
+        if value is None:
+            _enabled = DEFAULT_ENABLED
+        elif value not in ("0", "1"):
             raise ValueError(f"{ENV}={value!r}: expected 0 or 1")
-        _enabled = value == "1"
+        else:
+            _enabled = value == "1"
     return _enabled
 
 
@@ -57,120 +82,340 @@ def set_shm_exchange(enabled: bool) -> None:
     _enabled = bool(enabled)
 
 
-class _Done:
-    """The work of an exchange that completed when it started."""
+class ShmWork:
+    """One call of a :class:`SharedMemoryExchange`: ``wait()`` completes it (and the rank's earlier calls)."""
+
+    __slots__ = ("exchange", "call", "finish", "fallback", "done")
+
+    def __init__(self, exchange, call: int, finish: Callable, fallback: Callable) -> None:
+        self.exchange = exchange
+        self.call = call
+        self.finish = finish  # (entries) -> None: copy the peers' bytes out
+        self.fallback = fallback  # () -> None: the same call through gloo
+        self.done = False
 
     def wait(self, timeout=None) -> bool:
+        if not self.done:
+            self.exchange.complete_through(self.call)
         return True
 
     def is_completed(self) -> bool:
-        return True
+        return self.done
 
 
-DONE = _Done()
+class _Buffer:
+    __slots__ = ("index", "generation", "size", "tensor", "last")
+
+    def __init__(self, index: int) -> None:
+        self.index, self.generation, self.size, self.last = index, 0, 0, -1
+        self.tensor: Optional[torch.Tensor] = None
 
 
 class SharedMemoryExchange:
-    """The two shared files of this rank in ``group`` and its mappings of the other ranks' files."""
+    """This rank's data buffers in ``group``, its mappings of the peers' and the group's control block."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-        self.rank, self.world = group.rank(), group.size()
-        # a prefix unique to this group instance, the same on every rank (rank 0's, gathered)
-        host = f"{socket.gethostname()}:{_boot_id()}"
-        names: List[Optional[tuple]] = [None] * self.world
-        dist.all_gather_object(names, (host, uuid.uuid4().hex[:12]), group=group)
-        self.one_host = len({h for h, _ in names}) == 1
-        self.prefix = f"/dev/shm/shardkit-x-{names[0][1]}"
-        self._mine: List[Optional[torch.Tensor]] = [None, None]
-        self._generation = [0, 0]
-        self._peers: Dict[tuple, tuple] = {}  # (source rank, file) -> (generation, mapping)
-        self._made: List[tuple] = []  # (call index, path) of files not unlinked yet
+    def __init__(self, group: dist.ProcessGroup, control: Control, prefix: str, timeout_s: float) -> None:
+        self.group, self.control, self.prefix = group, control, prefix
+        self.rank, self.world = control.rank, control.world
+        self.timeout_s = timeout_s
+        self._buffers: List[_Buffer] = []
+        self._peers: Dict[tuple, tuple] = {}  # (rank, buffer) -> (generation, tensor)
+        self._made: List[tuple] = []  # (call, path): files not unlinked yet
+        self._pending: List[ShmWork] = []
         self._calls = 0
-        self._fence = torch.empty(self.world * (self.world + 3), dtype=torch.int64)
+        self._completed = 0
+        self._gloo_only = False  # set for good once a call found a rank without space
+        self._broken: Optional[str] = None
+        self._lock = threading.RLock()
 
-    def _path(self, rank: int, which: int, generation: int) -> str:
-        return f"{self.prefix}-{rank}-{which}-{generation}"
-
-    def _grow(self, which: int, nbytes: int, call: int) -> None:
-        old = self._mine[which]
-        size = max(nbytes, 1 << 20, 0 if old is None else 2 * old.numel())
-        self._generation[which] += 1
-        path = self._path(self.rank, which, self._generation[which])
-        with open(path, "wb") as f:
-            f.truncate(size)
-        self._mine[which] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        self._made.append((call, path))  # unlinked after the next call's fence: every peer mapped it
-
+    # --- public calls
     def all_to_all(
         self, output: torch.Tensor, input: torch.Tensor, output_splits: List[int], input_splits: List[int]
-    ) -> _Done:
-        """``output`` / ``input``: contiguous uint8; splits: bytes per rank. Completes before it returns."""
-        call = self._calls
-        which = call % 2
-        self._calls += 1
-        sent = [0]
-        for n in input_splits:
-            sent.append(sent[-1] + n)
-        if sent[-1] > input.numel() or sum(output_splits) > output.numel():
-            raise ValueError(
-                f"shared-memory all-to-all on rank {self.rank}: splits {input_splits} / {output_splits} "
-                f"exceed "
-                f"the input ({input.numel()} bytes) / output ({output.numel()} bytes)"
-            )
-        mine = self._mine[which]
-        if mine is None or mine.numel() < sent[-1]:
-            self._grow(which, sent[-1], call)
-            mine = self._mine[which]
-        for r in range(self.world):
-            if r != self.rank and input_splits[r]:
-                mine[sent[r] : sent[r + 1]].copy_(input[sent[r] : sent[r + 1]])
-        header = torch.tensor([self._generation[which], mine.numel(), *sent], dtype=torch.int64)
-        _all_gather(self._fence, header, group=self.group)
-        fence = self._fence.view(self.world, self.world + 3).tolist()
-        for made, path in self._made:
-            if made < call:
-                _remove(path)
-        self._made = [(made, path) for made, path in self._made if made == call]
-        at = 0
-        for s in range(self.world):
-            n = output_splits[s]
-            if s == self.rank:
-                output[at : at + n].copy_(input[sent[s] : sent[s] + n])
-            else:
-                generation, size, offsets = fence[s][0], fence[s][1], fence[s][2:]
-                if offsets[self.rank + 1] - offsets[self.rank] != n:
-                    raise ValueError(
-                        f"shared-memory all-to-all: rank {s} sends "
-                        f"{offsets[self.rank + 1] - offsets[self.rank]} bytes to rank {self.rank}, which "
-                        f"expects {n}"
-                    )
-                # mapped whenever its generation changes, bytes for this rank or not: the file is
-                # unlinked after the next call's fence
-                src = self._peer(s, which, generation, size)
-                output[at : at + n].copy_(src[offsets[self.rank] : offsets[self.rank] + n])
-            at += n
-        return DONE
+    ):
+        """``output`` / ``input``: contiguous uint8; splits: bytes per rank. Returns a work (wait it)."""
+        with self._lock:
+            self._usable()
+            if self._gloo_only:
+                return self._gloo_all_to_all(output, input, output_splits, input_splits, async_op=True)
+            try:
+                return self._start_all_to_all(output, input, output_splits, input_splits)
+            except BaseException as err:
+                self._fail(err)
+                raise
 
-    def _peer(self, rank: int, which: int, generation: int, size: int) -> torch.Tensor:
-        known = self._peers.get((rank, which))
-        if known is None or known[0] != generation:
-            mapping = torch.from_file(
-                self._path(rank, which, generation), shared=True, size=size, dtype=torch.uint8
+    def all_reduce_sum(self, tensor: torch.Tensor):
+        """Sum contiguous CPU ``tensor`` over the group in place, in rank order (the same bits on every
+        rank). Returns a work (wait it)."""
+        with self._lock:
+            self._usable()
+            if self._gloo_only:
+                return dist.all_reduce(tensor, group=self.group, async_op=True)
+            try:
+                return self._start_all_reduce(tensor)
+            except BaseException as err:
+                self._fail(err)
+                raise
+
+    def complete_through(self, call: int) -> None:
+        """Complete this rank's pending calls up to ``call``, in call order."""
+        with self._lock:
+            self._usable()
+            try:
+                while self._pending and self._pending[0].call <= call:
+                    self._complete(self._pending.pop(0))
+            except BaseException as err:
+                self._fail(err)
+                raise
+
+    # --- starting a call
+    def _start_all_to_all(self, output, input, output_splits, input_splits) -> ShmWork:
+        world, me = self.world, self.rank
+        if len(input_splits) != world or len(output_splits) != world:
+            raise ValueError(
+                f"shared-memory all-to-all on rank {me}: {len(input_splits)} input / {len(output_splits)} "
+                f"output splits for a group of {world}"
             )
-            self._peers[(rank, which)] = known = (generation, mapping)
+        at = [0]
+        for n in input_splits:
+            at.append(at[-1] + n)
+        out_at = [0]
+        for n in output_splits:
+            out_at.append(out_at[-1] + n)
+        if at[-1] > input.numel() or out_at[-1] > output.numel():
+            raise ValueError(
+                f"shared-memory all-to-all on rank {me}: splits {input_splits} / {output_splits} exceed the "
+                f"input ({input.numel()} bytes) / output ({output.numel()} bytes)"
+            )
+        own = input_splits[me]
+        if at[-1] <= SMALL:  # one copy, own chunk included
+            need, starts = at[-1], at[:world]
+            pieces = [(0, 0, need)] if need else []
+        else:
+            need, starts, pieces = 0, [0] * world, []
+            for r in range(world):
+                if r != me and input_splits[r]:
+                    starts[r] = need
+                    pieces.append((need, at[r], input_splits[r]))
+                    need += input_splits[r]
+        call = self._calls
+
+        def write(buf: torch.Tensor) -> None:
+            for dst, src, n in pieces:
+                buf[dst : dst + n].copy_(input[src : src + n])
+
+        self._publish(call, need, write, list(input_splits) + starts + list(output_splits))
+        if own and output_splits[me] == own:
+            output[out_at[me] : out_at[me] + own].copy_(input[at[me] : at[me] + own])
+
+        def finish(entries: List[List[int]]) -> None:
+            for s in range(world):
+                n = output_splits[s]
+                if s != me and n:
+                    entry = entries[s]
+                    start = entry[4 + world + me]
+                    output[out_at[s] : out_at[s] + n].copy_(self._peer(s, entry)[start : start + n])
+
+        def fallback() -> None:
+            self._gloo_all_to_all(output, input, output_splits, input_splits, async_op=False)
+
+        return self._track(call, finish, fallback)
+
+    def _start_all_reduce(self, tensor: torch.Tensor) -> ShmWork:
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(
+                f"shared-memory all-reduce: a contiguous CPU tensor, got {tensor.device}, "
+                f"contiguous {tensor.is_contiguous()}"
+            )
+        flat = tensor.view(-1)
+        raw = flat.view(torch.uint8)
+        nbytes, world, me = raw.numel(), self.world, self.rank
+        call = self._calls
+
+        def write(buf: torch.Tensor) -> None:
+            buf[:nbytes].copy_(raw)
+
+        self._publish(call, nbytes, write, [nbytes] * world + [0] * world + [nbytes] * world)
+
+        def finish(entries: List[List[int]]) -> None:
+            if not nbytes:
+                return
+            parts = [
+                flat if s == me else self._peer(s, entries[s])[:nbytes].view(flat.dtype) for s in range(world)
+            ]
+            if me != 0:
+                parts[me] = flat.clone()
+                flat.copy_(parts[0])
+            for s in range(1, world):
+                flat.add_(parts[s])
+
+        def fallback() -> None:
+            dist.all_reduce(tensor, group=self.group)
+
+        return self._track(call, finish, fallback)
+
+    def _track(self, call: int, finish: Callable, fallback: Callable) -> ShmWork:
+        work = ShmWork(self, call, finish, fallback)
+        self._pending.append(work)
+        return work
+
+    def _publish(self, call: int, need: int, write: Callable, header: List[int]) -> None:
+        """Take a buffer for ``need`` bytes, ``write`` them into it, publish call ``call``."""
+        self._calls = call + 1
+        # a rule of program order, the same on every rank (a completion may issue gloo's fallback
+        # collective, so it must not depend on timing): call n first completes the rank's calls up to
+        # n - BUFFERS. Its own older calls complete, it then waits for no peer that waits for it.
+        while self._pending and self._pending[0].call <= call - BUFFERS:
+            self._complete(self._pending.pop(0))
+        # call n reuses call n - ENTRIES's entry: every peer must have read that call
+        self._wait_done(call - shm_control.ENTRIES, "reusing its entry")
+        status, buf = OK, None
+        if need:
+            buf = self._take_buffer(call, need)
+            if buf is None:
+                status = NO_SPACE
+            else:
+                write(buf.tensor)
+        index, generation, size = (buf.index, buf.generation, buf.size) if buf is not None else (-1, 0, 0)
+        self.control.publish(call, status, index, generation, size, header)
+
+    def _take_buffer(self, call: int, need: int) -> Optional[_Buffer]:
+        """A buffer every peer has finished reading, holding at least ``need`` bytes (None: no space)."""
+        if self._made:
+            self._unlink_read()
+        reached = self.control.reached
+        free = [b for b in self._buffers if b.last < 0 or reached(DONE, b.last + 1)]
+        fits = [b for b in free if b.size >= need]
+        if fits:
+            buf = fits[0]
+        elif len(self._buffers) < BUFFERS:
+            buf = _Buffer(len(self._buffers))
+            self._buffers.append(buf)
+        elif free:
+            buf = max(free, key=lambda b: b.size)
+        else:  # used by calls n - BUFFERS at the latest: complete here (above), maybe not on a peer yet
+            buf = min(self._buffers, key=lambda b: b.last)
+            self._wait_done(buf.last, "reusing its buffer")
+        if buf.size < need and not self._grow(buf, need, call):
+            return None
+        buf.last = call
+        return buf
+
+    def _grow(self, buf: _Buffer, need: int, call: int) -> bool:
+        for size in dict.fromkeys((max(need, MIN_FILE, 2 * buf.size), need)):
+            path = f"{self.prefix}-{self.rank}-{buf.index}-{buf.generation + 1}"
+            try:
+                mapping = shm_control.map_file(path, size, create=True)
+            except OSError:
+                continue
+            buf.generation += 1
+            buf.size = size
+            buf.tensor = torch.frombuffer(mapping, dtype=torch.uint8)
+            self._made.append((call, path))  # unlinked once every peer completed ``call`` (mapped it)
+            return True
+        return False
+
+    # --- completing a call
+    def _complete(self, work: ShmWork) -> None:
+        call, world = work.call, self.world
+        deadline = time.monotonic() + self.timeout_s
+        self.control.wait_for(PUBLISHED, call + 1, deadline, "waiting for the peers' bytes", call)
+        entries = [self.control.read_entry(r, call) for r in range(world)]
+        bad = [
+            (s, d, entries[s][4 + d], entries[d][4 + 2 * world + s])
+            for s in range(world)
+            for d in range(world)
+            if entries[s][4 + d] != entries[d][4 + 2 * world + s]
+        ]
+        if bad:
+            raise ValueError(
+                f"shared-memory exchange, call {call} of a group of {world}: the ranks disagree on sizes: "
+                + "; ".join(f"rank {s} sends {n} bytes to rank {d}, which expects {m}" for s, d, n, m in bad)
+            )
+        for s in range(world):  # map every new file, read from or not: its maker unlinks it after this
+            if s != self.rank and entries[s][1] >= 0 and entries[s][0] == OK:
+                self._peer(s, entries[s])
+        if any(entry[0] == NO_SPACE for entry in entries):
+            self._gloo_only = True  # this call and every later one, on every rank
+            work.fallback()
+        else:
+            work.finish(entries)
+        work.done = True
+        work.finish = work.fallback = None
+        self._completed = call + 1
+        self.control.mark_done(call)
+        if self._made:
+            self._unlink_read()
+
+    def _wait_done(self, call: int, why: str) -> None:
+        """Until every peer has completed ``call`` (this rank has: ``_publish``'s rule)."""
+        if call < 0 or self.control.reached(DONE, call + 1):
+            return
+        deadline = time.monotonic() + self.timeout_s
+        self.control.wait_for(DONE, call + 1, deadline, f"{why} for call {self._calls - 1}", call)
+
+    def _peer(self, rank: int, entry: List[int]) -> torch.Tensor:
+        buffer, generation, size = entry[1], entry[2], entry[3]
+        known = self._peers.get((rank, buffer))
+        if known is None or known[0] != generation:
+            path = f"{self.prefix}-{rank}-{buffer}-{generation}"
+            try:
+                mapping = shm_control.map_file(path, size, create=False)
+            except FileNotFoundError:
+                raise RuntimeError(
+                    f"shared-memory exchange, rank {self.rank}: rank {rank}'s file {path} is gone (that rank "
+                    "closed its exchange or left)"
+                ) from None
+            known = (generation, torch.frombuffer(mapping, dtype=torch.uint8))
+            self._peers[(rank, buffer)] = known
         return known[1]
 
-    def close(self) -> None:
+    def _unlink_read(self, gone=()) -> None:
+        """Unlink the files every peer has mapped (every peer but ``gone``: those left)."""
+        keep = []
+        for call, path in self._made:
+            if [r for r in self.control.lagging(DONE, call + 1) if r not in gone]:
+                keep.append((call, path))
+            else:
+                _remove(path)
+        self._made = keep
+
+    # --- gloo, errors, closing
+    def _gloo_all_to_all(self, output, input, output_splits, input_splits, async_op: bool):
+        return dist.all_to_all_single(
+            output, input, output_splits, input_splits, group=self.group, async_op=async_op
+        )
+
+    def _usable(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"shared-memory exchange, rank {self.rank}: unusable after {self._broken}")
+
+    def _fail(self, err: BaseException) -> None:
+        """Leave the exchange: the peers stop waiting for this rank; its files go."""
+        if self._broken is None:
+            self._broken = f"an error at call {self._completed}..{self._calls - 1}: {str(err)[:300]}"
+            self.control.mark_left()
+            self._drop()
+
+    def _drop(self) -> None:
         for _, path in self._made:
             _remove(path)
         self._made = []
-        self._mine = [None, None]
+        self._buffers = []
         self._peers.clear()
+        self._pending = []
 
-
-# torch 2.13 renamed all_gather_into_tensor (now deprecated, with a warning per call)
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    def close(self, grace_s: float = 5.0) -> None:
+        """Unlink this rank's files (after up to ``grace_s`` for the peers to map the newest) and leave."""
+        with self._lock:
+            deadline = time.monotonic() + grace_s
+            while self._made and self._broken is None and time.monotonic() < deadline:
+                self._unlink_read(gone=self.control.left())  # a peer that closed reads no more
+                if self._made:
+                    time.sleep(1e-3)
+            if self._broken is None:
+                self._broken = "close()"
+                self.control.mark_left(shm_control.CLOSED)
+            self._drop()
 
 
 def _remove(path: str) -> None:
@@ -188,29 +433,66 @@ def _boot_id() -> str:
         return ""
 
 
+def _timeout_s(group: dist.ProcessGroup) -> float:
+    from shardkit.distributed import timeouts
+
+    timeout = timeouts.process_group_timeout(group) or timeouts.group_timeout()
+    return timeout.total_seconds()
+
+
+def _make(group: dist.ProcessGroup) -> Optional[SharedMemoryExchange]:
+    """Set up ``group``'s exchange (a collective of the group, through gloo, once); None where the ranks
+    span hosts, the CPU is not strongly ordered or ``/dev/shm`` has no room for the control block."""
+    rank, world = group.rank(), group.size()
+    host = f"{socket.gethostname()}:{_boot_id()}"
+    prefix, mapping, ok = f"/dev/shm/shardkit-x-{uuid.uuid4().hex[:12]}", None, True
+    if rank == 0:
+        try:
+            mapping = shm_control.map_file(prefix + "-control", shm_control.control_bytes(world), create=True)
+        except OSError:
+            ok = False
+    names: List[Optional[tuple]] = [None] * world
+    dist.all_gather_object(names, (host, prefix, ok, shm_control.STRONGLY_ORDERED), group=group)
+    usable = len({n[0] for n in names}) == 1 and names[0][2] and all(n[3] for n in names)
+    prefix = names[0][1]
+    if usable and rank != 0:
+        try:
+            mapping = shm_control.map_file(
+                prefix + "-control", shm_control.control_bytes(world), create=False
+            )
+        except OSError:
+            ok = False
+    oks: List[Optional[bool]] = [None] * world
+    dist.all_gather_object(oks, usable and ok, group=group)  # every rank has mapped it (or failed)
+    if rank == 0 and names[0][2]:
+        _remove(prefix + "-control")
+    if not all(oks):
+        return None
+    control = Control(mapping, rank, world, dist.get_process_group_ranks(group))
+    return SharedMemoryExchange(group, control, prefix, _timeout_s(group))
+
+
 _EXCHANGES: weakref.WeakKeyDictionary[dist.ProcessGroup, Optional[SharedMemoryExchange]] = (
     weakref.WeakKeyDictionary()
 )
 
 
 def exchange_for(group: dist.ProcessGroup) -> Optional[SharedMemoryExchange]:
-    """The group's exchange (made on its first all-to-all: a collective), None where its ranks span hosts
-    or its backend is not gloo."""
+    """The group's exchange (made on its first use: a collective), None where its ranks span hosts,
+    its backend is not gloo or the CPU is not strongly ordered (gloo carries the bytes)."""
     try:
         return _EXCHANGES[group]
     except KeyError:
         pass
     exchange = None
     if "gloo" in str(dist.get_backend(group)) and group.size() > 1:
-        exchange = SharedMemoryExchange(group)
-        if not exchange.one_host:
-            exchange = None
+        exchange = _make(group)
     _EXCHANGES[group] = exchange
     return exchange
 
 
 def close_all() -> None:
-    """Unlink this process's pending files and drop every mapping (tests; process exit)."""
+    """Unlink this process's files and leave every exchange (tests; process exit)."""
     for exchange in list(_EXCHANGES.values()):
         if exchange is not None:
             exchange.close()
@@ -225,12 +507,15 @@ def _reset() -> None:
 
 
 register_reset("shm_exchange", _reset)
-atexit.register(close_all)  # files made in the last call are otherwise unlinked at the next one
+atexit.register(close_all)
 
 
 __all__ = [
+    "BUFFERS",
+    "DEFAULT_ENABLED",
     "ENV",
     "SharedMemoryExchange",
+    "ShmWork",
     "close_all",
     "exchange_for",
     "set_shm_exchange",

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from shardkit.distributed import shm_exchange
 from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.sharding.types import ShardedModule
 
@@ -51,6 +52,33 @@ _HAS_FORWARD_SYNC_BUFFERS = (
 )
 
 
+class ShmAllReduceState:
+    """The state of :func:`shm_allreduce_hook`: the group's shared-memory exchange, and how many buckets
+    went through it."""
+
+    def __init__(self, exchange: shm_exchange.SharedMemoryExchange) -> None:
+        self.exchange = exchange
+        self.calls = 0
+
+    def __deepcopy__(self, memo) -> ShmAllReduceState:
+        return self  # a handle on the group's exchange (a copied DDP keeps its hooks' states, unused)
+
+    def __getstate__(self) -> dict:
+        return {"exchange": None, "calls": self.calls}  # mappings of this process do not travel
+
+
+def shm_allreduce_hook(state, bucket):  # unannotated: DDP checks real annotations, these are strings
+    """DDP's default all-reduce (each rank's gradients divided by the world size, then summed) through
+    the shared-memory exchange instead of gloo; the sum is in rank order, the same bits on every rank."""
+    tensor = bucket.buffer()
+    tensor.div_(state.exchange.world)
+    state.exchange.all_reduce_sum(tensor).wait()
+    state.calls += 1
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(tensor)
+    return future
+
+
 class DataParallelWrapper(abc.ABC):
     """Applies data parallelism to the modules of a ``DistributedModelParallel`` that are not sharded."""
 
@@ -66,6 +94,10 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
         bucket_cap_mb, static_graph, find_unused_parameters: passed to DDP.
         allreduce_comm_precision: ``"fp16"`` or ``"bf16"`` compresses the gradient all-reduce
             (DDP comm hook); None keeps full precision.
+        shm_allreduce: with the shared-memory exchange on (``SHARDKIT_SHM_EXCHANGE=1``), a CPU model on
+            one host and no ``allreduce_comm_precision``, register :func:`shm_allreduce_hook` (the
+            gradient all-reduce through shared memory, not gloo). False leaves DDP's own all-reduce
+            (and ``register_comm_hook`` free for the caller: DDP takes one hook only).
 
     Does nothing when the environment has no process group (a local world), when the module is
     already wrapped, or when no replicated parameter needs a gradient (DDP would have nothing to do).
@@ -77,6 +109,7 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
         static_graph: bool = True,
         find_unused_parameters: bool = False,
         allreduce_comm_precision: Optional[str] = None,
+        shm_allreduce: bool = True,
     ) -> None:
         if allreduce_comm_precision is not None and allreduce_comm_precision not in _COMM_HOOKS:
             raise ValueError(
@@ -87,6 +120,7 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
         self._static_graph = static_graph
         self._find_unused_parameters = find_unused_parameters
         self._allreduce_comm_precision = allreduce_comm_precision
+        self._shm_allreduce = shm_allreduce
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
         module = dmp._dmp_wrapped_module
@@ -119,7 +153,17 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
         )
         if self._allreduce_comm_precision is not None:
             ddp.register_comm_hook(env.process_group, _COMM_HOOKS[self._allreduce_comm_precision])
+        elif self._shm_allreduce and device.type == "cpu" and shm_exchange.shm_exchange_enabled():
+            exchange = shm_exchange.exchange_for(env.process_group)  # a collective, on every rank here
+            if exchange is not None:
+                ddp.register_comm_hook(ShmAllReduceState(exchange), shm_allreduce_hook)
         dmp._dmp_wrapped_module = ddp
 
 
-__all__ = ["DataParallelWrapper", "DefaultDataParallelWrapper", "model_parallel_state_names"]
+__all__ = [
+    "DataParallelWrapper",
+    "DefaultDataParallelWrapper",
+    "ShmAllReduceState",
+    "model_parallel_state_names",
+    "shm_allreduce_hook",
+]
