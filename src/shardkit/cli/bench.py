@@ -97,6 +97,7 @@ QUICK_ARGS: Dict[str, List[str]] = {
     "shm_transport": ["--quick"],
     # needs torchrec (the peer venv); elsewhere it writes a "skipped" result saying what to install
     "step_waits": ["--rows", "1", "--steps", "1", "--rounds", "1"],
+    "step_profile": ["--rows", "1", "--steps", "1", "--rounds", "1"],  # needs torchrec, as step_waits
 }
 # not benchmarks of their own: shared helpers, the pipeline rows and the budget run of offload.py
 # (offload_budget: its --child-big process), the steady-state cache
