@@ -37,7 +37,8 @@ _SOURCES = [
     "cross_entropy.cpp",
     "replica_grad.cpp",
 ]
-# headers the sources include: part of the build's key (a change rebuilds)
+# headers the sources include: part of the build's key (a change rebuilds); pyproject.toml's package-data
+# ships them (tests/kernels/test_native_build.py checks both lists against the sources' #includes)
 _HEADERS = ["slot_map.h"]
 _LOCK = threading.Lock()
 _loaded: Optional[Any] = None
@@ -109,6 +110,11 @@ def _library_path(cxx: str) -> Path:
     )
 
 
+def _last_lines(output: str) -> str:
+    """A compiler's last lines of output on one line (the error, in a notice of one line)."""
+    return " | ".join(output.strip().splitlines()[-5:])
+
+
 def _build(cxx: str, target: Path) -> None:
     from torch.utils.cpp_extension import include_paths, library_paths
 
@@ -123,39 +129,43 @@ def _build(cxx: str, target: Path) -> None:
         libraries = [f"-L{p}" for p in library_paths()] + [f"-Wl,-rpath,{p}" for p in library_paths()]
         print("shardkit: compiling the native CPU kernels (once per torch version) ...", file=sys.stderr)
         # one compiler per source file, in parallel (each parses the ATen headers), then one link
+        csrc = Path(__file__).parent / "csrc"
         objects = [target.parent / f"{Path(name).stem}.{os.getpid()}.o" for name in _SOURCES]
-        compiles = [
-            subprocess.Popen(
-                [cxx, *_flags(), "-c", str(Path(__file__).parent / "csrc" / name), "-o", str(obj), *includes],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for name, obj in zip(_SOURCES, objects)
-        ]
-        for done in compiles:
-            output = done.communicate()[0]
+        try:
+            compiles = [
+                subprocess.Popen(
+                    [cxx, *_flags(), "-c", str(csrc / name), "-o", str(obj), *includes],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+                for name, obj in zip(_SOURCES, objects)
+            ]
+            # every compiler is waited for before a failure is raised: one still running would write its
+            # object after the cleanup below
+            outputs = [done.communicate()[0] for done in compiles]
+            for name, done, output in zip(_SOURCES, compiles, outputs):
+                if done.returncode != 0:
+                    raise RuntimeError(f"{cxx} failed on {name}: {_last_lines(output)}")
+            link = [
+                cxx,
+                *_flags(),
+                *map(str, objects),
+                "-o",
+                str(tmp),
+                *libraries,
+                "-lc10",
+                "-ltorch_cpu",
+                "-ltorch",
+            ]
+            done = subprocess.run(link, capture_output=True, text=True)
             if done.returncode != 0:
-                raise RuntimeError(f"{cxx} failed: " + " | ".join(output.strip().splitlines()[-5:]))
-        link = [
-            cxx,
-            *_flags(),
-            *map(str, objects),
-            "-o",
-            str(tmp),
-            *libraries,
-            "-lc10",
-            "-ltorch_cpu",
-            "-ltorch",
-        ]
-        done = subprocess.run(link, capture_output=True, text=True)
-        for obj in objects:
-            obj.unlink(missing_ok=True)
-        if done.returncode != 0:
-            raise RuntimeError(
-                f"{cxx} failed to link: " + " | ".join((done.stderr or done.stdout).strip().splitlines()[-5:])
-            )
-        os.replace(tmp, target)
+                raise RuntimeError(f"{cxx} failed to link: {_last_lines(done.stderr or done.stdout)}")
+            os.replace(tmp, target)
+        finally:
+            # a failed build leaves nothing behind in the cache (the next process builds again)
+            for path in [*objects, tmp]:
+                path.unlink(missing_ok=True)
 
 
 def native_ops() -> Optional[Any]:
