@@ -27,6 +27,7 @@ import torch
 
 _SOURCES = [
     "embedding.cpp",
+    "embedding_backward.cpp",
     "bucketize.cpp",
     "jagged.cpp",
     "quant_embedding.cpp",
@@ -39,7 +40,7 @@ _SOURCES = [
 ]
 # headers the sources include: part of the build's key (a change rebuilds); pyproject.toml's package-data
 # ships them (tests/kernels/test_native_build.py checks both lists against the sources' #includes)
-_HEADERS = ["slot_map.h"]
+_HEADERS = ["embedding_common.h", "slot_map.h"]
 _LOCK = threading.Lock()
 _loaded: Optional[Any] = None
 _tried = False

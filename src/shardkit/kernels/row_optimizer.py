@@ -46,7 +46,7 @@ class RowOptimizerArgs:
         return self.lr * math.sqrt(1 - self.beta2**self.step) / (1 - self.beta1**self.step)
 
 
-# partial sums of row_sum_of_squares (csrc/embedding.cpp kSquareLanes: the native rule's order)
+# partial sums of row_sum_of_squares (csrc/embedding_backward.cpp kSquareLanes: the native rule's order)
 SQUARE_LANES = 16
 
 

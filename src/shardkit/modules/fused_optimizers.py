@@ -2,7 +2,8 @@
 
 The lookup's backward sums the gradients of repeated ids into one gradient per touched row and applies
 the rule to those rows alone, in place (:mod:`shardkit.kernels`: the rules in pure torch in
-``row_optimizer.py``, natively in ``csrc/embedding.cpp``); no ``[num_rows, dim]`` gradient ever exists.
+``row_optimizer.py``, natively in ``csrc/embedding_backward.cpp``); no ``[num_rows, dim]`` gradient ever
+exists.
 Each rule computes in fp32 (whatever the table dtype) and is numerically the rule of a ``torch.optim``
 optimizer:
 

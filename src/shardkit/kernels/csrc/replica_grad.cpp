@@ -3,7 +3,7 @@
 // order, with no sort of the ids. Pure-torch twins: shardkit/kernels/replica_grad.py.
 //
 // Numerics: each target row's sum takes its ids' contributions in id order starting from 0, the
-// order of the fused backward (embedding.cpp), so the sums are those of that kernel; each
+// order of the fused backward (embedding_backward.cpp), so the sums are those of that kernel; each
 // contribution is multiplied by `factor` (a power of two: the division by the world size) before it
 // is added, which for a power of two changes no bit outside the subnormal range.
 #include <ATen/Parallel.h>
