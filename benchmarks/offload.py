@@ -19,12 +19,13 @@ spread over the table by a random permutation):
   file kept mapped (``$SHARDKIT_OFFLOAD_RESIDENT_MAP``; ``mapped_MiB``: the file, which may all stay in
   RSS); and at ``--in-step-write-back-load-factors`` (default 0.2): ``in-step write-back``, without the
   write-behind thread (``SHARDKIT_OFFLOAD_WRITE_BEHIND=0``), the same step as the default rows but
-  evicted rows written in the step; ``main_cpu_ms/step`` is the main thread's CPU alone (docs/offload.md,
-  "Write-behind and kept mappings"); and at ``--one-read-thread-load-factors`` (default 0.2): ``1 read
-  thread``, a step's misses read on one thread (``SHARDKIT_OFFLOAD_READ_THREADS=1``) instead of the
-  default two (docs/offload.md, "Native bookkeeping and reader threads"); and at
+  evicted rows written in the step; ``main_cpu_ms/step`` is the main thread's CPU alone
+  (docs/offload/miss_path.md, "Write-behind and kept mappings"); and at
+  ``--one-read-thread-load-factors`` (default 0.2): ``1 read thread``, a step's misses read on one
+  thread (``SHARDKIT_OFFLOAD_READ_THREADS=1``) instead of the default two
+  (docs/offload/miss_path.md, "Native bookkeeping and reader threads"); and at
   ``--lfu-load-factors`` (default 0.2): ``lfu``, the cache's replacement LFU instead of LRU (fewer
-  misses on Zipf ids, docs/offload.md, "Costs");
+  misses on Zipf ids, docs/offload/costs.md);
 - the same table trained through ``PrefetchTrainPipelineSparseDist``: in memory, and offloaded with
   ``prefetch_pipeline`` at ``--pipeline-load-factors`` (default 0.2), the prefetch of batch i+1 run
   synchronously and on the background thread (``benchmarks/offload_pipeline.py``);
@@ -119,7 +120,7 @@ VARIANTS = {
     "in-step write-back": {"SHARDKIT_OFFLOAD_WRITE_BEHIND": "0"},
     # a step's misses read on one thread, as before the reader threads (row_io.read_threads_default)
     "1 read thread": {"SHARDKIT_OFFLOAD_READ_THREADS": "1"},
-    # the cache's replacement LFU instead of LRU (fewer misses on Zipf ids: docs/offload.md, "Costs")
+    # the cache's replacement LFU instead of LRU (fewer misses on Zipf ids: docs/offload/costs.md)
     "lfu": {},
 }
 

@@ -1,5 +1,5 @@
 """What one step's cache misses cost on CPU: the native row I/O with and without gap merging, and the
-row cache's bookkeeping, each measured in the same run (docs/offload.md, "Miss path").
+row cache's bookkeeping, each measured in the same run (docs/offload/miss_path.md).
 
 Run from the repository root: ``python -m benchmarks.offload_miss_path [--quick] [--out DIR]``; the
 rows are printed as a table and written to ``DIR/offload_miss_path.json`` (``benchmarks/common.py``).

@@ -1,4 +1,4 @@
-"""Fenced code blocks of the README and docs/*.md, for the tests that run them as a user would."""
+"""Fenced code blocks of the README and docs/**/*.md, for the tests that run them as a user would."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 DEV = ROOT / "dev"
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# every page under docs/, topic pages in subdirectories (docs/offload/*.md, docs/planner/*.md) included
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 # The first line of a Python block that runs on several ranks says how to run it, e.g.
 # "# run on 2 ranks: ./dev launch -n 2 snippet.py"; a block without it runs with ./dev python.
 RANKS_MARKER = re.compile(r"^# run on (\d+) ranks: \./dev launch -n (\d+) \S+\.py\s*$")

@@ -1,4 +1,4 @@
-"""Every Python block of README.md and docs/*.md, saved as a file and run the way the docs say.
+"""Every Python block of README.md and docs/**/*.md, saved as a file and run the way the docs say.
 
 A block is a whole program. One whose first line is a ranks marker
 (``# run on N ranks: ./dev launch -n N snippet.py``) runs under ``./dev launch -n N``; any other runs with

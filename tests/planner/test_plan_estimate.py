@@ -161,7 +161,8 @@ def test_the_planner_proposes_uniform_plans():
 def test_default_cpu_constants_keep_the_demos_tables_to_one_type(world):
     """With no fixed costs, the default CPU planner gave the demo's 8 tables a data-parallel table
     beside table-wise ones (and a column-wise one at 4 ranks): measured 1.4-2.3x slower than all
-    table-wise (benchmarks/plan_quality.py, docs/planner.md). The CPU defaults charge each type's group."""
+    table-wise (benchmarks/plan_quality.py, docs/planner/plan_quality.md). The CPU defaults charge each
+    type's group."""
     from shardkit.cli.demo_dlrm import demo_tables
 
     specs = demo_tables(8)

@@ -2,7 +2,7 @@
 
 ``EmbeddingShardingPlanner(topology, constraints=...).plan(module, sharders)`` places every table of
 the modules the sharders handle, balancing the estimated time of each rank within its memory;
-``last_report`` explains the choice. See docs/planner.md for the cost model and calibration.
+``last_report`` explains the choice. See docs/planner.md (cost model and calibration: docs/planner/).
 """
 
 from shardkit.planner.calibration import calibrate, measure_all_to_all_bw, measure_lookup_bw

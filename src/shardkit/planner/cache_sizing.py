@@ -4,7 +4,7 @@ A cache larger than the point where the miss-ratio curve flattens buys nothing; 
 memory allows wastes hits. :func:`choose_load_factor` picks, for a memory budget, the smallest load
 factor whose expected miss rate is within ``tolerance`` of the best the budget allows;
 :func:`candidate_load_factors` gives the planner a few load factors along the curve to try as options
-(it keeps the fastest that fits the memory). See docs/planner.md, "Cache sizing".
+(it keeps the fastest that fits the memory). See docs/planner/cache_sizing.md.
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ GROUP_DIM_STEP = 4  # the width step between the tables of the lookup-group step
 COUNTS = (1, 4, 16, 48)  # shards of one type per rank in the tiny steps the per-shard cost is fitted from
 # alternating rounds of the timed steps: on a machine whose cores other work shares, a step's time
 # over rounds spreads by 1.5-4x (min to max) and the median of 5 rounds of one plan moved by up to 1.6x
-# between two copies of it (docs/planner.md, "Plan quality"); 9 rounds cost ~1.8x the time of 5
+# between two copies of it (docs/planner/plan_quality.md); 9 rounds cost ~1.8x the time of 5
 ROUNDS = 9
 STEPS_PER_ROUND = 2
 DIM = 8  # columns per rank's shard of the tiny tables

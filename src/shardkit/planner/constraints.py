@@ -28,7 +28,7 @@ class ParameterConstraints:
         cache_params: ``CacheParams`` of the offloading kernels (torchrec's field): carried into the
             plan's ``ParameterSharding.cache_params`` of a table planned with one of them. Its
             ``load_factor`` sizes the cache; without one, its ``stats`` (``CacheStatistics``) let the
-            planner choose the load factor (docs/planner.md, "Cache sizing"), else 0.2. Its fields win
+            planner choose the load factor (docs/planner/cache_sizing.md), else 0.2. Its fields win
             over the sharder's ``fused_params`` cache keys.
     """
 

@@ -1,4 +1,4 @@
-"""The constants of the planner's cost model, in one place (see docs/planner.md for the formulas).
+"""The constants of the planner's cost model, in one place (see docs/planner/cost_model.md for the formulas).
 
 Every estimated time is ``bytes / bandwidth`` plus a fixed overhead per lookup call. The defaults are
 round figures for the hardware class (an H100-class GPU node with NVLink and a 100 Gb/s NIC; a CPU

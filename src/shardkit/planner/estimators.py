@@ -1,6 +1,6 @@
 """Storage and performance estimators: fill in each shard's memory and its time per training step.
 
-The formulas are documented in docs/planner.md ("Cost model"); the speeds come from the topology's
+The formulas are documented in docs/planner/cost_model.md; the speeds come from the topology's
 ``CostModel``. Notation, per step: ``W`` ranks, ``L`` ranks per node, ``b`` / ``i`` the bags / ids
 one rank's local batch brings for the table (``TableInfo.bags`` / ``.ids``), ``B = W b`` and
 ``I = W i`` the global ones, a shard of ``r x c`` values of ``e`` bytes.

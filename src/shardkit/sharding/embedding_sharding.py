@@ -223,7 +223,7 @@ def start_kjt_all_to_all(
 
         # keep runs inside tensors.wait(), so a weak reference is alive then; a strong one made a cycle
         # (tensors -> its callbacks -> keep -> tensors) that kept ctx and the received KJT (the batch's
-        # ids) alive until Python's garbage collector ran (docs/offload.md, "Memory")
+        # ids) alive until Python's garbage collector ran (docs/offload/memory.md)
         awaited = weakref.ref(tensors)
 
         def keep(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:

@@ -1,6 +1,6 @@
 """A narrow optimizer state kept mapped (BackingStore.keep_fields_mapped) while the other fields move by
 row I/O: the cache moves the narrow field's rows with index ops on its mapped tensor, the weights with
-preadv / pwritev (docs/offload.md, "Narrow state kept mapped").
+preadv / pwritev (docs/offload/costs.md, "Narrow state kept mapped").
 
 - a cache whose row_io covers some fields leaves bitwise the files, buffers and counters of a cache that
   moves every field through the tensors (LRU / LFU, with and without write-behind, native and pure-torch

@@ -27,7 +27,7 @@ exceed the cache, shrinking, flush, invalidate) sync as they need.
 
 Few ops: an acquire is a fixed number of torch ops whatever the batch (51 that are not views, for a
 weight and one optimizer state field, on CPU tensors; ``benchmarks/offload_gpu_syncs.py`` counts them;
-80 before issue 24's second round, docs/offload.md): buffers of fixed content are kept across
+80 before issue 24's second round, docs/offload/cuda.md): buffers of fixed content are kept across
 acquires (an arange, ones, the dedup scratch), ``nonzero_static`` picks the misses and dirty victims
 (its size known after the sync), a free slot's stamp and count are 0 (so the stamp alone orders free
 slots first), and an evicted slot's state is not reset, since the miss installed into it in the same

@@ -2,11 +2,11 @@
 
 A *narrow* state (row-wise Adagrad's one float a row) costs a system call per miss read and a
 read-modify-write per write-back when it moves by ``preadv`` / ``pwritev`` like the weights (about a
-quarter of a miss's I/O, docs/offload.md "Costs"), but only a few bytes a table row to keep: its region of
+quarter of a miss's I/O, docs/offload/costs.md), but only a few bytes a table row to keep: its region of
 the backing file stays mapped (``BackingStore.keep_fields_mapped``) and the cache copies its rows. Those
 bytes grow with the TABLE's rows, not the cache's: kept only while they are small against the cache's
 own buffers (:data:`NARROW_SHARE`), so that a rank's memory stays within its cache plus bounded buffers
-whatever the table's size (docs/offload.md "The bound"). The planner counts them by the same rule
+whatever the table's size (docs/offload/memory.md, "The bound"). The planner counts them by the same rule
 (``planner/estimators.py``).
 """
 

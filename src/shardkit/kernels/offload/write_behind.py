@@ -2,7 +2,7 @@
 
 A training step's misses evict dirty rows (every row a step touched is dirty), and each must reach the
 backing file before its slot is reused: one ``pwritev`` per row and field, about as much CPU as the
-miss's own read (docs/offload.md, "Miss path"). :class:`WriteBehind` takes those rows as a *copy* (a
+miss's own read (docs/offload/miss_path.md). :class:`WriteBehind` takes those rows as a *copy* (a
 staging tensor per field, so that the slots can be reused at once) and writes them with the cache's
 ``row_io`` on a thread of its own; the system calls release the GIL, so with a core free (a rank running
 ``torch.set_num_threads(1)`` on a two-core machine, or a spare core per rank) the writes overlap the
