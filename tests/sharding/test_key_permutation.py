@@ -69,24 +69,3 @@ def test_other_cases_go_through_permute():
         stride_per_key_per_rank=[[1], [2], [1], [2]],
     )
     _same(KeyPermutation(PERM).apply(variable), variable.permute(PERM))
-
-
-@pytest.mark.skipif(native_ops() is None, reason="needs the native kernels")
-def test_native_path_with_one_key_and_with_other_keys(monkeypatch):
-    # one key: its own picker (itemgetter of one index returns the item, not a tuple); the keys out
-    # are this input's, whatever another input had
-    one = KeyedJaggedTensor(["z"], torch.tensor([4, 5, 6]), lengths=torch.tensor([1, 2]))
-    expected = one.permute([0])
-    single = KeyPermutation([0])
-    monkeypatch.setattr(KeyedJaggedTensor, "permute", _no_permute)
-    _same(single.apply(one), expected)
-    monkeypatch.undo()
-    kjt, permutation = _kjt(3), KeyPermutation(PERM)
-    other = KeyedJaggedTensor(["w", "x", "y", "z"], kjt.values(), lengths=kjt.lengths(), stride=3)
-    expected, other_expected = kjt.permute(PERM), other.permute(PERM)
-    monkeypatch.setattr(KeyedJaggedTensor, "permute", _no_permute)
-    _same(permutation.apply(kjt), expected)
-    out = permutation.apply(other)
-    _same(out, other_expected)
-    out.keys().append("v")  # the output's own list
-    assert permutation.apply(other).keys() == ["y", "w", "z", "x"]

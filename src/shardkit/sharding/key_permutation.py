@@ -11,8 +11,7 @@ view. Same tensors as ``permute``, bitwise.
 
 from __future__ import annotations
 
-from operator import itemgetter
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -33,13 +32,6 @@ class KeyPermutation:
         self.indices = [int(i) for i in indices]
         self._permutation = sorted(self.indices) == list(range(len(self.indices)))
         self._index: Dict[Tuple[torch.device, int], Tuple[torch.Tensor, torch.Tensor]] = {}
-        # the keys and per-key totals in the new order at C speed (a list comprehension over 64 keys,
-        # twice a step, cost ~5 us): a tuple of ``seq[i] for i in indices``, whatever their number
-        self._pick: Callable[[Sequence], tuple] = (
-            itemgetter(*self.indices)
-            if len(self.indices) > 1
-            else (lambda seq, at=tuple(self.indices): tuple(seq[i] for i in at))
-        )
 
     def apply(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         values, weights = kjt.values(), kjt.weights_or_none()
@@ -64,12 +56,12 @@ class KeyPermutation:
         )
         # the checks skipped: the input KJT passed them, and these are its tensors reordered
         return KeyedJaggedTensor._trusted(
-            list(self._pick(keys)),
+            [keys[i] for i in self.indices],
             out_values,
             out_weights,
             lengths.view(len(keys), batch).index_select(0, order).view(-1),
             batch,
-            list(self._pick(per_key)),
+            [per_key[i] for i in self.indices],
         )
 
     def _tensors(self, device: torch.device, batch: int) -> Tuple[torch.Tensor, torch.Tensor]:
