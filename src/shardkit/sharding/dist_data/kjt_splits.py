@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import hashlib
 from itertools import accumulate
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
@@ -45,7 +45,7 @@ class SendPlan:
 
     ``lengths[r]`` / ``values[r]``: numbers of length entries / values (and weights) sent to ``r``;
     ``batch``: the input's stride, or ``VARIABLE_BATCH``; ``stride_per_key``: rows of each key (sent
-    in phase two when the batch is variable); ``keys_fingerprint``: ``fingerprint(keys)``.
+    in phase two when the batch is variable).
     """
 
     keys: List[str]
@@ -56,7 +56,6 @@ class SendPlan:
     batch: int
     stride_per_key: List[int]
     settings: tuple
-    keys_fingerprint: int
 
     @property
     def weights_grad(self) -> bool:
@@ -76,12 +75,22 @@ def build_send_plan(
     Raises ``ValueError`` / ``TypeError`` naming the rank and the sizes. Reads ``length_per_key`` (one
     host sync unless the KJT has it cached).
     """
+    where = f"KJTAllToAll on rank {rank}"
     if not isinstance(input, KeyedJaggedTensor):
-        kind = type(input).__name__
-        raise TypeError(f"KJTAllToAll on rank {rank}: input must be a KeyedJaggedTensor, got {kind}")
-    keys = list(input.keys())
+        raise TypeError(f"{where}: input must be a KeyedJaggedTensor, got {type(input).__name__}")
     splits = [int(s) for s in splits]
-    bounds, keys_print = _key_layout(tuple(keys), tuple(splits), stagger, world, rank)
+    keys = list(input.keys())
+    if len(splits) != world:
+        raise ValueError(f"{where}: splits {splits} has {len(splits)} entries for a group of {world} ranks")
+    if any(s < 0 for s in splits):
+        raise ValueError(f"{where}: splits {splits} has a negative entry")
+    if sum(splits) != len(keys):
+        raise ValueError(
+            f"{where}: splits {splits} sum to {sum(splits)}, but the input has {len(keys)} keys {keys}"
+        )
+    if stagger < 1 or world % stagger:
+        raise ValueError(f"{where}: stagger {stagger} must be >= 1 and divide the world size {world}")
+    bounds = [0, *accumulate(splits)]
     rows = input.stride_per_key()
     per_key = input.length_per_key()
     weights = input.weights_or_none()
@@ -98,41 +107,13 @@ def build_send_plan(
     return SendPlan(
         keys=keys,
         splits=splits,
-        key_bounds=list(bounds),
+        key_bounds=bounds,
         lengths=[sum(rows[a:b]) for a, b in zip(bounds, bounds[1:])],
         values=[sum(per_key[a:b]) for a, b in zip(bounds, bounds[1:])],
         batch=VARIABLE_BATCH if input.variable_stride_per_key() else input.stride(),
         stride_per_key=rows,
         settings=settings,
-        keys_fingerprint=keys_print,
     )
-
-
-@functools.lru_cache(maxsize=64)
-def _key_layout(
-    keys: Tuple[str, ...], splits: Tuple[int, ...], stagger: int, world: int, rank: int
-) -> Tuple[Tuple[int, ...], int]:
-    """Check the splits against the keys and the group; ``(key bounds [W + 1], keys' fingerprint)``.
-
-    Cached: a sharding sends the same keys with the same splits every step, and at 64 keys the checks,
-    the bounds and the fingerprint of the keys' repr cost ~10 us a step. Everything here depends on
-    the arguments only (the cache's key); a failed check raises, and an exception is never cached.
-    """
-    where = f"KJTAllToAll on rank {rank}"
-    if len(splits) != world:
-        raise ValueError(
-            f"{where}: splits {list(splits)} has {len(splits)} entries for a group of {world} ranks"
-        )
-    if any(s < 0 for s in splits):
-        raise ValueError(f"{where}: splits {list(splits)} has a negative entry")
-    if sum(splits) != len(keys):
-        raise ValueError(
-            f"{where}: splits {list(splits)} sum to {sum(splits)}, but the input has {len(keys)} keys "
-            f"{list(keys)}"
-        )
-    if stagger < 1 or world % stagger:
-        raise ValueError(f"{where}: stagger {stagger} must be >= 1 and divide the world size {world}")
-    return (0, *accumulate(splits)), _cached_fingerprint(repr(list(keys)))
 
 
 def header_rows(
@@ -144,7 +125,7 @@ def header_rows(
         row = [1] + [0] * (len(HEADER) - 1)
         return torch.tensor([row] * world, dtype=torch.int64, device=device)
     # the same keys and settings every step: the hashes come from a small cache (by their repr)
-    keys, settings = plan.keys_fingerprint, _cached_fingerprint(repr(plan.settings))
+    keys, settings = _cached_fingerprint(repr(plan.keys)), _cached_fingerprint(repr(plan.settings))
     rows = [
         [0, keys, settings, plan.lengths[r], plan.values[r], plan.batch, plan.splits[r], check, need]
         for r in range(world)
