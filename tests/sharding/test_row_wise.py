@@ -61,6 +61,22 @@ def test_bucketize_without_order_sends_the_same_kjt():
     assert kept is not None
 
 
+def test_bucketized_kjt_carries_its_per_key_totals_and_a_private_key_list():
+    # built without re-validation, with its per-key totals from its lengths' row sums (no second
+    # sync in the all-to-all's send plan); they must be those a validating constructor finds
+    kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([0, 5, 3, 9, 4, 0]), lengths=torch.tensor([3, 1, 2, 0]))
+    sharding = _sharding()
+    send, _ = sharding.bucketize(kjt, need_order=False)
+    assert send.length_per_key_or_none() == [2, 1, 0, 2, 1]
+    checked = KeyedJaggedTensor(send.keys(), send.values(), lengths=send.lengths(), stride=send.stride())
+    assert send.length_per_key() == checked.length_per_key()
+    send.keys().append("x")  # the caller's list, not the sharding's plan
+    again, _ = sharding.bucketize(kjt, need_order=False)
+    assert again.keys() == ["a@0", "b@0", "b@1", "a@2", "b@2"]
+    empty = KeyedJaggedTensor(["a", "b"], torch.tensor([], dtype=torch.int64), lengths=torch.tensor([0, 0]))
+    assert sharding.bucketize(empty, need_order=False)[0].length_per_key() == [0] * 5
+
+
 def test_splits_and_output_layout_do_not_depend_on_the_rank():
     layouts = [_sharding(r).output_layout() for r in range(3)]
     assert layouts[0] == layouts[1] == layouts[2] == [("a", 0, 2), ("b", 0, 2)]

@@ -128,7 +128,8 @@ class RowBucketRouting(EmbeddingShardingImpl):
     ) -> Tuple[KeyedJaggedTensor, Optional[torch.Tensor]]:
         """The KJT to send (keys ``feature@rank``, rank by rank) and the sort ``order`` of the input ids
         (sent ids = ``values[order]``; None when not ``need_order`` and the input has no weights, which
-        the order permutes). No host sync beyond the input's cached ``length_per_key``.
+        the order permutes). One host sync (the sent KJT's per-key totals, which its all-to-all reads)
+        beyond the input's cached ``length_per_key``.
         """
         weights = features.weights_or_none()
         order, lengths, sent_values = bucketize_blocks(
@@ -142,14 +143,26 @@ class RowBucketRouting(EmbeddingShardingImpl):
             need_order=need_order or weights is not None,
             fixed=self._block_tensors,
         )
-        spkpr = features.stride_per_key_per_rank() if features.variable_stride_per_key() else None
+        sent_weights = None if weights is None else weights.index_select(0, order)
+        if not features.variable_stride_per_key():
+            # the kernel's output, of the checked input's ids: no re-validation (~15 us). Its per-key
+            # totals are its lengths' row sums (``[keys, B]``), read now in the host sync the KJT
+            # all-to-all's send plan makes anyway (a cumsum, an index tensor and a gather otherwise)
+            stride = features.stride()
+            per_key = lengths.view(len(self._sent_names), stride).sum(1).tolist()
+            return (
+                KeyedJaggedTensor._trusted(
+                    list(self._sent_names), sent_values, sent_weights, lengths, stride, per_key
+                ),
+                order,
+            )
+        spkpr = features.stride_per_key_per_rank()
         send = KeyedJaggedTensor(
             self._sent_names,
             sent_values,
-            None if weights is None else weights.index_select(0, order),
+            sent_weights,
             lengths=lengths,
-            stride=None if spkpr is not None else features.stride(),
-            stride_per_key_per_rank=None if spkpr is None else [spkpr[i] for i in self._sent_feature],
+            stride_per_key_per_rank=[spkpr[i] for i in self._sent_feature],
             validate=False,
         )
         return send, order
