@@ -319,3 +319,36 @@ def test_sharded_module_steps_stay_exact_with_reused_buffers():
         assert counts[0]["new"] > 0 and counts[-1]["new"] == counts[1]["new"], counts
         assert counts[-1]["reused"] >= 2 * counts[0]["new"], counts
         assert error <= 1e-5
+
+
+def _kjt_exchange_reuses_its_receive_buffers():
+    from shardkit.sharding.dist_data import KJTAllToAll
+    from shardkit.sparse import KeyedJaggedTensor
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    samples, ids = 4096, 64  # 2 keys x 4096 bags x 64 int64 ids: 4 MiB of ids per rank
+
+    def kjt(step: int, r: int) -> KeyedJaggedTensor:
+        gen = torch.Generator().manual_seed(100 * step + r)
+        values = torch.randint(0, 1 << 40, (2 * samples * ids,), generator=gen)
+        lengths = torch.full((2 * samples,), ids, dtype=torch.int64)
+        return KeyedJaggedTensor(["a", "b"], values, lengths=lengths)
+
+    def expected(step: int) -> torch.Tensor:  # rank r gets key r's bags of every rank, rank order
+        return torch.cat([kjt(step, s).values().view(2, -1)[rank] for s in range(world)])
+
+    held = KJTAllToAll(None, [1, 1])(kjt(0, rank)).wait().wait()
+    ok = [torch.equal(held.values(), expected(0))]
+    for step in (1, 2, 3):
+        out = KJTAllToAll(None, [1, 1])(kjt(step, rank)).wait().wait()
+        ok.append(torch.equal(out.values(), expected(step)) and _in_pool(out.values()))
+        del out
+        counts = scratch.counts()
+    ok.append(torch.equal(held.values(), expected(0)))  # held through three more exchanges
+    return ok, counts
+
+
+def test_kjt_exchange_reuses_its_receive_buffers():
+    for ok, counts in run_world(_kjt_exchange_reuses_its_receive_buffers, 2):
+        assert all(ok), ok
+        assert counts["reused"] >= 2, counts
