@@ -120,6 +120,16 @@ def test_small_and_non_cpu_requests_are_not_kept():
     del ptr
 
 
+def test_fake_tensors_are_not_kept():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # as torch.export traces: no real memory to keep
+        fake = scratch.empty((BIG,), torch.float32, None)
+    assert scratch.kept_bytes() == 0 and fake.shape == (BIG,)
+    real = scratch.empty((BIG,), torch.float32, None).fill_(3)  # real memory, writable
+    assert scratch.kept_bytes() == scratch.MIN_BYTES and float(real.sum()) == 3 * BIG
+
+
 def test_at_most_max_kept_buffers_are_kept():
     held = [scratch.take(scratch.MIN_BYTES + n * scratch.GRANULE, "cpu") for n in range(scratch.MAX_KEPT + 3)]
     assert scratch.kept_bytes() == sum(t.numel() for t in held[3:])

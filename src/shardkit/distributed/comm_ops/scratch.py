@@ -22,8 +22,9 @@ a pool tensor), so holding it or anything made from it holds the storage.
 
 At most :data:`MAX_KEPT` buffers are kept, the most recently handed out; a forgotten one lives on
 while its user holds it, then goes back to the allocator. ``clear()`` forgets them all. Requests
-below :data:`MIN_BYTES`, off the CPU (a GPU's caching allocator already reuses its memory) or
-with the pool switched off are plain new buffers: ``set_recv_buffers(False)`` at run time or
+below :data:`MIN_BYTES`, off the CPU (a GPU's caching allocator already reuses its memory), under
+a dispatch mode (fake tensors) or a compiler's trace, or with the pool switched off are plain new
+buffers: ``set_recv_buffers(False)`` at run time or
 ``SHARDKIT_RECV_BUFFERS=0`` (also ``false``, ``no``, ``off``; read at import). Thread-safe
 (a buffer is checked and handed out under one lock).
 """
@@ -36,6 +37,7 @@ import threading
 from typing import Dict, List, Sequence
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
 
 from shardkit import huge_pages
 from shardkit.distributed.state import register_reset
@@ -131,7 +133,14 @@ def empty(shape: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
     if nbytes < MIN_BYTES:  # also below huge_pages.MIN_BYTES: nothing to advise
         return torch.empty(shape, dtype=dtype, device=device)
     device = _CPU if device is None else torch.device(device)
-    if device.type != "cpu" or not _ENABLED[0]:
+    # under a dispatch mode (fake tensors of torch.export) or a compiler's trace the buffer would not
+    # be real memory: such a request is never kept
+    if (
+        device.type != "cpu"
+        or not _ENABLED[0]
+        or _dispatch_mode() is not None
+        or torch.compiler.is_compiling()
+    ):
         return huge_pages.empty(*shape, dtype=dtype, device=device)
     # set_ rather than a view of a pool tensor: the result holds the storage itself, nothing of ours
     return torch.empty(0, dtype=dtype).set_(_free_storage(nbytes, device), 0, tuple(shape))
