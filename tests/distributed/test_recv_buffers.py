@@ -137,6 +137,15 @@ def test_at_most_max_kept_buffers_are_kept():
     assert scratch.kept_bytes() == 0
 
 
+def test_kept_buffers_hold_at_most_max_kept_bytes(monkeypatch):
+    monkeypatch.setattr(scratch, "MAX_KEPT_BYTES", 3 * scratch.MIN_BYTES)
+    held = [scratch.take(scratch.MIN_BYTES, "cpu") for _ in range(4)]
+    assert scratch.kept_bytes() == 3 * scratch.MIN_BYTES  # the oldest forgotten, still the caller's
+    assert len({t.data_ptr() for t in held}) == 4
+    big = scratch.take(4 * scratch.MIN_BYTES, "cpu")  # larger than the bound: kept alone
+    assert scratch.kept_bytes() == big.numel()
+
+
 def test_the_switch_turns_reuse_off(monkeypatch):
     scratch.set_recv_buffers(False)
     assert not scratch.recv_buffers_enabled()

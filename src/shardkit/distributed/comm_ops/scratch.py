@@ -20,7 +20,8 @@ allocated (``huge_pages.empty``) and kept. No caller gives a buffer back: droppi
 to it is what frees it. Each handed-out tensor is made with ``set_`` on the storage (no view of
 a pool tensor), so holding it or anything made from it holds the storage.
 
-At most :data:`MAX_KEPT` buffers are kept, the most recently handed out; a forgotten one lives on
+At most :data:`MAX_KEPT` buffers of :data:`MAX_KEPT_BYTES` in all (a single larger one alone) are
+kept, the most recently handed out; a forgotten one lives on
 while its user holds it, then goes back to the allocator. ``clear()`` forgets them all. Requests
 below :data:`MIN_BYTES`, off the CPU (a GPU's caching allocator already reuses its memory), under
 a dispatch mode (fake tensors) or a compiler's trace, or with the pool switched off are plain new
@@ -44,6 +45,8 @@ from shardkit.distributed.state import register_reset
 
 ENV_VAR = "SHARDKIT_RECV_BUFFERS"
 MAX_KEPT = 16
+# what free kept buffers may hold on to between steps at most (a step's own buffers, in use, count too)
+MAX_KEPT_BYTES = 1 << 30
 # below this a fresh allocation is cheap (the allocator's heap reuses it): not worth holding on to
 MIN_BYTES = 1 << 20
 # size classes: requests that differ by less (uneven batches of a few rows) share buffers
@@ -118,7 +121,7 @@ def _free_storage(nbytes: int, device: torch.device) -> torch.UntypedStorage:
                 return kept.storage
         _counts["new"] += 1
         _kept.append(_Kept(size, device))
-        if len(_kept) > MAX_KEPT:
+        while len(_kept) > MAX_KEPT or (len(_kept) > 1 and kept_bytes() > MAX_KEPT_BYTES):
             del _kept[0]
         return _kept[-1].storage
 
@@ -198,6 +201,7 @@ __all__ = [
     "ENV_VAR",
     "GRANULE",
     "MAX_KEPT",
+    "MAX_KEPT_BYTES",
     "MIN_BYTES",
     "cat",
     "clear",
