@@ -9,25 +9,23 @@ that receives into it, which competes with the ranks' main threads for the cores
 
 ``take(nbytes, device)`` -> a ``uint8 [nbytes]`` buffer; ``empty(shape, dtype, device)`` /
 ``new_empty(like, *shape)`` -> a tensor of that shape and dtype over one; ``cat(tensors)`` a 1-D
-concatenation into one. Contents are undefined,
-as ``torch.empty``'s. A CPU request of at least :data:`MIN_BYTES` is served from a kept buffer of
-its size class (``nbytes`` rounded up to :data:`GRANULE`) when one is **free**: nothing but this pool
-holds its storage (the storage's C++ use count is the pool's own reference alone, and no Python
-object holds the pool's storage object). A buffer that anything still refers to (the caller's
-output held by the user, autograd's saved tensors, a gradient stolen into ``.grad``, a view, a
-``numpy()`` array, a collective's work) is never handed out again; otherwise a new buffer is
-allocated (``huge_pages.empty``) and kept. No caller gives a buffer back: dropping every reference
-to it is what frees it. Each handed-out tensor is made with ``set_`` on the storage (no view of
-a pool tensor), so holding it or anything made from it holds the storage.
+concatenation into one. Contents are undefined, as ``torch.empty``'s. A CPU request of at least
+:data:`MIN_BYTES` is served from a kept buffer of its size class (``nbytes`` rounded up to
+:data:`GRANULE`) when one is **free**: nothing but this pool holds its storage (the storage's C++ use
+count is the pool's own reference alone, and no Python object holds the pool's storage object). A buffer
+that anything still refers to (the caller's output held by the user, autograd's saved tensors, a
+gradient stolen into ``.grad``, a view, a ``numpy()`` array, a collective's work) is never handed out
+again; otherwise a new buffer is allocated (``huge_pages.empty``) and kept. No caller gives a buffer
+back: dropping every reference to it is what frees it. Each handed-out tensor is made with ``set_`` on
+the storage (no view of a pool tensor), so holding it or anything made from it holds the storage.
 
-At most :data:`MAX_KEPT` buffers of :data:`MAX_KEPT_BYTES` in all (a single larger one alone) are
-kept, the most recently handed out; a forgotten one lives on
-while its user holds it, then goes back to the allocator. ``clear()`` forgets them all. Requests
-below :data:`MIN_BYTES`, off the CPU (a GPU's caching allocator already reuses its memory), under
-a dispatch mode (fake tensors) or a compiler's trace, or with the pool switched off are plain new
-buffers: ``set_recv_buffers(False)`` at run time or
-``SHARDKIT_RECV_BUFFERS=0`` (also ``false``, ``no``, ``off``; read at import). Thread-safe
-(a buffer is checked and handed out under one lock).
+At most :data:`MAX_KEPT` buffers of :data:`MAX_KEPT_BYTES` in all (a single larger one alone) are kept,
+the most recently handed out; a forgotten one lives on while its user holds it, then goes back to the
+allocator. ``clear()`` forgets them all. Requests below :data:`MIN_BYTES`, off the CPU (a GPU's caching
+allocator already reuses its memory), under a dispatch mode (fake tensors) or a compiler's trace, or
+with the pool switched off are plain new buffers: ``set_recv_buffers(False)`` at run time or
+``SHARDKIT_RECV_BUFFERS=0`` (also ``false``, ``no``, ``off``; read at import). Thread-safe (a buffer is
+checked and handed out under one lock).
 """
 
 from __future__ import annotations
@@ -112,7 +110,7 @@ def _size_class(nbytes: int) -> int:
 
 def _free_storage(nbytes: int, device: torch.device) -> torch.UntypedStorage:
     """A free kept storage of ``nbytes``' size class on ``device``, else a new one, kept."""
-    size = -(-nbytes // GRANULE) * GRANULE
+    size = _size_class(nbytes)
     with _lock:
         for i, kept in enumerate(_kept):
             if kept.nbytes == size and kept.device == device and kept.free():
