@@ -24,7 +24,6 @@ from typing import Callable, Generic, Optional, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from shardkit import huge_pages
 from shardkit.distributed.agreement import (
     all_gather_flat,
     gather_objects,
@@ -126,7 +125,7 @@ def _pack(chunks: Sequence[torch.Tensor], dtype: torch.dtype, alias_ok: bool) ->
     sizes = [chunk.numel() * item for chunk in chunks]
     flat = _back_to_back(chunks) if alias_ok else None
     if flat is None:
-        flat = torch.empty(sum(sizes) // item, dtype=dtype, device=chunks[0].device if chunks else None)
+        flat = scratch.empty((sum(sizes) // item,), dtype, chunks[0].device if chunks else None)
         start = 0
         for chunk in chunks:
             flat[start : start + chunk.numel()].view(chunk.shape).copy_(chunk)
@@ -215,13 +214,12 @@ def all_to_all(
     codec: Optional[QuantizedCommCodec],
     group: Optional[ProcessGroup],
     decode_to: Optional[torch.dtype] = None,
-    recv: Optional[torch.Tensor] = None,
 ) -> Pending[list[torch.Tensor]]:
     """Send ``chunks[r]`` (``dtype``, any shape, sent flat) to rank ``r``, get ``recv_numels[s]`` from ``s``.
 
     ``wait()`` gives one flat tensor per source rank, of ``decode_to`` (default ``dtype``); views of
-    one receive buffer when no codec and no cast is involved. ``recv``: that buffer (``uint8``, the
-    received bytes exactly), else a new one.
+    one receive buffer (``uint8``, from ``comm_ops.scratch``: reused once nothing holds it) when no
+    codec and no cast is involved.
     """
     wire_dtype = _wire_dtype(codec, dtype)
     item = torch.empty(0, dtype=wire_dtype).element_size()
@@ -235,8 +233,7 @@ def all_to_all(
     if world == 1:
         recv, work = send, None
     else:
-        if recv is None:
-            recv = huge_pages.new_empty(send, sum(recv_bytes))
+        recv = scratch.new_empty(send, sum(recv_bytes))
         work = all_to_all_single(recv, send, recv_bytes, send_bytes, group)
     received = recv
 
@@ -253,21 +250,19 @@ def all_to_all_flat(
     recv_numels: Sequence[int],
     group: Optional[ProcessGroup],
     world: int,
-    recv: Optional[torch.Tensor] = None,
 ) -> Pending[torch.Tensor]:
     """``all_to_all`` without a codec for chunks already back to back in one contiguous tensor: the
     first ``send_numels[0]`` elements of ``flat`` to rank 0, the next ``send_numels[1]`` to rank 1, ...
 
     ``wait()`` gives the received ``[sum(recv_numels)]`` tensor of ``flat``'s dtype (source ranks in
-    order; split it by ``recv_numels``), ``recv`` when given. ``world`` is the group's size (the caller
+    order; split it by ``recv_numels``). ``world`` is the group's size (the caller
     knows it). Sent as bytes like ``all_to_all``, without a copy; with one rank the received tensor is
-    ``flat``.
+    ``flat``. The receive buffer comes from ``comm_ops.scratch``.
     """
     if world == 1:
         return Pending(None, lambda: flat)
     item = flat.element_size()
-    if recv is None:
-        recv = huge_pages.new_empty(flat, sum(recv_numels))
+    recv = scratch.new_empty(flat, sum(recv_numels))
     work = all_to_all_single(
         recv.view(torch.uint8),
         flat.view(torch.uint8),
@@ -324,25 +319,11 @@ def all_to_all_consumed(
     decode_to: Optional[torch.dtype] = None,
 ) -> Pending[U]:
     """``all_to_all(...).then(consume)`` for a ``consume`` that copies what it keeps of the pieces
-    into new tensors (a sum, a concatenation): the receive buffer then comes from
-    ``comm_ops.scratch`` and goes back to it once ``consume`` has run, for the next call of the same
-    size (a fresh buffer of tens of MiB is pages the receiving thread faults in, one by one).
+    into new tensors (a sum, a concatenation): once ``consume`` has run and the ``Pending`` is
+    dropped nothing holds the receive buffer, which ``comm_ops.scratch`` then hands to the next call
+    of its size (a fresh buffer of tens of MiB is pages the receiving thread faults in, one by one).
     """
-    world = world_of(group)
-    buffer = None
-    if world > 1:
-        item = torch.empty(0, dtype=_wire_dtype(codec, dtype)).element_size()
-        nbytes = sum(_wire_numel(n, codec) for n in recv_numels) * item
-        buffer = scratch.take(nbytes, chunks[0].device if chunks else None)
-    received = all_to_all(chunks, recv_numels, dtype, codec, group, decode_to=decode_to, recv=buffer)
-
-    def finish(pieces: list[torch.Tensor]) -> U:
-        kept = consume(pieces)
-        if buffer is not None:
-            scratch.give_back(buffer)
-        return kept
-
-    return received.then(finish)
+    return all_to_all(chunks, recv_numels, dtype, codec, group, decode_to=decode_to).then(consume)
 
 
 def all_to_all_flat_consumed(
@@ -354,21 +335,11 @@ def all_to_all_flat_consumed(
     consume: Callable[[Sequence[torch.Tensor]], U],
 ) -> Pending[U]:
     """``all_to_all_flat`` whose received pieces (``recv_numels``, source ranks in order) go to
-    ``consume``, which copies what it keeps: the receive buffer comes from ``comm_ops.scratch`` and
-    goes back to it once ``consume`` has run (as in :func:`all_to_all_consumed`)."""
-    buffer = None
-    if world > 1:
-        buffer = scratch.take(sum(recv_numels) * flat.element_size(), flat.device).view(flat.dtype)
-    received = all_to_all_flat(flat, send_numels, recv_numels, group, world, recv=buffer)
-
-    def finish(recv: torch.Tensor) -> U:
-        # split_with_sizes: Tensor.split's Python wrapper costs more than the split itself here
-        kept = consume(recv.split_with_sizes(recv_numels))
-        if buffer is not None:
-            scratch.give_back(buffer.view(torch.uint8))
-        return kept
-
-    return received.then(finish)
+    ``consume``, which copies what it keeps (the receive buffer is then free, as in
+    :func:`all_to_all_consumed`)."""
+    # split_with_sizes: Tensor.split's Python wrapper costs more than the split itself here
+    received = all_to_all_flat(flat, send_numels, recv_numels, group, world)
+    return received.then(lambda recv: consume(recv.split_with_sizes(recv_numels)))
 
 
 def _sum_pieces(pieces: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
@@ -381,9 +352,9 @@ def _sum_pieces(pieces: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
     whose association (it is not left to right from 5 pieces on) this keeps.
     """
     if len(pieces) == 2:
-        if not huge_pages.wanted(pieces[0].numel() * pieces[0].element_size()):
-            return torch.add(pieces[0], pieces[1])
-        return torch.add(pieces[0], pieces[1], out=huge_pages.new_empty(pieces[0], pieces[0].shape))
+        if pieces[0].numel() * pieces[0].element_size() < scratch.MIN_BYTES:
+            return torch.add(pieces[0], pieces[1])  # out= costs ~5 us more, which small steps notice
+        return torch.add(pieces[0], pieces[1], out=scratch.new_empty(pieces[0], *pieces[0].shape))
     return join(pieces).view(len(pieces), numel).sum(dim=0)
 
 
@@ -410,7 +381,7 @@ def all_gather(
     if world == 1:
         out, work = send, None
     else:
-        out = huge_pages.new_empty(send, world * width)
+        out = scratch.new_empty(send, world * width)
         # point to point on gloo for large blocks (gather_blocks: gloo's all-gather faults in and
         # copies out of a buffer of its own)
         work = all_gather_into(out, send, group=group, async_op=True)

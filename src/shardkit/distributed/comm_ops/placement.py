@@ -15,11 +15,11 @@ run per rank, stride ``W``), each moved by one strided ``copy_``; a rank whose b
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from shardkit import huge_pages
+from shardkit.distributed.comm_ops import scratch
 
 MAX_RUNS = 8
 
@@ -70,9 +70,9 @@ class ColumnPlacement:
 
     def assemble(self, pieces: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
         """Received flat pieces (rank ``r``'s: ``rows x columns(r)`` values, row-major) ->
-        ``[rows, blocks * width]``."""
+        ``[rows, blocks * width]``, a ``comm_ops.scratch`` buffer."""
         like = pieces[0]
-        out = huge_pages.new_empty(like, rows, self.blocks * self.width)
+        out = scratch.new_empty(like, rows, self.blocks * self.width)
         if rows == 0 or self.blocks == 0:
             return out
         out_blocks = out.view(rows, self.blocks, self.width)
@@ -88,24 +88,21 @@ class ColumnPlacement:
                 out_blocks[:, d0 : d0 + (n - 1) * step + 1 : step].copy_(src[:, s0 : s0 + n])
         return out
 
-    def split(self, grad: torch.Tensor, send: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+    def split(self, grad: torch.Tensor) -> List[torch.Tensor]:
         """Gradient ``[rows, blocks * width]`` -> each rank's ``[rows, columns(r)]`` blocks, back to back
-        in one buffer (rank order), so that the all-to-all sends them without another copy: ``send``
-        (flat, ``grad.numel()`` elements of grad's dtype) or a new one."""
-        return self._split(grad, send)[1]
+        in one buffer (rank order, a ``comm_ops.scratch`` buffer of ``grad.numel()`` elements of its
+        dtype), so that the all-to-all sends them without another copy."""
+        return self._split(grad)[1]
 
-    def split_flat(self, grad: torch.Tensor, send: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def split_flat(self, grad: torch.Tensor) -> torch.Tensor:
         """:meth:`split`'s buffer itself: ``[rows * blocks * width]``, rank ``r``'s ``rows x columns(r)``
         block (row-major) after those of the ranks before it."""
-        return self._split(grad, send)[0]
+        return self._split(grad)[0]
 
-    def _split(
-        self, grad: torch.Tensor, send: Optional[torch.Tensor] = None
-    ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    def _split(self, grad: torch.Tensor) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         grad = grad.contiguous()
         rows = grad.size(0)
-        if send is None:
-            send = huge_pages.new_empty(grad, grad.numel())
+        send = scratch.new_empty(grad, grad.numel())
         grad_blocks = grad.view(rows, self.blocks, self.width)
         chunks, start = [], 0
         for r, dest in enumerate(self.dest):

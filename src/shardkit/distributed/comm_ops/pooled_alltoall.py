@@ -83,9 +83,10 @@ class _PooledPlan(CommPlan):
         else:
 
             def assemble(pieces):
-                return torch.cat([p.view(b_me, d) for p, d in zip(pieces, dims)], dim=1)
+                out = scratch.empty((b_me, sum(dims)), pieces[0].dtype, pieces[0].device)
+                return torch.cat([p.view(b_me, d) for p, d in zip(pieces, dims)], dim=1, out=out)
 
-        # both copy the pieces into a new output: the receive buffer is reused across calls
+        # both copy the pieces into an output of comm_ops.scratch: the receive buffer is then free
         if codec is None and inputs[0].is_contiguous():
             # the [B_r, D_me] row chunks tile the input in order: send it as it is
             return all_to_all_flat_consumed(
@@ -99,39 +100,19 @@ class _PooledPlan(CommPlan):
         d_me = dims[self.rank]
         rows = sum(batch)
         codec = backward_codec(self.info.codecs)
-        buffer = None
-
-        def give_back() -> None:
-            if buffer is not None:
-                scratch.give_back(buffer)
-
         if self.placement is not None:
             grad = grads[0]
-            if self.world > 1:
-                # only read by the collective: scratch once it has completed (with one rank the
-                # "received" pieces would be this buffer)
-                buffer = scratch.take(grad.numel() * grad.element_size(), grad.device)
-            send = None if buffer is None else buffer.view(grad.dtype)
             if codec is None:
-                # the blocks land back to back in one buffer, sent as it is
-                flat = self.placement.split_flat(grad, send)
+                # the blocks land back to back in one buffer (comm_ops.scratch), sent as it is
+                flat = self.placement.split_flat(grad)
                 received = all_to_all_flat(flat, self._recv, self._send, self.group, self.world)
-
-                def finish_flat(out):
-                    give_back()
-                    return (out.view(rows, d_me),)
-
-                return received.then(finish_flat)
-            chunks = self.placement.split(grad, send)  # back to back in one buffer: sent as they are
+                return received.then(lambda out: (out.view(rows, d_me),))
+            chunks = self.placement.split(grad)  # back to back in one buffer: sent as they are
         else:
             chunks = grads[0].split(dims, dim=1)  # [B_me, D_r] column blocks, back to their owners
         received = all_to_all(chunks, self._send, self.dtype, codec, self.group)
 
-        def finish(pieces):
-            give_back()
-            return (join(pieces).view(rows, d_me),)
-
-        return received.then(finish)
+        return received.then(lambda pieces: (join(pieces).view(rows, d_me),))
 
 
 def alltoall_pooled(

@@ -32,6 +32,7 @@ from torch import nn
 
 from shardkit.distributed.agreement import group_rank, group_size
 from shardkit.distributed.awaitable import Awaitable
+from shardkit.distributed.comm_ops import scratch
 from shardkit.distributed.direct_collectives import all_to_all_single
 from shardkit.sharding.dist_data.kjt_slots import SlotAllToAll, SlotCapacity, pack_slots, payload_bytes
 from shardkit.sharding.dist_data.kjt_splits import (
@@ -59,7 +60,8 @@ def _start_all_to_all(
     if group_size(pg) == 1:
         return tensor, None
     item = tensor.element_size()
-    out = torch.empty(sum(recv) * item, dtype=torch.uint8, device=tensor.device)
+    # kept across steps once nothing holds it (the received KJT and its ids are dropped)
+    out = scratch.empty((sum(recv) * item,), torch.uint8, tensor.device)
     # contiguous() keeps a one-element expanded tensor (e.g. a gradient of a sum) at stride 0,
     # which cannot be viewed as bytes
     flat = tensor.clone(memory_format=torch.contiguous_format) if tensor.stride() != (1,) else tensor

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from shardkit import huge_pages
+from shardkit.distributed.comm_ops import scratch
 from shardkit.distributed.direct_collectives import all_to_all_single
 
 # the largest slot payload (bytes): a rank pair's payload above this always goes by a second
@@ -159,9 +159,9 @@ class SlotAllToAll:
         send_bytes = [size if size > capacity else 0 for size in to]
         recv_bytes = [size if size > capacity else 0 for size in self._from]
         device = next(iter(tensors.values())).device
-        # fresh pages every step at large batches (MiBs of ids): advised, see shardkit.huge_pages
-        self._spilled = huge_pages.empty(sum(recv_bytes), dtype=torch.uint8, device=device)
-        out = huge_pages.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
+        # MiBs of ids at large batches: buffers kept across steps (comm_ops.scratch), not fresh pages
+        self._spilled = scratch.take(sum(recv_bytes), device)
+        out = scratch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
         self._work = all_to_all_single(self._spilled, out, recv_bytes, send_bytes, pg)
 
     def wait(self) -> Dict[str, torch.Tensor]:
@@ -180,7 +180,7 @@ class SlotAllToAll:
                 n = self._recv[label][s] * self._items[label]
                 pieces[label].append(source[at : at + n])
                 at += n
-        return {label: huge_pages.cat(pieces[label]).view(self._tensors[label].dtype) for label in labels}
+        return {label: scratch.cat(pieces[label]).view(self._tensors[label].dtype) for label in labels}
 
 
 __all__ = ["LIMIT", "SlotAllToAll", "SlotCapacity", "flat_bytes", "pack_slots", "payload_bytes"]
