@@ -9,7 +9,8 @@ group batched into one KeyedJaggedTensor by the predict-module machinery (``Pred
 The demo prints the latency of a batch of requests (p50 / p90 / p99) and the requests per second, then
 checks the answers (predicted click rates) against
 
-- the quantized model in this process: the package must change nothing (equal within 1e-6);
+- the quantized model in this process, answering the same requests the same way: the package must
+  change nothing (equal within 1e-6; bitwise in practice);
 - the trained fp32 model: within :data:`CTR_TOLERANCE` (int8 rows are within half a quantization step
   of the trained rows; this is how far that moves a predicted click probability).
 """
@@ -70,29 +71,42 @@ def demo_predict_module(model):
     return DemoPredictModule(model)
 
 
+def answer_all(module, requests: Sequence, batch_size: int):
+    """Answer ``requests`` ``batch_size`` at a time with one thread: ``(ctr fp32 [N], [s per batch])``.
+
+    The packaged model (fresh process) and the model before packaging (this process) both answer
+    through here, so the two see the same batches and the same matmul shapes and thread count: their
+    answers can be compared bitwise. A refused request is an error naming it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one serving thread: the numbers do not depend on the machine's load split
+    try:
+        ctr, latencies = [], []
+        for first in range(0, len(requests), batch_size):
+            t0 = time.perf_counter()
+            answers = module.answer(requests[first : first + batch_size])
+            latencies.append(time.perf_counter() - t0)
+            refused = [a.error for a in answers if not a.ok]
+            if refused:
+                raise ValueError(f"the served model refused requests: {refused[:3]}")
+            ctr.extend(float(torch.sigmoid(a.result["default"])) for a in answers)
+    finally:
+        torch.set_num_threads(threads)
+    return torch.tensor(ctr), latencies
+
+
 def serve_package(package: str, requests: Sequence, batch_size: int) -> Dict[str, object]:
     """Load the package and answer ``requests`` ``batch_size`` at a time (run in the fresh process).
 
-    Returns ``{"ctr": fp32 [N], "latencies": [s per batch], "seconds": total, "load_seconds": ...}``;
-    a refused request is an error naming it."""
-    torch.set_num_threads(1)  # one serving thread: the numbers do not depend on the machine's load split
+    Returns ``{"ctr": fp32 [N], "latencies": [s per batch], "seconds": total, "load_seconds": ...}``."""
     from shardkit.inference import load_package
 
     start = time.perf_counter()
     module = demo_predict_module(load_package(package))
     load_seconds = time.perf_counter() - start
-    ctr, latencies = [], []
     begin = time.perf_counter()
-    for first in range(0, len(requests), batch_size):
-        t0 = time.perf_counter()
-        answers = module.answer(requests[first : first + batch_size])
-        latencies.append(time.perf_counter() - t0)
-        refused = [a.error for a in answers if not a.ok]
-        if refused:
-            raise ValueError(f"the served model refused requests: {refused[:3]}")
-        ctr.extend(float(torch.sigmoid(a.result["default"])) for a in answers)
+    ctr, latencies = answer_all(module, requests, batch_size)
     return {
-        "ctr": torch.tensor(ctr),
+        "ctr": ctr,
         "latencies": latencies,
         "seconds": time.perf_counter() - begin,
         "load_seconds": load_seconds,
@@ -141,7 +155,7 @@ def run(model, tables: Sequence, args) -> bool:
         f"{percentile(lat_ms, 90):.2f} ms, p99 {percentile(lat_ms, 99):.2f} ms (one thread, a shared CPU)"
     )
     fp32 = _ctr(model.eval(), batches)
-    local = _ctr(served, batches)
+    local, _ = answer_all(demo_predict_module(served), requests, SERVE_BATCH)  # same path, unpackaged
     vs_fp32 = float((result["ctr"] - fp32).abs().max())
     vs_local = float((result["ctr"] - local).abs().max())
     ok_fp32, ok_local = vs_fp32 <= CTR_TOLERANCE, vs_local <= PACKAGE_TOLERANCE
