@@ -166,6 +166,20 @@ def test_the_switch_turns_reuse_off(monkeypatch):
         scratch.set_recv_buffers(0)
 
 
+def test_a_torch_without_the_use_count_gets_plain_buffers(monkeypatch):
+    monkeypatch.setattr(scratch, "_SUPPORTED", False)
+    monkeypatch.delenv(scratch.ENV_VAR, raising=False)
+    reset_all()  # the default: off, since "free" cannot be proven
+    assert not scratch.recv_buffers_enabled()
+    scratch.take(4 * scratch.MIN_BYTES, "cpu")
+    assert scratch.kept_bytes() == 0
+    with pytest.raises(RuntimeError, match="_storage_Use_Count"):
+        scratch.set_recv_buffers(True)
+    monkeypatch.setattr(scratch, "_SUPPORTED", True)
+    reset_all()
+    assert scratch.recv_buffers_enabled()
+
+
 # --------------------------------------------------------------------------------------------------
 # the comm ops on several ranks
 

@@ -53,8 +53,13 @@ GRANULE = 64 << 10
 _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 
 
+# the storage's C++ use count (a private torch binding): without it "free" cannot be proven, so a torch
+# that lacks it gets plain new buffers
+_SUPPORTED = hasattr(torch._C, "_storage_Use_Count")
+
+
 def _default_from_env() -> bool:
-    return os.environ.get(ENV_VAR, "1").strip().lower() not in _FALSE_WORDS
+    return _SUPPORTED and os.environ.get(ENV_VAR, "1").strip().lower() not in _FALSE_WORDS
 
 
 _ENABLED = [_default_from_env()]
@@ -94,6 +99,11 @@ def set_recv_buffers(enabled: bool) -> None:
     kept ones are forgotten)."""
     if not isinstance(enabled, bool):
         raise TypeError(f"set_recv_buffers expects a bool, got {type(enabled).__name__}")
+    if enabled and not _SUPPORTED:
+        raise RuntimeError(
+            f"kept receive buffers need torch._C._storage_Use_Count, which torch {torch.__version__} "
+            "lacks; leave them off (set_recv_buffers(False) / SHARDKIT_RECV_BUFFERS=0)"
+        )
     _ENABLED[0] = enabled
     if not enabled:
         clear()
