@@ -94,6 +94,22 @@ def test_workers_are_reused_between_tasks():
     assert len(set(first)) == 2
 
 
+def _shardkit_test_marker():
+    return os.environ.get("SHARDKIT_TEST_MARKER")
+
+
+def test_new_workers_get_the_environment_as_it_is_when_they_start(monkeypatch):
+    # workers are forked from a fork server started long before (with the environment of then): a
+    # new worker must still see the harness process's environment as it is when the worker starts
+    run_world(_pid, 2)  # the fork server is up
+    monkeypatch.setenv("SHARDKIT_TEST_MARKER", "set after the fork server started")
+    worker_pool().shutdown_workers()
+    assert run_world(_shardkit_test_marker, 2) == ["set after the fork server started"] * 2
+    monkeypatch.delenv("SHARDKIT_TEST_MARKER")
+    worker_pool().shutdown_workers()
+    assert run_world(_shardkit_test_marker, 2) == [None, None]
+
+
 def test_environment_simulates_nodes_and_is_restored():
     views = run_world(_env_view, 4, local_world_size=2, env={"EXTRA": "x"})
     assert [v["LOCAL_RANK"] for v in views] == ["0", "1", "0", "1"]
@@ -218,6 +234,48 @@ def test_a_guarded_script_runs(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[0, 1]"
+
+
+def _dead_or_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not reaped (yet)
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads process states from /proc")
+def test_workers_exit_when_the_harness_process_is_killed(tmp_path):
+    # a worker stuck in a task never reads its pipe again: it must notice by itself that the process
+    # that started it is gone (a forked worker's parent is the fork server, not that process)
+    import subprocess
+    import sys
+
+    script = tmp_path / "killed.py"
+    script.write_text(
+        "import os, time\n"
+        "from shardkit.testing import run_world\n\n\n"
+        "def pid():\n    return os.getpid()\n\n\n"
+        "def hang():\n    time.sleep(600)\n\n\n"
+        'if __name__ == "__main__":\n'
+        "    print(*run_world(pid, 2), flush=True)\n"
+        "    run_world(hang, 2, timeout=600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(word) for word in proc.stdout.readline().split()]
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()  # not read to its end: workers that outlive the script would hold it open
+    assert len(pids) == 2
+    deadline = time.monotonic() + 60
+    while not all(map(_dead_or_zombie, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = [pid for pid in pids if not _dead_or_zombie(pid)]
+    for pid in alive:
+        os.kill(pid, 9)  # do not leave them behind
+    assert not alive, f"workers {alive} outlived the process that started them"
 
 
 def _arrive_late_on_rank_1(delay_s: float) -> float:

@@ -6,6 +6,7 @@ Kept free of imports from the rest of shardkit so that a worker starts as fast a
 from __future__ import annotations
 
 import faulthandler
+import multiprocessing
 import operator
 import os
 import pickle
@@ -18,13 +19,13 @@ from datetime import timedelta
 from typing import Any, Callable
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
+def _exit_when_orphaned() -> None:
     # A worker stuck in a collective never reads its pipe again, so EOF alone cannot end it when the
-    # parent dies; poll the parent pid instead.
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != parent_pid:
-            os._exit(1)
+    # harness's process dies; wait on multiprocessing's sentinel of that process instead (a pipe it
+    # holds open). Not the parent pid: a forked worker's parent is the fork server, which lives on
+    # while its children hold its "alive" pipe.
+    multiprocessing.parent_process().join()
+    os._exit(1)
 
 
 def _reset_shardkit_state() -> None:
@@ -188,17 +189,22 @@ def _run_task_body(task: dict) -> tuple:
     return reply
 
 
-def worker_main(conn, parent_pid: int) -> None:
+def worker_main(conn, environ: dict) -> None:
     """Serve tasks from ``conn`` until it closes or a ``None`` task arrives, then exit at once.
+
+    ``environ`` is the harness process's environment when it started this worker (a worker forked
+    by the fork server inherits the server's, which may be older).
 
     The exit skips the interpreter's finalization (``os._exit``): a process group that torch keeps
     alive after ``destroy_process_group`` (it does when a task first imported
     ``torch.distributed.checkpoint`` after ``init_process_group``) has gloo threads that abort a
     finalizing interpreter with "terminate called without an active exception".
     """
+    os.environ.clear()
+    os.environ.update(environ)
     code = 1
     try:
-        _serve(conn, parent_pid)
+        _serve(conn)
         code = 0
     except BaseException:  # noqa: BLE001 - printed here because os._exit below skips Python's report
         traceback.print_exc()
@@ -208,12 +214,12 @@ def worker_main(conn, parent_pid: int) -> None:
         os._exit(code)
 
 
-def _serve(conn, parent_pid: int) -> None:
-    import torch
+def _serve(conn) -> None:
+    import torch  # already imported in a worker forked by the fork server (harness.FORKSERVER_PRELOAD)
 
     # ranks share 2 cores; intra-op threads per rank only add contention
     torch.set_num_threads(1)
-    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=_exit_when_orphaned, daemon=True).start()
     # the parent starts a task's clock only now: booting (torch's import) is not the task's time
     conn.send_bytes(pickle.dumps(("ready", None, None)))
     while True:

@@ -1,11 +1,12 @@
 """Run a function on N local CPU ranks (gloo) in reusable worker processes.
 
-Starting Python with torch costs seconds on a small machine, so workers are started once and reused:
-each task initializes a fresh process group (new FileStore), runs the function, undoes the
-function's patches of module functions and constants (``_worker._undo_patches``), resets shardkit's
-module-level state and destroys the group. A task that fails recycles its workers; a task that
-outlives its timeout has its workers killed, so a hanging collective fails the test instead of the
-suite, and no process outlives the parent.
+Starting Python with torch costs seconds on a small machine, so workers are forked from a fork server
+that has imported torch once (``FORKSERVER_PRELOAD``), and reused: each task initializes a fresh
+process group (new FileStore), runs the function, undoes the function's patches of module functions
+and constants (``_worker._undo_patches``), resets shardkit's module-level state and destroys the
+group. A task that fails recycles its workers; a task that outlives its timeout has its workers
+killed, so a hanging collective fails the test instead of the suite, and no process outlives the
+parent.
 """
 
 from __future__ import annotations
@@ -91,10 +92,30 @@ class WorldError(AssertionError):
     """One or more ranks failed or hung; the message has each rank's traceback or state."""
 
 
+# modules the fork server imports once, so that a new worker forked from it starts in milliseconds
+# instead of importing torch itself (seconds of one core: the suite starts dozens of workers)
+FORKSERVER_PRELOAD = ["torch", "torch.distributed"]
+
+
+def _worker_context():
+    """multiprocessing's ``forkserver`` context with torch preloaded, or ``spawn`` where the platform has
+    no fork server. A forked worker starts from a process that has only imported torch (never used it:
+    no CUDA, no thread pools), and either kind imports the main script (``if __name__ == "__main__":``)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    # process-wide: the fork server is one per process, started on its first use
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return ctx
+
+
 class _Worker:
     def __init__(self, ctx) -> None:
         self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=worker_main, args=(child_conn, os.getpid()), daemon=True)
+        # the parent's environment as it is now: a forked worker would otherwise have the fork
+        # server's, as it was when the server started
+        args = (child_conn, dict(os.environ))
+        self.process = ctx.Process(target=worker_main, args=args, daemon=True)
         self.process.start()
         child_conn.close()
         self.booted = False  # set once the worker reports that it is ready for tasks
@@ -118,7 +139,7 @@ class WorkerPool:
     """Worker processes reused across tasks; a task on N ranks uses the first N workers."""
 
     def __init__(self) -> None:
-        self._ctx = multiprocessing.get_context("spawn")
+        self._ctx = _worker_context()
         self._workers: list[_Worker] = []
         self._tmpdir = tempfile.mkdtemp(prefix="shardkit-world-")
         self._task_counter = 0
