@@ -7,9 +7,9 @@ its hook on the DDP that ``DistributedModelParallel`` built (``dmp._dmp_wrapped_
 (...)``, ``_register_fused_optim``, ...). So that such a program runs unchanged, shardkit's hook yields:
 
 - the wrapper builds :class:`YieldingDistributedDataParallel` (a ``DistributedDataParallel``, nothing
-  else changed) and installs its default with :meth:`~YieldingDistributedDataParallel.install_default_comm_hook`:
-  the reducer gets :func:`dispatch_comm_hook`, whose state is a :class:`CommHookSlot` holding the
-  current ``(hook, state)``;
+  else changed) and installs its default with its ``install_default_comm_hook``: the reducer gets
+  :func:`dispatch_comm_hook`, whose state is a :class:`CommHookSlot` holding the current
+  ``(hook, state)``;
 - the caller's first ``register_comm_hook(state, hook)`` (DDP's checks of ``hook`` kept) puts its hook
   into the slot: from the next bucket on, the reducer calls it with the caller's state, and
   shardkit's is gone. ``_register_builtin_comm_hook(ALLREDUCE / FP16_COMPRESS)`` puts in the Python
