@@ -19,8 +19,9 @@ sweep. For each row, library and rank (the round of ``--steps`` steps with the l
 How: ``ProcessGroup.all_to_all_single`` (shardkit calls the group's method directly) and
 ``torch.distributed``'s other collective functions are wrapped (torch's ``all_to_all_single``, which
 torchrec calls, ends in the group's method), for this script's processes only,
-so that their works record the time spent in ``wait()``. With ``SHARDKIT_SHM_EXCHANGE=1`` shardkit's
-all-to-alls go through shared memory, not the group's method, and are not counted (0 collectives).
+so that their works record the time spent in ``wait()``. With the shared-memory exchange on (the
+default; ``SHARDKIT_SHM_EXCHANGE=0`` turns it off) shardkit's all-to-alls go through shared memory,
+not the group's method, and are not counted (0 collectives).
 ``--transport`` also times, on the same two
 ranks, gloo's ``all_to_all_single`` against a ``copy_`` of the same bytes (what a same-host
 shared-memory exchange would at least cost) at the row's pooled-output size.

@@ -46,7 +46,8 @@ rows whose step is longer than about ``rounds x round-s / min-steps`` take longe
 session's idle step times, 5 of the 45 rows at the defaults (timed part of the sweep 248 -> 290 s) and
 9 at ``--rounds 4 --round-s 0.25`` (96 -> 154 s).
 shardkit runs with its defaults; variables exported before the run reach both libraries' workers, e.g.
-``SHARDKIT_SHM_EXCHANGE=1`` (shardkit's opt-in shared-memory all-to-all; torchrec calls gloo itself).
+``SHARDKIT_SHM_EXCHANGE=0`` (turns off shardkit's shared-memory exchange, on by default: torchrec calls
+gloo itself).
 Reported: the best round's steps per second (slowest rank), the least main-thread CPU ms per step
 (busiest rank) over the rounds, and the ratios shardkit/torchrec of both (> 1: shardkit is faster).
 """

@@ -20,6 +20,15 @@ from shardkit.testing import run_world
 FILES = "/dev/shm/shardkit-x-*"
 
 
+def _prefixes() -> list:
+    """The file prefixes of this process's exchanges (the files of this test, whatever else runs)."""
+    return [e.prefix for e in shm_exchange._EXCHANGES.values() if e is not None]
+
+
+def _left_behind(prefixes: list) -> list:
+    return [path for prefix in prefixes for path in glob.glob(prefix + "-*")]
+
+
 def _sends(world: int, count: int, scale: int, seed: int = 3):
     """``count`` exchanges' (send, send splits, recv splits) on this rank, the same draws on every rank."""
     rank = dist.get_rank()
@@ -80,23 +89,23 @@ def _in_flight(order: str, scale: int, futex: bool = True) -> list:
         assert all(work.is_completed() for work in works)
         exchange = shm_exchange.exchange_for(dist.group.WORLD)
         calls = exchange._calls
+        prefixes = _prefixes()
     finally:
         shm_exchange.set_shm_exchange(False)
         shm_exchange.close_all()
-    dist.barrier()
-    return [calls, [torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(outs, refs)]]
+    dist.barrier()  # every rank closed: none of the test's files is left
+    same = [torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(outs, refs)]
+    return [calls, same, _left_behind(prefixes)]
 
 
 @pytest.mark.parametrize("order", ["pipeline", "more_than_buffers", "every_other"])
 def test_calls_in_flight_complete_in_any_order_with_gloos_bytes(order):
-    before = set(glob.glob(FILES))
-    for calls, same in run_world(_in_flight, 3, order, 40_000):  # past the 128 KiB one-piece copy
-        assert calls == 3 * shm_exchange.BUFFERS + 2 and all(same), same
-    assert set(glob.glob(FILES)) <= before
+    for calls, same, left in run_world(_in_flight, 3, order, 40_000):  # past the 128 KiB one-piece copy
+        assert calls == 3 * shm_exchange.BUFFERS + 2 and all(same) and left == [], (same, left)
 
 
 def test_without_futex_the_waits_sleep_and_give_the_same_bytes():
-    for _, same in run_world(_in_flight, 2, "pipeline", 40_000, False):
+    for _, same, _ in run_world(_in_flight, 2, "pipeline", 40_000, False):
         assert all(same), same
 
 
@@ -156,24 +165,25 @@ def _no_space_on(rank_without: int, limit: int) -> dict:
             all_to_all_single(out, send, recv_splits, send_splits, dist.group.WORLD, async_op=False)
             outs.append(out)
             gloo_only.append(shm_exchange.exchange_for(dist.group.WORLD)._gloo_only)
-        return {
-            "same": [torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(outs, refs)],
-            "gloo_only": gloo_only,
-        }
+        prefixes = _prefixes()
     finally:
         shm_control.reserve = real if rank == rank_without else shm_control.reserve
         shm_exchange.set_shm_exchange(False)
         shm_exchange.close_all()
+    dist.barrier()  # every rank closed: none of the test's files is left
+    return {
+        "same": [torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(outs, refs)],
+        "gloo_only": gloo_only,
+        "left": _left_behind(prefixes),
+    }
 
 
 def test_a_rank_without_space_sends_that_call_and_the_later_ones_through_gloo_on_every_rank():
-    before = set(glob.glob(FILES))
     got = run_world(_no_space_on, 3, 2, 1 << 20)
     for result in got:
-        assert all(result["same"]), result
+        assert all(result["same"]) and result["left"] == [], result
         # call 0 (small) fits; call 1 (MiBs) does not on rank 2: from there on gloo, on every rank
         assert result["gloo_only"] == [False] + [True] * 7, result
-    assert set(glob.glob(FILES)) <= before
 
 
 def _disagree() -> str:

@@ -64,7 +64,8 @@ def _dense_after_steps(shm: bool, precision, steps: int = 3) -> dict:
         )
         wrapper = data_parallel.DefaultDataParallelWrapper(allreduce_comm_precision=precision)
         dmp = DistributedModelParallel(model, plan=plan, data_parallel_wrapper=wrapper)
-        hooks = [state for _, state in getattr(dmp._dmp_wrapped_module, "_comm_hooks", [])]
+        # DDP's registered hooks' states (shardkit's default sits in a CommHookSlot)
+        hooks = [getattr(state, "state", state) for _, state in dmp._dmp_wrapped_module._comm_hooks]
         dense = torch.optim.SGD(dict(dmp.bare_named_parameters()).values(), lr=d.LR)
         for step in range(steps):
             dense.zero_grad()

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import profile
 
+from shardkit.distributed import shm_exchange
 from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.distributed.validation import set_validation
 from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig, PoolingType
@@ -42,11 +43,16 @@ def _worker() -> bool:
     good = KeyedJaggedTensor(["fa", "fb"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1, 0]))
     model = _sharded()
     model(good).values()
-    # validation off (with it on, the output dists check their sizes with an all-gather of their own)
+    # validation off (with it on, the output dists check their sizes with an all-gather of their own);
+    # counted on gloo's path: the profiler sees c10d ops only, and through the shared-memory exchange
+    # (the default) the all-to-alls are not c10d ops
+    default = shm_exchange.shm_exchange_enabled()
     set_validation(False)
+    shm_exchange.set_shm_exchange(False)
     made = _collectives(lambda: model(good).values())
     assert made and not [name for name in made if "gather" in name], made
     set_validation(True)
+    shm_exchange.set_shm_exchange(default)  # the error cases below on the default path
 
     # bad ids on rank 0 only: every rank raises, naming rank 0's feature
     bad = KeyedJaggedTensor(["fa", "fb"], torch.tensor([1, 2, 99]), lengths=torch.tensor([1, 1, 1, 0]))

@@ -5,9 +5,9 @@ an exception logger: about ten Python calls before the ``ProcessGroup`` method i
 exchanges of the comm ops and the KJT all-to-all build their arguments themselves (flat contiguous
 tensors of one dtype, int split sizes, a group object), and a training step at small batches starts
 four of them, so they call the method directly. Anything else (no group object, a tensor subclass,
-a torch.compile trace, a torch without the method) goes through torch's function. With
-``SHARDKIT_SHM_EXCHANGE=1``, CPU exchanges of a gloo group whose ranks share one host go through
-shared memory instead (:mod:`shardkit.distributed.shm_exchange`).
+a torch.compile trace, a torch without the method) goes through torch's function. CPU exchanges of a
+gloo group whose ranks share one host go through shared memory instead (the default;
+``SHARDKIT_SHM_EXCHANGE=0`` keeps gloo: :mod:`shardkit.distributed.shm_exchange`).
 """
 
 from __future__ import annotations

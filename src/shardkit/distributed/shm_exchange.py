@@ -1,7 +1,7 @@
 """All-to-alls and all-reduces between the CPU ranks of one host through shared memory, not gloo's TCP.
 
-Opt-in: ``SHARDKIT_SHM_EXCHANGE=1`` (or :func:`set_shm_exchange`; the default is :data:`DEFAULT_ENABLED`),
-read by :func:`shardkit.distributed.direct_collectives.all_to_all_single`, which the comm ops and the
+On by default (:data:`DEFAULT_ENABLED`); ``SHARDKIT_SHM_EXCHANGE=0`` (or :func:`set_shm_exchange`) turns it
+off, read by :func:`shardkit.distributed.direct_collectives.all_to_all_single`, which the comm ops and the
 KJT all-to-all call, and by the DDP comm hook of ``DistributedModelParallel``
 (:mod:`shardkit.model_parallel.data_parallel`). It must agree between the ranks (one of
 :func:`shardkit.distributed.switches.result_switches`).
@@ -55,10 +55,11 @@ from shardkit.distributed.shm_control import DONE, NO_SPACE, OK, PUBLISHED, Cont
 from shardkit.distributed.state import register_reset
 
 ENV = "SHARDKIT_SHM_EXCHANGE"
-DEFAULT_ENABLED = False  # the setting without SHARDKIT_SHM_EXCHANGE (one line to flip)
+DEFAULT_ENABLED = True  # the setting without SHARDKIT_SHM_EXCHANGE (one line to flip)
 BUFFERS = 4  # data buffers per rank and group (two suffice for calls that are waited at once)
 SMALL = 128 << 10  # sends up to this many bytes are copied in one piece, the rank's own chunk included
 MIN_FILE = 64 << 10
+DIRECTORY = "/dev/shm"  # where the files are made (a tmpfs shared by the host's processes; tests move it)
 _enabled: Optional[bool] = None
 
 
@@ -442,10 +443,11 @@ def _timeout_s(group: dist.ProcessGroup) -> float:
 
 def _make(group: dist.ProcessGroup) -> Optional[SharedMemoryExchange]:
     """Set up ``group``'s exchange (a collective of the group, through gloo, once); None where the ranks
-    span hosts, the CPU is not strongly ordered or ``/dev/shm`` has no room for the control block."""
+    span hosts, the CPU is not strongly ordered or a rank cannot make or map the control block in
+    :data:`DIRECTORY` (no room, no such directory, another ``/dev/shm``: every rank then returns None)."""
     rank, world = group.rank(), group.size()
     host = f"{socket.gethostname()}:{_boot_id()}"
-    prefix, mapping, ok = f"/dev/shm/shardkit-x-{uuid.uuid4().hex[:12]}", None, True
+    prefix, mapping, ok = f"{DIRECTORY}/shardkit-x-{uuid.uuid4().hex[:12]}", None, True
     if rank == 0:
         try:
             mapping = shm_control.map_file(prefix + "-control", shm_control.control_bytes(world), create=True)
@@ -513,6 +515,7 @@ atexit.register(close_all)
 __all__ = [
     "BUFFERS",
     "DEFAULT_ENABLED",
+    "DIRECTORY",
     "ENV",
     "SharedMemoryExchange",
     "ShmWork",

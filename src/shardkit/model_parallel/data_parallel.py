@@ -4,7 +4,10 @@ After sharding, a model holds two kinds of state: model-parallel state (the shar
 modules, each rank its own, with gradients already complete after the output dist's backward) and
 replicated state (dense layers, data-parallel tables), whose gradients must be averaged over ranks.
 The default wrapper wraps the model in torch's ``DistributedDataParallel`` and tells it to ignore the
-model-parallel state, so DDP neither broadcasts nor all-reduces a shard.
+model-parallel state, so DDP neither broadcasts nor all-reduces a shard. On CPU, with the shared-memory
+exchange on (the default), its gradient all-reduce goes through shared memory (:func:`shm_allreduce_hook`),
+a DDP comm hook that yields to the caller's: a hook the caller registers on that DDP replaces it
+(:mod:`shardkit.model_parallel.comm_hook_slot`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.distributed import shm_exchange
 from shardkit.distributed.sharding_env import ShardingEnv
+from shardkit.model_parallel.comm_hook_slot import YieldingDistributedDataParallel
 from shardkit.sharding.types import ShardedModule
 
 if TYPE_CHECKING:
@@ -94,10 +98,16 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
         bucket_cap_mb, static_graph, find_unused_parameters: passed to DDP.
         allreduce_comm_precision: ``"fp16"`` or ``"bf16"`` compresses the gradient all-reduce
             (DDP comm hook); None keeps full precision.
-        shm_allreduce: with the shared-memory exchange on (``SHARDKIT_SHM_EXCHANGE=1``), a CPU model on
-            one host and no ``allreduce_comm_precision``, register :func:`shm_allreduce_hook` (the
-            gradient all-reduce through shared memory, not gloo). False leaves DDP's own all-reduce
-            (and ``register_comm_hook`` free for the caller: DDP takes one hook only).
+        shm_allreduce: with the shared-memory exchange on (the default; ``SHARDKIT_SHM_EXCHANGE=0``
+            turns it off), a CPU model on one host and no ``allreduce_comm_precision``, install
+            :func:`shm_allreduce_hook` (the gradient all-reduce through shared memory, not gloo) as
+            the DDP's default hook: a hook the caller registers on the DDP (``register_comm_hook``,
+            ``_register_builtin_comm_hook``, ``_register_fused_optim``) replaces it. False leaves
+            DDP's own all-reduce and its hook slot empty.
+
+    The DDP is a :class:`~shardkit.model_parallel.comm_hook_slot.YieldingDistributedDataParallel`
+    (a ``DistributedDataParallel``: only its hook registration differs, and only while the default
+    hook is installed).
 
     Does nothing when the environment has no process group (a local world), when the module is
     already wrapped, or when no replicated parameter needs a gradient (DDP would have nothing to do).
@@ -138,7 +148,7 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
                     dist.broadcast(
                         buffer, src=dist.get_global_rank(env.process_group, 0), group=env.process_group
                     )
-        ddp = DistributedDataParallel(
+        ddp = YieldingDistributedDataParallel(
             module,
             device_ids=None if device.type == "cpu" else [_device_index(device)],
             process_group=env.process_group,
@@ -156,7 +166,7 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
         elif self._shm_allreduce and device.type == "cpu" and shm_exchange.shm_exchange_enabled():
             exchange = shm_exchange.exchange_for(env.process_group)  # a collective, on every rank here
             if exchange is not None:
-                ddp.register_comm_hook(ShmAllReduceState(exchange), shm_allreduce_hook)
+                ddp.install_default_comm_hook(ShmAllReduceState(exchange), shm_allreduce_hook)
         dmp._dmp_wrapped_module = ddp
 
 
