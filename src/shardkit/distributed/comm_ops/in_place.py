@@ -68,10 +68,11 @@ def pooled_placed_forward(
 
 
 def pooled_placed_backward(
-    grad: torch.Tensor, batch: Sequence[int], placement: ColumnPlacement, rank: int, group
-) -> Optional[Pending[torch.Tensor]]:
-    """The gradient ``[B_me, blocks * width]`` -> ``[sum_r B_r, D_me]``: rank ``r``'s placed columns
-    of its samples back to this rank's rows of them (a ``comm_ops.scratch`` buffer)."""
+    grad: torch.Tensor, batch: Sequence[int], placement: ColumnPlacement, rank: int, group, divisor: int
+) -> Optional[Pending[tuple]]:
+    """The gradient ``[B_me, blocks * width]`` -> ``([sum_r B_r, D_me],)``: rank ``r``'s placed columns
+    of its samples back to this rank's rows of them (a ``comm_ops.scratch`` buffer), divided by
+    ``divisor`` in the copies when it is > 1 (gradient division: the result is ``divided``)."""
     exchange = _exchange(group, grad)
     if exchange is None:
         return None
@@ -85,7 +86,11 @@ def pooled_placed_backward(
         placement.take(grad, r, buf.view(grad.dtype))
 
     def unpack(s: int, view: torch.Tensor) -> None:
-        out[row_at[s] : row_at[s + 1]].view(-1).copy_(view.view(grad.dtype))
+        rows = out[row_at[s] : row_at[s + 1]].view(-1)
+        if divisor > 1:
+            torch.div(view.view(grad.dtype), divisor, out=rows)
+        else:
+            rows.copy_(view.view(grad.dtype))
 
     work = exchange.exchange_parts(
         [b_me * placement.columns(r) * item for r in range(world)],
@@ -93,8 +98,8 @@ def pooled_placed_backward(
         pack,
         unpack,
     )
-    placement.take(grad, rank, out[row_at[rank] : row_at[rank + 1]])
-    return Pending(work, lambda: out)
+    placement.take(grad, rank, out[row_at[rank] : row_at[rank + 1]], divisor)
+    return Pending(work, lambda: (out,), divided=divisor > 1)
 
 
 def reduce_scatter_pair(

@@ -11,11 +11,16 @@ U = TypeVar("U")
 
 
 class Pending(Generic[T]):
-    """Started communication: ``wait()`` completes ``work`` (None: nothing to wait for) -> ``finish()``."""
+    """Started communication: ``wait()`` completes ``work`` (None: nothing to wait for) -> ``finish()``.
 
-    def __init__(self, work: Optional[dist.Work], finish: Callable[[], T]) -> None:
+    ``divided``: a backward exchange whose copies already divided the gradients by the world size
+    (gradient division done in the same pass; the caller must not divide again).
+    """
+
+    def __init__(self, work: Optional[dist.Work], finish: Callable[[], T], divided: bool = False) -> None:
         self._work = work
         self._finish = finish
+        self.divided = divided
 
     def wait(self) -> T:
         if self._work is not None:

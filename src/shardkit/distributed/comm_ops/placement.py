@@ -91,9 +91,10 @@ class ColumnPlacement:
         for s0, n, d0, step in runs:
             out_blocks[:, d0 : d0 + (n - 1) * step + 1 : step].copy_(src[:, s0 : s0 + n])
 
-    def take(self, grad: torch.Tensor, rank: int, chunk: torch.Tensor) -> None:
+    def take(self, grad: torch.Tensor, rank: int, chunk: torch.Tensor, divisor: int = 1) -> None:
         """Copy rank ``rank``'s columns of ``grad`` (``[rows, blocks * width]``, contiguous) into
-        ``chunk`` (``rows x columns(rank)`` values, contiguous, any shape): :meth:`place`'s inverse."""
+        ``chunk`` (``rows x columns(rank)`` values, contiguous, any shape): :meth:`place`'s inverse.
+        ``divisor`` > 1: divided by it on the way (``torch.div``'s values, as ``div_`` after the copy)."""
         rows = grad.size(0)
         n_r = len(self.dest[rank])
         if rows == 0 or n_r == 0:
@@ -103,9 +104,15 @@ class ColumnPlacement:
         runs = self._runs[rank]
         if len(runs) > MAX_RUNS:
             torch.index_select(grad_blocks, 1, self._indexes(grad.device)[rank], out=chunk_blocks)
+            if divisor > 1:
+                chunk_blocks.div_(divisor)
             return
         for s0, n, d0, step in runs:
-            chunk_blocks[:, s0 : s0 + n].copy_(grad_blocks[:, d0 : d0 + (n - 1) * step + 1 : step])
+            src = grad_blocks[:, d0 : d0 + (n - 1) * step + 1 : step]
+            if divisor > 1:
+                torch.div(src, divisor, out=chunk_blocks[:, s0 : s0 + n])
+            else:
+                chunk_blocks[:, s0 : s0 + n].copy_(src)
 
     def split(self, grad: torch.Tensor) -> List[torch.Tensor]:
         """Gradient ``[rows, blocks * width]`` -> each rank's ``[rows, columns(r)]`` blocks, back to back

@@ -107,9 +107,13 @@ class _PooledPlan(CommPlan):
         if self.placement is not None:
             grad = grads[0]
             if codec is None:
-                placed = in_place.pooled_placed_backward(grad, batch, self.placement, self.rank, self.group)
-                if placed is not None:  # through shared memory, written and read in place
-                    return placed.then(lambda out: (out,))
+                # through shared memory, written and read in place, the gradient division in the copies
+                divisor = self.world if self.divide else 1
+                placed = in_place.pooled_placed_backward(
+                    grad, batch, self.placement, self.rank, self.group, divisor
+                )
+                if placed is not None:
+                    return placed
                 # the blocks land back to back in one buffer (comm_ops.scratch), sent as it is
                 flat = self.placement.split_flat(grad)
                 received = all_to_all_flat(flat, self._recv, self._send, self.group, self.world)
