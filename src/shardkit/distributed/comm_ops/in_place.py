@@ -133,11 +133,11 @@ def reduce_scatter_pair(
 
 
 def all_gather_shared(
-    chunk: torch.Tensor, numels: Sequence[int], dtype: torch.dtype, rank: int, group
+    chunk: torch.Tensor, numels: Sequence[int], dtype: torch.dtype, rank: int, group, divisor: int = 1
 ) -> Optional[Pending[List[torch.Tensor]]]:
     """Every rank's flat chunk (rank ``r``'s ``numels[r]`` elements of ``dtype``) -> one flat tensor per
     rank, back to back in one ``comm_ops.scratch`` buffer; this rank's chunk written once into its file
-    for every peer to read."""
+    for every peer to read. ``divisor`` > 1: the result divided by it in the copies (``divided``)."""
     exchange = _exchange(group, chunk)
     if exchange is None:
         return None
@@ -146,18 +146,24 @@ def all_gather_shared(
     at = _offsets(numels)
     out = scratch.new_empty(flat, at[-1])
 
+    def place(src: torch.Tensor, dst: torch.Tensor) -> None:
+        if divisor > 1:
+            torch.div(src, divisor, out=dst)
+        else:
+            dst.copy_(src)
+
     def pack(r: int, buf: torch.Tensor) -> None:
         buf.view(dtype).copy_(flat)
 
     def unpack(s: int, view: torch.Tensor) -> None:
-        out[at[s] : at[s + 1]].copy_(view.view(dtype))
+        place(view.view(dtype), out[at[s] : at[s + 1]])
 
     world = len(numels)
     work = exchange.exchange_parts(
         [numels[rank] * item] * world, [n * item for n in numels], pack, unpack, shared=True
     )
-    out[at[rank] : at[rank + 1]].copy_(flat)
-    return Pending(work, lambda: list(out.split_with_sizes(list(numels))))
+    place(flat, out[at[rank] : at[rank + 1]])
+    return Pending(work, lambda: list(out.split_with_sizes(list(numels))), divided=divisor > 1)
 
 
 __all__ = ["all_gather_shared", "pooled_placed_backward", "pooled_placed_forward", "reduce_scatter_pair"]

@@ -28,9 +28,9 @@ class Pending(Generic[T]):
         return self._finish()
 
     def then(self, post: Callable[[T], U]) -> Pending[U]:
-        """The same communication, with ``post`` applied to its result."""
+        """The same communication, with ``post`` applied to its result (still ``divided`` if it was)."""
         finish = self._finish
-        return Pending(self._work, lambda: post(finish()))
+        return Pending(self._work, lambda: post(finish()), self.divided)
 
 
 __all__ = ["Pending"]
