@@ -65,8 +65,8 @@ def test_native_kernels_build_on_this_machine():
 @pytest.mark.parametrize("pooled", [True, False])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("scaled", [False, True])
-# 24: 8-wide blocks; 48: 16-wide blocks, three passes; 128: one 128-wide pass with AVX-512, two 64-wide
-# ones without (fp32 unweighted bags take the vector-register sums from 16-wide blocks up)
+# 24: 8-wide blocks; 48: 16-wide blocks, three passes; 128: one 128-wide pass (fp32 unweighted bags take
+# the vector-register sums from 16-wide blocks up)
 @pytest.mark.parametrize("dim", [DIM, 48, 128])
 def test_forward_matches_torch(dtype, id_dtype, pooled, weighted, scaled, dim):
     weight = torch.randn(ROWS, dim, generator=torch.Generator().manual_seed(3)).to(dtype)
