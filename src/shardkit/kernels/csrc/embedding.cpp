@@ -65,18 +65,9 @@ inline void advise_huge_pages(const at::Tensor& t) {
 // divides dim, or W = 0 (run-time width) when none does: fixed-width blocks keep the accumulators in
 // vector registers, which a loop over a run-time dim does not. 128 (one pass over a bag's ids at dim
 // 128 instead of two of 64) pays with the vector-register sums below: 8 zmm registers on AVX-512.
-// The widest block is the one whose sums fit in half the vector registers of the CPU compiled for
-// (-march=native): 128 floats are 8 of AVX-512's 32 zmm registers but all 16 of AVX2's ymm ones, which
-// gcc then spills and reloads on every id (Zen 3, AVX2: the d128 forward took 1.25x fbgemm's time).
-#ifdef __AVX512F__
-constexpr int64_t kWidestBlock = 128;
-#else
-constexpr int64_t kWidestBlock = 64;
-#endif
-
 template <typename F>
 inline void with_block_width(int64_t dim, F&& f) {
-  if (kWidestBlock >= 128 && dim % 128 == 0) f(std::integral_constant<int64_t, 128>());
+  if (dim % 128 == 0) f(std::integral_constant<int64_t, 128>());
   else if (dim % 64 == 0) f(std::integral_constant<int64_t, 64>());
   else if (dim % 32 == 0) f(std::integral_constant<int64_t, 32>());
   else if (dim % 16 == 0) f(std::integral_constant<int64_t, 16>());
