@@ -6,8 +6,9 @@ each rank copies its peers' chunks out into its receive buffer, and the op then 
 there into its result. Here (``SharedMemoryExchange.exchange_parts``) each chunk for a peer is
 written straight from the op's tensor into the exchange's file, this rank's own chunk goes straight
 to its place in the result, and the peers' chunks are read straight out of their files into the
-result: the table-wise pooled all-to-all of a ``[256, 8192]`` fp32 output per rank (2 ranks) moves
-6 chunk copies of 4 MiB each way where it moved 10.
+result: the table-wise pooled all-to-all of a ``[256, 8192]`` fp32 output per rank (2 ranks) copies
+3 chunks of 4 MiB each way where it copied 5, and its backward divides by the world size in those
+copies instead of in a pass of its own.
 
 Each function returns None where the group's byte exchanges do not go through shared memory
 (switched off, several hosts, not gloo): the caller then takes its usual path. The results are
