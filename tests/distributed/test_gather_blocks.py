@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shardkit.distributed import shm_exchange
 from shardkit.testing import run_world
 
 
@@ -93,10 +94,16 @@ def _sharded_worker() -> bool:
     from shardkit.modules import OptimType
     from tests.sharding.test_sharded_embedding_bag_collection import _check_exact
 
-    with _patched(0) as counts:  # every all-gather of the step's gradients point to point
-        for optimizer in (OptimType.SGD, OptimType.ADAGRAD):
-            for weighted in (False, True):
-                _check_exact(optimizer, weighted)
+    # gloo's transfers are what this checks: with the shared-memory exchange on (SHARDKIT_SHM_EXCHANGE=1)
+    # the gradients' all-gathers go through it instead (tests/distributed/test_shm_in_place.py)
+    shm_exchange.set_shm_exchange(False)
+    try:
+        with _patched(0) as counts:  # every all-gather of the step's gradients point to point
+            for optimizer in (OptimType.SGD, OptimType.ADAGRAD):
+                for weighted in (False, True):
+                    _check_exact(optimizer, weighted)
+    finally:
+        shm_exchange._reset()
     assert counts["backend"] == 0 and counts["isend"] > 0  # the backward's all-gathers took the transfers
     return True
 

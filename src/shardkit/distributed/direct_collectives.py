@@ -91,4 +91,16 @@ def all_to_all_single(
     return None
 
 
-__all__ = ["all_to_all_single"]
+def shm_exchange_of(group: Optional[ProcessGroup]) -> Optional[shm_exchange.SharedMemoryExchange]:
+    """The shared-memory exchange CPU byte exchanges of ``group`` go through (its
+    :meth:`~shardkit.distributed.shm_exchange.SharedMemoryExchange.exchange_parts` lets a caller write
+    and read the chunks in place), None where they go through the backend (switched off, ranks on
+    several hosts, not gloo, a compiler's trace)."""
+    if not shm_exchange.shm_exchange_enabled() or not isinstance(group, ProcessGroup):
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    return shm_exchange.exchange_for(group)
+
+
+__all__ = ["all_to_all_single", "shm_exchange_of"]

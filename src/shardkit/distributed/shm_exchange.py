@@ -144,6 +144,82 @@ class SharedMemoryExchange:
                 self._fail(err)
                 raise
 
+    def exchange_parts(
+        self,
+        send_bytes: List[int],
+        recv_bytes: List[int],
+        pack: Callable[[int, torch.Tensor], None],
+        unpack: Callable[[int, torch.Tensor], None],
+        shared: bool = False,
+    ):
+        """An all-to-all whose caller writes its chunks into the exchange's buffer and reads the peers'
+        out of theirs, so that neither side needs a send or receive buffer of its own.
+
+        ``send_bytes[r]`` / ``recv_bytes[s]``: bytes to rank ``r`` / from rank ``s`` (this rank's own
+        entries are checked against each other, but its own chunk is the caller's to move). ``pack(r,
+        buf)`` writes the chunk for peer ``r`` into ``buf`` (uint8 ``[send_bytes[r]]``; with ``shared``,
+        one chunk that every peer reads: ``pack(-1, buf)`` once, all peers' sizes equal); ``unpack(s,
+        view)`` consumes peer ``s``'s chunk, a uint8 view valid during the call only. Chunks start at
+        offsets that are sums of earlier chunks' sizes (aligned for one dtype). Returns a work (wait it;
+        ``unpack`` runs then, or at once after gloo's exchange where shared memory is out of space)."""
+        with self._lock:
+            self._usable()
+            me, world = self.rank, self.world
+            if len(send_bytes) != world or len(recv_bytes) != world:
+                raise ValueError(
+                    f"shared-memory exchange on rank {me}: {len(send_bytes)} send / {len(recv_bytes)} "
+                    f"receive sizes for a group of {world}"
+                )
+            peers = [r for r in range(world) if r != me and send_bytes[r]]
+            if shared and len({send_bytes[r] for r in peers}) > 1:
+                raise ValueError(f"shared-memory exchange on rank {me}: one shared chunk, sizes {send_bytes}")
+            if self._gloo_only:
+                self._gloo_parts(send_bytes, recv_bytes, pack, unpack, shared)
+                work = ShmWork(self, -1, None, None)
+                work.done = True
+                return work
+            try:
+                starts, pieces, need = [0] * world, [], 0
+                for r in peers:
+                    if not (shared and pieces):
+                        pieces.append((r, need, send_bytes[r]))
+                        need += send_bytes[r]
+                    starts[r] = pieces[-1][1]
+                call = self._calls
+
+                def write(buf: torch.Tensor) -> None:
+                    for r, at, n in pieces:
+                        pack(-1 if shared else r, buf[at : at + n])
+
+                self._publish(call, need, write, list(send_bytes) + starts + list(recv_bytes))
+
+                def finish(entries: List[List[int]]) -> None:
+                    for s in range(world):
+                        n = recv_bytes[s]
+                        if s != me and n:
+                            start = entries[s][4 + world + me]
+                            unpack(s, self._peer(s, entries[s])[start : start + n])
+
+                return self._track(
+                    call, finish, lambda: self._gloo_parts(send_bytes, recv_bytes, pack, unpack, shared)
+                )
+            except BaseException as err:
+                self._fail(err)
+                raise
+
+    def _gloo_parts(self, send_bytes, recv_bytes, pack, unpack, shared: bool) -> None:
+        """:meth:`exchange_parts` through gloo, at once: the chunks packed into a send buffer."""
+        sends = [0 if r == self.rank else n for r, n in enumerate(send_bytes)]
+        recvs = [0 if s == self.rank else n for s, n in enumerate(recv_bytes)]
+        send, recv = torch.empty(sum(sends), dtype=torch.uint8), torch.empty(sum(recvs), dtype=torch.uint8)
+        for r, chunk in enumerate(send.split(sends)):
+            if sends[r]:
+                pack(-1 if shared else r, chunk)
+        self._gloo_all_to_all(recv, send, recvs, sends, async_op=False)
+        for s, chunk in enumerate(recv.split(recvs)):
+            if recvs[s]:
+                unpack(s, chunk)
+
     def all_reduce_sum(self, tensor: torch.Tensor):
         """Sum contiguous CPU ``tensor`` over the group in place, in rank order (the same bits on every
         rank). Returns a work (wait it)."""

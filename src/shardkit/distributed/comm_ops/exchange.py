@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Callable, Generic, Optional, Sequence, TypeVar
+from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,8 @@ from shardkit.distributed.agreement import (
     reduce_scatter_flat,
 )
 from shardkit.distributed.codecs import QuantizedCommCodec, QuantizedCommCodecs
-from shardkit.distributed.comm_ops import scratch
+from shardkit.distributed.comm_ops import in_place, scratch
+from shardkit.distributed.comm_ops.pending import Pending
 from shardkit.distributed.direct_collectives import all_to_all_single
 from shardkit.distributed.gather_blocks import all_gather_into
 from shardkit.distributed.validation import validation_enabled
@@ -54,24 +55,6 @@ _WIRE_SUMS = frozenset(
         torch.bfloat16,
     }
 )
-
-
-class Pending(Generic[T]):
-    """Started communication: ``wait()`` completes ``work`` (None: nothing to wait for) -> ``finish()``."""
-
-    def __init__(self, work: Optional[dist.Work], finish: Callable[[], T]) -> None:
-        self._work = work
-        self._finish = finish
-
-    def wait(self) -> T:
-        if self._work is not None:
-            self._work.wait()
-        return self._finish()
-
-    def then(self, post: Callable[[T], U]) -> Pending[U]:
-        """The same communication, with ``post`` applied to its result."""
-        finish = self._finish
-        return Pending(self._work, lambda: post(finish()))
 
 
 def world_of(group: Optional[ProcessGroup]) -> int:
@@ -296,6 +279,10 @@ def reduce_scatter(
         work = reduce_scatter_flat(out, send, group=group, async_op=True)
         return Pending(work, lambda: _decode(out[: _wire_numel(own, codec)], codec, dtype))
     accumulate = _accumulate_dtype(dtype)
+    if world == 2 and codec is None and accumulate == dtype and all(c.dtype == dtype for c in chunks):
+        summed = in_place.reduce_scatter_pair(chunks, dtype, rank, group)
+        if summed is not None:  # through shared memory, the peer's term read in place
+            return summed
     # the pieces are views of the receive buffer when no codec or cast is involved: no stacking
     # copy; the sum is a new tensor, so the buffer is scratch
     return all_to_all_consumed(
@@ -370,6 +357,10 @@ def all_gather(
     One all-gather of byte buffers padded to the largest chunk; ``wait()`` gives one flat tensor of
     ``dtype`` per rank.
     """
+    if codec is None and len(numels) > 1 and chunk.dtype == dtype:
+        gathered = in_place.all_gather_shared(chunk, numels, dtype, group_rank(group), group)
+        if gathered is not None:  # through shared memory, this rank's chunk written once
+            return gathered
     wire_dtype = _wire_dtype(codec, dtype)
     item = torch.empty(0, dtype=wire_dtype).element_size()
     wire_bytes = [_wire_numel(n, codec) * item for n in numels]

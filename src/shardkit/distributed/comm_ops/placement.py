@@ -71,22 +71,48 @@ class ColumnPlacement:
     def assemble(self, pieces: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
         """Received flat pieces (rank ``r``'s: ``rows x columns(r)`` values, row-major) ->
         ``[rows, blocks * width]``, a ``comm_ops.scratch`` buffer."""
-        like = pieces[0]
-        out = scratch.new_empty(like, rows, self.blocks * self.width)
-        if rows == 0 or self.blocks == 0:
-            return out
-        out_blocks = out.view(rows, self.blocks, self.width)
+        out = scratch.new_empty(pieces[0], rows, self.blocks * self.width)
         for r, piece in enumerate(pieces):
-            if not self.dest[r]:
-                continue
-            src = piece.view(rows, len(self.dest[r]), self.width)
-            runs = self._runs[r]
-            if len(runs) > MAX_RUNS:
-                out_blocks.index_copy_(1, self._indexes(out.device)[r], src)
-                continue
-            for s0, n, d0, step in runs:
-                out_blocks[:, d0 : d0 + (n - 1) * step + 1 : step].copy_(src[:, s0 : s0 + n])
+            self.place(out, r, piece)
         return out
+
+    def place(self, out: torch.Tensor, rank: int, piece: torch.Tensor) -> None:
+        """Copy rank ``rank``'s received piece (``rows x columns(rank)`` values, row-major, any shape)
+        to its columns of ``out`` (``[rows, blocks * width]``, contiguous)."""
+        rows = out.size(0)
+        if rows == 0 or not self.dest[rank]:
+            return
+        out_blocks = out.view(rows, self.blocks, self.width)
+        src = piece.view(rows, len(self.dest[rank]), self.width)
+        runs = self._runs[rank]
+        if len(runs) > MAX_RUNS:
+            out_blocks.index_copy_(1, self._indexes(out.device)[rank], src)
+            return
+        for s0, n, d0, step in runs:
+            out_blocks[:, d0 : d0 + (n - 1) * step + 1 : step].copy_(src[:, s0 : s0 + n])
+
+    def take(self, grad: torch.Tensor, rank: int, chunk: torch.Tensor, divisor: int = 1) -> None:
+        """Copy rank ``rank``'s columns of ``grad`` (``[rows, blocks * width]``, contiguous) into
+        ``chunk`` (``rows x columns(rank)`` values, contiguous, any shape): :meth:`place`'s inverse.
+        ``divisor`` > 1: divided by it on the way (``torch.div``'s values, as ``div_`` after the copy)."""
+        rows = grad.size(0)
+        n_r = len(self.dest[rank])
+        if rows == 0 or n_r == 0:
+            return
+        grad_blocks = grad.view(rows, self.blocks, self.width)
+        chunk_blocks = chunk.view(rows, n_r, self.width)
+        runs = self._runs[rank]
+        if len(runs) > MAX_RUNS:
+            torch.index_select(grad_blocks, 1, self._indexes(grad.device)[rank], out=chunk_blocks)
+            if divisor > 1:
+                chunk_blocks.div_(divisor)
+            return
+        for s0, n, d0, step in runs:
+            src = grad_blocks[:, d0 : d0 + (n - 1) * step + 1 : step]
+            if divisor > 1:
+                torch.div(src, divisor, out=chunk_blocks[:, s0 : s0 + n])
+            else:
+                chunk_blocks[:, s0 : s0 + n].copy_(src)
 
     def split(self, grad: torch.Tensor) -> List[torch.Tensor]:
         """Gradient ``[rows, blocks * width]`` -> each rank's ``[rows, columns(r)]`` blocks, back to back
@@ -103,22 +129,13 @@ class ColumnPlacement:
         grad = grad.contiguous()
         rows = grad.size(0)
         send = scratch.new_empty(grad, grad.numel())
-        grad_blocks = grad.view(rows, self.blocks, self.width)
         chunks, start = [], 0
         for r, dest in enumerate(self.dest):
-            n_r = len(dest)
-            chunk = send[start : start + rows * n_r * self.width].view(rows, n_r * self.width)
-            start += rows * n_r * self.width
+            numel = rows * len(dest) * self.width
+            chunk = send[start : start + numel].view(rows, len(dest) * self.width)
+            start += numel
             chunks.append(chunk)
-            if rows == 0 or n_r == 0:
-                continue
-            chunk_blocks = chunk.view(rows, n_r, self.width)
-            runs = self._runs[r]
-            if len(runs) > MAX_RUNS:
-                torch.index_select(grad_blocks, 1, self._indexes(grad.device)[r], out=chunk_blocks)
-                continue
-            for s0, n, d0, step in runs:
-                chunk_blocks[:, s0 : s0 + n].copy_(grad_blocks[:, d0 : d0 + (n - 1) * step + 1 : step])
+            self.take(grad, r, chunk)
         return send, chunks
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from shardkit.distributed.agreement import group_rank
 from shardkit.distributed.codecs import QuantizedCommCodecs
-from shardkit.distributed.comm_ops import scratch
+from shardkit.distributed.comm_ops import in_place, scratch
 from shardkit.distributed.comm_ops.exchange import (
     Layout,
     agree_values,
@@ -86,6 +86,10 @@ class _PooledPlan(CommPlan):
                 out = scratch.empty((b_me, sum(dims)), pieces[0].dtype, pieces[0].device)
                 return torch.cat([p.view(b_me, d) for p, d in zip(pieces, dims)], dim=1, out=out)
 
+        if self.placement is not None and codec is None and inputs[0].is_contiguous():
+            placed = in_place.pooled_placed_forward(inputs[0], batch, self.placement, self.rank, self.group)
+            if placed is not None:  # through shared memory, written and read in place
+                return placed
         # both copy the pieces into an output of comm_ops.scratch: the receive buffer is then free
         if codec is None and inputs[0].is_contiguous():
             # the [B_r, D_me] row chunks tile the input in order: send it as it is
@@ -103,6 +107,13 @@ class _PooledPlan(CommPlan):
         if self.placement is not None:
             grad = grads[0]
             if codec is None:
+                # through shared memory, written and read in place, the gradient division in the copies
+                divisor = self.world if self.divide else 1
+                placed = in_place.pooled_placed_backward(
+                    grad, batch, self.placement, self.rank, self.group, divisor
+                )
+                if placed is not None:
+                    return placed
                 # the blocks land back to back in one buffer (comm_ops.scratch), sent as it is
                 flat = self.placement.split_flat(grad)
                 received = all_to_all_flat(flat, self._recv, self._send, self.group, self.world)

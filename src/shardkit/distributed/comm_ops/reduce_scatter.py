@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from shardkit.distributed.agreement import group_rank
 from shardkit.distributed.codecs import QuantizedCommCodecs
+from shardkit.distributed.comm_ops import in_place
 from shardkit.distributed.comm_ops.exchange import (
     Layout,
     agree_values,
@@ -67,7 +68,14 @@ class _RowsPlan(CommPlan):
 
     def start_backward(self, grads):
         codec = backward_codec(self.info.codecs)
-        gathered = all_gather(grads[0], self._numels(), self.dtype, codec, self.group)
+        numels = self._numels()
+        if codec is None and self.world > 1 and grads[0].dtype == self.dtype:
+            # through shared memory, the gradient division in its copies
+            divisor = self.world if self.divide else 1
+            shared = in_place.all_gather_shared(grads[0], numels, self.dtype, self.rank, self.group, divisor)
+            if shared is not None:
+                return shared.then(lambda pieces: (join(pieces).view(self.shape),))
+        gathered = all_gather(grads[0], numels, self.dtype, codec, self.group)
         return gathered.then(lambda pieces: (join(pieces).view(self.shape),))
 
 

@@ -155,10 +155,11 @@ class _Start(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, _dummy_grad: torch.Tensor):
         exchange = ctx.exchange
-        grads = exchange.pending.wait()
+        pending = exchange.pending
+        grads = pending.wait()
         exchange.pending = None
         plan = exchange.plan
-        if plan.divide and plan.world > 1:
+        if plan.divide and plan.world > 1 and not pending.divided:
             # in place: every backward exchange returns buffers of its own (receive buffers, or
             # views of them), so dividing them saves a pass into a new [B, D] tensor
             grads = tuple(grad.div_(plan.world) for grad in grads)
