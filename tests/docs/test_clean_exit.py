@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.docs.markdown_blocks import DEV
-from tests.docs.paired_runs import PairedRuns
+from tests.docs.paired_runs import PairedRuns, selected_params
 
 SCRIPT = r"""
 import atexit, gc, os, sys
@@ -63,14 +63,12 @@ report("after destroy")
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
 
 
-# the five 2-rank jobs are independent: two run at a time (tests/docs/paired_runs.py)
-_CASES = [
-    ("before", "torchrun"),
-    ("after", "torchrun"),
-    ("after", "dev"),
-    ("global", "torchrun"),
-    ("cycle", "torchrun"),
-]
+# the five 2-rank jobs are independent: two run at a time (tests/docs/paired_runs.py). Each test names its
+# job as a parameter, so that the module's fixture queues the jobs of the selected tests only.
+
+
+def _job(order: str, launcher: str):
+    return pytest.mark.parametrize("case", [(order, launcher)], ids=[f"{order}-{launcher}"])
 
 
 def _run(case: tuple[str, str]) -> subprocess.CompletedProcess:
@@ -88,12 +86,16 @@ def _run(case: tuple[str, str]) -> subprocess.CompletedProcess:
         )
 
 
-_RUNS = PairedRuns(_CASES, _run)
+@pytest.fixture(scope="module")
+def runs(request):
+    paired = PairedRuns(selected_params(request, "case"), _run)
+    yield paired
+    paired.close()
 
 
-def _gloo_threads(order: str, launcher: str = "torchrun") -> dict[str, list[str]]:
+def _gloo_threads(runs: PairedRuns, case: tuple[str, str]) -> dict[str, list[str]]:
     """Per rank, the gloo threads running right after ``destroy_process_group`` and at exit."""
-    done = _RUNS.result((order, launcher))
+    done = runs.result(case)
     counts = {}
     for when in ("after destroy", "at exit"):
         lines = sorted(line for line in done.stdout.splitlines() if f"gloo threads {when}" in line)
@@ -102,33 +104,38 @@ def _gloo_threads(order: str, launcher: str = "torchrun") -> dict[str, list[str]
     return counts
 
 
-def _gloo_threads_after_destroy(order: str, launcher: str = "torchrun") -> list[str]:
-    return _gloo_threads(order, launcher)["after destroy"]
+def _gloo_threads_after_destroy(runs: PairedRuns, case: tuple[str, str]) -> list[str]:
+    return _gloo_threads(runs, case)["after destroy"]
 
 
-def test_shardkit_imported_before_init_leaves_no_gloo_thread_after_destroy():
-    assert _gloo_threads_after_destroy("before") == ["0", "0"]
+@_job("before", "torchrun")
+def test_shardkit_imported_before_init_leaves_no_gloo_thread_after_destroy(runs, case):
+    assert _gloo_threads_after_destroy(runs, case) == ["0", "0"]
 
 
-def test_shardkit_imported_after_init_keeps_the_group_alive():
+@_job("after", "torchrun")
+def test_shardkit_imported_after_init_keeps_the_group_alive(runs, case):
     # the cause docs/running.md names (torch 2.13): if this fails, torch no longer keeps the group
     # alive, and the page's explanation and rule 1 should be revisited
-    counts = _gloo_threads_after_destroy("after")
+    counts = _gloo_threads_after_destroy(runs, case)
     assert all(int(c) > 0 for c in counts), counts
 
 
-def test_dev_launch_imports_for_the_script_so_a_late_import_leaks_nothing():
-    assert _gloo_threads_after_destroy("after", launcher="dev") == ["0", "0"]
+@_job("after", "dev")
+def test_dev_launch_imports_for_the_script_so_a_late_import_leaks_nothing(runs, case):
+    assert _gloo_threads_after_destroy(runs, case) == ["0", "0"]
 
 
-def test_a_module_level_reference_keeps_the_group_alive():
+@_job("global", "torchrun")
+def test_a_module_level_reference_keeps_the_group_alive(runs, case):
     # the reason for rule 2's "when nothing refers to the group any more"
-    counts = _gloo_threads_after_destroy("global")
+    counts = _gloo_threads_after_destroy(runs, case)
     assert all(int(c) > 0 for c in counts), counts
 
 
-def test_a_group_held_by_a_reference_cycle_is_freed_before_finalization():
-    counts = _gloo_threads("cycle")
+@_job("cycle", "torchrun")
+def test_a_group_held_by_a_reference_cycle_is_freed_before_finalization(runs, case):
+    counts = _gloo_threads(runs, case)
     # destroy_process_group cannot free it (the cycle refers to it); shardkit's exit handler can
     assert all(int(c) > 0 for c in counts["after destroy"]), counts
     assert counts["at exit"] == ["0", "0"], counts

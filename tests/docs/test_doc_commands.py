@@ -1,8 +1,8 @@
 """Every shell command of README.md and docs/examples.md, run as written from the checkout's root.
 
-A command runs with ``bash -c`` in the checkout, and must exit with code 0 without torch's
-"terminate called" abort; where a command's output has a verdict line (``--check``, the demo's result),
-the verdict is checked too. The few commands that cannot run here are listed in ``NOT_RUN`` with the
+A command runs with ``bash -c`` in the checkout (a block's commands in order, two blocks at a time),
+and must exit with code 0 without torch's "terminate called" abort; where a command's output has a
+verdict line (``--check``, the demo's result), the verdict is checked too. The few commands that cannot run here are listed in ``NOT_RUN`` with the
 reason; the list is checked against the docs so that it cannot go stale.
 """
 
@@ -14,6 +14,7 @@ import subprocess
 import pytest
 
 from tests.docs.markdown_blocks import ROOT, shell_commands
+from tests.docs.paired_runs import PairedRuns, selected_params
 
 PAGES = [ROOT / "README.md", ROOT / "docs" / "examples.md"]
 
@@ -59,14 +60,37 @@ def _params():
     ]
 
 
-@pytest.mark.parametrize("command", _params())
-def test_command_runs_as_written(command):
+def _run_in_order(commands: tuple[str, ...]) -> dict[str, subprocess.CompletedProcess]:
+    """One block's commands, one after the other (a command may need what an earlier one of its block
+    wrote, as a reader runs them)."""
     env = {
         k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))
     }
-    done = subprocess.run(
-        ["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
+    return {
+        command: subprocess.run(
+            ["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        )
+        for command in commands
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(request):
+    """The selected commands of each block run in order; the blocks are independent: two at a time
+    (tests/docs/paired_runs.py). ``runs[command]`` waits for its block's run."""
+    block_of = {command: block.where for block, command in COMMANDS}
+    by_block: dict[str, list[str]] = {}
+    for command in selected_params(request, "command"):
+        by_block.setdefault(block_of[command], []).append(command)
+    group_of = {command: tuple(group) for group in by_block.values() for command in group}
+    paired = PairedRuns(list(dict.fromkeys(group_of.values())), _run_in_order)
+    yield lambda command: paired.result(group_of[command])[command]
+    paired.close()
+
+
+@pytest.mark.parametrize("command", _params())
+def test_command_runs_as_written(runs, command):
+    done = runs(command)
     output = done.stdout + done.stderr
     assert done.returncode == 0, f"{command} exited {done.returncode}\n{output[-4000:]}"
     assert "terminate called" not in output, output[-4000:]

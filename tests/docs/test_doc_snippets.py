@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.docs.markdown_blocks import DEV, python_block_names
-from tests.docs.paired_runs import PairedRuns
+from tests.docs.paired_runs import PairedRuns, selected_params
 
 # Blocks that do not run yet (page#n: the page's n-th Python block), each with the reason; strict: once
 # a block runs, its entry must go.
@@ -57,14 +57,18 @@ def _run_block(block) -> tuple[list[str], subprocess.CompletedProcess]:
         return command, subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True, timeout=240)
 
 
-_RUNS = PairedRuns([block for _, block in BLOCKS], _run_block)
+@pytest.fixture(scope="module")
+def runs(request):
+    paired = PairedRuns(selected_params(request, "block"), _run_block)
+    yield paired
+    paired.close()
 
 
 @pytest.mark.parametrize(
     "block", [pytest.param(b, id=f"{name} (line {b.line})", marks=_marks(name)) for name, b in BLOCKS]
 )
-def test_python_block_runs_as_written(block):
-    command, done = _RUNS.result(block)
+def test_python_block_runs_as_written(runs, block):
+    command, done = runs.result(block)
     output = done.stdout + done.stderr
     assert done.returncode == 0, f"{block.where}: {' '.join(command[1:])} exited {done.returncode}\n{output}"
     assert "terminate called" not in output, output

@@ -1,10 +1,10 @@
 """The Triton embedding kernels against the pure-torch reference, one case per configuration.
 
 Used two ways: ``python -m tests.kernels._triton_cases`` with ``TRITON_INTERPRET=1`` runs every case
-on CPU tensors in Triton's interpreter and prints the outcomes as JSON (test_triton_embedding.py runs
-it in a subprocess, because the interpreter must be chosen before the kernels are defined); the CUDA
-tests call :func:`run_case` in-process on a GPU. A case returns its checks as
-``[description, passed, detail]``; the caller asserts them.
+(or every PARTS-th: ``... cpu PART PARTS``) on CPU tensors in Triton's interpreter and prints the
+outcomes as JSON (test_triton_embedding.py runs it in subprocesses, because the interpreter must be
+chosen before the kernels are defined); the CUDA tests call :func:`run_case` in-process on a GPU. A
+case returns its checks as ``[description, passed, detail]``; the caller asserts them.
 """
 
 from __future__ import annotations
@@ -519,13 +519,15 @@ def run_case(case: str, device: str) -> List[List[Any]]:
     return _other_case(case, device)
 
 
-def run_all(device: str) -> Dict[str, Any]:
+def run_all(device: str, part: int = 0, parts: int = 1) -> Dict[str, Any]:
+    """Every case (``part`` of ``parts``: every ``parts``-th case from the ``part``-th, so that
+    processes can share the cases out)."""
     from shardkit.kernels import triton_embedding
 
     if triton_embedding.triton_failure() is not None:
         return {"error": f"triton does not import: {triton_embedding.triton_failure()}"}
     results: Dict[str, Any] = {"interpreted": triton_embedding.INTERPRETED, "cases": {}}
-    for case in ALL_CASES:
+    for case in ALL_CASES[part::parts]:
         try:
             results["cases"][case] = run_case(case, device)
         except Exception:
@@ -534,5 +536,7 @@ def run_all(device: str) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    outcome = run_all(sys.argv[1] if len(sys.argv) > 1 else "cpu")
+    # python -m tests.kernels._triton_cases [DEVICE [PART PARTS]]
+    part, parts = (int(sys.argv[2]), int(sys.argv[3])) if len(sys.argv) > 3 else (0, 1)
+    outcome = run_all(sys.argv[1] if len(sys.argv) > 1 else "cpu", part, parts)
     print("TRITON_CASES_JSON " + json.dumps(outcome))

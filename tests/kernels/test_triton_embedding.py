@@ -1,7 +1,7 @@
 """Triton embedding kernels vs the pure-torch reference, on CPU through Triton's interpreter.
 
-``TRITON_INTERPRET=1`` has to be set before the kernels are defined, so the cases run in one
-subprocess (tests/kernels/_triton_cases.py) and each test here asserts one case's checks. triton
+``TRITON_INTERPRET=1`` has to be set before the kernels are defined, so the cases run in subprocesses
+(tests/kernels/_triton_cases.py, two at once) and each test here asserts one case's checks. triton
 comes with the ``dev`` extra: when it is missing these tests fail, they do not skip.
 """
 
@@ -22,26 +22,55 @@ ROOT = Path(__file__).resolve().parents[2]
 MARKER = "TRITON_CASES_JSON "
 
 
+# the cases are shared out over two processes run at once: the interpreter is one core's work, and
+# the suite otherwise leaves the second core idle while it waits
+PARTS = 2
+
+
 @pytest.fixture(scope="module")
 def interpreted():
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.kernels._triton_cases", "cpu"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARKER)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.kernels._triton_cases", "cpu", str(part), str(PARTS)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for part in range(PARTS)
+    ]
+    try:
+        outcomes = [_outcome(proc) for proc in procs]
+    finally:  # a part failed: the other's process does not outlive the test
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    cases_run = {}
+    for outcome in outcomes:
+        cases_run.update(outcome["cases"])
+    assert sorted(cases_run) == sorted(cases.ALL_CASES)
+    return cases_run
+
+
+def _outcome(proc: subprocess.Popen) -> dict:
+    """One part's outcome: its cases' checks, after asserting the kernels were interpreted."""
+    try:
+        stdout, stderr = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    lines = [line for line in stdout.splitlines() if line.startswith(MARKER)]
     if proc.returncode != 0 or not lines:
-        tail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        tail = f"{stdout[-3000:]}\n{stderr[-3000:]}"
         pytest.fail(f"the interpreter run failed (exit {proc.returncode}):\n{tail}")
     outcome = json.loads(lines[-1][len(MARKER) :])
     if "error" in outcome:
         pytest.fail(f"{outcome['error']} (triton is in the dev extra: pip install -e '.[dev]')")
     assert outcome["interpreted"], "the kernels were compiled, not interpreted, under TRITON_INTERPRET=1"
-    return outcome["cases"]
+    return outcome
 
 
 def _assert_checks(checks):

@@ -39,6 +39,8 @@ def _one_line_error(message: str) -> None:
 
 
 def run(args) -> int:
+    """Runs the script on every rank. Never returns: a failed rank raises torchrun's ChildFailedError,
+    and once every rank has succeeded the process ends with ``os._exit(0)``."""
     if args.script is None:
         _one_line_error(f"name the script to run on every rank: {USAGE}")
     if args.nproc < 1:
@@ -54,7 +56,11 @@ def run(args) -> int:
     # torchrun sets 1 thread per rank anyway, with a 4-line warning when the variable is unset
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torchrun_main(torchrun_args(args.nproc, args.script, list(args.script_args)))
-    return 0
+    # every rank is done: end here, skipping the interpreter's finalization, which with torch loaded
+    # takes a second or more (measured 1.2 s on a loaded 2-core machine) and has nothing left to do
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def add_parser(commands) -> None:
