@@ -165,9 +165,18 @@ def main(argv: Optional[List[str]] = None) -> None:
         help="instead: perf record rank --rank's steps (DIR/row<n>/perf-<lib>.data)",
     )
     parser.add_argument("--perf-event", default="cpu-clock", help="perf's event (e.g. page-faults)")
+    parser.add_argument(
+        "--dp-kernel",
+        choices=["fused", "dense"],
+        default="fused",
+        help="shardkit's kernel in data_parallel rows (fused: the sweep's default)",
+    )
     parser.add_argument("--out", help="JSON directory (default: a new one outside the checkout)")
     parsed = parser.parse_args(argv)
     configs = grid()
+    for config in configs:
+        if config["kind"] == "data_parallel":  # the kernel the sweep runs (vs_torchrec's own default: dense)
+            config["dp_kernel"] = parsed.dp_kernel
     if any(not 1 <= n <= len(configs) for n in parsed.rows):
         parser.error(f"--rows: sweep rows are 1..{len(configs)}")
     if handled_without_peers("step_profile", argv, parsed.out):

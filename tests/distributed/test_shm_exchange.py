@@ -176,3 +176,37 @@ def test_a_sharded_training_step_is_bitwise_the_same_through_shared_memory(kind)
         assert len(a["weights"]) == len(b["weights"]) > 0
         assert all(torch.equal(x, y) for x, y in zip(a["outs"], b["outs"]))
         assert all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"]))
+
+
+def _all_reduce_fill(sizes) -> list:
+    """Per size: whether the sum of terms made by ``fill`` in the shared buffer equals, bit for bit,
+    the sum of the same terms passed in the tensor, and whether ``fill`` wrote elsewhere than the
+    tensor (the peers read it where it was made)."""
+    rank = dist.get_rank()
+    shm_exchange.set_shm_exchange(True)
+    try:
+        exchange = shm_exchange.exchange_for(dist.group.WORLD)
+        results = []
+        for n in sizes:
+            term = torch.randn(n, 3, generator=torch.Generator().manual_seed(rank * 100 + n)) * 1e3
+            passed = term.clone()
+            exchange.all_reduce_sum(passed).wait()
+            made = torch.full_like(term, float("nan"))  # the sum overwrites every element
+            outs = []
+
+            def fill(out, term=term, outs=outs):
+                outs.append(out.data_ptr())
+                out.copy_(term)
+
+            exchange.all_reduce_sum(made, fill).wait()
+            results.append((torch.equal(made, passed), outs != [made.data_ptr()], len(outs)))
+        return results
+    finally:
+        shm_exchange.set_shm_exchange(False)
+        shm_exchange.close_all()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_all_reduce_term_can_be_made_in_the_shared_buffer(world):
+    for got in run_world(_all_reduce_fill, world, [1, 5000, 40_000]):
+        assert got == [(True, True, 1)] * 3

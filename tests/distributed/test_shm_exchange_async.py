@@ -186,6 +186,45 @@ def test_a_rank_without_space_sends_that_call_and_the_later_ones_through_gloo_on
         assert result["gloo_only"] == [False] + [True] * 7, result
 
 
+def _filled_sums_without_space(rank_without: int, limit: int) -> dict:
+    """All-reduces whose terms ``fill`` makes, on a group where one rank cannot reserve more than
+    ``limit`` bytes: a small call through shared memory, then a large one (the others' terms already
+    in their shared buffers) and a later one through gloo. Integer-valued terms: every order sums
+    them exactly, so each result is compared with the plain sum."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    real = shm_control.reserve
+    if rank == rank_without:
+
+        def reserve(fd, nbytes):
+            if nbytes > limit:
+                raise OSError(28, "No space left on device (test)")
+            real(fd, nbytes)
+
+        shm_control.reserve = reserve
+    shm_exchange.set_shm_exchange(True)
+    try:
+        exchange = shm_exchange.exchange_for(dist.group.WORLD)
+        same, gloo_only = [], []
+        for n in (100, 1 << 20, 1000):
+            terms = [torch.arange(n, dtype=torch.float32) % 97 + r for r in range(world)]
+            got = torch.full((n,), float("nan"))
+            exchange.all_reduce_sum(got, lambda out, term=terms[rank]: out.copy_(term)).wait()
+            same.append(torch.equal(got, sum(terms)))
+            gloo_only.append(exchange._gloo_only)
+        return {"same": same, "gloo_only": gloo_only}
+    finally:
+        shm_control.reserve = real
+        shm_exchange.set_shm_exchange(False)
+        shm_exchange.close_all()
+
+
+def test_an_all_reduce_whose_terms_are_made_in_shared_buffers_falls_back_to_gloo_whole():
+    before = set(glob.glob(FILES))
+    for result in run_world(_filled_sums_without_space, 3, 2, 1 << 20):
+        assert result == {"same": [True] * 3, "gloo_only": [False, True, True]}, result
+    assert set(glob.glob(FILES)) <= before
+
+
 def _disagree() -> str:
     rank = dist.get_rank()
     shm_exchange.set_shm_exchange(True)

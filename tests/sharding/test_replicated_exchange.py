@@ -35,7 +35,7 @@ def _steps_worker(optimizer, rows, steps):
 
     exchange.all_gather_flat = recording(exchange.all_gather_flat)
     exchange.all_gather_blocks = recording(exchange.all_gather_blocks)
-    exchange.dist.all_reduce = recording(exchange.dist.all_reduce)
+    exchange.all_reduce_sum = recording(exchange.all_reduce_sum)
     autograd_grad = torch.autograd.grad
     torch.autograd.grad = lambda *a, **k: grads.append(1) or autograd_grad(*a, **k)
     grad = torch.arange(4 * dim, dtype=torch.float32).view(4, dim).sin()
@@ -143,3 +143,41 @@ def test_the_kept_buffer_ways_sum_the_gradient_by_a_scatter_not_the_sorting_fuse
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         assert sorted_sums == 0
     assert torch.equal(results[0][1], results[1][1]), "the replicas differ"
+
+
+def _shm_worker(optimizer, shm):
+    """``_steps_worker``'s dense steps with the shared-memory exchange ``shm`` on or off: this rank's
+    table, the reference's, its gloo all-reduces and its shared-memory calls."""
+    import torch.distributed as dist
+
+    import shardkit.sharding.replicated_exchange as exchange
+    from shardkit.distributed import shm_exchange
+
+    gloo = []
+    all_reduce = exchange.dist.all_reduce
+    exchange.dist.all_reduce = lambda *a, **k: gloo.append(1) or all_reduce(*a, **k)
+    shm_exchange.set_shm_exchange(shm)
+    try:
+        _, _, got, want = _steps_worker(optimizer, 16, [_MOST, _MOST, _FEW, _MOST])
+        calls = sum(e._calls for e in shm_exchange._EXCHANGES.values() if e is not None)
+        dist.barrier()
+        return got, want, len(gloo), calls
+    finally:
+        exchange.dist.all_reduce = all_reduce
+        shm_exchange.set_shm_exchange(False)
+        shm_exchange.close_all()
+
+
+@pytest.mark.parametrize("optimizer", [OptimType.ADAGRAD, OptimType.ROWWISE_ADAGRAD])
+def test_with_the_shared_memory_exchange_the_dense_way_skips_gloo_and_trains_bitwise_the_same(optimizer):
+    import torch
+
+    from shardkit.testing import run_world
+
+    on, off = run_world(_shm_worker, 2, optimizer, True), run_world(_shm_worker, 2, optimizer, False)
+    for (got, want, gloo, calls), (got_off, _, gloo_off, calls_off) in zip(on, off):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert torch.equal(got, got_off)
+        # 4 dense exchanges: _FEW follows a dense one, the last _MOST finds most rows in its gather
+        assert (gloo, gloo_off) == (0, 4) and calls == 4 and calls_off == 0
+    assert torch.equal(on[0][0], on[1][0]), "the replicas differ"

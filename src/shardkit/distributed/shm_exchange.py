@@ -220,15 +220,22 @@ class SharedMemoryExchange:
             if recvs[s]:
                 unpack(s, chunk)
 
-    def all_reduce_sum(self, tensor: torch.Tensor):
+    def all_reduce_sum(self, tensor: torch.Tensor, fill: Optional[Callable[[torch.Tensor], None]] = None):
         """Sum contiguous CPU ``tensor`` over the group in place, in rank order (the same bits on every
-        rank). Returns a work (wait it)."""
+        rank). Returns a work (wait it).
+
+        ``fill``: this rank's term is not ``tensor``'s contents but what ``fill(out)`` writes into
+        ``out`` (a tensor of ``tensor``'s dtype and shape, contents undefined: every element must be
+        written), called once: ``out`` is this rank's shared buffer, so the term is made where the
+        peers read it (no copy of it); ``tensor`` then only receives the sum."""
         with self._lock:
             self._usable()
             if self._gloo_only:
+                if fill is not None:
+                    fill(tensor)
                 return dist.all_reduce(tensor, group=self.group, async_op=True)
             try:
-                return self._start_all_reduce(tensor)
+                return self._start_all_reduce(tensor, fill)
             except BaseException as err:
                 self._fail(err)
                 raise
@@ -297,7 +304,7 @@ class SharedMemoryExchange:
 
         return self._track(call, finish, fallback)
 
-    def _start_all_reduce(self, tensor: torch.Tensor) -> ShmWork:
+    def _start_all_reduce(self, tensor: torch.Tensor, fill: Optional[Callable] = None) -> ShmWork:
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError(
                 f"shared-memory all-reduce: a contiguous CPU tensor, got {tensor.device}, "
@@ -307,9 +314,14 @@ class SharedMemoryExchange:
         raw = flat.view(torch.uint8)
         nbytes, world, me = raw.numel(), self.world, self.rank
         call = self._calls
+        written: List[torch.Tensor] = []  # this rank's term in its buffer, when fill made it there
 
         def write(buf: torch.Tensor) -> None:
-            buf[:nbytes].copy_(raw)
+            if fill is None:
+                buf[:nbytes].copy_(raw)
+            else:
+                written.append(buf[:nbytes].view(flat.dtype).view(tensor.shape))
+                fill(written[0])
 
         self._publish(call, nbytes, write, [nbytes] * world + [0] * world + [nbytes] * world)
 
@@ -319,13 +331,19 @@ class SharedMemoryExchange:
             parts = [
                 flat if s == me else self._peer(s, entries[s])[:nbytes].view(flat.dtype) for s in range(world)
             ]
-            if me != 0:
-                parts[me] = flat.clone()
-                flat.copy_(parts[0])
-            for s in range(1, world):
+            if written:
+                parts[me] = written[0].view(-1)
+            elif me != 0:
+                parts[me] = flat.clone()  # the sum below overwrites flat before it reads this rank's term
+            torch.add(parts[0], parts[1], out=flat)
+            for s in range(2, world):
                 flat.add_(parts[s])
 
         def fallback() -> None:
+            if written:
+                tensor.copy_(written[0])
+            elif fill is not None:  # a rank had no space before this one wrote its term
+                fill(tensor)
             dist.all_reduce(tensor, group=self.group)
 
         return self._track(call, finish, fallback)

@@ -94,8 +94,8 @@ class _ReplicatedFusedFn(torch.autograd.Function):
             rows, grad, psw_grad = _touched_grad_autograd(weight, *args, world)
         elif lookup.dense_next:  # the last exchange's counts: most rows touched, no counts gather
             exchange = lookup.dense_exchange(weight)
-            _scatter_dense(exchange, args, world, dist.get_rank(lookup.process_group))
-            lookup.step_replicas(exchange, weight, step)
+            fill = _dense_fill(args, world, dist.get_rank(lookup.process_group))
+            lookup.step_replicas(exchange, weight, step, fill)
             return (None,) * 9
         else:
             _sparse_exchange(lookup, weight, args, world, step)
@@ -165,21 +165,24 @@ def _sparse_exchange(lookup, weight, args, world, step) -> None:
         lookup.dense_next, lookup.next_gather_rows = False, gather_bound(counts)
         exchange.step_gathered(rows, counts, weight, step)
         return
-    _scatter_dense(exchange, args, world, dist.get_rank(lookup.process_group))
-    lookup.step_replicas(exchange, weight, step)
+    fill = _dense_fill(args, world, dist.get_rank(lookup.process_group))
+    lookup.step_replicas(exchange, weight, step, fill)
 
 
-def _scatter_dense(exchange: DenseRowExchange, args, world: int, rank: int) -> None:
-    """The dense way's start: this rank's gradient of every buffer row (times its factor,
-    :func:`_scale_and_lr`) scattered into the exchange's gradient in id order with no sort, its rows
-    flagged and its count of them in its slot (:func:`grad_scatter`; no memset of the gradient: the
-    scatter writes every row)."""
-    exchange.start(zero_grad=False)
-    factor, exact = _scale_and_lr(world)
-    count = grad_scatter(exchange.grad, exchange.flags, *args, factor if exact else 1.0)
-    if not exact:
-        exchange.grad.div_(world)  # before the sum over the ranks, as the other shardings divide
-    exchange.counts[rank] = count
+def _dense_fill(args, world: int, rank: int):
+    """The dense way's term of this rank, as :meth:`DenseRowExchange.all_reduce_and_step`'s ``fill``:
+    its gradient of every buffer row (times its factor, :func:`_scale_and_lr`) scattered into
+    ``grad`` in id order with no sort, its rows flagged and its count of them in its slot
+    (:func:`grad_scatter`; no memset of the gradient: the scatter writes every row)."""
+
+    def fill(grad: torch.Tensor, flags: torch.Tensor, counts: torch.Tensor) -> None:
+        factor, exact = _scale_and_lr(world)
+        count = grad_scatter(grad, flags, *args, factor if exact else 1.0)
+        if not exact:
+            grad.div_(world)  # before the sum over the ranks, as the other shardings divide
+        counts[rank] = count
+
+    return fill
 
 
 def _scale_and_lr(world: int) -> Tuple[float, bool]:
@@ -261,10 +264,11 @@ class ReplicatedFusedLookup(GroupedEmbeddingLookup):
             self._dense_exchange = DenseRowExchange(*sizes)
         return self._dense_exchange
 
-    def step_replicas(self, exchange: DenseRowExchange, weight: torch.Tensor, step) -> None:
-        """All-reduce the dense exchange, step the touched rows, and pick the next backward's way
-        from the counts it carried."""
-        counts = exchange.all_reduce_and_step(weight, step, self.process_group)
+    def step_replicas(self, exchange: DenseRowExchange, weight: torch.Tensor, step, fill=None) -> None:
+        """All-reduce the dense exchange (this rank's term written by ``fill`` when given, see
+        :meth:`DenseRowExchange.all_reduce_and_step`), step the touched rows, and pick the next
+        backward's way from the counts it carried."""
+        counts = exchange.all_reduce_and_step(weight, step, self.process_group, fill)
         self.dense_next = prefers_dense(counts, weight.size(0), weight.size(1))
         self.next_gather_rows = gather_bound(counts)
 
