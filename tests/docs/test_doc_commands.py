@@ -2,8 +2,9 @@
 
 A command runs with ``bash -c`` in the checkout (a block's commands in order, two blocks at a time),
 and must exit with code 0 without torch's "terminate called" abort; where a command's output has a
-verdict line (``--check``, the demo's result), the verdict is checked too. The few commands that cannot run here are listed in ``NOT_RUN`` with the
-reason; the list is checked against the docs so that it cannot go stale.
+verdict line (``--check``, the demo's result), the verdict is checked too. The few commands that cannot
+run here are listed in ``NOT_RUN`` with the reason; the list is checked against the docs so that it
+cannot go stale.
 """
 
 from __future__ import annotations
