@@ -88,3 +88,18 @@ def test_data_files_that_cannot_be_made_send_every_call_through_gloo_on_every_ra
     directory.mkdir()
     for result in run_world(_directory_gone_after_set_up, 3, str(directory)):
         assert result == {"set_up": True, "same": [True] * 3, "gloo_only": True}, result
+
+
+def test_files_left_by_killed_ranks_are_removed_once_stale_and_only_then(tmp_path, monkeypatch):
+    monkeypatch.setattr(shm_exchange, "DIRECTORY", str(tmp_path))
+    old, fresh, other = (tmp_path / n for n in ("shardkit-x-aa-0-1-1", "shardkit-x-bb-1-0-1", "user-file"))
+    for path in (old, fresh, other):
+        path.write_bytes(b"x")
+    now = fresh.stat().st_mtime
+    stale = now - shm_exchange.STALE_AFTER_S - 1
+    os.utime(old, (stale, stale))
+    os.utime(other, (stale, stale))
+    assert shm_exchange.remove_stale_files(now) == 1
+    assert not old.exists() and fresh.exists() and other.exists()
+    assert shm_exchange.remove_stale_files(now + shm_exchange.STALE_AFTER_S + 1) == 1
+    assert not fresh.exists() and other.exists()

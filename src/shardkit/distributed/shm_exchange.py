@@ -59,6 +59,7 @@ DEFAULT_ENABLED = True  # the setting without SHARDKIT_SHM_EXCHANGE (one line to
 BUFFERS = 4  # data buffers per rank and group (two suffice for calls that are waited at once)
 SMALL = 128 << 10  # sends up to this many bytes are copied in one piece, the rank's own chunk included
 MIN_FILE = 64 << 10
+STALE_AFTER_S = 24 * 3600  # files older than this are leftovers of killed ranks (remove_stale_files)
 DIRECTORY = "/dev/shm"  # where the files are made (a tmpfs shared by the host's processes; tests move it)
 _enabled: Optional[bool] = None
 
@@ -520,6 +521,31 @@ def _remove(path: str) -> None:
         pass
 
 
+def remove_stale_files(now: Optional[float] = None) -> int:
+    """Remove this exchange's files in :data:`DIRECTORY` older than :data:`STALE_AFTER_S`; how many.
+
+    A file stays in the directory only until every peer has mapped it (then its maker unlinks it); one
+    whose maker was killed first (SIGKILL, or torchrun's SIGTERM after a peer failed) stays for good. A
+    file that old belongs to a group whose ranks gave up long ago (every wait ends at the group's
+    timeout), so removing it can break no live exchange. Called at every group's set-up."""
+    now = time.time() if now is None else now
+    removed = 0
+    try:
+        entries = list(os.scandir(DIRECTORY))
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.name.startswith("shardkit-x-"):
+            continue
+        try:
+            if now - entry.stat(follow_symlinks=False).st_mtime > STALE_AFTER_S:
+                os.unlink(entry.path)
+                removed += 1
+        except OSError:  # gone meanwhile (another rank's sweep), or not ours to remove
+            pass
+    return removed
+
+
 def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -543,6 +569,7 @@ def _make(group: dist.ProcessGroup) -> Optional[SharedMemoryExchange]:
     host = f"{socket.gethostname()}:{_boot_id()}"
     prefix, mapping, ok = f"{DIRECTORY}/shardkit-x-{uuid.uuid4().hex[:12]}", None, True
     if rank == 0:
+        remove_stale_files()
         try:
             mapping = shm_control.map_file(prefix + "-control", shm_control.control_bytes(world), create=True)
         except OSError:
@@ -611,10 +638,12 @@ __all__ = [
     "DEFAULT_ENABLED",
     "DIRECTORY",
     "ENV",
+    "STALE_AFTER_S",
     "SharedMemoryExchange",
     "ShmWork",
     "close_all",
     "exchange_for",
+    "remove_stale_files",
     "set_shm_exchange",
     "shm_exchange_enabled",
 ]
