@@ -188,15 +188,17 @@ def test_a_stall_in_the_backward_of_node_group_tables_ends_within_the_timeout(sh
     # the ranks waiting in the backward's node-group collectives fail naming rank 3 (a rank whose
     # backward needed nothing of rank 3 times out in the harness's closing barrier instead, or is cut
     # off there when a peer that timed out first closes its connections: named by the harness)
-    # gloo's timeouts are named by the roll call ("rank(s) [1, 3] did not answer"), the shared-memory
-    # exchange's (the default; CPU node groups of one host) by the exchange itself, in group ranks
-    # with global ones ("rank(s) [1 (global 3)] did not publish call 1")
+    # timeouts are named by the roll call ("rank(s) [1, 3] did not answer"), the shared-memory
+    # exchange's too (the default; CPU node groups of one host): its own naming, of the group's peer
+    # it waited for ("rank(s) [1 (global 1)] did not publish call 1"), may name a rank that was itself
+    # waiting for rank 3, so naming_silent_ranks runs the roll call on it as on gloo's timeouts
     silent_ranks = r"rank\(s\) \[([\d, ()global]*)\] did not (?:answer|publish)"
-    survivors = re.findall(r"CollectiveTimeoutError: after ([\d.]+) s: .*" + silent_ranks, report)
+    # non-greedy: the first naming on the line (the roll call's), not one quoted from the cause
+    survivors = re.findall(r"CollectiveTimeoutError: after ([\d.]+) s: .*?" + silent_ranks, report)
     assert survivors and all("3" in _global_ranks(silent) for _, silent in survivors), report
     assert all(float(elapsed) < COLLECTIVE_TIMEOUT_S + 3 + 10 for elapsed, _ in survivors), survivors
     sections = dict(re.findall(r"--- rank (\d) ---\n(.*?)(?=\n--- rank \d ---|\Z)", report, re.S))
-    named = r"CollectiveTimeoutError: (after [\d.]+ s: )?.*" + silent_ranks
+    named = r"CollectiveTimeoutError: (after [\d.]+ s: )?.*?" + silent_ranks
     for rank in "012":  # each failed naming rank 3, none waited until the harness killed it
         assert rank in sections and "worker killed" not in sections[rank], report
         silent = [m.group(2) for m in re.finditer(named, sections[rank])]

@@ -41,7 +41,7 @@ import struct
 import time
 from typing import List, Optional, Sequence
 
-from shardkit.distributed.timeouts import CollectiveTimeoutError
+from shardkit.distributed.timeouts import PeerWaitTimeoutError
 
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not FUTEX_PRIVATE_FLAG): the word is in another process too
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202}.get(platform.machine().lower())
@@ -258,7 +258,7 @@ class Control:
             found.append(f"rank(s) {named(failed)} left the exchange with an error of their own")
         if closed:
             found.append(f"rank(s) {named(closed)} closed the exchange (or exited) before this call")
-        return CollectiveTimeoutError(
+        return PeerWaitTimeoutError(
             f"shared-memory exchange, rank {self.rank} (global {self.global_ranks[self.rank]}) of a group "
             f"of {self.world}, {what} of call {call}: " + "; ".join(found) + " (the group's timeout is set "
             "by init_process_group / new_group(timeout=...) or SHARDKIT_TIMEOUT)"

@@ -117,7 +117,10 @@ class SharedMemoryExchange:
     """This rank's data buffers in ``group``, its mappings of the peers' and the group's control block."""
 
     def __init__(self, group: dist.ProcessGroup, control: Control, prefix: str, timeout_s: float) -> None:
-        self.group, self.control, self.prefix = group, control, prefix
+        # a weak reference: the exchange must not keep the group (and its gloo threads) alive after
+        # destroy_process_group (``_EXCHANGES`` is keyed weakly by the group for the same reason)
+        self._group = weakref.ref(group)
+        self.control, self.prefix = control, prefix
         self.rank, self.world = control.rank, control.world
         self.timeout_s = timeout_s
         self._buffers: List[_Buffer] = []
@@ -500,6 +503,13 @@ class SharedMemoryExchange:
         self._peers.clear()
         self._pending = []
 
+    @property
+    def group(self) -> dist.ProcessGroup:
+        group = self._group()
+        if group is None:
+            raise RuntimeError(f"shared-memory exchange {self.prefix}: its process group was destroyed")
+        return group
+
     def close(self, grace_s: float = 5.0) -> None:
         """Unlink this rank's files (after up to ``grace_s`` for the peers to map the newest) and leave."""
         with self._lock:
@@ -610,6 +620,8 @@ def exchange_for(group: dist.ProcessGroup) -> Optional[SharedMemoryExchange]:
     exchange = None
     if "gloo" in str(dist.get_backend(group)) and group.size() > 1:
         exchange = _make(group)
+        if exchange is not None:  # the group collected: its files unlinked, its peers told
+            weakref.finalize(group, exchange.close, 0.0)
     _EXCHANGES[group] = exchange
     return exchange
 

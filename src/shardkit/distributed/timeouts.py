@@ -69,6 +69,12 @@ class CollectiveTimeoutError(RuntimeError):
     closed its connections; names the silent ranks."""
 
 
+class PeerWaitTimeoutError(CollectiveTimeoutError):
+    """A wait of one group's collective for the peers it names timed out (the shared-memory exchange).
+    A peer named may itself be waiting for a rank of another group: :func:`naming_silent_ranks` treats
+    it as a timeout and names the ranks that went silent (a roll call of every rank)."""
+
+
 def timeout_from_env(default: timedelta) -> timedelta:
     """``SHARDKIT_TIMEOUT`` (positive seconds) as a timedelta, or ``default`` when it is unset.
 
@@ -92,6 +98,8 @@ def parse_timeout(raw: str, what: str) -> float:
 
 def is_timeout(err: BaseException) -> bool:
     """Whether ``err`` is torch's report of a collective or store wait that timed out."""
+    if isinstance(err, PeerWaitTimeoutError):
+        return True
     if isinstance(err, CollectiveTimeoutError):
         return False
     text = str(err).lower()
@@ -269,6 +277,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "ENV_VAR",
     "CollectiveTimeoutError",
+    "PeerWaitTimeoutError",
     "RollCall",
     "group_timeout",
     "is_peer_closed",
