@@ -9,7 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from shardkit.distributed import shm_exchange
+from shardkit.distributed import shm_exchange, shm_files
 from shardkit.distributed.direct_collectives import all_to_all_single
 from shardkit.testing import run_world
 
@@ -90,16 +90,15 @@ def test_data_files_that_cannot_be_made_send_every_call_through_gloo_on_every_ra
         assert result == {"set_up": True, "same": [True] * 3, "gloo_only": True}, result
 
 
-def test_files_left_by_killed_ranks_are_removed_once_stale_and_only_then(tmp_path, monkeypatch):
-    monkeypatch.setattr(shm_exchange, "DIRECTORY", str(tmp_path))
+def test_files_left_by_killed_ranks_are_removed_once_stale_and_only_then(tmp_path):
     old, fresh, other = (tmp_path / n for n in ("shardkit-x-aa-0-1-1", "shardkit-x-bb-1-0-1", "user-file"))
     for path in (old, fresh, other):
         path.write_bytes(b"x")
     now = fresh.stat().st_mtime
-    stale = now - shm_exchange.STALE_AFTER_S - 1
+    stale = now - shm_files.STALE_AFTER_S - 1
     os.utime(old, (stale, stale))
     os.utime(other, (stale, stale))
-    assert shm_exchange.remove_stale_files(now) == 1
+    assert shm_files.remove_stale_files(str(tmp_path), now) == 1
     assert not old.exists() and fresh.exists() and other.exists()
-    assert shm_exchange.remove_stale_files(now + shm_exchange.STALE_AFTER_S + 1) == 1
+    assert shm_files.remove_stale_files(str(tmp_path), now + shm_files.STALE_AFTER_S + 1) == 1
     assert not fresh.exists() and other.exists()

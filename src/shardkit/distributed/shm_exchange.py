@@ -50,8 +50,9 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from shardkit.distributed import shm_control
+from shardkit.distributed import shm_control, shm_files
 from shardkit.distributed.shm_control import DONE, NO_SPACE, OK, PUBLISHED, Control
+from shardkit.distributed.shm_files import boot_id, remove_file
 from shardkit.distributed.state import register_reset
 
 ENV = "SHARDKIT_SHM_EXCHANGE"
@@ -59,7 +60,6 @@ DEFAULT_ENABLED = True  # the setting without SHARDKIT_SHM_EXCHANGE (one line to
 BUFFERS = 4  # data buffers per rank and group (two suffice for calls that are waited at once)
 SMALL = 128 << 10  # sends up to this many bytes are copied in one piece, the rank's own chunk included
 MIN_FILE = 64 << 10
-STALE_AFTER_S = 24 * 3600  # files older than this are leftovers of killed ranks (remove_stale_files)
 DIRECTORY = "/dev/shm"  # where the files are made (a tmpfs shared by the host's processes; tests move it)
 _enabled: Optional[bool] = None
 
@@ -475,7 +475,7 @@ class SharedMemoryExchange:
             if [r for r in self.control.lagging(DONE, call + 1) if r not in gone]:
                 keep.append((call, path))
             else:
-                _remove(path)
+                remove_file(path)
         self._made = keep
 
     # --- gloo, errors, closing
@@ -497,7 +497,7 @@ class SharedMemoryExchange:
 
     def _drop(self) -> None:
         for _, path in self._made:
-            _remove(path)
+            remove_file(path)
         self._made = []
         self._buffers = []
         self._peers.clear()
@@ -524,46 +524,6 @@ class SharedMemoryExchange:
             self._drop()
 
 
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def remove_stale_files(now: Optional[float] = None) -> int:
-    """Remove this exchange's files in :data:`DIRECTORY` older than :data:`STALE_AFTER_S`; how many.
-
-    A file stays in the directory only until every peer has mapped it (then its maker unlinks it); one
-    whose maker was killed first (SIGKILL, or torchrun's SIGTERM after a peer failed) stays for good. A
-    file that old belongs to a group whose ranks gave up long ago (every wait ends at the group's
-    timeout), so removing it can break no live exchange. Called at every group's set-up."""
-    now = time.time() if now is None else now
-    removed = 0
-    try:
-        entries = list(os.scandir(DIRECTORY))
-    except OSError:
-        return 0
-    for entry in entries:
-        if not entry.name.startswith("shardkit-x-"):
-            continue
-        try:
-            if now - entry.stat(follow_symlinks=False).st_mtime > STALE_AFTER_S:
-                os.unlink(entry.path)
-                removed += 1
-        except OSError:  # gone meanwhile (another rank's sweep), or not ours to remove
-            pass
-    return removed
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
 def _timeout_s(group: dist.ProcessGroup) -> float:
     from shardkit.distributed import timeouts
 
@@ -576,10 +536,10 @@ def _make(group: dist.ProcessGroup) -> Optional[SharedMemoryExchange]:
     span hosts, the CPU is not strongly ordered or a rank cannot make or map the control block in
     :data:`DIRECTORY` (no room, no such directory, another ``/dev/shm``: every rank then returns None)."""
     rank, world = group.rank(), group.size()
-    host = f"{socket.gethostname()}:{_boot_id()}"
+    host = f"{socket.gethostname()}:{boot_id()}"
     prefix, mapping, ok = f"{DIRECTORY}/shardkit-x-{uuid.uuid4().hex[:12]}", None, True
     if rank == 0:
-        remove_stale_files()
+        shm_files.remove_stale_files(DIRECTORY)
         try:
             mapping = shm_control.map_file(prefix + "-control", shm_control.control_bytes(world), create=True)
         except OSError:
@@ -598,7 +558,7 @@ def _make(group: dist.ProcessGroup) -> Optional[SharedMemoryExchange]:
     oks: List[Optional[bool]] = [None] * world
     dist.all_gather_object(oks, usable and ok, group=group)  # every rank has mapped it (or failed)
     if rank == 0 and names[0][2]:
-        _remove(prefix + "-control")
+        remove_file(prefix + "-control")
     if not all(oks):
         return None
     control = Control(mapping, rank, world, dist.get_process_group_ranks(group))
@@ -650,12 +610,10 @@ __all__ = [
     "DEFAULT_ENABLED",
     "DIRECTORY",
     "ENV",
-    "STALE_AFTER_S",
     "SharedMemoryExchange",
     "ShmWork",
     "close_all",
     "exchange_for",
-    "remove_stale_files",
     "set_shm_exchange",
     "shm_exchange_enabled",
 ]
