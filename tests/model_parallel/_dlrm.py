@@ -8,6 +8,7 @@ sharded modules' output dists (which divide gradients by the world size) train.
 
 from __future__ import annotations
 
+import copy
 from typing import Dict, List, Tuple
 
 import torch
@@ -134,3 +135,31 @@ def assert_same_weights(sharded_model: nn.Module, reference: DLRM, tol: Dict[str
     for (table, r0, r1, c0, c1), weight in sharded_model.ebc.local_shards().items():
         expected = reference.ebc.table_weight(table)[r0:r1, c0:c1]
         torch.testing.assert_close(weight.detach(), expected.detach(), **tol, msg=table)
+
+
+def row_wise_dmp(data_parallel_wrapper: nn.Module) -> nn.Module:
+    """A fresh copy of ``make_model()`` with every table row-wise over the default group, under
+    DistributedModelParallel with ``data_parallel_wrapper`` (its dense part in DDP)."""
+    from shardkit.model_parallel import DistributedModelParallel
+    from shardkit.sharding.sharding_plan import construct_module_sharding_plan, row_wise
+    from shardkit.sharding.types import ShardingPlan
+
+    world = dist.get_world_size()
+    model = copy.deepcopy(make_model())
+    by_table = {name: row_wise() for name, *_ in TABLES}
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, by_table, world, world)})
+    return DistributedModelParallel(model, plan=plan, data_parallel_wrapper=data_parallel_wrapper)
+
+
+def train_dense_sgd(dmp: nn.Module, steps: int, dense_step: bool = True) -> Dict[str, torch.Tensor]:
+    """``steps`` steps of ``dmp`` on this rank's batches, its dense parameters under SGD (no SGD step
+    when ``dense_step`` is False: the gradients alone); returns the dense parameters (name -> tensor,
+    cloned), whose ``.grad`` holds the last step's gradient."""
+    dense = torch.optim.SGD(dict(dmp.bare_named_parameters()).values(), lr=LR)
+    for step in range(steps):
+        dense.zero_grad()
+        loss, _ = dmp(rank_batch(step, dist.get_rank()))
+        loss.backward()
+        if dense_step:
+            dense.step()
+    return {n: p for n, p in dmp.module.named_parameters() if not n.startswith("ebc.")}

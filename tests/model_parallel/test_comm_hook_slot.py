@@ -5,17 +5,13 @@ DDP's hook slot empty."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from shardkit.distributed import shm_exchange
-from shardkit.model_parallel import DistributedModelParallel, data_parallel
-from shardkit.sharding.sharding_plan import construct_module_sharding_plan, row_wise
-from shardkit.sharding.types import ShardingPlan
+from shardkit.model_parallel import data_parallel
 from tests.model_parallel import _dlrm as d
 
 STEPS = 3
@@ -29,31 +25,16 @@ def _counting_hook(state, bucket):
 
 def _train(shm_allreduce: bool, register=None, dense_step: bool = True) -> dict:
     """A row-wise DLRM through DMP for STEPS steps; ``register(ddp)`` runs once DMP is built."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    model = copy.deepcopy(d.make_model())
-    names = [name for name, *_ in d.TABLES]
-    plan = ShardingPlan(
-        {"ebc": construct_module_sharding_plan(model.ebc, {n: row_wise() for n in names}, world, world)}
-    )
-    wrapper = data_parallel.DefaultDataParallelWrapper(shm_allreduce=shm_allreduce)
-    dmp = DistributedModelParallel(model, plan=plan, data_parallel_wrapper=wrapper)
+    dmp = d.row_wise_dmp(data_parallel.DefaultDataParallelWrapper(shm_allreduce=shm_allreduce))
     ddp = dmp._dmp_wrapped_module
     shm_states = [s for _, s in ddp._comm_hooks]  # shardkit's default, if any, before the caller's
     shm_states = [getattr(s, "state", s) for s in shm_states]
     shm_states = [s for s in shm_states if isinstance(s, data_parallel.ShmAllReduceState)]
     extra = register(ddp) if register is not None else None
-    dense = torch.optim.SGD(dict(dmp.bare_named_parameters()).values(), lr=d.LR)
-    for step in range(STEPS):
-        dense.zero_grad()
-        loss, _ = dmp(d.rank_batch(step, rank))
-        loss.backward()
-        if dense_step:
-            dense.step()
-    dense_names = [n for n, _ in dmp.module.named_parameters() if not n.startswith("ebc.")]
-    params = dict(dmp.module.named_parameters())
+    params = d.train_dense_sgd(dmp, STEPS, dense_step)
     return {
-        "params": {n: params[n].detach().clone() for n in dense_names},
-        "grads": {n: params[n].grad.clone() for n in dense_names if params[n].grad is not None},
+        "params": {n: p.detach().clone() for n, p in params.items()},
+        "grads": {n: p.grad.clone() for n, p in params.items() if p.grad is not None},
         "shm_calls": [s.calls for s in shm_states],
         "hooks_after": len(ddp._comm_hooks),
         "extra": extra,

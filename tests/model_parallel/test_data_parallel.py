@@ -48,34 +48,17 @@ def test_buffers_synced_once_and_gradients_averaged(run_world, has_forward_sync_
 
 def _dense_after_steps(shm: bool, precision, steps: int = 3) -> dict:
     """A DLRM's dense parameters after ``steps`` DMP steps, with the shared-memory exchange ``shm``."""
-    import copy
-
     from shardkit.distributed import shm_exchange
-    from shardkit.sharding.sharding_plan import construct_module_sharding_plan, row_wise
     from tests.model_parallel import _dlrm as d
 
     shm_exchange.set_shm_exchange(shm)
     try:
-        world, rank = dist.get_world_size(), dist.get_rank()
-        model = copy.deepcopy(d.make_model())
-        names = [name for name, *_ in d.TABLES]
-        plan = ShardingPlan(
-            {"ebc": construct_module_sharding_plan(model.ebc, {n: row_wise() for n in names}, world, world)}
-        )
-        wrapper = data_parallel.DefaultDataParallelWrapper(allreduce_comm_precision=precision)
-        dmp = DistributedModelParallel(model, plan=plan, data_parallel_wrapper=wrapper)
+        dmp = d.row_wise_dmp(data_parallel.DefaultDataParallelWrapper(allreduce_comm_precision=precision))
         # DDP's registered hooks' states (shardkit's default sits in a CommHookSlot)
         hooks = [getattr(state, "state", state) for _, state in dmp._dmp_wrapped_module._comm_hooks]
-        dense = torch.optim.SGD(dict(dmp.bare_named_parameters()).values(), lr=d.LR)
-        for step in range(steps):
-            dense.zero_grad()
-            loss, _ = dmp(d.rank_batch(step, rank))
-            loss.backward()
-            dense.step()
+        params = d.train_dense_sgd(dmp, steps)
         return {
-            "dense": {
-                n: p.detach().clone() for n, p in dmp.module.named_parameters() if not n.startswith("ebc.")
-            },
+            "dense": {n: p.detach().clone() for n, p in params.items()},
             "shm_hook_calls": [h.calls for h in hooks if isinstance(h, data_parallel.ShmAllReduceState)],
             "hooks": len(hooks),
         }
