@@ -33,6 +33,8 @@ from typing import Any, Dict, List, Mapping, Sequence
 import torch
 from torch.multiprocessing import reductions
 
+from shardkit.distributed.shm_files import remove_file
+
 IPC_KEY = "teacher_full_logits_ipc"
 _CPU_KIND = "cpu_shared_file"
 _CUDA_KIND = "cuda_ipc"
@@ -42,13 +44,6 @@ _PREFIX = "shardkit-teacher-logits-"
 def _shared_dir() -> str:
     """Where the producer creates its files: ``/dev/shm`` when present, else the temp directory."""
     return os.path.realpath("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _dtype_from_name(name: str) -> torch.dtype:
@@ -89,7 +84,7 @@ class TeacherLogitsBuffer:
             self._finalizer = None
         elif device.type == "cpu":
             fd, path = tempfile.mkstemp(prefix=_PREFIX, dir=_shared_dir())
-            self._finalizer = weakref.finalize(self, _unlink, path)
+            self._finalizer = weakref.finalize(self, remove_file, path)
             nbytes = max(numel, 1) * torch.empty((), dtype=dtype).element_size()
             try:
                 os.ftruncate(fd, nbytes)
