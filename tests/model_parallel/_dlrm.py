@@ -153,8 +153,8 @@ def row_wise_dmp(data_parallel_wrapper: nn.Module) -> nn.Module:
 
 def train_dense_sgd(dmp: nn.Module, steps: int, dense_step: bool = True) -> Dict[str, torch.Tensor]:
     """``steps`` steps of ``dmp`` on this rank's batches, its dense parameters under SGD (no SGD step
-    when ``dense_step`` is False: the gradients alone); returns the dense parameters (name -> tensor,
-    cloned), whose ``.grad`` holds the last step's gradient."""
+    when ``dense_step`` is False: the gradients alone); returns the dense parameters themselves (name ->
+    parameter; the caller clones what it keeps), whose ``.grad`` holds the last step's gradient."""
     dense = torch.optim.SGD(dict(dmp.bare_named_parameters()).values(), lr=LR)
     for step in range(steps):
         dense.zero_grad()
