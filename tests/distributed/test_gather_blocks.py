@@ -1,7 +1,8 @@
-"""all_gather_into: the same bytes as the backend's all-gather, by point-to-point transfers on gloo
-for large blocks (forced here with a threshold of 0 bytes) and by the all-gather below it; and the
-sharded modules' backward (the pooled reduce-scatter's all-gather, the data-parallel replicas'
-gathers) through the transfers, against the unsharded module."""
+"""all_gather_into: the same bytes as the backend's all-gather, through the shared-memory exchange
+(the default on one host), and with it off by point-to-point transfers on gloo for large blocks
+(forced here with a threshold of 0 bytes) and by the all-gather below it; and the sharded modules'
+backward (the pooled reduce-scatter's all-gather, the data-parallel replicas' gathers) through the
+transfers, against the unsharded module."""
 
 from __future__ import annotations
 
@@ -41,10 +42,14 @@ def _patched(threshold=None):
         gather_blocks.P2P_MIN_BYTES, gather_blocks.all_gather_flat, gather_blocks.dist.isend = saved
 
 
-def _gather_worker(threshold: int) -> dict:
-    with _patched(threshold) as counts:
-        checked = _gather_checks()
-    return {"checked": checked, "backend_calls": counts["backend"]}
+def _gather_worker(threshold: int, shm: bool = False) -> dict:
+    shm_exchange.set_shm_exchange(shm)
+    try:
+        with _patched(threshold) as counts:
+            checked = _gather_checks()
+    finally:
+        shm_exchange._reset()
+    return {"checked": checked, "backend_calls": counts["backend"], "sends": counts["isend"]}
 
 
 def _gather_checks() -> int:
@@ -85,6 +90,34 @@ def test_transfers_give_the_backends_all_gather(world):
         assert rank_result["backend_calls"] == (36 if world == 1 else 0)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_shared_memory_gives_the_backends_all_gather(world):
+    for rank_result in run_world(_gather_worker, world, 0, True):
+        assert rank_result["checked"] == 18
+        assert rank_result["backend_calls"] == 0 and rank_result["sends"] == 0  # all through shared memory
+
+
+def _disagreeing_gather() -> str:
+    import shardkit.distributed.gather_blocks as gather_blocks
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = 3 + rank  # rank 1 sends a larger block than rank 0 expects
+    shm_exchange.set_shm_exchange(True)
+    try:
+        gather_blocks.all_gather_into(torch.empty(world * n), torch.zeros(n))
+    except ValueError as err:
+        return str(err)
+    finally:
+        shm_exchange._reset()
+    return "no error"
+
+
+def test_ranks_disagreeing_on_the_block_size_fail_on_every_rank():
+    for message in run_world(_disagreeing_gather, 2):
+        assert "disagree on sizes" in message
+        assert "rank 1 sends 16 bytes to rank 0, which expects 12" in message
+
+
 def test_small_blocks_take_the_backends_all_gather():
     for rank_result in run_world(_gather_worker, 2, 1 << 20):
         assert rank_result["backend_calls"] == 36
@@ -118,6 +151,7 @@ def _min_bytes_worker() -> dict:
     from shardkit.sharding.replicated_exchange import all_gather_blocks
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    shm_exchange.set_shm_exchange(False)  # the gloo routes are what this checks
     with _patched() as counts:
         out = torch.zeros(world * 4, dtype=torch.int32)
         out[rank * 4 : (rank + 1) * 4] = rank + 1
@@ -126,6 +160,7 @@ def _min_bytes_worker() -> dict:
         small = torch.empty(world * 4, dtype=torch.int32)
         # the default threshold: a 16-byte block takes the backend's all-gather
         gather_blocks.all_gather_into(small, torch.full((4,), rank + 1, dtype=torch.int32))
+    shm_exchange._reset()
     gathered, small = out.tolist(), small.tolist()
     return {"gathered": gathered, "small": small, "backend_calls": counts["backend"], "sends": sends}
 

@@ -13,7 +13,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from shardkit.distributed.agreement import all_gather_flat, gather_objects
+from shardkit.distributed.agreement import gather_objects
+from shardkit.distributed.gather_blocks import all_gather_into
 from shardkit.distributed.sharding_env import ShardingEnv
 from shardkit.distributed.switches import result_switches, switch_disagreements
 from shardkit.distributed.validation import validation_enabled
@@ -66,7 +67,7 @@ def check_input(
         device = features.values().device if isinstance(features, KeyedJaggedTensor) else torch.device("cpu")
         flags = verdict.flags
         out = torch.empty(env.world_size * len(flags), dtype=torch.int64, device=device)
-        all_gather_flat(out, torch.tensor(flags, dtype=torch.int64, device=device), group=env.process_group)
+        all_gather_into(out, torch.tensor(flags, dtype=torch.int64, device=device), group=env.process_group)
         rows_of_flags = out.view(env.world_size, len(flags)).tolist()
     verdict.judge(rows_of_flags, env.process_group if env.world_size > 1 else None)
 

@@ -5,21 +5,21 @@ row any rank touched, then apply the same fused optimizer step (``replicated_fus
 ways, chosen by :func:`prefers_dense` from the ranks' counts of touched rows (which every rank knows
 alike, so all take the same way):
 
-- sparse: every rank's touched rows and gradients in one gather (:func:`all_gather_blocks`: on gloo
-  point-to-point transfers, else an all-gather) of ``world x max(touched) x (dim + 2)`` 4-byte words
-  and the counts before it. A table whose :class:`DenseRowExchange` buffer is at most
-  ``SCRATCH_LIMIT_BYTES`` (:func:`uses_scratch`) keeps per-row marks across backwards
-  (:meth:`DenseRowExchange.touched`, :func:`shardkit.kernels.replica_grad.touched_rows`): its
-  touched rows are the marked ones (no sort of the ids), their gradient is scattered straight into
-  this rank's block of the wire buffer in id order (each id's target: its row's position among the
-  touched rows, a kept map; :func:`shardkit.kernels.replica_grad.grad_scatter`), the counts ride in the gather
-  sized by the last exchange's counts (:func:`gather_bound`; a rank that outgrows it makes every
-  rank gather again), one fused backward
-  steps every gathered row reading the gradients where they landed (no concatenation of gradients)
-  and the wire buffer is reused (a fresh buffer of that size costs page faults every step); a
-  larger table sorts its touched rows (``torch.unique``) and exchanges them the same way, in the
-  same kept wire buffer (:func:`rows_of_all_ranks`, fresh buffers, serves only the backward that
-  also gives the per-sample weights' gradient);
+- sparse: every rank's touched rows and gradients in one gather (:func:`all_gather_blocks`: through
+  the shared-memory exchange where it is on, else on gloo point-to-point transfers or an all-gather)
+  of ``world x max(touched) x (dim + 2)`` 4-byte words and the counts before it. A table whose
+  :class:`DenseRowExchange` buffer is at most ``SCRATCH_LIMIT_BYTES`` (:func:`uses_scratch`) keeps
+  per-row marks across backwards (:meth:`DenseRowExchange.touched`,
+  :func:`shardkit.kernels.replica_grad.touched_rows`): its touched rows are the marked ones (no sort
+  of the ids), their gradient is scattered straight into this rank's block of the wire buffer in id
+  order (each id's target: its row's position among the touched rows, a kept map;
+  :func:`shardkit.kernels.replica_grad.grad_scatter`), the counts ride in the gather sized by the last
+  exchange's counts (:func:`gather_bound`; a rank that outgrows it makes every rank gather again), one
+  fused backward steps every gathered row reading the gradients where they landed (no concatenation of
+  gradients) and the wire buffer is reused (a fresh buffer of that size costs page faults every step);
+  a larger table sorts its touched rows (``torch.unique``) and exchanges them the same way, in the
+  same kept wire buffer (:func:`rows_of_all_ranks`, fresh buffers, serves only the backward that also
+  gives the per-sample weights' gradient);
 - dense (:class:`DenseRowExchange`): one all-reduce of a reused fp32 buffer holding the table's
   gradient ``[rows, dim]``, a touched flag per row and each rank's count (``rows x (dim + 1) +
   world`` words), the counts telling the next backward which way to take without a counts gather.
@@ -87,8 +87,9 @@ def gather_counts(
 def all_gather_blocks(out: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
     """Every rank's block of ``out`` (1-D, one equal block per rank of ``group`` in rank order, this
     rank's filled in) to every rank: :func:`shardkit.distributed.gather_blocks.all_gather_into`,
-    on gloo point to point whatever the size (its all-gather ran 2-3x slower than these transfers for
-    the 10-30 MB blocks of the 2-rank CPU sweep; this rank's block is in place, so nothing is copied)."""
+    through the shared-memory exchange where it serves the group, else on gloo point to point
+    whatever the size (gloo's all-gather ran 2-3x slower than these transfers for the 10-30 MB blocks
+    of the 2-rank CPU sweep; this rank's block is in place, so nothing is copied)."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     size = out.numel() // world
     if size == 0 or world == 1:
