@@ -30,7 +30,8 @@ from typing import Any, Deque, Generic, Iterator, List, Optional, Type, TypeVar
 import torch
 from torch import nn
 
-from shardkit.distributed.agreement import all_gather_flat, group_size
+from shardkit.distributed.agreement import group_size
+from shardkit.distributed.gather_blocks import all_gather_into
 from shardkit.distributed.validation import validation_enabled
 from shardkit.model_parallel import get_unwrapped_module
 from shardkit.pipeline.context import PrefetchTrainPipelineContext, TrainPipelineContext
@@ -52,7 +53,8 @@ def _every_rank_drew(drew: bool, device: torch.device) -> bool:
     if world == 1:
         return drew
     flags = torch.empty(world, dtype=torch.int64, device=device)
-    all_gather_flat(flags, torch.tensor([int(drew)], dtype=torch.int64, device=device))
+    # through shared memory on one host (gather_blocks): every step makes this gather
+    all_gather_into(flags, torch.tensor([int(drew)], dtype=torch.int64, device=device))
     flags = flags.tolist()
     if min(flags) != max(flags):
         ended = [rank for rank, flag in enumerate(flags) if not flag]
