@@ -1,6 +1,7 @@
 """ColumnPlacement: the received blocks put in place (and the gradient split back) exactly as the
 concatenation in rank order followed by the column permutation, for strided runs and for the
-index fallback of an irregular placement."""
+index fallback of an irregular placement, and with a column-range copier (the native one and its
+pure-torch twin) where it takes over."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ import pytest
 import torch
 
 from shardkit.distributed.comm_ops.placement import MAX_RUNS, ColumnPlacement, arithmetic_runs
+from shardkit.kernels.column_copy import column_copier, copy_column_ranges_torch
+
+# None: the strided copies and the index fallback; the twin; the native op where it is built
+COPIERS = [None, copy_column_ranges_torch] + ([column_copier()] if column_copier() is not None else [])
 
 
 def _reference_order(placement: ColumnPlacement):
@@ -40,8 +45,9 @@ def _reference_order(placement: ColumnPlacement):
     ],
 )
 @pytest.mark.parametrize("rows", [5, 0])
-def test_assemble_and_split_are_cat_and_permute(width, dest, rows):
-    placement = ColumnPlacement(width, dest)
+@pytest.mark.parametrize("copier", COPIERS)
+def test_assemble_and_split_are_cat_and_permute(width, dest, rows, copier):
+    placement = ColumnPlacement(width, dest, copier)
     gen = torch.Generator().manual_seed(0)
     pieces = [torch.randn(rows * len(d) * width, generator=gen) for d in dest]
     order = _reference_order(placement)
@@ -63,3 +69,18 @@ def test_runs_and_bad_placements():
     assert arithmetic_runs([0, 2, 4, 5, 6, 3]) == [(0, 3, 0, 2), (3, 2, 5, 1), (5, 1, 3, 1)]
     with pytest.raises(ValueError, match="every output block once"):
         ColumnPlacement(2, [[0, 1], [1]])
+
+
+def test_the_copier_takes_consecutive_runs_and_the_index_fallback_not_round_robin_blocks():
+    # one strided run per rank (round-robin tables): torch's strided copy, no copier
+    round_robin = ColumnPlacement(8, [list(range(0, 64, 2)), list(range(1, 64, 2))], copy_column_ranges_torch)
+    assert round_robin._ranges == [None, None]
+    # consecutive blocks merged into column ranges (source column, output column, columns)
+    consecutive = ColumnPlacement(2, [[2, 3, 4], [0, 1, 5]], copy_column_ranges_torch)
+    assert [r[0].tolist() for r in consecutive._ranges] == [[[0, 4, 6]], [[0, 0, 4], [4, 10, 2]]]
+    # more runs than MAX_RUNS (the index fallback's case): the copier
+    blocks = 6 * MAX_RUNS
+    shuffled = torch.randperm(blocks, generator=torch.Generator().manual_seed(0)).tolist()
+    scattered, rest = shuffled[: blocks // 2], shuffled[blocks // 2 :]
+    irregular = ColumnPlacement(1, [scattered, rest], copy_column_ranges_torch)
+    assert len(arithmetic_runs(scattered)) > MAX_RUNS and irregular._ranges[0] is not None

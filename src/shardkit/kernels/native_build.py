@@ -37,6 +37,7 @@ _SOURCES = [
     "row_cache_ids.cpp",
     "cross_entropy.cpp",
     "replica_grad.cpp",
+    "columns.cpp",
 ]
 # headers the sources include: part of the build's key (a change rebuilds); pyproject.toml's package-data
 # ships them (tests/kernels/test_native_build.py checks both lists against the sources' #includes)

@@ -16,6 +16,7 @@ from shardkit.distributed.awaitable import Awaitable, LazyAwaitable
 from shardkit.distributed.codecs import QuantizedCommCodecs
 from shardkit.distributed.comm_ops.placement import ColumnPlacement
 from shardkit.distributed.sharding_env import ShardingEnv
+from shardkit.kernels.column_copy import column_copier
 from shardkit.modules import EmbeddingBagCollection, FusedOptimizerConfig
 from shardkit.sharding.column_wise import CwPooledEmbeddingSharding
 from shardkit.sharding.data_parallel import DpPooledEmbeddingSharding
@@ -89,7 +90,7 @@ def column_placement(permutation: List[int], dims_per_rank: List[int]) -> Column
         [output_of[c] // width for c in range(bounds[r], bounds[r + 1], width)]
         for r in range(len(dims_per_rank))
     ]
-    return ColumnPlacement(width, dest)
+    return ColumnPlacement(width, dest, column_copier())
 
 
 class ColumnBlocks:

@@ -10,12 +10,16 @@ send buffer. Copies only: the results are bitwise those of the concatenation and
 
 Each rank's output blocks are cut into arithmetic runs (table-wise tables placed round-robin give one
 run per rank, stride ``W``), each moved by one strided ``copy_``; a rank whose blocks make more than
-``MAX_RUNS`` runs is moved by one ``index_copy_`` / ``index_select`` instead.
+``MAX_RUNS`` runs is moved by one ``index_copy_`` / ``index_select`` instead. Given a ``copier`` (the
+native ``shardkit.kernels.column_copy.copy_column_ranges``, handed over by the sharding layer, which
+may import kernels), CPU tensors are moved by it instead: the blocks merged into ranges of consecutive
+columns, one memcpy per row and range (a rank of tables of many widths has one range per table, and
+the index copy of its 4-column blocks was 10-40x slower).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -47,10 +51,16 @@ class ColumnPlacement:
     """The output block (of ``width`` columns) of rank ``r``'s received block ``k``: ``dest[r][k]``.
 
     ``dest`` must cover every output block exactly once (a permutation of ``range(blocks)``).
-    Depends on the plan only: built once, not per step.
+    ``copier(dst, src, ranges)``: moves column ranges of CPU matrices (module doc); None: the strided
+    copies and the index fallback. Depends on the plan only: built once, not per step.
     """
 
-    def __init__(self, width: int, dest: Sequence[Sequence[int]]) -> None:
+    def __init__(
+        self,
+        width: int,
+        dest: Sequence[Sequence[int]],
+        copier: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]] = None,
+    ) -> None:
         self.width = int(width)
         self.dest = [list(d) for d in dest]
         self.blocks = sum(len(d) for d in self.dest)
@@ -58,6 +68,36 @@ class ColumnPlacement:
             raise ValueError(f"a column placement must put every output block once, got {self.dest}")
         self._runs = [arithmetic_runs(d) for d in self.dest]
         self._index: Dict[torch.device, List[torch.Tensor]] = {}
+        self.copier = copier
+        # per rank, int64 [K, 3] (source column, output column, columns) of its received columns: runs
+        # of blocks consecutive in both merged; the same rows with the first two swapped for ``take``
+        self._ranges: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None] * len(self.dest)
+        if copier is not None:
+            for r, d in enumerate(self.dest):
+                ranges = self._column_ranges(d)
+                # the copier makes a memcpy per row and range, a strided run one copy of all its rows and
+                # blocks: where the runs hold many separate blocks (tables placed round-robin, stride
+                # W), their few strided copies are faster (64 tables of 16 columns, one run, 256 rows:
+                # 70 against 116 us); where the runs are consecutive columns, or too many (the index
+                # fallback), the copier is (16 runs of 8-132 columns: 65 us, index 727, strided 175)
+                if len(self._runs[r]) > MAX_RUNS or ranges[0].size(0) <= len(self._runs[r]):
+                    self._ranges[r] = ranges
+
+    def _column_ranges(self, dest: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+        ranges: List[List[int]] = []
+        for k, block in enumerate(dest):
+            if ranges and ranges[-1][1] + ranges[-1][2] == block * self.width:
+                ranges[-1][2] += self.width
+            else:
+                ranges.append([k * self.width, block * self.width, self.width])
+        forward = torch.tensor(ranges, dtype=torch.int64).view(-1, 3)
+        return forward, forward[:, [1, 0, 2]].contiguous()
+
+    def _copies(self, rank: int, *tensors: torch.Tensor) -> bool:
+        """Whether the copier moves rank ``rank``'s columns of these tensors (CPU, contiguous)."""
+        return self._ranges[rank] is not None and all(
+            t.device.type == "cpu" and t.is_contiguous() for t in tensors
+        )
 
     def columns(self, rank: int) -> int:
         """Columns rank ``rank`` sends."""
@@ -82,6 +122,9 @@ class ColumnPlacement:
         rows = out.size(0)
         if rows == 0 or not self.dest[rank]:
             return
+        if self._copies(rank, out, piece):
+            self.copier(out.view(rows, -1), piece.view(rows, -1), self._ranges[rank][0])
+            return
         out_blocks = out.view(rows, self.blocks, self.width)
         src = piece.view(rows, len(self.dest[rank]), self.width)
         runs = self._runs[rank]
@@ -98,6 +141,11 @@ class ColumnPlacement:
         rows = grad.size(0)
         n_r = len(self.dest[rank])
         if rows == 0 or n_r == 0:
+            return
+        if self._copies(rank, grad, chunk):
+            self.copier(chunk.view(rows, -1), grad.view(rows, -1), self._ranges[rank][1])
+            if divisor > 1:
+                chunk.div_(divisor)
             return
         grad_blocks = grad.view(rows, self.blocks, self.width)
         chunk_blocks = chunk.view(rows, n_r, self.width)
