@@ -14,7 +14,7 @@ run per rank, stride ``W``), each moved by one strided ``copy_``; a rank whose b
 native ``shardkit.kernels.column_copy.copy_column_ranges``, handed over by the sharding layer, which
 may import kernels), CPU tensors are moved by it instead: the blocks merged into ranges of consecutive
 columns, one memcpy per row and range (a rank of tables of many widths has one range per table, and
-the index copy of its 4-column blocks was 10-40x slower).
+the index copy of its 4-column blocks took 5-13x as long at 32-2048 rows, docs/performance.md).
 """
 
 from __future__ import annotations
