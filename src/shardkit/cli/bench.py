@@ -28,6 +28,7 @@ QUICK_ARGS: Dict[str, List[str]] = {
     "planner": ["--tables", "10", "--ranks", "8", "--repeats", "1"],
     "fused_backward_shapes": ["--shapes", "row32", "--repeats", "1"],
     "plan_quality": ["--quick", "--sets", "demo", "--worlds", "2", "--rounds", "1", "--steps", "1"],
+    "plan_groups": ["--rounds", "1", "--steps", "1"],
     "vocab_parallel_ce": [
         *("--tokens", "64", "--vocab", "512", "--hidden", "16", "--dtype", "fp32", "--repeats", "1"),
         *("--device", "cpu"),

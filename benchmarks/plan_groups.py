@@ -1,0 +1,124 @@
+"""A uniform plan timed whole and lookup group by lookup group, against the calibrated cost model.
+
+Run from the repository root: ``python -m benchmarks.plan_groups [--set demo] [--kind data_parallel]``.
+
+Why: ``plan_quality`` found the calibrated estimates of the small-table sets' plans 20-40 % too low while
+calibrate()'s own steps fit within a few percent (docs/planner/calibration.md, "Known limit"). This
+splits such a plan along the model's structure. One ``calibrate()`` runs on ``--world`` CPU ranks (gloo),
+then the same ranks time, in alternating rounds, the training step (forward, backward with the fused SGD
+update) of the whole table set and of each width's tables alone. Tables of one width make one lookup
+group (one replica group when data-parallel), so each of those is one group as a plan of its own. The
+table set is plan_quality's (``--set``), every table sharded ``--kind``. Ids are uniform random per
+rank, in bags of uniform length in ``[0, 2 x pooling]``.
+
+Each row gives the variant's measured time (median over rounds of the slowest rank's round mean), the
+calibrated estimate (``EmbeddingShardingPlanner.estimate``) and their ratio. The last line is ``shared``:
+the groups' times summed less the whole plan's time, over the number of groups less one, for the
+measurement and for the estimate. That is the part of a step the groups share, which each group alone
+pays and a plan of several groups pays once. A model whose shared part is larger than the measured one
+charges each extra group too little. ``./dev bench --quick plan_groups`` is a seconds-long smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.common import write_results
+
+
+def _variants(tables) -> Dict[str, List[int]]:
+    """``name -> table indices``: the whole set, then each width's tables."""
+    widths = sorted({dim for _, dim, _ in tables})
+    out = {"all": list(range(len(tables)))}
+    for width in widths:
+        out[f"width {width}"] = [i for i, (_, dim, _) in enumerate(tables) if dim == width]
+    return out
+
+
+def worker(set_name: str, kind: str, rounds: int, steps: int, quick: bool) -> Dict[str, Any]:
+    """On every rank: calibrate, then time and estimate each variant (a collective)."""
+    from benchmarks.plan_quality import _batch, _Model, _planner, table_sets
+    from shardkit.distributed.sharding_env import ShardingEnv
+    from shardkit.distributed.validation import set_validation
+    from shardkit.planner import calibrate
+    from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
+
+    torch.set_num_threads(1)
+    set_validation(False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    calibrated = calibrate("cpu")
+    tables, batch = table_sets(quick)[set_name]
+    names, estimates, step_fns = [], [], []
+    for name, index in _variants(tables).items():
+        subset = [tables[i] for i in index]
+        meta = _Model(subset, torch.device("meta"))
+        sharders = [EmbeddingBagCollectionSharder()]
+        planner = _planner(subset, batch, world, calibrated, kind)
+        plan = [planner.plan(meta, sharders)]
+        dist.broadcast_object_list(plan, 0)  # every rank the same plan
+        estimates.append(planner.estimate(meta, sharders, plan[0]).max_time_s)
+        torch.manual_seed(0)
+        model = _Model(subset, torch.device("cpu"))
+        env = ShardingEnv.from_process_group(dist.group.WORLD)
+        sharded = sharders[0].shard(model.ebc, plan[0].plan["ebc"], env, torch.device("cpu"))
+        features = _batch(subset, batch, seed=rank)
+        step_fns.append(lambda s=sharded, f=features: s(f).values().sum().backward())
+        names.append(name)
+    for fn in step_fns:  # warm-up: first-call costs, buffers
+        for _ in range(3):
+            fn()
+    times: List[List[float]] = [[] for _ in step_fns]
+    for r in range(rounds):
+        order = list(range(len(step_fns)))
+        order = order[r % len(order) :] + order[: r % len(order)]  # rotated: no variant always first
+        for i in order:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                step_fns[i]()
+            times[i].append((time.perf_counter() - start) / steps)
+    medians = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    return {"names": names, "measured_s": medians.tolist(), "estimated_s": estimates}
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    from benchmarks.plan_groups import worker as run  # by module name: the workers unpickle it
+    from shardkit.testing import run_world
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", default="demo", choices=["demo", "many_small", "few_large"])
+    parser.add_argument(
+        "--kind", default="data_parallel", choices=["data_parallel", "table_wise", "row_wise", "column_wise"]
+    )
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--steps", type=int, default=4, help="steps per variant and round")
+    parser.add_argument("--full", action="store_true", help="plan_quality's full-size table sets")
+    parser.add_argument("--out", help="JSON directory (default: a new one outside the checkout)")
+    args = parser.parse_args(argv)
+    sizes = (args.set, args.kind, args.rounds, args.steps, not args.full)
+    result = run_world(run, args.world, *sizes, timeout=900)[0]
+    rows = [
+        {"name": n, "measured_ms": 1e3 * m, "estimated_ms": 1e3 * e, "est/meas": e / m}
+        for n, m, e in zip(result["names"], result["measured_s"], result["estimated_s"])
+    ]
+    if len(rows) > 2:
+        # the groups alone pay the shared part once each, the whole plan once: (sum - all) / (groups - 1)
+        extra = len(rows) - 2
+        keys = ("measured_ms", "estimated_ms")
+        shared = {key: (sum(r[key] for r in rows[1:]) - rows[0][key]) / extra for key in keys}
+        ratio = shared["estimated_ms"] / shared["measured_ms"]
+        rows.append({"name": "shared", **shared, "est/meas": ratio})
+    config = {k: v for k, v in vars(args).items() if k != "out"}
+    write_results("plan_groups", config, rows, args.out)
+
+
+if __name__ == "__main__":
+    main()
