@@ -11,7 +11,7 @@ group (one replica group when data-parallel), so each of those is one group as a
 table set is plan_quality's (``--set``), every table sharded ``--kind``. Ids are uniform random per
 rank, in bags of uniform length in ``[0, 2 x pooling]``.
 
-Each row gives the variant's measured time (median over rounds of the slowest rank's round mean), the
+Each row gives the variant's measured time (the slowest rank's median over rounds of its round mean), the
 calibrated estimate (``EmbeddingShardingPlanner.estimate``) and their ratio. The last line is ``shared``:
 the groups' times summed less the whole plan's time, over the number of groups less one, for the
 measurement and for the estimate. That is the part of a step the groups share, which each group alone
@@ -22,8 +22,6 @@ charges each extra group too little. ``./dev bench --quick plan_groups`` is a se
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -47,6 +45,7 @@ def worker(set_name: str, kind: str, rounds: int, steps: int, quick: bool) -> Di
     from shardkit.distributed.sharding_env import ShardingEnv
     from shardkit.distributed.validation import set_validation
     from shardkit.planner import calibrate
+    from shardkit.planner.calibration_steps import alternating_seconds
     from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
 
     torch.set_num_threads(1)
@@ -70,20 +69,9 @@ def worker(set_name: str, kind: str, rounds: int, steps: int, quick: bool) -> Di
         features = _batch(subset, batch, seed=rank)
         step_fns.append(lambda s=sharded, f=features: s(f).values().sum().backward())
         names.append(name)
-    for fn in step_fns:  # warm-up: first-call costs, buffers
-        for _ in range(3):
-            fn()
-    times: List[List[float]] = [[] for _ in step_fns]
-    for r in range(rounds):
-        order = list(range(len(step_fns)))
-        order = order[r % len(order) :] + order[: r % len(order)]  # rotated: no variant always first
-        for i in order:
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                step_fns[i]()
-            times[i].append((time.perf_counter() - start) / steps)
-    medians = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64)
+    # calibrate()'s own alternating rounds (each round a new order, the same on every rank)
+    seconds = alternating_seconds(step_fns, None, torch.device("cpu"), rounds, steps, warmup=3)
+    medians = torch.tensor(seconds, dtype=torch.float64)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)
     return {"names": names, "measured_s": medians.tolist(), "estimated_s": estimates}
 
