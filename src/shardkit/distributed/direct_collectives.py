@@ -103,4 +103,12 @@ def shm_exchange_of(group: Optional[ProcessGroup]) -> Optional[shm_exchange.Shar
     return shm_exchange.exchange_for(group)
 
 
-__all__ = ["all_to_all_single", "shm_exchange_of"]
+def shm_exchange_for(group: Optional[ProcessGroup], tensor: torch.Tensor):
+    """:func:`shm_exchange_of` for an exchange of ``tensor``: None unless it is a plain CPU tensor (a
+    subclass or another device goes through the backend)."""
+    if type(tensor) is not torch.Tensor or tensor.device.type != "cpu":
+        return None
+    return shm_exchange_of(group)
+
+
+__all__ = ["all_to_all_single", "shm_exchange_for", "shm_exchange_of"]

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.distributed.agreement import all_gather_flat
-from shardkit.distributed.direct_collectives import shm_exchange_of
+from shardkit.distributed.direct_collectives import shm_exchange_for
 
 # blocks of at least this many bytes go point to point on gloo (the sweep's row-wise gradients of
 # 32-256 MiB; 1-8 MiB ones gained no wall time and cost the main thread a copy)
@@ -64,10 +64,8 @@ def uses_transfers(nbytes: int, group: Optional[dist.ProcessGroup], min_bytes: O
 
 
 def _shm_exchange(out: torch.Tensor, world: int, group: Optional[dist.ProcessGroup]):
-    """The shared-memory exchange a CPU gather of ``group`` goes through, else None."""
-    if world == 1 or out.device.type != "cpu" or type(out) is not torch.Tensor:
-        return None
-    return shm_exchange_of(dist.group.WORLD if group is None else group)
+    """The shared-memory exchange a gather of ``group`` into ``out`` goes through, else None."""
+    return None if world == 1 else shm_exchange_for(dist.group.WORLD if group is None else group, out)
 
 
 def _shm_gather(exchange, out: torch.Tensor, send: torch.Tensor, me: int):

@@ -25,14 +25,7 @@ import torch
 from shardkit.distributed.comm_ops import scratch
 from shardkit.distributed.comm_ops.pending import Pending
 from shardkit.distributed.comm_ops.placement import ColumnPlacement
-from shardkit.distributed.direct_collectives import shm_exchange_of
-
-
-def _exchange(group, tensor: torch.Tensor):
-    """The group's shared-memory exchange for plain CPU tensors (a subclass, another device: None)."""
-    if type(tensor) is not torch.Tensor or tensor.device.type != "cpu":
-        return None
-    return shm_exchange_of(group)
+from shardkit.distributed.direct_collectives import shm_exchange_for
 
 
 def _offsets(sizes: Sequence[int]) -> List[int]:
@@ -47,7 +40,7 @@ def pooled_placed_forward(
 ) -> Optional[Pending[torch.Tensor]]:
     """``x`` ``[sum_r B_r, D_me]`` (contiguous) -> ``[B_me, blocks * width]``, rank ``r``'s
     ``[B_me, D_r]`` rows placed by ``placement`` (a ``comm_ops.scratch`` buffer)."""
-    exchange = _exchange(group, x)
+    exchange = shm_exchange_for(group, x)
     if exchange is None:
         return None
     world, item, d_me = len(batch), x.element_size(), x.size(1)
@@ -74,7 +67,7 @@ def pooled_placed_backward(
     """The gradient ``[B_me, blocks * width]`` -> ``([sum_r B_r, D_me],)``: rank ``r``'s placed columns
     of its samples back to this rank's rows of them (a ``comm_ops.scratch`` buffer), divided by
     ``divisor`` in the copies when it is > 1 (gradient division: the result is ``divided``)."""
-    exchange = _exchange(group, grad)
+    exchange = shm_exchange_for(group, grad)
     if exchange is None:
         return None
     grad = grad.contiguous()
@@ -110,7 +103,7 @@ def reduce_scatter_pair(
     term read straight out of the peer's file. ``chunks``: ``dtype`` (one that sums in itself:
     float32, float64, int64), contiguous; the sum is a ``comm_ops.scratch`` buffer from
     ``scratch.MIN_BYTES`` on (as ``exchange._sum_pieces``)."""
-    exchange = _exchange(group, chunks[rank])
+    exchange = shm_exchange_for(group, chunks[rank])
     if exchange is None:
         return None
     own = chunks[rank].reshape(-1)
@@ -139,7 +132,7 @@ def all_gather_shared(
     """Every rank's flat chunk (rank ``r``'s ``numels[r]`` elements of ``dtype``) -> one flat tensor per
     rank, back to back in one ``comm_ops.scratch`` buffer; this rank's chunk written once into its file
     for every peer to read. ``divisor`` > 1: the result divided by it in the copies (``divided``)."""
-    exchange = _exchange(group, chunk)
+    exchange = shm_exchange_for(group, chunk)
     if exchange is None:
         return None
     flat = chunk.reshape(-1)
