@@ -41,7 +41,7 @@ def _variants(tables) -> Dict[str, List[int]]:
 
 def worker(set_name: str, kind: str, rounds: int, steps: int, quick: bool) -> Dict[str, Any]:
     """On every rank: calibrate, then time and estimate each variant (a collective)."""
-    from benchmarks.plan_quality import _batch, _Model, _planner, table_sets
+    from benchmarks.plan_quality import _batch, _Model, _planner, fresh, table_sets
     from shardkit.distributed.sharding_env import ShardingEnv
     from shardkit.distributed.validation import set_validation
     from shardkit.planner import calibrate
@@ -67,7 +67,7 @@ def worker(set_name: str, kind: str, rounds: int, steps: int, quick: bool) -> Di
         env = ShardingEnv.from_process_group(dist.group.WORLD)
         sharded = sharders[0].shard(model.ebc, plan[0].plan["ebc"], env, torch.device("cpu"))
         features = _batch(subset, batch, seed=rank)
-        step_fns.append(lambda s=sharded, f=features: s(f).values().sum().backward())
+        step_fns.append(lambda s=sharded, f=features: s(fresh(f)).values().sum().backward())
         names.append(name)
     # calibrate()'s own alternating rounds (each round a new order, the same on every rank)
     seconds = alternating_seconds(step_fns, None, torch.device("cpu"), rounds, steps, warmup=3)

@@ -244,11 +244,13 @@ def test_the_dense_ways_fixed_cost_and_in_cache_replica_rows_have_steps_of_their
         _, features, _ = cs.config_features(config, world, BEFORE)
         if features[column] > 1e-9:  # (the other steps: free bandwidths' 1e-30 s a byte)
             charged[cs.describe(config)] = features[column]
-    # exactly the two dense-way steps, each paying one group's fixed cost
-    assert sorted(charged) == [
-        f"1 data_parallel: {rows}x{cs.BIG_DIM} b{cs.BIG_BATCH} p{cs.BIG_POOLING}" for rows in (2048, 512)
-    ]
-    assert all(v == pytest.approx(1.0) for v in charged.values())
+    # the two large dense-way steps, each paying one group's fixed cost, and the tiny replicas at
+    # DENSE_BATCH bags, one dense group per width
+    tiny = 64 * world
+    big = f"x{cs.BIG_DIM} b{cs.BIG_BATCH} p{cs.BIG_POOLING}"
+    large = {f"1 data_parallel: {rows}{big}": 1 for rows in (2048, 512)}
+    groups = {f"{k} data_parallel: {tiny}x{cs.DIM}..{cs.DIM * k} b{cs.DENSE_BATCH} p1": k for k in (4, 16)}
+    assert charged == pytest.approx({**large, **groups})
     small = [c for c in configs if c.types == ("data_parallel",) * 8 and c.rows == cs.SMALL_REPLICA_ROWS]
     assert len(small) == 1
     (config,) = small
