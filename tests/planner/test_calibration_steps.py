@@ -30,6 +30,7 @@ TRUE = CostModel.default("cpu").replace(
     output_value_s=5e-9,
     miss_latency_bytes=128.0,
     lookup_group_s=1.5e-4,
+    lookup_group_bag_s=1e-7,
 )
 # what calibrate knows before the fit: the measured collective bandwidth, a lone lookup's bandwidth
 BEFORE = CostModel.default("cpu").replace(ddr_lookup_bw=3e9, intra_node_bw=0.3e9)
@@ -51,6 +52,7 @@ def _check(fitted, true: CostModel, rel: float = 1e-6) -> None:
     assert fitted["replica_group_s"] == pytest.approx(true.replica_group_s, rel=rel)
     assert fitted["replica_dense_s"] == pytest.approx(true.replica_dense_s, rel=rel)
     assert fitted["lookup_group_s"] == pytest.approx(true.lookup_group_s, rel=rel)
+    assert fitted["lookup_group_bag_s"] == pytest.approx(true.lookup_group_bag_s, rel=rel)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -183,6 +183,11 @@ def calibration_configs(world: int, big_bytes: int = BIG_BYTES) -> List[StepConf
     # one width: their shards share one group per rank and type), table-wise at 4 and 16 widths per
     # rank and row-wise at 16 (every rank holds a shard of each)
     configs += [StepConfig(tw * k, tiny_rows, dim_step=GROUP_DIM_STEP) for k in (4, 16)]
+    # the same at BIG_BATCH bags, and 16 tiny tables of one width there: a group is a kernel call over
+    # every bag the rank serves, forward and backward, and copies of its output block, so an extra group
+    # cost more at more bags (2 ranks: ~0.21 ms at 64 bags a rank, ~0.53 ms at 2048): lookup_group_bag_s
+    configs += [StepConfig(tw * k, tiny_rows, dim_step=GROUP_DIM_STEP, batch=BIG_BATCH) for k in (4, 16)]
+    configs.append(StepConfig(tw * 16, tiny_rows, batch=BIG_BATCH))
     configs.append(StepConfig(("row_wise",) * 16, tiny_rows, dim_step=GROUP_DIM_STEP))
     return configs
 
@@ -289,7 +294,7 @@ def feature_names() -> List[str]:
         + [f"id:{t}" for t in ID_TYPES]
         + ["id_miss", "output_value", "lookup", "replica", "replica_row", "replica_value", "replica_group"]
         + ["replica_dense"]
-        + ["lookup_group"]
+        + ["lookup_group", "lookup_group_bag"]
         + ["comm"]
     )
 
@@ -315,6 +320,7 @@ def _zero(model: CostModel) -> CostModel:
         replica_group_s=0.0,
         replica_dense_s=0.0,
         lookup_group_s=0.0,
+        lookup_group_bag_s=0.0,
     )
 
 
@@ -360,6 +366,7 @@ def config_features(
         values[name] = est(zero.replace(**{f"{name}_s": 1.0})) if "data_parallel" in used else 0.0
     values["output_value"] = est(zero.replace(output_value_s=1.0))
     values["lookup_group"] = est(zero.replace(lookup_group_s=1.0))
+    values["lookup_group_bag"] = est(zero.replace(lookup_group_bag_s=1.0))
     values["id_miss"] = 0.0
     # no shard is larger than its table: a cache of the largest table's bytes serves every id
     widest = max(config.width(i) for i in range(len(config.types)))
@@ -482,6 +489,7 @@ def fit_constants(
         "replica_group_s": v["replica_group"],
         "replica_dense_s": v["replica_dense"],
         "lookup_group_s": v["lookup_group"],
+        "lookup_group_bag_s": v["lookup_group_bag"],
         "residual": residual,
         "fitted_s": (base_with_miss(pair) @ x + known).tolist(),
     }

@@ -145,6 +145,14 @@ def lookup_group_keys(o: ShardingOption) -> List[Optional[tuple]]:
     return keys
 
 
+def lookup_group_bags(o: ShardingOption, world: int) -> float:
+    """Bags (output rows) the lookup group of a shard of ``o`` serves on its rank per step
+    (``CostModel.lookup_group_bag_s``): the global batch of its table's features when pooled (every
+    sharded type pools every rank's bags of the features it holds), their ids when not."""
+    t = o.table
+    return (t.bags if t.pooled else t.ids) * world
+
+
 def load_factor(o: ShardingOption) -> float:
     """The load factor of a caching option's cache (its ``cache_params``, else the default)."""
     params = o.cache_params
@@ -390,6 +398,7 @@ __all__ = [
     "dense_replica_groups",
     "distinct_rows",
     "load_factor",
+    "lookup_group_bags",
     "lookup_group_keys",
     "replica_exchange",
     "replica_groups",

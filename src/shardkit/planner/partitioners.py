@@ -17,7 +17,12 @@ import math
 from typing import List, Optional, Sequence
 
 from shardkit.planner.errors import UnplacedShard
-from shardkit.planner.estimators import dense_replica_groups, lookup_group_keys, replica_groups
+from shardkit.planner.estimators import (
+    dense_replica_groups,
+    lookup_group_bags,
+    lookup_group_keys,
+    replica_groups,
+)
 from shardkit.planner.topology import Topology
 from shardkit.planner.types import FIXED, FREE, ShardingOption
 
@@ -62,13 +67,15 @@ class Partition:
 class _Shards:
     """An option's per-shard figures as Python floats (read many times in the placement loops)."""
 
-    def __init__(self, o: ShardingOption) -> None:
+    def __init__(self, o: ShardingOption, topology: Topology) -> None:
         self.perf = o.perf.tolist()
         self.hbm = o.hbm.tolist()
         self.ddr = o.ddr.tolist()
         self.disk = [0.0] * len(self.ddr) if o.disk is None else o.disk.tolist()
         self.ranks = o.ranks.tolist()
         self.groups = lookup_group_keys(o)
+        # what a rank pays for holding a lookup group of these shards (once per group it holds)
+        self.group_s = topology.cost_model.lookup_group_cost(lookup_group_bags(o, topology.world_size))
 
     def fits(self, k: int, hbm: float, ddr: float, disk: float) -> bool:
         """Whether shard ``k`` fits a rank with this much free memory and disk."""
@@ -90,9 +97,9 @@ class GreedyPerfPartitioner:
         hbm, ddr = list(hbm_free), list(ddr_free)
         disk = [topology.disk_free] * world  # infinite when the topology does not limit it
         disk_used = [0.0] * world
-        shards = [_Shards(o) for o in proposal]
-        # a rank pays lookup_group_s once per lookup group it holds (its first shard of the group)
-        groups = _RankGroups(world, topology.cost_model.lookup_group_s)
+        shards = [_Shards(o, topology) for o in proposal]
+        # a rank pays a lookup group's cost once per group it holds (its first shard of the group)
+        groups = _RankGroups(world)
         total_perf = sum(sum(s.perf) for s in shards) or 1.0
         total_mem = sum(sum(s.hbm) + sum(s.ddr) for s in shards) or 1.0
 
@@ -114,7 +121,7 @@ class GreedyPerfPartitioner:
             if ranks is None:
                 continue
             for k, r in enumerate(ranks):
-                load[r] += s.perf[k] + groups.join(r, s.groups[k])
+                load[r] += s.perf[k] + groups.join(r, s.groups[k], s.group_s)
                 hbm[r] -= s.hbm[k]
                 ddr[r] -= s.ddr[k]
                 disk[r] -= s.disk[k]
@@ -159,7 +166,8 @@ class GreedyPerfPartitioner:
             best, best_time = -1, math.inf
             key = s.groups[k]
             for r in allowed:
-                seconds = load[r] + s.perf[k] + (0.0 if (r, key) in joined else groups.cost(r, key))
+                group_s = 0.0 if (r, key) in joined else groups.cost(r, key, s.group_s)
+                seconds = load[r] + s.perf[k] + group_s
                 if s.fits(k, hbm[r], ddr[r], disk[r]) and seconds < best_time:
                     best, best_time = r, seconds
             if best < 0:
@@ -195,19 +203,19 @@ class GreedyPerfPartitioner:
 
 class _RankGroups:
     """The lookup groups (``estimators.lookup_group_keys``) each rank holds so far, and what joining
-    one costs: ``group_s`` for a rank's first shard of a group, 0 after (and for a None key)."""
+    one costs: the group's seconds for a rank's first shard of it, 0 after (and for a None key)."""
 
-    def __init__(self, world: int, group_s: float) -> None:
+    def __init__(self, world: int) -> None:
         self.held: List[set] = [set() for _ in range(world)]
-        self.group_s = group_s
 
-    def cost(self, rank: int, key) -> float:
-        """Seconds a shard of group ``key`` would add on ``rank`` beside its own time."""
-        return 0.0 if key is None or key in self.held[rank] else self.group_s
+    def cost(self, rank: int, key, group_s: float) -> float:
+        """Seconds a shard of group ``key`` (a group costing ``group_s``) would add on ``rank`` beside
+        its own time."""
+        return 0.0 if key is None or key in self.held[rank] else group_s
 
-    def join(self, rank: int, key) -> float:
+    def join(self, rank: int, key, group_s: float) -> float:
         """Record a shard of group ``key`` on ``rank``; returns what it added (:meth:`cost`)."""
-        added = self.cost(rank, key)
+        added = self.cost(rank, key, group_s)
         if key is not None:
             self.held[rank].add(key)
         return added

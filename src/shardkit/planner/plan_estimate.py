@@ -4,7 +4,7 @@
 back into a ``ShardingOption`` with the plan's shards and ranks, runs the same estimators the planner
 uses and sums the shards' times and memory per rank, as the partitioner does for its own proposals
 (plus the plan's fixed overheads, ``CostModel.plan_overhead``, and each rank's lookup groups,
-``CostModel.lookup_group_s``). A hand-written plan and the planner's
+``CostModel.lookup_group_cost``). A hand-written plan and the planner's
 plan are then compared on the same scale, and a benchmark can put both next to measured step times.
 """
 
@@ -15,7 +15,12 @@ from typing import List, Sequence
 import torch
 
 from shardkit.planner.errors import UnplacedShard
-from shardkit.planner.estimators import dense_replica_groups, lookup_group_keys, replica_groups
+from shardkit.planner.estimators import (
+    dense_replica_groups,
+    lookup_group_bags,
+    lookup_group_keys,
+    replica_groups,
+)
 from shardkit.planner.partitioners import Partition
 from shardkit.planner.topology import Topology
 from shardkit.planner.types import ShardingOption, TableInfo
@@ -75,11 +80,12 @@ def placed_partition(
     load, hbm, ddr, disk = [0.0] * world, list(hbm_free), list(ddr_free), [topology.disk_free] * world
     disk_used = [0.0] * world
     unplaced: List[UnplacedShard] = []
-    group_s = topology.cost_model.lookup_group_s
+    cost_model = topology.cost_model
     held: List[set] = [set() for _ in range(world)]  # the lookup groups each rank holds so far
     for o in options:
         perf, sh, sd = o.perf.tolist(), o.hbm.tolist(), o.ddr.tolist()
         keys = lookup_group_keys(o)
+        group_s = cost_model.lookup_group_cost(lookup_group_bags(o, world))
         sk = [0.0] * len(sd) if o.disk is None else o.disk.tolist()
         for k, r in enumerate(o.ranks.tolist()):
             if sh[k] > hbm[r] or sd[k] > ddr[r] or sk[k] > disk[r]:
@@ -105,7 +111,7 @@ def placed_partition(
             ddr[r] -= sd[k]
             disk[r] -= sk[k]
             disk_used[r] += sk[k]
-    overhead = topology.cost_model.plan_overhead(
+    overhead = cost_model.plan_overhead(
         (o.sharding_type for o in options), replica_groups(options), dense_replica_groups(options, world)
     )
     return Partition(
