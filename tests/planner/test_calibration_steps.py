@@ -27,6 +27,7 @@ TRUE = CostModel.default("cpu").replace(
     replica_value_s=2e-9,
     replica_group_s=4e-4,
     replica_dense_s=6e-4,
+    replica_permute_s=3e-4,
     output_value_s=5e-9,
     miss_latency_bytes=128.0,
     lookup_group_s=1.5e-4,
@@ -51,6 +52,7 @@ def _check(fitted, true: CostModel, rel: float = 1e-6) -> None:
     assert fitted["replica_value_s"] == pytest.approx(true.replica_value_s, rel=rel)
     assert fitted["replica_group_s"] == pytest.approx(true.replica_group_s, rel=rel)
     assert fitted["replica_dense_s"] == pytest.approx(true.replica_dense_s, rel=rel)
+    assert fitted["replica_permute_s"] == pytest.approx(true.replica_permute_s, rel=rel)
     assert fitted["lookup_group_s"] == pytest.approx(true.lookup_group_s, rel=rel)
     assert fitted["lookup_group_bag_s"] == pytest.approx(true.lookup_group_bag_s, rel=rel)
 
@@ -252,6 +254,8 @@ def test_the_dense_ways_fixed_cost_and_in_cache_replica_rows_have_steps_of_their
     big = f"x{cs.BIG_DIM} b{cs.BIG_BATCH} p{cs.BIG_POOLING}"
     large = {f"1 data_parallel: {rows}{big}": 1 for rows in (2048, 512)}
     groups = {f"{k} data_parallel: {tiny}x{cs.DIM}..{cs.DIM * k} b{cs.DENSE_BATCH} p1": k for k in (4, 16)}
+    # and the 8 replicas of 4 interleaved widths at DENSE_BATCH: their 4 groups
+    groups[f"8 data_parallel: {tiny}x{cs.DIM}..{cs.DIM * 4} x2 b{cs.DENSE_BATCH} p1"] = 4
     assert charged == pytest.approx({**large, **groups})
     small = [c for c in configs if c.types == ("data_parallel",) * 8 and c.rows == cs.SMALL_REPLICA_ROWS]
     assert len(small) == 1

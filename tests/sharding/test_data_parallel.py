@@ -288,3 +288,75 @@ def test_fused_replicas_with_most_rows_touched_all_reduce_the_dense_gradient():
     for got, want, sizes in run_world(_sparse_exchange_worker, 2, OptimType.ADAGRAD, 4):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         assert 4 * (8 + 1) + 2 in sizes, sizes  # the gradient, a flag per row, a count per rank
+
+
+def _interleaved_widths_worker(kernel):
+    """Data-parallel tables of widths 4, 8, 4, 8 (two lookup groups whose features interleave: every
+    batch is permuted into group order and the output columns back), trained 3 steps on each rank's
+    own batch: the outputs are the unsharded module's rows of those samples and the tables end as the
+    unsharded module's after the same global steps."""
+    import torch
+    import torch.distributed as dist
+
+    import shardkit.sharding.key_permutation as key_permutation
+    from shardkit.modules import EmbeddingBagCollection
+    from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
+    from shardkit.sharding.sharding_plan import construct_module_sharding_plan
+    from shardkit.sparse import KeyedJaggedTensor
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    widths = [4, 8, 4, 8]
+    configs = [EmbeddingBagConfig(10, d, name=f"t{i}", feature_names=[f"f{i}"]) for i, d in enumerate(widths)]
+    fused = FusedOptimizerConfig(OptimType.SGD, lr=0.1) if kernel == "fused" else None
+
+    def ebc():
+        torch.manual_seed(0)
+        return EmbeddingBagCollection(configs, fused_optimizer=fused)
+
+    reference, module = ebc(), ebc()
+    plan = construct_module_sharding_plan(module, {c.name: data_parallel(kernel) for c in configs})
+    sharded = EmbeddingBagCollectionSharder().shard(module, plan, ShardingEnv.from_process_group(None))
+    applied = []
+    real = key_permutation.KeyPermutation.apply
+    key_permutation.KeyPermutation.apply = lambda self, kjt: applied.append(self.indices) or real(self, kjt)
+    keys = [c.feature_names[0] for c in configs]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        batches = []
+        for _r in range(world):  # every rank draws every rank's batch: the reference trains on all
+            lengths = torch.randint(0, 3, (len(keys) * 2,), generator=gen)
+            batches.append((torch.randint(0, 10, (int(lengths.sum()),), generator=gen), lengths))
+        ref_out = [reference(KeyedJaggedTensor(keys, v, lengths=n)).values() for v, n in batches]
+        out = sharded(KeyedJaggedTensor(keys, *batches[rank][:1], lengths=batches[rank][1])).values()
+        # (after the first step: the replicas summed the ranks' gradients in another order, ~1e-8)
+        torch.testing.assert_close(out, ref_out[rank], rtol=1e-6, atol=1e-6)
+        # the mean over the ranks' samples, as the data-parallel gradient division makes it
+        torch.cat(ref_out).pow(2).sum().div(world).backward()
+        out.pow(2).sum().backward()
+        if fused is None:  # the dense kernel: the wrapper's all-reduce and a dense step, by hand
+            for p in sharded.parameters():
+                dist.all_reduce(p.grad)
+                p.grad.div_(world)
+                p.data.add_(p.grad, alpha=-0.1)
+                p.grad = None
+            for p in reference.parameters():
+                p.data.add_(p.grad, alpha=-0.1)
+                p.grad = None
+    key_permutation.KeyPermutation.apply = real
+    state = sharded.local_shards()
+    return applied, [
+        (state[(c.name, 0, 10, 0, c.embedding_dim)].clone(), reference.table_weight(c.name).detach().clone())
+        for c in configs
+    ]
+
+
+@pytest.mark.parametrize("kernel", ["fused", "dense"])
+def test_tables_of_interleaved_widths_train_exactly(kernel):
+    import torch
+
+    from shardkit.testing import run_world
+
+    for applied, tables in run_world(_interleaved_widths_worker, 2, kernel):
+        assert applied == [[0, 2, 1, 3]] * 3  # the batch into group order, once per step
+        for got, want in tables:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -102,7 +102,8 @@ class StepConfig:
     """A calibration step: one table per entry of ``types`` (that sharding), each of ``rows`` rows and
     ``dim`` columns per shard (a column-wise table has ``dim`` x world columns; table ``i`` has
     ``i x dim_step`` more: tables of different widths are separate lookup groups), ``batch`` bags of
-    ``pooling`` uniform random ids per rank and table."""
+    ``pooling`` uniform random ids per rank and table. ``cycle`` > 0: table ``i`` has ``(i % cycle) x
+    dim_step`` more columns instead (the widths repeat: lookup groups that interleave the features)."""
 
     types: Tuple[str, ...]
     rows: int
@@ -110,10 +111,11 @@ class StepConfig:
     batch: int = BATCH
     pooling: int = 1
     dim_step: int = 0
+    cycle: int = 0
 
     def width(self, index: int) -> int:
         """Columns per shard of table ``index``."""
-        return self.dim + index * self.dim_step
+        return self.dim + (index % self.cycle if self.cycle else index) * self.dim_step
 
 
 def calibration_configs(world: int, big_bytes: int = BIG_BYTES) -> List[StepConfig]:
@@ -178,6 +180,14 @@ def calibration_configs(world: int, big_bytes: int = BIG_BYTES) -> List[StepConf
     # measured 2.9 ms (a dense group costs about what a sparse one does, ~0.6 ms at 2 ranks)
     configs += [
         StepConfig(("data_parallel",) * k, tiny_rows, dim_step=DIM, batch=DENSE_BATCH) for k in (4, 16)
+    ]
+    # 8 tiny replicas of 4 widths in turn (8, 16, 24, 32, 8, ...) at both batches: the same 4 groups,
+    # their features interleaved, so every batch is permuted into group order and the output columns
+    # back (replica_permute_s). Without them a data-parallel plan of the demo's interleaved widths was
+    # estimated 20-30 % below its measured step in plan_quality (twentieth session)
+    configs += [
+        StepConfig(("data_parallel",) * 8, tiny_rows, dim_step=DIM, cycle=4, batch=b)
+        for b in (BATCH, DENSE_BATCH)
     ]
     # sharded tables of different widths: one lookup group each on its rank (the tiny steps above hold
     # one width: their shards share one group per rank and type), table-wise at 4 and 16 widths per
@@ -293,7 +303,7 @@ def feature_names() -> List[str]:
         + [f"shard:{t}" for t in TYPES]
         + [f"id:{t}" for t in ID_TYPES]
         + ["id_miss", "output_value", "lookup", "replica", "replica_row", "replica_value", "replica_group"]
-        + ["replica_dense"]
+        + ["replica_dense", "replica_permute"]
         + ["lookup_group", "lookup_group_bag"]
         + ["comm"]
     )
@@ -319,6 +329,7 @@ def _zero(model: CostModel) -> CostModel:
         replica_value_s=0.0,
         replica_group_s=0.0,
         replica_dense_s=0.0,
+        replica_permute_s=0.0,
         lookup_group_s=0.0,
         lookup_group_bag_s=0.0,
     )
@@ -362,7 +373,7 @@ def config_features(
     values["replica"] = (
         est(unit_bw.replace(replica_grad_passes=1.0)) - values["lookup"] if "data_parallel" in used else 0.0
     )
-    for name in ("replica_row", "replica_value", "replica_group", "replica_dense"):
+    for name in ("replica_row", "replica_value", "replica_group", "replica_dense", "replica_permute"):
         values[name] = est(zero.replace(**{f"{name}_s": 1.0})) if "data_parallel" in used else 0.0
     values["output_value"] = est(zero.replace(output_value_s=1.0))
     values["lookup_group"] = est(zero.replace(lookup_group_s=1.0))
@@ -488,6 +499,7 @@ def fit_constants(
         "replica_value_s": v["replica_value"],
         "replica_group_s": v["replica_group"],
         "replica_dense_s": v["replica_dense"],
+        "replica_permute_s": v["replica_permute"],
         "lookup_group_s": v["lookup_group"],
         "lookup_group_bag_s": v["lookup_group_bag"],
         "residual": residual,
@@ -573,6 +585,8 @@ def describe(config: StepConfig) -> str:
     """``"8 x row_wise 4096x64 b512 p20"``: a configuration in a line."""
     kinds = ", ".join(f"{config.types.count(t)} {t}" for t in TYPES if t in config.types)
     widths = f"{config.dim}..{config.width(len(config.types) - 1)}" if config.dim_step else f"{config.dim}"
+    if config.cycle:
+        widths = f"{config.dim}..{config.width(config.cycle - 1)} x{len(config.types) // config.cycle}"
     return f"{kinds}: {config.rows}x{widths} b{config.batch} p{config.pooling}"
 
 

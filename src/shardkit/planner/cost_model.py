@@ -66,6 +66,11 @@ class CostModel:
             dense gradient buffer (a collective, beside its bytes) and the buffer's fixed per-step
             work (flags, counts, the step of the flagged rows), charged to every rank in place of
             ``replica_group_s``. The part that grows with the table is ``replica_grad_passes``.
+        replica_permute_s: seconds per step of a module's data-parallel tables whose lookup groups (one
+            per width and dtype) do not hold their features in the module's order: every batch is
+            permuted into group order before the lookups and the output columns back after
+            (``shardkit.sharding.data_parallel``), charged to every rank
+            (``estimators.permuted_replica_modules``).
         id_overhead_s: sharding type -> seconds per id a shard of that type looks up, beside the bytes
             terms (routing work per id: bucketizing, permuting, the input dist's per-id bookkeeping);
             a type not named costs nothing per id.
@@ -117,6 +122,7 @@ class CostModel:
     replica_value_s: float = 0.0
     replica_group_s: float = 0.0
     replica_dense_s: float = 0.0
+    replica_permute_s: float = 0.0
     id_overhead_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
     id_miss_s: float = 0.0
     lookup_cache_bytes: float = 32 * 2**20
@@ -142,6 +148,7 @@ class CostModel:
             "replica_value_s",
             "replica_group_s",
             "replica_dense_s",
+            "replica_permute_s",
             "id_miss_s",
             "output_value_s",
             "lookup_group_s",
@@ -186,18 +193,23 @@ class CostModel:
             return self.id_miss_s * max(1.0, row_bytes / self.miss_latency_bytes)
         return self.id_miss_s * (row_bytes / self.miss_latency_bytes).clamp(min=1.0)
 
-    def plan_overhead(self, sharding_types, replica_groups: int = 0, dense_groups: int = 0) -> float:
+    def plan_overhead(
+        self, sharding_types, replica_groups: int = 0, dense_groups: int = 0, permuted_modules: int = 0
+    ) -> float:
         """Seconds per step every rank pays for a plan using ``sharding_types``: the step's own
         overhead plus each type's group overhead (once per type), plus per group of FUSED data-parallel
         tables (``replica_groups``, ``shardkit.planner.estimators.replica_groups``) ``replica_dense_s``
         for the ``dense_groups`` of them that take the dense way
-        (``shardkit.planner.estimators.dense_replica_groups``) and ``replica_group_s`` for the others."""
+        (``shardkit.planner.estimators.dense_replica_groups``) and ``replica_group_s`` for the others,
+        plus ``replica_permute_s`` per module whose data-parallel features are permuted into group
+        order (``permuted_modules``, ``shardkit.planner.estimators.permuted_replica_modules``)."""
         types = set(sharding_types)
         return (
             self.step_overhead_s
             + sum(self.group_overhead_s.get(t, 0.0) for t in types)
             + (replica_groups - dense_groups) * self.replica_group_s
             + dense_groups * self.replica_dense_s
+            + permuted_modules * self.replica_permute_s
         )
 
     @classmethod

@@ -179,7 +179,7 @@ class EmbeddingEnumerator:
             quantized = isinstance(sub, (QuantEmbeddingBagCollection, QuantEmbeddingCollection))
             if quantized:  # inference tables: no optimizer state
                 state_row = state_value = 0
-            for config in table_configs(sub):
+            for position, config in enumerate(table_configs(sub)):
                 c = self.constraints.get(config.name, ParameterConstraints())
                 bad = [r for r in c.ranks or () if not 0 <= r < self.topology.world_size]
                 if bad:
@@ -204,6 +204,7 @@ class EmbeddingEnumerator:
                     allowed_ranks=None if c.ranks is None else tuple(c.ranks),
                     bytes_per_id=12 if weighted else 8,
                     fused_optimizer=own_optim is not None,
+                    position=position,
                 )
                 if quantized:
                     table = dataclasses.replace(table, **_quantized_sizes(sub, config))

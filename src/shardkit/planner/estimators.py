@@ -119,6 +119,24 @@ def dense_replica_groups(options: Sequence[ShardingOption], world: int) -> int:
     return dense
 
 
+def permuted_replica_modules(options: Sequence[ShardingOption]) -> int:
+    """Modules whose data-parallel tables in a plan's ``options`` do not hold their features in group
+    order (``CostModel.replica_permute_s``): the sharded module looks up each (width, dtype) group of
+    them in one call, groups in order of first appearance (``shardkit.sharding.embedding_lookup
+    .received_keys``), so tables of interleaved widths make it permute every batch into that order and
+    the output columns back (``shardkit.sharding.data_parallel``)."""
+    by_module: dict = {}
+    for o in options:
+        if o.sharding_type == _DP:
+            by_module.setdefault(o.table.module_path, []).append(o.table)
+    permuted = 0
+    for tables in by_module.values():
+        keys = [(t.cols, t.element_size) for t in sorted(tables, key=lambda t: t.position)]
+        grouped = [key for key in dict.fromkeys(keys) for _ in range(keys.count(key))]
+        permuted += keys != grouped
+    return permuted
+
+
 def _fused_replica_groups(options: Sequence[ShardingOption]) -> dict:
     """(module, width, bytes per value) -> the tables of the plan's FUSED data-parallel options in that
     lookup group (each sharded module groups its own tables: ``sharding.embedding_lookup.group_shards``)."""
@@ -398,6 +416,7 @@ __all__ = [
     "dense_replica_groups",
     "distinct_rows",
     "load_factor",
+    "permuted_replica_modules",
     "lookup_group_bags",
     "lookup_group_keys",
     "replica_exchange",

@@ -21,6 +21,7 @@ from shardkit.planner.estimators import (
     dense_replica_groups,
     lookup_group_bags,
     lookup_group_keys,
+    permuted_replica_modules,
     replica_groups,
 )
 from shardkit.planner.topology import Topology
@@ -133,6 +134,7 @@ class GreedyPerfPartitioner:
             (o.sharding_type for o in proposal),
             replica_groups(proposal),
             dense_replica_groups(proposal, world),
+            permuted_replica_modules(proposal),
         )
         return Partition(
             options=[o for o in placed if o is not None],

@@ -19,6 +19,7 @@ from shardkit.planner.estimators import (
     dense_replica_groups,
     lookup_group_bags,
     lookup_group_keys,
+    permuted_replica_modules,
     replica_groups,
 )
 from shardkit.planner.partitioners import Partition
@@ -112,7 +113,10 @@ def placed_partition(
             disk[r] -= sk[k]
             disk_used[r] += sk[k]
     overhead = cost_model.plan_overhead(
-        (o.sharding_type for o in options), replica_groups(options), dense_replica_groups(options, world)
+        (o.sharding_type for o in options),
+        replica_groups(options),
+        dense_replica_groups(options, world),
+        permuted_replica_modules(options),
     )
     return Partition(
         options=list(options),

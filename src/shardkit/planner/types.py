@@ -66,6 +66,8 @@ class TableInfo:
             in the table dtype, ``2 * element_size``; a quantized table: its fp32 output only).
         cache_params: the table's ``CacheParams`` for the offloading kernels (its constraints' merged
             with the sharder's ``fused_params`` cache keys), None when neither gives any.
+        position: the table's index among its module's tables (its features' place in the module's
+            input and output order).
     """
 
     module_path: str
@@ -84,6 +86,7 @@ class TableInfo:
     row_bytes: int = 0
     output_bytes_per_value: Optional[float] = None
     cache_params: Optional[CacheParams] = None
+    position: int = 0
 
     @property
     def fqn(self) -> str:

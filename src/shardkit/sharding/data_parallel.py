@@ -37,6 +37,7 @@ from shardkit.sharding.embedding_sharding import (
     split_sequence_rows,
     with_weights,
 )
+from shardkit.sharding.key_permutation import KeyPermutation
 from shardkit.sharding.replicated_fused_lookup import ReplicatedShardedLookup
 from shardkit.sharding.types import EmbeddingComputeKernel
 from shardkit.sharding.variable_batch import expand_blocks
@@ -87,6 +88,10 @@ class _DataParallel(EmbeddingShardingImpl):
         self._keys: List[ColumnBlock] = received_keys(self._whole)
         position = {f: i for i, f in enumerate(self._feature_names)}
         self._permute = [position[f] for f, _, _ in self._keys]
+        # tables of interleaved widths: every batch into the lookup's group order (the native segment
+        # copy where it runs: 154 against 196 us for 48 features of 64 bags)
+        in_order = self._permute == sorted(self._permute)
+        self._key_permutation = None if in_order else KeyPermutation(self._permute)
         self._dims = {f: t.config.embedding_dim for t in self.tables for f in t.config.feature_names}
 
     def received_features(self) -> List[str]:
@@ -98,7 +103,7 @@ class _DataParallel(EmbeddingShardingImpl):
         record_input(ctx, features)
         per_key = features.length_per_key()  # a new list per call: read once, not once per feature
         ctx.sent_lengths_per_key = [per_key[i] for i in self._permute]
-        local = features if self._permute == sorted(self._permute) else features.permute(self._permute)
+        local = features if self._key_permutation is None else self._key_permutation.apply(features)
         weights = local.weights_or_none()
         if weights is not None and weights.requires_grad and get_gradient_division() and self.world_size > 1:
             # no output dist divides this gradient by the world size, as the other shardings' do: the
