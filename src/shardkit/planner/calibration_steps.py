@@ -12,6 +12,9 @@ all ranks at once (so ranks that share cores are measured sharing them), and fit
              + replica_grad_passes x r c e / lookup_bw (a table-sized gradient buffer))
            + replica_group_s x the groups of fused replicas (one per width) on the sparse way
            + replica_dense_s x those on the dense way (an all-reduce in place of the gather)
+           + replica_permute_s if the replicas' widths interleave (each batch permuted into group order)
+           + per lookup group on the slowest rank: lookup_group_s + bags x lookup_group_bag_s
+           + output values x output_value_s
            + the dists' bytes (input ids, pooled rows forward and backward, a replica's exchange)
              / the collective bandwidth
 
@@ -36,7 +39,9 @@ are nearly all touched, at two sizes (the dense all-reduce's fixed cost against 
 passes), a group of small replicas that fit the caches at a batch touching thousands of their rows
 (the update per row and value where no miss pays for it), and 4 and 16 tiny replicas of as many
 widths (one lookup group each), at ``BATCH`` bags (the sparse way) and at ``DENSE_BATCH`` (the dense
-way). How the fixed costs grow with the batch is measured only through the per-id terms.
+way), and 8 tiny replicas of 4 widths in turn at both batches (interleaved groups); table-wise steps of
+4 and 16 widths again at ``BIG_BATCH`` bags beside 16 one-width tables there (a lookup group's cost per
+bag). How the other fixed costs grow with the batch is measured only through the per-id terms.
 """
 
 from __future__ import annotations

@@ -416,9 +416,9 @@ __all__ = [
     "dense_replica_groups",
     "distinct_rows",
     "load_factor",
-    "permuted_replica_modules",
     "lookup_group_bags",
     "lookup_group_keys",
+    "permuted_replica_modules",
     "replica_exchange",
     "replica_groups",
 ]
