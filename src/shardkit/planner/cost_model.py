@@ -97,7 +97,8 @@ class CostModel:
             rank per step, beside ``lookup_group_s``: each group is its own kernel call forward and
             backward over every bag of the batch the rank serves (the global batch), and its output
             block is copied into the rank's output and its gradient block out of it. Measured on 2 ranks:
-            an extra group cost ~0.21 ms at 64 bags a rank and ~0.53 ms at 2048.
+            an extra table-wise group cost ~0.21 ms at a batch of 32 per rank (64 bags served) and
+            ~0.53 ms at 1024 (2048 served).
         output_value_s: seconds per output value (pooled: bag x column; sequence: id x column) a
             shard produces per step, forward and backward, beside the bytes its output dist puts on
             the wire: the kernel writes each value and its backward reads its gradient, and the dist
