@@ -434,9 +434,12 @@ class KeyedJaggedTensor(JaggedFields):
             )
         offsets = self.offset_per_key()
         bounds = [0, *accumulate(segments)]
-        if self._stride_per_key_per_rank is None and self._inverse_indices is None:
+        trusted = self._stride_per_key_per_rank is None and self._inverse_indices is None
+        if trusted and not torch.compiler.is_compiling():
             # one batch size, no inverse indices (a sharded lookup splits every step's input by its
-            # groups): the parts are this KJT's checked views, built without the checks (~8 us a part)
+            # groups): the parts are this KJT's checked views, built without the checks (~8 us a part).
+            # Not under torch.compile / export: exporting a weighted collection through it failed on a
+            # data-dependent guard (the weights' size against the ids'; tests/modules/test_export.py)
             lengths, weights, stride = self.lengths(), self._weights, self._stride
             return [
                 KeyedJaggedTensor._trusted(
