@@ -114,8 +114,9 @@ def _batch(tables, batch: int, seed: int) -> KeyedJaggedTensor:
 
 
 def fresh(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-    """The same batch as a new object, as a data loader hands each step one: a reused object keeps its
-    per-key totals and the lookups' per-input splits warm, which training never sees."""
+    """The same batch as a new object, as a data loader hands each step one: a reused object skips the
+    construction's checks and per-key totals and keeps the lookups' per-input splits warm, which
+    training never does."""
     return KeyedJaggedTensor(features.keys(), features.values(), lengths=features.lengths())
 
 

@@ -72,3 +72,17 @@ def test_the_control_copy_and_the_anchors_give_the_noise_band_and_the_drift():
     assert verdict["estimates_within_25pct"] is False  # the strict verdict is unchanged
     assert verdict["planner_within_10pct"] is True and verdict["planner_ties_fastest"] is True
     assert (rows[0]["ci_lo_ms"], rows[0]["ci_hi_ms"]) == (1e3, 1e3)
+
+
+def test_every_timed_step_gets_the_batch_as_a_new_object():
+    # a reused KJT skips the construction's checks and per-key totals after the first step, and a
+    # sharded lookup reuses its splits of that object, which training's new batch every step never
+    # does: the benchmark times steps on a new object of the same tensors
+    import torch
+    from benchmarks.plan_quality import _batch, fresh
+
+    features = _batch([(100, 8, 2.0), (50, 16, 1.0)], 4, seed=0)
+    copy = fresh(features)
+    assert copy is not features and fresh(features) is not copy
+    assert copy.keys() == features.keys() and copy.length_per_key() == features.length_per_key()
+    assert torch.equal(copy.values(), features.values()) and torch.equal(copy.lengths(), features.lengths())
