@@ -338,3 +338,18 @@ def test_data_parallel_tables_of_interleaved_widths_pay_the_permutation_once_per
         assert permuted_replica_modules(options) == permuted
         # the count does not depend on the order the options come in (a proposal's order)
         assert permuted_replica_modules(options[::-1]) == permuted
+        # the planner's own partition charges it alike
+        only_dp = {
+            c.name: ParameterConstraints(sharding_types=["data_parallel"], compute_kernels=["fused"])
+            for c in configs
+        }
+        planner = _planner(charged, constraints=only_dp)
+        planned = planner.plan(ebc, [ebc_sharder()])
+        assert planner.last_report.max_time_s == pytest.approx(
+            planner.estimate(ebc, [ebc_sharder()], planned).max_time_s, rel=1e-12
+        )
+        without = _planner(base, constraints=only_dp)
+        without.plan(ebc, [ebc_sharder()])
+        assert planner.last_report.max_time_s - without.last_report.max_time_s == pytest.approx(
+            permuted * 0.4e-3
+        )
