@@ -201,7 +201,7 @@ def round_order(plans: int, round_index: int) -> List[int]:
 def anchor_configs(world: int) -> List[Any]:
     """The calibration steps ``case_worker`` times again beside the plans (``ANCHORS``), as
     ``calibration_steps.StepConfig`` s of ``calibration_configs(world)``."""
-    from shardkit.planner.calibration_steps import calibration_configs, describe
+    from shardkit.planner.calibration_configs import calibration_configs, describe
 
     by_name = {describe(c): c for c in calibration_configs(world)}
     out = []
@@ -445,7 +445,7 @@ def loadavg() -> Optional[str]:
 
 def _calibration_seconds(fit: Dict[str, Any], config: Any) -> float:
     """calibrate()'s measured time of ``config`` (its fit report's step of that description)."""
-    from shardkit.planner.calibration_steps import describe
+    from shardkit.planner.calibration_configs import describe
 
     for step in fit["steps"]:
         if step["config"] == describe(config):

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.planner import CostModel
+from shardkit.planner import calibration_configs as cc
 from shardkit.planner import calibration_steps as cs
 
 MIB = 1 << 20
@@ -59,7 +60,7 @@ def _check(fitted, true: CostModel, rel: float = 1e-6) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_fit_recovers_the_constants_the_step_times_were_made_from(world):
-    configs = cs.calibration_configs(world)
+    configs = cc.calibration_configs(world)
     times = [cs.estimated_seconds(c, world, TRUE) for c in configs]
     fitted = cs.fit_constants(configs, times, world, BEFORE)
     _check(fitted, TRUE)
@@ -68,7 +69,7 @@ def test_the_fit_recovers_the_constants_the_step_times_were_made_from(world):
 
 def test_the_cache_size_is_the_one_that_fits_best():
     world = 2
-    configs = cs.calibration_configs(world)
+    configs = cc.calibration_configs(world)
     for cache in (2 * MIB, 32 * MIB):
         true = TRUE.replace(lookup_cache_bytes=cache)
         fitted = cs.fit_constants(
@@ -79,7 +80,7 @@ def test_the_cache_size_is_the_one_that_fits_best():
 
 def test_noisy_times_never_give_a_negative_cost():
     world = 2
-    configs = cs.calibration_configs(world)
+    configs = cc.calibration_configs(world)
     times = [cs.estimated_seconds(c, world, TRUE) for c in configs]
     gen = torch.Generator().manual_seed(0)
     noisy = [t * float(1 + 0.3 * (torch.rand((), generator=gen) - 0.5)) for t in times]
@@ -102,9 +103,9 @@ def _calibrate_with_fake_step_times():
 
     world, rank = dist.get_world_size(), dist.get_rank()
     # this worker process only: small tables, and the collective bandwidth the times were made with
-    cs.BIG_BYTES = SMALL_BIG
+    cs.BIG_BYTES = SMALL_BIG  # the default measure_step_overheads reads
     calibration.measure_all_to_all_bw = lambda *_, **__: TRUE.intra_node_bw
-    configs = cs.calibration_configs(world, SMALL_BIG)
+    configs = cc.calibration_configs(world, SMALL_BIG)
     true = TRUE.replace(id_miss_s=0.0)  # tables of at most 1 MiB: no cache size to find
     fake = [cs.estimated_seconds(c, world, true) * (1.0 if rank == 1 else 0.8) for c in configs]
     # rank 1 slower: ranks agree on it
@@ -118,7 +119,7 @@ def test_calibrate_fits_the_slowest_ranks_step_times_on_every_rank(run_world):
     results = run_world(_calibrate_with_fake_step_times, 2)
     assert results[0][0] == results[1][0]
     got, true, report = results[0]
-    assert report["residual"] < 1e-9 and len(report["steps"]) == len(cs.calibration_configs(2, SMALL_BIG))
+    assert report["residual"] < 1e-9 and len(report["steps"]) == len(cc.calibration_configs(2, SMALL_BIG))
     for step in report["steps"]:  # the slowest rank's times (rank 1's), and the fit reproduces them
         assert step["fitted_s"] == pytest.approx(step["measured_s"], rel=1e-6), step["config"]
     for name in (
@@ -140,7 +141,7 @@ def test_calibrate_fits_the_slowest_ranks_step_times_on_every_rank(run_world):
 @pytest.mark.parametrize("device_type, field", [("cpu", "ddr_lookup_bw"), ("cuda", "hbm_lookup_bw")])
 def test_free_lookups_stay_free_when_that_fits_better_than_the_lone_bandwidth(device_type, field):
     world = 2
-    configs = cs.calibration_configs(world, 4 * MIB)
+    configs = cc.calibration_configs(world, 4 * MIB)
     free = TRUE.replace(ddr_lookup_bw=1e30, id_miss_s=0.0)  # no time at all per byte read
     times = [cs.estimated_seconds(c, world, free) for c in configs]
     before = BEFORE.replace(hbm_lookup_bw=7e11)
@@ -173,9 +174,9 @@ def test_one_step_timed_in_a_load_spike_does_not_set_a_constant():
     # the squared errors moved the fixed costs of every type and the step by 10-20 %;
     # the Huber-weighted refit gives that step little weight and recovers the constants
     world = 2
-    configs = cs.calibration_configs(world)
+    configs = cc.calibration_configs(world)
     times = [cs.estimated_seconds(c, world, TRUE) for c in configs]
-    spike = [cs.describe(c) for c in configs].index("4 row_wise: 128x8 b32 p1")
+    spike = [cc.describe(c) for c in configs].index("4 row_wise: 128x8 b32 p1")
     times[spike] *= 2.0
     fitted = cs.fit_constants(configs, times, world, BEFORE)
     _check(fitted, TRUE, rel=1e-3)
@@ -196,7 +197,7 @@ def test_a_column_block_is_never_fitted_cheaper_than_a_table_wise_shard(world):
         shard_overhead_s={**TRUE.shard_overhead_s, "column_wise": 2e-5},
         id_overhead_s={**TRUE.id_overhead_s, "column_wise": 0.0},
     )
-    configs = cs.calibration_configs(world)
+    configs = cc.calibration_configs(world)
     times = [cs.estimated_seconds(c, world, cheap_cw) for c in configs]
     fitted = cs.fit_constants(configs, times, world, BEFORE)
     for name in ("group_overhead_s", "shard_overhead_s", "id_overhead_s"):
@@ -209,7 +210,7 @@ def test_column_wise_constants_are_table_wise_s_plus_an_extra_that_the_fit_recov
     # times from a model that has that structure (column-wise >= table-wise in every constant): the fit
     # recovers each type's total, as for the other types
     world = 2
-    configs = cs.calibration_configs(world)
+    configs = cc.calibration_configs(world)
     times = [cs.estimated_seconds(c, world, TRUE) for c in configs]
     fitted = cs.fit_constants(configs, times, world, BEFORE)
     assert fitted["group_overhead_s"]["column_wise"] == pytest.approx(3e-3, rel=1e-6)
@@ -231,8 +232,8 @@ def test_every_round_times_every_step_once_and_no_step_is_always_first():
 
 def test_a_wide_table_at_a_large_batch_is_among_the_steps():
     """The slope of a step in its ids at plan_quality's large batches (1024-2048 bags of 20 ids)."""
-    configs = cs.calibration_configs(2)
-    assert any(c.batch >= 4 * cs.BIG_BATCH and c.dim >= 128 and c.pooling == cs.BIG_POOLING for c in configs)
+    configs = cc.calibration_configs(2)
+    assert any(c.batch >= 4 * cc.BIG_BATCH and c.dim >= 128 and c.pooling == cc.BIG_POOLING for c in configs)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -241,23 +242,23 @@ def test_the_dense_ways_fixed_cost_and_in_cache_replica_rows_have_steps_of_their
     not tell the fixed cost from ``replica_grad_passes``' passes over the table: an idle 2-rank fit
     made 893 passes of its 512 KiB table), and the small in-cache replica group takes the sparse way
     with thousands of rows (the per-row update where no miss term can take it)."""
-    configs = cs.calibration_configs(world)
+    configs = cc.calibration_configs(world)
     column = cs.feature_names().index("replica_dense")
     charged = {}
     for config in configs:
         _, features, _ = cs.config_features(config, world, BEFORE)
         if features[column] > 1e-9:  # (the other steps: free bandwidths' 1e-30 s a byte)
-            charged[cs.describe(config)] = features[column]
+            charged[cc.describe(config)] = features[column]
     # the two large dense-way steps, each paying one group's fixed cost, and the tiny replicas at
     # DENSE_BATCH bags, one dense group per width
     tiny = 64 * world
-    big = f"x{cs.BIG_DIM} b{cs.BIG_BATCH} p{cs.BIG_POOLING}"
+    big = f"x{cc.BIG_DIM} b{cc.BIG_BATCH} p{cc.BIG_POOLING}"
     large = {f"1 data_parallel: {rows}{big}": 1 for rows in (2048, 512)}
-    groups = {f"{k} data_parallel: {tiny}x{cs.DIM}..{cs.DIM * k} b{cs.DENSE_BATCH} p1": k for k in (4, 16)}
+    groups = {f"{k} data_parallel: {tiny}x{cc.DIM}..{cc.DIM * k} b{cc.DENSE_BATCH} p1": k for k in (4, 16)}
     # and the 8 replicas of 4 interleaved widths at DENSE_BATCH: their 4 groups
-    groups[f"8 data_parallel: {tiny}x{cs.DIM}..{cs.DIM * 4} x2 b{cs.DENSE_BATCH} p1"] = 4
+    groups[f"8 data_parallel: {tiny}x{cc.DIM}..{cc.DIM * 4} x2 b{cc.DENSE_BATCH} p1"] = 4
     assert charged == pytest.approx({**large, **groups})
-    small = [c for c in configs if c.types == ("data_parallel",) * 8 and c.rows == cs.SMALL_REPLICA_ROWS]
+    small = [c for c in configs if c.types == ("data_parallel",) * 8 and c.rows == cc.SMALL_REPLICA_ROWS]
     assert len(small) == 1
     (config,) = small
     assert config.rows * config.dim * 4 <= min(cs.CACHE_CANDIDATES)  # no miss, whatever the cache
