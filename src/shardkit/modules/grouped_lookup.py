@@ -73,6 +73,18 @@ class _DeviceConstants(NamedTuple):
     feature: torch.Tensor  # [F] int64: 0 .. F-1
 
 
+class KernelInputs(NamedTuple):
+    """One group's lookup, checked and ready for its kernel (:meth:`GroupedEmbeddingLookup.kernel_inputs`)."""
+
+    ids: torch.Tensor  # [N] integer table ids, feature-major
+    offsets: torch.Tensor  # [B + 1] int64 bag boundaries
+    bag_shift: Optional[torch.Tensor]  # [B] int64 table id -> buffer row, or None (all shifts 0)
+    weights: Optional[torch.Tensor]  # [N] float per-id weights, or None
+    bag_scale: Optional[torch.Tensor]  # [B] fp32 1 / bag length of MEAN bags, or None (no MEAN table)
+    batch_major: int  # samples S of a sample-major [S, features * width] output, else 0
+    bag_bounds: List[int]  # [F + 1] host ints: each feature's first bag
+
+
 class GroupedEmbeddingLookup(nn.Module):
     """Shards of equal width and dtype in one buffer ``weight`` ``[sum of shard rows, width]``.
 
@@ -187,6 +199,27 @@ class GroupedEmbeddingLookup(nn.Module):
         table dtype. Raises IndexError for an id outside its shard (unless validation is off), TypeError
         for ids of a non-integer dtype (naming the group's features).
         """
+        inputs = self.kernel_inputs(ids, offsets, bags_per_feature, weights, sample_major)
+        if inputs is not None:
+            return self.run_kernel(inputs)
+        if sample_major and bags_per_feature[0] == 0:
+            # zero samples: the kernels read batch_major 0 as "feature-major [B, D]", so look up the (no)
+            # bags that way and give the empty result its [0, features * width] shape; the reshape keeps
+            # the autograd edge, so the backward (and a fused step) still runs
+            rows = self.forward(ids, offsets, bags_per_feature, weights)
+            return rows.reshape(0, len(self.feature_names) * self.embedding_dim)
+        return self._meta_output(ids, bags_per_feature, bags_per_feature[0] if sample_major else 0)
+
+    def kernel_inputs(
+        self,
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        bags_per_feature: Sequence[int],
+        weights: Optional[torch.Tensor] = None,
+        sample_major: bool = False,
+    ) -> Optional[KernelInputs]:
+        """:meth:`forward`'s arguments checked (its errors) and made ready for :meth:`run_kernel`; None
+        where the forward takes another way: meta tensors, or ``sample_major`` with zero samples."""
         check_id_dtype(type(self).__name__, ids, self.feature_names)
         num_features = len(self.feature_names)
         if len(bags_per_feature) != num_features:
@@ -206,23 +239,24 @@ class GroupedEmbeddingLookup(nn.Module):
                 )
             batch_major = bags_per_feature[0]
             if batch_major == 0:
-                # zero samples: the kernels read batch_major 0 as "feature-major [B, D]", so look up the
-                # (no) bags that way and give the empty result its [0, features * width] shape; the
-                # reshape keeps the autograd edge, so the backward (and a fused step) still runs
-                rows = self.forward(ids, offsets, bags_per_feature, weights)
-                return rows.reshape(0, num_features * self.embedding_dim)
+                return None
         if ids.is_meta or self.weight.is_meta:
-            return self._meta_output(ids, bags_per_feature, batch_major)
+            return None
         offsets = offsets.to(torch.int64)
         if host_checks_enabled() and not self._checks_ids_itself():
             self._check_ids(ids.to(torch.int64), offsets, bag_bounds)
         bag_shift = self._bag_shift(ids.device, bags_per_feature) if any(self._shifts) else None
         bag_scale = self._mean_scale(offsets, bags_per_feature) if self._has_mean else None
+        return KernelInputs(ids, offsets, bag_shift, weights, bag_scale, batch_major, bag_bounds)
+
+    def run_kernel(self, inputs: KernelInputs) -> torch.Tensor:
+        """The kernel call of :meth:`kernel_inputs`' result (the forward's output; differentiable as the
+        forward is). With validation off, an id outside the buffer raises the forward's IndexError."""
         try:
-            return self._run_kernel(ids, offsets, bag_shift, weights, bag_scale, batch_major)
+            return self._run_kernel(*inputs[:6])
         except IndexError:
             # validation was off and an id left the buffer (the kernel read nothing): name its feature
-            self._check_ids(ids.to(torch.int64), offsets, bag_bounds)
+            self._check_ids(inputs.ids.to(torch.int64), inputs.offsets, inputs.bag_bounds)
             raise
 
     def _checks_ids_itself(self) -> bool:
