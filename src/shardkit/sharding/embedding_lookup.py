@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from shardkit.modules.fused_groups import fuses_groups, lookup_groups
+from shardkit.modules.fused_groups import lookup_pooled_groups
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig
 from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup
 from shardkit.modules.offloaded_lookup import OffloadedEmbeddingLookup, sum_cache_stats
@@ -176,29 +176,14 @@ class ShardedGroupedLookup(nn.Module):
             return empty
         parts = self._split(kjt)
         if self.pooled and not flat and len(self.lookups) > 1:
-            fused = self._fused_groups(kjt, parts)
+            # one autograd node for all groups (modules.fused_groups: the same result, ~0.06 ms less a group)
+            fused = lookup_pooled_groups(list(self.lookups), parts, self.dtype, self.weighted)
             if fused is not None:
                 return fused
         outs = [self._lookup_group(lookup, part).to(self.dtype) for lookup, part in zip(self.lookups, parts)]
         if len(outs) == 1:
             return outs[0]
         return torch.cat(outs, dim=1 if self.pooled and not flat else 0)
-
-    def _fused_groups(self, kjt: KeyedJaggedTensor, parts: List[KeyedJaggedTensor]) -> Optional[torch.Tensor]:
-        """The groups' outputs side by side from one autograd node (``modules.fused_groups``: the same
-        result, ~0.1 ms less a group), or None where that does not apply (then each group runs alone)."""
-        if not fuses_groups(self.lookups, self.dtype, kjt.weights_or_none() if self.weighted else None):
-            return None
-        inputs = []
-        for lookup, part in zip(self.lookups, parts):
-            weights = part.weights_or_none() if self.weighted else None
-            group_inputs = lookup.kernel_inputs(
-                part.values(), part.offsets(), part.stride_per_key(), weights, sample_major=True
-            )
-            if group_inputs is None:  # zero samples: the group's own forward handles them
-                return None
-            inputs.append(group_inputs)
-        return lookup_groups(list(self.lookups), inputs)
 
     def _lookup_group(self, lookup: GroupedEmbeddingLookup, kjt: KeyedJaggedTensor) -> torch.Tensor:
         bags = kjt.stride_per_key()
