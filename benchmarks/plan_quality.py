@@ -41,7 +41,9 @@ The load's change between calibrate() and the case: three of calibrate()'s own s
 are timed again in the case's rounds; ``drift`` is the median of their time now over their time in
 calibrate(), and ``drift_adj_err`` the estimate x drift against the measurement (labelled as
 adjusted: it separates the model's error from the machine's change, it does not replace
-``cal_err``). ``loadavg``: /proc/loadavg before and after the case. Absolute times on a shared
+``cal_err``). ``loadavg``: /proc/loadavg before and after the case; ``steal`` / ``calibrate_steal``: the
+share of the CPUs' time the hypervisor gave to others during the case / during calibrate() (a VM's
+host busy elsewhere, which the load average does not show). Absolute times on a shared
 machine are noise; the ranks and ratios are the result.
 """
 
@@ -419,6 +421,9 @@ def summarize(
         "max_abs_drift_adj_err": None if drift is None else max(abs(o["drift_adj_err"]) for o in out),
         "ci_coverage": coverage(max(len(r["rounds_s"]) for r in rows)),
         "loadavg": result.get("loadavg"),
+        # the host's share of the CPUs during the case and during calibrate() (steal, /proc/stat)
+        "steal": result.get("steal"),
+        "calibrate_steal": result.get("calibrate_steal"),
         "calibrate_s": result["calibrate_s"],
     }
     return out, verdict
@@ -441,6 +446,24 @@ def loadavg() -> Optional[str]:
             return " ".join(f.read().split()[:3])
     except OSError:
         return None
+
+
+def cpu_times() -> Optional[Tuple[int, int]]:
+    """``/proc/stat``'s (steal, total) clock ticks of all CPUs so far (None where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (ticks[7] if len(ticks) > 7 else 0), sum(ticks)
+
+
+def steal_share(before: Optional[Tuple[int, int]], after: Optional[Tuple[int, int]]) -> Optional[float]:
+    """The share of the CPUs' time between two :func:`cpu_times` that the hypervisor gave to others
+    (steal): on a VM, a host busy elsewhere shows here while the guest's load average does not."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 def _calibration_seconds(fit: Dict[str, Any], config: Any) -> float:
@@ -478,11 +501,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     rows, verdicts, calibrations = [], [], {}
     for world in args.worlds:
         # the machine and the number of ranks, not the tables, set the constants: once per world size
+        ticks = cpu_times()
         calibration = run_world(calibrate_worker, world, timeout=600)[0]
+        calibration["steal"] = steal_share(ticks, cpu_times())
         calibrations[f"W{world}"] = calibration
         fit = calibration["fit"]
         print(
-            f"W{world}: calibrate() {calibration['seconds']:.1f} s, fit residual {fit['residual']:.3f}",
+            f"W{world}: calibrate() {calibration['seconds']:.1f} s, fit residual {fit['residual']:.3f}, "
+            f"steal {calibration['steal']}",
             flush=True,
         )
         print_table(
@@ -500,7 +526,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         anchors = anchor_configs(world)
         anchor_cal_s = [_calibration_seconds(fit, c) for c in anchors]
         for set_name in args.sets:
-            before = loadavg()
+            before, ticks = loadavg(), cpu_times()
             result = run_world(
                 worker,
                 world,
@@ -516,6 +542,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             result["calibrate_s"] = calibration["seconds"]
             result["anchor_cal_s"] = anchor_cal_s
             result["loadavg"] = f"{before} -> {loadavg()}"
+            result["steal"] = steal_share(ticks, cpu_times())
+            result["calibrate_steal"] = calibration["steal"]
             case_rows, verdict = summarize(set_name, world, result)
             print_table(case_rows)
             print(verdict, flush=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from benchmarks.plan_quality import _order_beyond_noise, _separated, round_order, summarize
 
+from benchmarks import plan_quality as pq
+
 
 def test_pairs_are_separated_only_when_their_rounds_do_not_overlap():
     assert _separated([1.0, 1.1, 1.2], [1.3, 1.5])
@@ -86,3 +88,12 @@ def test_every_timed_step_gets_the_batch_as_a_new_object():
     assert copy is not features and fresh(features) is not copy
     assert copy.keys() == features.keys() and copy.length_per_key() == features.length_per_key()
     assert torch.equal(copy.values(), features.values()) and torch.equal(copy.lengths(), features.lengths())
+
+
+def test_steal_is_the_hypervisors_share_of_the_ticks_between_two_readings():
+    assert pq.steal_share((10, 1000), (30, 1400)) == 20 / 400
+    assert pq.steal_share(None, (30, 1400)) is None  # no /proc/stat
+    assert pq.steal_share((10, 1000), (10, 1000)) is None  # no time passed
+    ticks = pq.cpu_times()
+    if ticks is not None:  # Linux: steal is a part of the total
+        assert 0 <= ticks[0] <= ticks[1]
