@@ -10,7 +10,7 @@ same arguments and in the same order, from one node: the results are the same bi
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 
@@ -55,15 +55,18 @@ class FusedGroupsLookup(torch.autograd.Function):
         return (None, None, *([None] * len(ctx.lookups)))
 
 
-def fuses_groups(lookups: Sequence[torch.nn.Module], dtype: torch.dtype) -> bool:
+def fuses_groups(
+    lookups: Sequence[torch.nn.Module], dtype: torch.dtype, group_class: type = GroupedEmbeddingLookup
+) -> bool:
     """Whether :class:`FusedGroupsLookup` gives what calling each of ``lookups`` (pooled, sample-major)
     and concatenating their outputs in ``dtype`` gives: a training forward (grad on, not traced) of
-    plain :class:`GroupedEmbeddingLookup` groups (not a quantized, offloaded or replicated one, no
-    module hooks), each pooled with a fused optimizer on a trained buffer of ``dtype``."""
+    groups of exactly ``group_class`` (by default plain :class:`GroupedEmbeddingLookup`s, not a
+    quantized, offloaded or replicated one), without module hooks, each pooled with a fused optimizer
+    on a trained buffer of ``dtype``."""
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return False
     return all(
-        type(lookup) is GroupedEmbeddingLookup
+        type(lookup) is group_class
         and lookup.pooled
         and lookup.optimizer is not None
         and lookup.weight.requires_grad
@@ -78,13 +81,17 @@ def lookup_pooled_groups(
     parts: Sequence[KeyedJaggedTensor],
     dtype: torch.dtype,
     weighted: bool,
+    function: Any = FusedGroupsLookup,
+    group_class: type = GroupedEmbeddingLookup,
 ) -> Optional[torch.Tensor]:
     """``[S, sum of features x width]``: each group's sample-major pooled lookup of its part of the batch
     (``parts[g]``, its features in the group's order; ``weighted``: with the parts' per-id weights) side
-    by side, from one :class:`FusedGroupsLookup` node. None where that does not give the same result
-    (:func:`fuses_groups`, a variable batch size, zero samples, per-id weights that need a gradient):
-    the caller then runs each group alone. Raises what each group's forward raises for its part."""
-    if not fuses_groups(lookups, dtype):
+    by side, from one ``function`` node (an autograd Function called as :class:`FusedGroupsLookup`
+    is; a replicated lookup passes its own with its ``group_class``). None where that does not give the
+    same result (:func:`fuses_groups`, a variable batch size, zero samples, per-id weights that need a
+    gradient): the caller then runs each group alone. Raises what each group's forward raises for its
+    part."""
+    if not fuses_groups(lookups, dtype, group_class):
         return None
     inputs = []
     for lookup, part in zip(lookups, parts):
@@ -97,4 +104,4 @@ def lookup_pooled_groups(
         if group_inputs is None:  # zero samples: the group's own forward handles them
             return None
         inputs.append(group_inputs)
-    return FusedGroupsLookup.apply(lookups, inputs, *[lookup.weight for lookup in lookups])
+    return function.apply(lookups, inputs, *[lookup.weight for lookup in lookups])

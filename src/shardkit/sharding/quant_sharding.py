@@ -31,6 +31,7 @@ class QuantShardedGroupedLookup(ShardedGroupedLookup):
     """This rank's quantized shards, one :class:`QuantGroupedEmbeddingLookup` per (width, data type)."""
 
     group_lookup_class = QuantGroupedEmbeddingLookup
+    groups_function = None  # a quantized group's kernel is its own: each group alone
     offloaded_lookup_class = OffloadedQuantEmbeddingLookup
 
     @torch.no_grad()

@@ -30,7 +30,7 @@ alike, so all take the same way):
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -262,36 +262,60 @@ class DenseRowExchange:
         wire buffer, in units of ``dim`` words: ``head`` of them holding its count and rows as int64
         (two int32 words each; padded so that every block starts on an 8-byte boundary), then
         ``most`` gradient rows (fp32 bits) of which its count are sent; the padding is never read."""
-        dim, world, count = self.dim, self.world, rows.numel()
-        head = -(-(2 + 2 * most) // dim)
-        head += (head + most) * dim % 2  # an even block: int64 words at 8-byte boundaries
-        slots = head + most
-        width = slots * dim
+        world = self.world
+        head, slots, width = self.gather_layout(most)
         if not world * width <= self._wire.numel() <= WIRE_SHRINK * world * width:
             self._wire = torch.empty(world * width, dtype=torch.int32, device=rows.device)
         got = self._wire[: world * width]
         me = dist.get_rank(group)
-        send = got[me * width : (me + 1) * width]
-        send[:2].view(torch.int64).fill_(count)
-        if count <= most:
-            send[2 : 2 + 2 * count].copy_(rows.view(torch.int32))
-            mine = send[head * dim : (head + count) * dim].view(torch.float32).view(count, dim)
-            fill(mine)
+        self.write_block(got[me * width : (me + 1) * width], rows, most, fill)
         all_gather_blocks(got, group)
         self._gathered = (head, slots, width)
         return got.view(world, width)[:, :2].view(torch.int64).squeeze(1).tolist()
 
+    def gather_layout(self, most: int) -> Tuple[int, int, int]:
+        """``(head, slots, width)`` of a rank's block of a gather making room for ``most`` rows
+        (:meth:`gather`): ``head`` units of ``dim`` words of count and rows, ``slots`` units in all,
+        ``width`` words (even: the int64 words of every block stay on 8-byte boundaries)."""
+        head = -(-(2 + 2 * most) // self.dim)
+        head += (head + most) * self.dim % 2  # an even block: int64 words at 8-byte boundaries
+        slots = head + most
+        return head, slots, slots * self.dim
+
+    def write_block(
+        self, send: torch.Tensor, rows: torch.Tensor, most: int, fill: Callable[[torch.Tensor], None]
+    ) -> None:
+        """This rank's block (int32 ``[width]`` of :meth:`gather_layout`) of a gather: its count, and,
+        when at most ``most``, its rows and (``fill``) their gradient rows."""
+        count, dim = rows.numel(), self.dim
+        head = self.gather_layout(most)[0]
+        send[:2].view(torch.int64).fill_(count)
+        if count <= most:
+            send[2 : 2 + 2 * count].copy_(rows.view(torch.int32))
+            fill(send[head * dim : (head + count) * dim].view(torch.float32).view(count, dim))
+
     def step_gathered(
-        self, rows: torch.Tensor, counts: List[int], weight: torch.Tensor, step: RowOptimizerArgs
+        self,
+        rows: torch.Tensor,
+        counts: List[int],
+        weight: torch.Tensor,
+        step: RowOptimizerArgs,
+        gathered: Optional[Tuple[torch.Tensor, int]] = None,
     ) -> None:
         """After :meth:`gather` (``counts``: its result, none above its ``most``; ``rows``: this
         rank's touched rows, whose gradient went straight to the wire), apply ``step`` to every
         gathered row with its gradients summed in rank order (rank 0's first: the same sum, bit for
         bit, on every rank) by ONE fused backward reading the gradient rows where they landed: the
         wire buffer as ``[world x slots, dim]`` bags, bag ``(r, head + i)`` holding rank r's i-th row
-        and every other bag nothing."""
-        head, slots, width = self._gathered
-        got = self._wire[: self.world * width]
+        and every other bag nothing. ``gathered``: ``(wire, most)``, the blocks of a gather made
+        elsewhere (:func:`gather_groups`: int32 ``[world x width]`` of :meth:`gather_layout` of
+        ``most``) instead of this exchange's last :meth:`gather`."""
+        if gathered is None:
+            head, slots, width = self._gathered
+            got = self._wire[: self.world * width]
+        else:
+            got, most = gathered
+            head, slots, width = self.gather_layout(most)
         pieces = [got[r * width + 2 : r * width + 2 + 2 * c] for r, c in enumerate(counts)]
         ids = torch.cat(pieces).view(torch.int64)
         ends = torch.zeros(self.world * slots + 1, dtype=torch.int64, device=rows.device)
@@ -326,8 +350,59 @@ class DenseRowExchange:
         self._tail_clean = True
 
 
+class GroupGather(NamedTuple):
+    """One group's part in :func:`gather_groups`: its exchange, this rank's distinct sorted touched
+    rows (int64 ``[U]``), the rows per rank to make room for, and the writer of their gradient."""
+
+    exchange: DenseRowExchange
+    rows: torch.Tensor
+    most: int
+    fill: Callable[[torch.Tensor], None]
+
+
+class GatherWire:
+    """A kept int32 buffer for :func:`gather_groups` (made again when too small or over
+    ``WIRE_SHRINK`` times what a gather needs)."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.int32)
+
+    def take(self, words: int, device: torch.device) -> torch.Tensor:
+        if self.buffer.device != device or not words <= self.buffer.numel() <= WIRE_SHRINK * words:
+            self.buffer = torch.empty(words, dtype=torch.int32, device=device)
+        return self.buffer[:words]
+
+
+def gather_groups(
+    parts: Sequence[GroupGather], group: Optional[dist.ProcessGroup], wire: GatherWire
+) -> List[Tuple[List[int], torch.Tensor]]:
+    """Several groups' sparse gathers (:meth:`DenseRowExchange.gather`) as ONE all-gather: a rank's
+    block holds each group's block in turn. Returns per group every rank's count (rank 0's first) and
+    its blocks (an int32 ``[world, width]`` view; ``reshape(-1)`` of it is what
+    :meth:`DenseRowExchange.step_gathered` reads): the same words its own gather would have given."""
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    widths = [part.exchange.gather_layout(part.most)[2] for part in parts]
+    total = sum(widths)
+    got = wire.take(world * total, parts[0].rows.device)
+    start = me * total
+    for part, width in zip(parts, widths):
+        part.exchange.write_block(got[start : start + width], part.rows, part.most, part.fill)
+        start += width
+    all_gather_blocks(got, group)
+    blocks = got.view(world, total)
+    out, start = [], 0
+    for width in widths:
+        mine = blocks[:, start : start + width]
+        out.append((mine[:, :2].view(torch.int64).squeeze(1).tolist(), mine))
+        start += width
+    return out
+
+
 __all__ = [
     "DenseRowExchange",
+    "GatherWire",
+    "GroupGather",
+    "gather_groups",
     "all_gather_blocks",
     "SCRATCH_LIMIT_BYTES",
     "WIRE_SHRINK",

@@ -42,12 +42,16 @@ from shardkit.distributed.comm_ops import get_gradient_division
 from shardkit.kernels import embedding_forward, embedding_fused_backward, embedding_torch
 from shardkit.kernels.replica_grad import grad_scatter
 from shardkit.kernels.row_optimizer import RowOptimizerArgs
+from shardkit.modules.fused_groups import FusedGroupsLookup
 from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup
 from shardkit.sharding.embedding_lookup import ShardedGroupedLookup
 from shardkit.sharding.replicated_exchange import (
     DenseRowExchange,
+    GatherWire,
+    GroupGather,
     gather_bound,
     gather_counts,
+    gather_groups,
     prefers_dense,
     rows_of_all_ranks,
     uses_scratch,
@@ -116,6 +120,43 @@ class _ReplicatedFusedFn(torch.autograd.Function):
         return None, None if psw_grad is None else psw_grad.to(weights.dtype), *([None] * 7)
 
 
+class _ReplicatedGroupsFn(FusedGroupsLookup):
+    """Several replicated groups' lookups as one autograd node (forward as :class:`FusedGroupsLookup`);
+    backward: each group's update as :class:`_ReplicatedFusedFn`'s (no per-id weights' gradient: such
+    lookups take each group alone), in the groups' order, with the sparse gathers of the groups whose
+    last exchange set their size made as ONE all-gather (:func:`gather_groups`): the same words reach
+    every group, so the same update, with one collective's fixed cost instead of one a group."""
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        joint = []
+        for lookup, x, grad in zip(ctx.lookups, ctx.inputs, grad_out.split(ctx.widths, dim=1)):
+            weight, world = lookup.weight, lookup.world_size
+            step = lookup.optimizer.step_args()
+            args = (x.ids, x.offsets, x.bag_shift, x.weights, x.bag_scale, grad, True, x.batch_major)
+            if world == 1:  # nothing to exchange: the unsharded module's fused backward
+                embedding_fused_backward(weight, *args[:6], True, step, False, x.batch_major)
+            elif lookup.dense_next:
+                fill = _dense_fill(args, world, dist.get_rank(lookup.process_group))
+                lookup.step_replicas(lookup.dense_exchange(weight), weight, step, fill)
+            elif lookup.next_gather_rows is None:  # its first exchange: the counts first
+                _sparse_exchange(lookup, weight, args, world, step)
+            else:
+                exchange, rows, fill = _sparse_rows(lookup, weight, args, world)
+                part = GroupGather(exchange, rows, lookup.next_gather_rows, fill)
+                joint.append((lookup, weight, args, world, step, part))
+        if len(joint) == 1:
+            lookup, weight, args, world, step, part = joint[0]
+            counts = part.exchange.gather(part.rows, part.most, lookup.process_group, part.fill)
+            _finish_sparse(lookup, weight, args, world, step, part, counts)
+        elif joint:
+            first = joint[0][0]
+            gathered = gather_groups([entry[5] for entry in joint], first.process_group, first.gather_wire())
+            for entry, (counts, blocks) in zip(joint, gathered):
+                _finish_sparse(*entry, counts, blocks)
+        return (None, None, *([None] * len(ctx.lookups)))
+
+
 def _sparse_exchange(lookup, weight, args, world, step) -> None:
     """The sparse backward (no per-sample weights' gradient): this rank's distinct sorted touched
     rows, then one all-gather of every rank's count, rows and gradient rows in the kept wire buffer
@@ -131,6 +172,20 @@ def _sparse_exchange(lookup, weight, args, world, step) -> None:
     kept), sorted by ``torch.unique`` and the gradient summed by the fused backward over the
     renumbered ids (:func:`_accumulate`). Either way no buffer of the touched rows' size is made
     per step: a fresh one over glibc's mmap threshold (32 MiB) costs page faults every step."""
+    exchange, rows, fill = _sparse_rows(lookup, weight, args, world)
+    most = lookup.next_gather_rows
+    if most is None:  # no exchange yet: the counts first (they may say dense)
+        counts = gather_counts(rows.numel(), rows.device, lookup.process_group, world)
+        most = max(counts) if not prefers_dense(counts, weight.size(0), weight.size(1)) else -1
+    if most >= 0:
+        counts = exchange.gather(rows, most, lookup.process_group, fill)
+    _finish_sparse(lookup, weight, args, world, step, GroupGather(exchange, rows, most, fill), counts)
+
+
+def _sparse_rows(lookup, weight, args, world):
+    """The sparse way's ``(exchange, rows, fill)``: the group's kept exchange, this rank's distinct
+    sorted touched rows and the writer of their gradient into a ``[U, dim]`` view
+    (:func:`_sparse_exchange`)."""
     ids, offsets, bag_shift, weights, bag_scale, grad_out, pooled, batch_major = args
     exchange = lookup.dense_exchange(weight)
     if uses_scratch(weight.size(0), weight.size(1), world):
@@ -153,17 +208,22 @@ def _sparse_exchange(lookup, weight, args, world, step) -> None:
                 out, local_ids, offsets, None, weights, bag_scale, grad_out, pooled, batch_major, world
             )
 
-    most = lookup.next_gather_rows
-    if most is None:  # no exchange yet: the counts first (they may say dense)
-        counts = gather_counts(rows.numel(), rows.device, lookup.process_group, world)
-        most = max(counts) if not prefers_dense(counts, weight.size(0), weight.size(1)) else -1
-    if most >= 0:
-        counts = exchange.gather(rows, most, lookup.process_group, fill)
+    return exchange, rows, fill
+
+
+def _finish_sparse(lookup, weight, args, world, step, part: GroupGather, counts, gathered=None) -> None:
+    """After the gather of ``part`` (``counts``: every rank's count; ``gathered``: its blocks when a
+    joint gather made them, :func:`gather_groups`, else the exchange's own): step the gathered rows,
+    gathering again alone when a rank touched more rows than there was room for, or take the dense
+    way when the counts say most rows are touched; then set the next backward's way."""
+    exchange, rows, most, fill = part
     if not prefers_dense(counts, weight.size(0), weight.size(1)):
         if max(counts) > most:  # a rank touched more rows than there was room for: again, to fit
             exchange.gather(rows, max(counts), lookup.process_group, fill)
+            gathered = None
         lookup.dense_next, lookup.next_gather_rows = False, gather_bound(counts)
-        exchange.step_gathered(rows, counts, weight, step)
+        blocks = None if gathered is None else (gathered.reshape(-1), most)
+        exchange.step_gathered(rows, counts, weight, step, blocks)
         return
     fill = _dense_fill(args, world, dist.get_rank(lookup.process_group))
     lookup.step_replicas(exchange, weight, step, fill)
@@ -256,6 +316,14 @@ class ReplicatedFusedLookup(GroupedEmbeddingLookup):
     # counts, alike on every rank); None: no exchange yet, gather the counts first
     next_gather_rows: Optional[int] = None
     _dense_exchange: Optional[DenseRowExchange] = None
+    _gather_wire: Optional[GatherWire] = None
+
+    def gather_wire(self) -> GatherWire:
+        """The kept buffer of the joint gathers this group makes for its lookup's groups (the first
+        of them, :class:`_ReplicatedGroupsFn`)."""
+        if self._gather_wire is None:
+            self._gather_wire = GatherWire()
+        return self._gather_wire
 
     def dense_exchange(self, weight: torch.Tensor) -> DenseRowExchange:
         """The reused buffer of the dense exchange for ``weight`` (made on first use)."""
@@ -298,6 +366,7 @@ class ReplicatedShardedLookup(ShardedGroupedLookup):
     """The data-parallel lookup of a FUSED-kernel sharding: :class:`ReplicatedFusedLookup` groups."""
 
     group_lookup_class = ReplicatedFusedLookup
+    groups_function = _ReplicatedGroupsFn
 
     def set_group(self, process_group: Optional[dist.ProcessGroup], world_size: int) -> None:
         """Set the replicas' group and make them equal to its first rank's (a collective)."""

@@ -1,0 +1,126 @@
+"""Fused data-parallel tables of several widths: their groups' lookups from one autograd node and their
+sparse gathers as one all-gather (``_ReplicatedGroupsFn``) train bit for bit as each group alone, through
+every way of the exchange (the first counts gather, the joint gather, a gather again when a rank touches
+more rows than there was room for, the dense all-reduce), and as the unsharded module does."""
+
+from __future__ import annotations
+
+import pytest
+
+# (rows, dim): widths 2 / 4 / 8 / 16 are four lookup groups; the 4-row table's rows are all touched
+# (its group takes the dense way), the others take the sparse way
+TABLES = [(4, 2), (50, 8), (200, 4), (300, 16), (60, 8)]
+BAG_LENGTHS = [2, 2, 2, 12, 1, 2]  # the largest bag per step: step 3 touches many more rows (a gather again)
+
+
+def _worker(sorted_rows: bool):
+    import torch
+    import torch.distributed as dist
+
+    import shardkit.sharding.embedding_lookup as embedding_lookup
+    import shardkit.sharding.replicated_fused_lookup as replicated
+    from shardkit.distributed.sharding_env import ShardingEnv
+    from shardkit.modules import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig
+    from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
+    from shardkit.sharding.sharding_plan import construct_module_sharding_plan, data_parallel
+    from shardkit.sparse import KeyedJaggedTensor
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if sorted_rows:  # the way of a table too large for the kept per-row marks
+        replicated.uses_scratch = lambda *args: False
+    real_gather, real_pooled = replicated.gather_groups, embedding_lookup.lookup_pooled_groups
+    joint_gathers = []
+
+    def counted(parts, *args):
+        joint_gathers.append(len(parts))
+        return real_gather(parts, *args)
+
+    replicated.gather_groups = counted
+    exchange_class = replicated.DenseRowExchange
+    real_alone, real_dense = exchange_class.gather, exchange_class.all_reduce_and_step
+    ways = {"alone": 0, "dense": 0}
+
+    def alone_gather(self, *args):
+        ways["alone"] += 1
+        return real_alone(self, *args)
+
+    def dense(self, *args):
+        ways["dense"] += 1
+        return real_dense(self, *args)
+
+    exchange_class.gather, exchange_class.all_reduce_and_step = alone_gather, dense
+    regathers = []
+    keys = [f"f{i}" for i in range(len(TABLES))]
+    configs = [
+        EmbeddingBagConfig(r, d, name=f"t{i}", feature_names=[keys[i]]) for i, (r, d) in enumerate(TABLES)
+    ]
+    try:
+        for optimizer in ("SGD", "ROWWISE_ADAGRAD"):
+
+            def ebc(optimizer=optimizer):
+                torch.manual_seed(0)
+                return EmbeddingBagCollection(
+                    configs, fused_optimizer=FusedOptimizerConfig(optimizer, lr=0.1)
+                )
+
+            reference = ebc()
+            plan = construct_module_sharding_plan(reference, {c.name: data_parallel() for c in configs})
+            env = ShardingEnv.from_process_group(None)
+            joint = EmbeddingBagCollectionSharder().shard(ebc(), plan, env)
+            alone = EmbeddingBagCollectionSharder().shard(ebc(), plan, env)
+            gen = torch.Generator().manual_seed(1)
+            for longest in BAG_LENGTHS:
+                batches = []
+                for _r in range(world):  # every rank draws every rank's batch: the reference trains on all
+                    lengths = torch.randint(0, longest + 1, (len(keys) * 3,), generator=gen)
+                    per_key = lengths.view(len(keys), 3).sum(1).tolist()
+                    values = torch.cat(
+                        [torch.randint(0, r, (n,), generator=gen) for (r, _), n in zip(TABLES, per_key)]
+                    )
+                    batches.append((values, lengths))
+                # the global batch in one forward (rank 0's samples first): one fused step per step, as
+                # the replicas take (two forwards would step Adagrad twice)
+                parts = [KeyedJaggedTensor(keys, v, lengths=n).to_dict() for v, n in batches]
+                values = torch.cat([p[k].values() for k in keys for p in parts])
+                lengths = torch.cat([p[k].lengths() for k in keys for p in parts])
+                ref_out = reference(KeyedJaggedTensor(keys, values, lengths=lengths)).values()
+                grad = torch.randn(ref_out.shape, generator=gen)
+                (ref_out * grad).sum().div(world).backward()
+                expected, grad = ref_out[3 * rank : 3 * rank + 3].detach(), grad[3 * rank : 3 * rank + 3]
+                mine = KeyedJaggedTensor(keys, batches[rank][0], lengths=batches[rank][1])
+                embedding_lookup.lookup_pooled_groups = lambda *args: None
+                try:
+                    out_alone = alone(mine).values()
+                    (out_alone * grad).sum().backward()
+                finally:
+                    embedding_lookup.lookup_pooled_groups = real_pooled
+                before = ways["alone"]
+                out = joint(mine).values()
+                (out * grad).sum().backward()
+                if longest == max(BAG_LENGTHS):  # the joint gather had too little room: gathers again
+                    regathers.append(ways["alone"] - before)
+                assert torch.equal(out, out_alone)
+                torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+            mine, theirs = joint.local_shards(), alone.local_shards()
+            for (r, d), c in zip(TABLES, configs):
+                key = (c.name, 0, r, 0, d)
+                assert torch.equal(mine[key], theirs[key]), key
+                torch.testing.assert_close(
+                    mine[key], reference.table_weight(c.name).detach(), rtol=1e-5, atol=1e-6
+                )
+    finally:
+        replicated.gather_groups = real_gather
+        exchange_class.gather, exchange_class.all_reduce_and_step = real_alone, real_dense
+    return joint_gathers, regathers, ways["dense"]
+
+
+@pytest.mark.parametrize("world_size, sorted_rows", [(2, False), (3, False), (2, True)])
+def test_replicated_groups_train_as_each_group_alone(world_size, sorted_rows):
+    from shardkit.testing import run_world
+
+    for joint_gathers, regathers, dense in run_world(_worker, world_size, sorted_rows):
+        # the sparse groups gather together from their second step on, in both optimizers' runs (at
+        # 3 ranks the long bags' counts may send a group the dense way for the next step)
+        assert len(joint_gathers) >= len(BAG_LENGTHS) and all(n >= 2 for n in joint_gathers), joint_gathers
+        assert all(n > 0 for n in regathers), regathers  # the long bags' step gathered again
+        assert dense >= 2 * 2 * len(BAG_LENGTHS), dense  # the 4-row table's group: dense, both modules
