@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-# (rows, dim): widths 2 / 4 / 8 / 16 are four lookup groups; the 4-row table's rows are all touched
-# (its group takes the dense way), the others take the sparse way
-TABLES = [(4, 2), (50, 8), (200, 4), (300, 16), (60, 8)]
+# (rows, dim): widths 2 / 3 / 4 / 8 / 16 are five lookup groups; the 4- and 5-row tables' rows are all
+# touched (their groups take the dense way), the others take the sparse way
+TABLES = [(4, 2), (5, 3), (50, 8), (200, 4), (300, 16), (60, 8)]
 BAG_LENGTHS = [2, 2, 2, 12, 1, 2]  # the largest bag per step: step 3 touches many more rows (a gather again)
 
 
@@ -36,6 +36,14 @@ def _worker(sorted_rows: bool):
         return real_gather(parts, *args)
 
     replicated.gather_groups = counted
+    real_reduce = replicated.all_reduce_groups
+    joint_reduces = []
+
+    def counted_reduce(parts, *args):
+        joint_reduces.append(len(parts))
+        return real_reduce(parts, *args)
+
+    replicated.all_reduce_groups = counted_reduce
     exchange_class = replicated.DenseRowExchange
     real_alone, real_dense = exchange_class.gather, exchange_class.all_reduce_and_step
     ways = {"alone": 0, "dense": 0}
@@ -109,18 +117,21 @@ def _worker(sorted_rows: bool):
                     mine[key], reference.table_weight(c.name).detach(), rtol=1e-5, atol=1e-6
                 )
     finally:
-        replicated.gather_groups = real_gather
+        replicated.gather_groups, replicated.all_reduce_groups = real_gather, real_reduce
         exchange_class.gather, exchange_class.all_reduce_and_step = real_alone, real_dense
-    return joint_gathers, regathers, ways["dense"]
+    return joint_gathers, joint_reduces, regathers, ways["dense"]
 
 
 @pytest.mark.parametrize("world_size, sorted_rows", [(2, False), (3, False), (2, True)])
 def test_replicated_groups_train_as_each_group_alone(world_size, sorted_rows):
     from shardkit.testing import run_world
 
-    for joint_gathers, regathers, dense in run_world(_worker, world_size, sorted_rows):
+    for joint_gathers, joint_reduces, regathers, dense in run_world(_worker, world_size, sorted_rows):
         # the sparse groups gather together from their second step on, in both optimizers' runs (at
         # 3 ranks the long bags' counts may send a group the dense way for the next step)
         assert len(joint_gathers) >= len(BAG_LENGTHS) and all(n >= 2 for n in joint_gathers), joint_gathers
         assert all(n > 0 for n in regathers), regathers  # the long bags' step gathered again
-        assert dense >= 2 * 2 * len(BAG_LENGTHS), dense  # the 4-row table's group: dense, both modules
+        # the two tiny tables' groups: one dense all-reduce together from their second step on (but
+        # after a step of few ids, whose counts send them the sparse way), alone in the other module
+        assert len(joint_reduces) >= 2 * 2 and set(joint_reduces) == {2}, joint_reduces
+        assert dense >= 2 * 2 * len(BAG_LENGTHS), dense

@@ -169,6 +169,10 @@ class DenseRowExchange:
         self._gathered = (0, 0, 0)  # the last gather's (head, slots, width)
         self.position: Optional[torch.Tensor] = None  # buffer row -> its index among the touched rows
 
+    def words(self) -> int:
+        """fp32 words of the dense buffer: ``rows x (dim + 1) + world``."""
+        return self.num_rows * (self.dim + 1) + self.world
+
     def fits(self, num_rows: int, dim: int, world: int, device: torch.device) -> bool:
         """Whether this buffer serves a table of these sizes on ``device``."""
         return (num_rows, dim, world, device) == (self.num_rows, self.dim, self.world, self.device)
@@ -180,7 +184,7 @@ class DenseRowExchange:
         (:func:`shardkit.kernels.replica_grad.grad_scatter`) sets every gradient row itself."""
         if self.buffer is None:
             rows, dim = self.num_rows, self.dim
-            self.buffer = torch.zeros(rows * (dim + 1) + self.world, dtype=torch.float32, device=self.device)
+            self.buffer = torch.zeros(self.words(), dtype=torch.float32, device=self.device)
             self.grad, self.flags, self.counts = self.parts(self.buffer)
             self._tail = self.buffer[rows * dim :]
             self._ends = torch.zeros(rows + 1, dtype=torch.int64, device=self.device)
@@ -243,7 +247,7 @@ class DenseRowExchange:
 
             all_reduce_sum(self.buffer, group, write)
         counts = [int(c) for c in self.counts.tolist()]
-        self._step_flagged(weight, step)
+        self.step_flagged(weight, step)
         return counts
 
     def gather(
@@ -325,7 +329,7 @@ class DenseRowExchange:
         grads = got.view(torch.float32).view(self.world * slots, self.dim)
         embedding_fused_backward(weight, ids, ends, None, None, None, grads, True, step)
 
-    def _step_flagged(self, weight: torch.Tensor, step: RowOptimizerArgs) -> None:
+    def step_flagged(self, weight: torch.Tensor, step: RowOptimizerArgs) -> None:
         """Apply ``step`` to every flagged row with its gradient in :attr:`grad` (the kernel backend's
         fused backward, one bag per row, no copy of the gradient), then zero the buffer again."""
         touched = self.flags > 0
@@ -398,9 +402,59 @@ def gather_groups(
     return out
 
 
+# the dense way's buffers at most this many bytes are all-reduced together (all_reduce_groups): the copy
+# back into each buffer costs little there, and a larger buffer's all-reduce is its bytes, not its call
+JOINT_DENSE_BYTES = 1 << 20
+
+
+class GroupAllReduce(NamedTuple):
+    """One group's part in :func:`all_reduce_groups`: its exchange, its replica buffer, its step, and
+    the writer of this rank's term (``fill(grad, flags, counts)``, as for
+    :meth:`DenseRowExchange.all_reduce_and_step`)."""
+
+    exchange: DenseRowExchange
+    weight: torch.Tensor
+    step: RowOptimizerArgs
+    fill: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def all_reduce_groups(
+    parts: Sequence[GroupAllReduce], group: Optional[dist.ProcessGroup], wire: GatherWire
+) -> List[List[int]]:
+    """Several groups' dense ways (:meth:`DenseRowExchange.all_reduce_and_step`) as ONE all-reduce of
+    their buffers side by side; each buffer gets its sum back and steps its touched rows. The sums
+    are the ones each buffer's own all-reduce makes (element by element, in rank order through the
+    shared-memory exchange). Returns per group every rank's count of touched rows."""
+    sizes = [part.exchange.words() for part in parts]
+    joint = wire.take(sum(sizes), parts[0].weight.device).view(torch.float32)
+    for part in parts:
+        part.exchange.start(zero_grad=False)  # its buffer exists; it receives the sum below
+
+    def write(out: torch.Tensor) -> None:
+        start = 0
+        for part, size in zip(parts, sizes):
+            grad, flags, counts = part.exchange.parts(out[start : start + size])
+            flags.zero_()  # the joint buffer (or a shared one) holds its last call's bytes
+            counts.zero_()
+            part.fill(grad, flags, counts)
+            start += size
+
+    all_reduce_sum(joint, group, write)
+    out, start = [], 0
+    for part, size in zip(parts, sizes):
+        part.exchange.buffer.copy_(joint[start : start + size])
+        out.append([int(c) for c in part.exchange.counts.tolist()])
+        part.exchange.step_flagged(part.weight, part.step)
+        start += size
+    return out
+
+
 __all__ = [
     "DenseRowExchange",
     "GatherWire",
+    "GroupAllReduce",
+    "JOINT_DENSE_BYTES",
+    "all_reduce_groups",
     "GroupGather",
     "gather_groups",
     "all_gather_blocks",

@@ -33,7 +33,7 @@ exchange starts with the counts gather.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -46,9 +46,12 @@ from shardkit.modules.fused_groups import FusedGroupsLookup
 from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup
 from shardkit.sharding.embedding_lookup import ShardedGroupedLookup
 from shardkit.sharding.replicated_exchange import (
+    JOINT_DENSE_BYTES,
     DenseRowExchange,
     GatherWire,
+    GroupAllReduce,
     GroupGather,
+    all_reduce_groups,
     gather_bound,
     gather_counts,
     gather_groups,
@@ -129,7 +132,7 @@ class _ReplicatedGroupsFn(FusedGroupsLookup):
 
     @staticmethod
     def backward(ctx, grad_out):
-        joint = []
+        joint, dense = [], []
         for lookup, x, grad in zip(ctx.lookups, ctx.inputs, grad_out.split(ctx.widths, dim=1)):
             weight, world = lookup.weight, lookup.world_size
             step = lookup.optimizer.step_args()
@@ -137,21 +140,35 @@ class _ReplicatedGroupsFn(FusedGroupsLookup):
             if world == 1:  # nothing to exchange: the unsharded module's fused backward
                 embedding_fused_backward(weight, *args[:6], True, step, False, x.batch_major)
             elif lookup.dense_next:
+                exchange = lookup.dense_exchange(weight)
                 fill = _dense_fill(args, world, dist.get_rank(lookup.process_group))
-                lookup.step_replicas(lookup.dense_exchange(weight), weight, step, fill)
+                if 4 * exchange.words() <= JOINT_DENSE_BYTES:
+                    dense.append((lookup, GroupAllReduce(exchange, weight, step, fill)))
+                else:
+                    lookup.step_replicas(exchange, weight, step, fill)
             elif lookup.next_gather_rows is None:  # its first exchange: the counts first
                 _sparse_exchange(lookup, weight, args, world, step)
             else:
                 exchange, rows, fill = _sparse_rows(lookup, weight, args, world)
                 part = GroupGather(exchange, rows, lookup.next_gather_rows, fill)
                 joint.append((lookup, weight, args, world, step, part))
+        if len(dense) == 1:
+            lookup, part = dense[0]
+            lookup.step_replicas(part.exchange, part.weight, part.step, part.fill)
+        elif dense:
+            first = dense[0][0]
+            parts = [part for _, part in dense]
+            for (lookup, part), counts in zip(
+                dense, all_reduce_groups(parts, first.process_group, first.wire("dense"))
+            ):
+                lookup.next_way(counts, part.weight)
         if len(joint) == 1:
             lookup, weight, args, world, step, part = joint[0]
             counts = part.exchange.gather(part.rows, part.most, lookup.process_group, part.fill)
             _finish_sparse(lookup, weight, args, world, step, part, counts)
         elif joint:
             first = joint[0][0]
-            gathered = gather_groups([entry[5] for entry in joint], first.process_group, first.gather_wire())
+            gathered = gather_groups([entry[5] for entry in joint], first.process_group, first.wire("gather"))
             for entry, (counts, blocks) in zip(joint, gathered):
                 _finish_sparse(*entry, counts, blocks)
         return (None, None, *([None] * len(ctx.lookups)))
@@ -316,14 +333,14 @@ class ReplicatedFusedLookup(GroupedEmbeddingLookup):
     # counts, alike on every rank); None: no exchange yet, gather the counts first
     next_gather_rows: Optional[int] = None
     _dense_exchange: Optional[DenseRowExchange] = None
-    _gather_wire: Optional[GatherWire] = None
+    _wires: Optional[Dict[str, GatherWire]] = None
 
-    def gather_wire(self) -> GatherWire:
-        """The kept buffer of the joint gathers this group makes for its lookup's groups (the first
-        of them, :class:`_ReplicatedGroupsFn`)."""
-        if self._gather_wire is None:
-            self._gather_wire = GatherWire()
-        return self._gather_wire
+    def wire(self, name: str) -> GatherWire:
+        """The kept buffer ``name`` (``"gather"``, ``"dense"``) of the joint collectives this group makes
+        for its lookup's groups (the first of them, :class:`_ReplicatedGroupsFn`)."""
+        if self._wires is None:
+            self._wires = {}
+        return self._wires.setdefault(name, GatherWire())
 
     def dense_exchange(self, weight: torch.Tensor) -> DenseRowExchange:
         """The reused buffer of the dense exchange for ``weight`` (made on first use)."""
@@ -336,7 +353,10 @@ class ReplicatedFusedLookup(GroupedEmbeddingLookup):
         """All-reduce the dense exchange (this rank's term written by ``fill`` when given, see
         :meth:`DenseRowExchange.all_reduce_and_step`), step the touched rows, and pick the next
         backward's way from the counts it carried."""
-        counts = exchange.all_reduce_and_step(weight, step, self.process_group, fill)
+        self.next_way(exchange.all_reduce_and_step(weight, step, self.process_group, fill), weight)
+
+    def next_way(self, counts: List[int], weight: torch.Tensor) -> None:
+        """The next backward's way from a dense exchange's ``counts`` (every rank's, alike)."""
         self.dense_next = prefers_dense(counts, weight.size(0), weight.size(1))
         self.next_gather_rows = gather_bound(counts)
 
