@@ -29,6 +29,10 @@ costs) once the last exchange's counts said most rows are touched
 trainable per-sample weights the rows' gradient comes from torch autograd over a re-run of the
 lookup on the touched rows (the kernels give that gradient only with an optimizer step), and the
 exchange starts with the counts gather.
+
+A rank's groups of tables of several widths run as one autograd node (:class:`_ReplicatedGroupsFn`):
+the groups whose last exchange sized their gather make it as ONE all-gather, and those on the dense
+way with buffers of at most ``JOINT_DENSE_BYTES`` as ONE all-reduce (the same words reach each group).
 """
 
 from __future__ import annotations
