@@ -4,7 +4,8 @@ Run from the repository root in an environment that has both libraries: shardkit
 fbgemm-gpu 1.8.0 (the releases built for torch 2.13; :func:`missing_peer_message` gives the pip commands).
 Without them it says which package to install and exits 0.
 
-Both libraries get the same tables (``--tables`` x ``--rows`` x ``--dim`` fp32, SUM pooling), the same
+Both libraries get the same tables (``--tables`` x ``--rows`` x ``--dim`` fp32, or widths ``--dims`` in turn,
+SUM pooling), the same
 forced plan per sharding type, the same batches (``--batch`` samples per rank, bag lengths uniform in
 ``[1, 2 * pooling - 1]``, uniform ids), the same weights, and a fused optimizer applied in backward
 (``--optimizer sgd|adagrad|rowwise_adagrad``; dense tables under data_parallel get the same rule as a
@@ -127,6 +128,13 @@ def table_rows(args: Dict[str, Any]) -> List[int]:
     return list(args.get("table_rows") or [args["rows"]] * args["tables"])
 
 
+def table_dims(args: Dict[str, Any]) -> List[int]:
+    """Width of each table: ``args["dims"]`` in turn (tables of several widths: several lookup groups),
+    else ``args["dim"]`` each."""
+    dims = args.get("dims") or [args["dim"]]
+    return [dims[i % len(dims)] for i in range(args["tables"])]
+
+
 def _batches(args: Dict[str, Any], rank: int, count: int = 4) -> List[tuple]:
     """``count`` batches ``(values int64, lengths int64 [tables * batch])``, feature-major like a KJT."""
     gen = torch.Generator().manual_seed(1000 + rank)
@@ -144,8 +152,8 @@ def _batches(args: Dict[str, Any], rank: int, count: int = 4) -> List[tuple]:
 def _full_tables(args: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(12345)
     return {
-        f"t{i}": torch.empty(rows, args["dim"]).uniform_(-0.01, 0.01, generator=gen)
-        for i, rows in enumerate(table_rows(args))
+        f"t{i}": torch.empty(rows, dim).uniform_(-0.01, 0.01, generator=gen)
+        for i, (rows, dim) in enumerate(zip(table_rows(args), table_dims(args)))
     }
 
 
@@ -205,10 +213,8 @@ def _build_torchrec(args: Dict[str, Any], kind: str):
     }[args["optimizer"]]
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": fused, "learning_rate": LR})
     configs = [
-        EmbeddingBagConfig(
-            name=f"t{i}", embedding_dim=args["dim"], num_embeddings=rows, feature_names=[f"f{i}"]
-        )
-        for i, rows in enumerate(table_rows(args))
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows, feature_names=[f"f{i}"])
+        for i, (rows, dim) in enumerate(zip(table_rows(args), table_dims(args)))
     ]
     module = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
     plan = construct_module_sharding_plan(
@@ -252,8 +258,8 @@ def _build_shardkit(args: Dict[str, Any], kind: str):
 
     set_validation(False)  # as torchrec, which does not compare the ranks' inputs either
     configs = [
-        EmbeddingBagConfig(rows, args["dim"], name=f"t{i}", feature_names=[f"f{i}"])
-        for i, rows in enumerate(table_rows(args))
+        EmbeddingBagConfig(rows, dim, name=f"t{i}", feature_names=[f"f{i}"])
+        for i, (rows, dim) in enumerate(zip(table_rows(args), table_dims(args)))
     ]
     names = {"sgd": "SGD", "adagrad": "ADAGRAD", "rowwise_adagrad": "ROWWISE_ADAGRAD"}
     fused = FusedOptimizerConfig(names[args["optimizer"]], lr=LR)
@@ -407,6 +413,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--tables", type=int, default=8)
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument(
+        "--dims",
+        type=int,
+        nargs="+",
+        help="several widths: table i gets dims[i %% len(dims)]",
+    )
     parser.add_argument("--batch", type=int, default=2048, help="samples per rank")
     parser.add_argument("--pooling", type=int, default=20, help="mean ids per bag")
     parser.add_argument("--iters", type=int, default=20)

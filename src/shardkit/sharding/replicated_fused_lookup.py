@@ -131,8 +131,11 @@ class _ReplicatedGroupsFn(FusedGroupsLookup):
     """Several replicated groups' lookups as one autograd node (forward as :class:`FusedGroupsLookup`);
     backward: each group's update as :class:`_ReplicatedFusedFn`'s (no per-id weights' gradient: such
     lookups take each group alone), in the groups' order, with the sparse gathers of the groups whose
-    last exchange set their size made as ONE all-gather (:func:`gather_groups`): the same words reach
-    every group, so the same update, with one collective's fixed cost instead of one a group."""
+    last exchange set their size made as ONE all-gather (:func:`gather_groups`) and the dense ways of
+    buffers up to ``JOINT_DENSE_BYTES`` as ONE all-reduce (:func:`all_reduce_groups`): the same words
+    reach every group, so the same update, with one collective's fixed cost instead of one a group.
+    Every rank takes the same ways in the same order: they follow from the last exchanges' counts,
+    which every rank holds alike."""
 
     @staticmethod
     def backward(ctx, grad_out):
