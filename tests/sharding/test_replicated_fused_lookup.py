@@ -26,37 +26,28 @@ def _worker(sorted_rows: bool):
     from shardkit.sparse import KeyedJaggedTensor
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    if sorted_rows:  # the way of a table too large for the kept per-row marks
-        replicated.uses_scratch = lambda *args: False
-    real_gather, real_pooled = replicated.gather_groups, embedding_lookup.lookup_pooled_groups
-    joint_gathers = []
-
-    def counted(parts, *args):
-        joint_gathers.append(len(parts))
-        return real_gather(parts, *args)
-
-    replicated.gather_groups = counted
-    real_reduce = replicated.all_reduce_groups
-    joint_reduces = []
-
-    def counted_reduce(parts, *args):
-        joint_reduces.append(len(parts))
-        return real_reduce(parts, *args)
-
-    replicated.all_reduce_groups = counted_reduce
     exchange_class = replicated.DenseRowExchange
-    real_alone, real_dense = exchange_class.gather, exchange_class.all_reduce_and_step
-    ways = {"alone": 0, "dense": 0}
+    patched = []  # (owner, name, original): put back at the end (the test worker lives on)
+    calls = {"joint gather": [], "joint all-reduce": [], "gather alone": [], "dense alone": []}
 
-    def alone_gather(self, *args):
-        ways["alone"] += 1
-        return real_alone(self, *args)
+    def count(owner, name, log, size=lambda *args: 1):
+        real = getattr(owner, name)
+        patched.append((owner, name, real))
 
-    def dense(self, *args):
-        ways["dense"] += 1
-        return real_dense(self, *args)
+        def counted(*args):
+            calls[log].append(size(*args))
+            return real(*args)
 
-    exchange_class.gather, exchange_class.all_reduce_and_step = alone_gather, dense
+        setattr(owner, name, counted)
+
+    if sorted_rows:  # the way of a table too large for the kept per-row marks
+        patched.append((replicated, "uses_scratch", replicated.uses_scratch))
+        replicated.uses_scratch = lambda *args: False
+    count(replicated, "gather_groups", "joint gather", lambda parts, *_: len(parts))
+    count(replicated, "all_reduce_groups", "joint all-reduce", lambda parts, *_: len(parts))
+    count(exchange_class, "gather", "gather alone")
+    count(exchange_class, "all_reduce_and_step", "dense alone")
+    real_pooled = embedding_lookup.lookup_pooled_groups
     regathers = []
     keys = [f"f{i}" for i in range(len(TABLES))]
     configs = [
@@ -102,11 +93,11 @@ def _worker(sorted_rows: bool):
                     (out_alone * grad).sum().backward()
                 finally:
                     embedding_lookup.lookup_pooled_groups = real_pooled
-                before = ways["alone"]
+                before = len(calls["gather alone"])
                 out = joint(mine).values()
                 (out * grad).sum().backward()
                 if longest == max(BAG_LENGTHS):  # the joint gather had too little room: gathers again
-                    regathers.append(ways["alone"] - before)
+                    regathers.append(len(calls["gather alone"]) - before)
                 assert torch.equal(out, out_alone)
                 torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
             mine, theirs = joint.local_shards(), alone.local_shards()
@@ -117,9 +108,9 @@ def _worker(sorted_rows: bool):
                     mine[key], reference.table_weight(c.name).detach(), rtol=1e-5, atol=1e-6
                 )
     finally:
-        replicated.gather_groups, replicated.all_reduce_groups = real_gather, real_reduce
-        exchange_class.gather, exchange_class.all_reduce_and_step = real_alone, real_dense
-    return joint_gathers, joint_reduces, regathers, ways["dense"]
+        for owner, name, real in reversed(patched):
+            setattr(owner, name, real)
+    return calls["joint gather"], calls["joint all-reduce"], regathers, len(calls["dense alone"])
 
 
 @pytest.mark.parametrize("world_size, sorted_rows", [(2, False), (3, False), (2, True)])
