@@ -1,7 +1,8 @@
 """Fused data-parallel tables of several widths: their groups' lookups from one autograd node and their
 sparse gathers as one all-gather (``_ReplicatedGroupsFn``) train bit for bit as each group alone, through
 every way of the exchange (the first counts gather, the joint gather, a gather again when a rank touches
-more rows than there was room for, the dense all-reduce), and as the unsharded module does."""
+more rows than there was room for, the dense all-reduce), with and without per-id weights, and as the
+unsharded module does."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ TABLES = [(4, 2), (5, 3), (50, 8), (200, 4), (300, 16), (60, 8)]
 BAG_LENGTHS = [2, 2, 2, 12, 1, 2]  # the largest bag per step: step 3 touches many more rows (a gather again)
 
 
-def _worker(sorted_rows: bool):
+def _worker(sorted_rows: bool, weighted: bool):
     import torch
     import torch.distributed as dist
 
@@ -58,9 +59,8 @@ def _worker(sorted_rows: bool):
 
             def ebc(optimizer=optimizer):
                 torch.manual_seed(0)
-                return EmbeddingBagCollection(
-                    configs, fused_optimizer=FusedOptimizerConfig(optimizer, lr=0.1)
-                )
+                fused = FusedOptimizerConfig(optimizer, lr=0.1)
+                return EmbeddingBagCollection(configs, is_weighted=weighted, fused_optimizer=fused)
 
             reference = ebc()
             plan = construct_module_sharding_plan(reference, {c.name: data_parallel() for c in configs})
@@ -76,17 +76,20 @@ def _worker(sorted_rows: bool):
                     values = torch.cat(
                         [torch.randint(0, r, (n,), generator=gen) for (r, _), n in zip(TABLES, per_key)]
                     )
-                    batches.append((values, lengths))
+                    weights = torch.rand(values.shape, generator=gen) if weighted else None
+                    batches.append((values, lengths, weights))
                 # the global batch in one forward (rank 0's samples first): one fused step per step, as
                 # the replicas take (two forwards would step Adagrad twice)
-                parts = [KeyedJaggedTensor(keys, v, lengths=n).to_dict() for v, n in batches]
+                parts = [KeyedJaggedTensor(keys, v, w, lengths=n).to_dict() for v, n, w in batches]
                 values = torch.cat([p[k].values() for k in keys for p in parts])
                 lengths = torch.cat([p[k].lengths() for k in keys for p in parts])
-                ref_out = reference(KeyedJaggedTensor(keys, values, lengths=lengths)).values()
+                weights = torch.cat([p[k].weights() for k in keys for p in parts]) if weighted else None
+                ref_out = reference(KeyedJaggedTensor(keys, values, weights, lengths=lengths)).values()
                 grad = torch.randn(ref_out.shape, generator=gen)
                 (ref_out * grad).sum().div(world).backward()
                 expected, grad = ref_out[3 * rank : 3 * rank + 3].detach(), grad[3 * rank : 3 * rank + 3]
-                mine = KeyedJaggedTensor(keys, batches[rank][0], lengths=batches[rank][1])
+                values, lengths, weights = batches[rank]
+                mine = KeyedJaggedTensor(keys, values, weights, lengths=lengths)
                 embedding_lookup.lookup_pooled_groups = lambda *args: None
                 try:
                     out_alone = alone(mine).values()
@@ -113,11 +116,16 @@ def _worker(sorted_rows: bool):
     return calls["joint gather"], calls["joint all-reduce"], regathers, len(calls["dense alone"])
 
 
-@pytest.mark.parametrize("world_size, sorted_rows", [(2, False), (3, False), (2, True)])
-def test_replicated_groups_train_as_each_group_alone(world_size, sorted_rows):
+@pytest.mark.parametrize(
+    "world_size, sorted_rows, weighted",
+    [(2, False, False), (3, False, False), (2, True, False), (2, False, True)],
+)
+def test_replicated_groups_train_as_each_group_alone(world_size, sorted_rows, weighted):
     from shardkit.testing import run_world
 
-    for joint_gathers, joint_reduces, regathers, dense in run_world(_worker, world_size, sorted_rows):
+    for joint_gathers, joint_reduces, regathers, dense in run_world(
+        _worker, world_size, sorted_rows, weighted
+    ):
         # the sparse groups gather together from their second step on, in both optimizers' runs (at
         # 3 ranks the long bags' counts may send a group the dense way for the next step)
         assert len(joint_gathers) >= len(BAG_LENGTHS) and all(n >= 2 for n in joint_gathers), joint_gathers

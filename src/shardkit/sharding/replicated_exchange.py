@@ -365,13 +365,16 @@ class GroupGather(NamedTuple):
 
 
 class GatherWire:
-    """A kept int32 buffer for :func:`gather_groups` (made again when too small or over
-    ``WIRE_SHRINK`` times what a gather needs)."""
+    """A kept buffer of 4-byte words for the joint collectives (:func:`gather_groups`; read as fp32
+    by :func:`all_reduce_groups`): a fresh one every backward would cost page faults past glibc's
+    mmap threshold."""
 
     def __init__(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.int32)
 
     def take(self, words: int, device: torch.device) -> torch.Tensor:
+        """int32 ``[words]`` on ``device``: the kept buffer's start, made again when too small or over
+        ``WIRE_SHRINK`` times ``words``."""
         if self.buffer.device != device or not words <= self.buffer.numel() <= WIRE_SHRINK * words:
             self.buffer = torch.empty(words, dtype=torch.int32, device=device)
         return self.buffer[:words]
