@@ -76,8 +76,8 @@ class ShardedGroupedLookup(nn.Module):
     """
 
     group_lookup_class = GroupedEmbeddingLookup
-    # the autograd Function that runs several such groups as one node (modules.fused_groups; None:
-    # each group alone, as a subclass whose groups' kernels it does not know must set)
+    # the autograd Function that runs several such groups as one node (modules.fused_groups); None:
+    # each group alone (a subclass whose groups run kernels of their own sets None)
     groups_function: Optional[type] = FusedGroupsLookup
     offloaded_lookup_class = OffloadedEmbeddingLookup
 
