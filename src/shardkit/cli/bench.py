@@ -29,6 +29,7 @@ QUICK_ARGS: Dict[str, List[str]] = {
     "fused_backward_shapes": ["--shapes", "row32", "--repeats", "1"],
     "plan_quality": ["--quick", "--sets", "demo", "--worlds", "2", "--rounds", "1", "--steps", "1"],
     "plan_groups": ["--rounds", "1", "--steps", "1"],
+    "lookup_groups": ["--quick", "--rounds", "1", "--steps", "1"],
     "vocab_parallel_ce": [
         *("--tokens", "64", "--vocab", "512", "--hidden", "16", "--dtype", "fp32", "--repeats", "1"),
         *("--device", "cpu"),
