@@ -1,11 +1,13 @@
 """Several lookup groups' fused lookups as one autograd node, their outputs side by side.
 
-Tables of k widths are k lookup groups (one buffer each), and a sharded lookup runs all of its rank's
-groups every step. Each group through its own module call, :class:`~shardkit.modules.lookup_kernels.
-FusedLookup` node and a cat of the outputs cost ~0.1 ms of Python and autograd work beyond its kernels
-(one process, 8 groups of 64 bags, forward + fused SGD backward: 1.14 ms a step against 0.28 ms with
-the kernels called from one node). :class:`FusedGroupsLookup` makes the same kernel calls, with the
-same arguments and in the same order, from one node: the results are the same bit for bit.
+Tables of k widths are k lookup groups (one buffer each), and a sharded lookup (or an unsharded
+``EmbeddingBagCollection``) runs all of its rank's groups every step. Each group through its own module
+call, :class:`~shardkit.modules.lookup_kernels.FusedLookup` node and a cat of the outputs cost ~0.1 ms
+of Python and autograd work beyond its kernels (one process, 8 groups of 64 bags, forward + fused SGD
+backward: 1.14 ms a step against 0.28 ms with the kernels called from one node).
+:class:`FusedGroupsLookup` makes the same kernel calls, with the same arguments and in the same order,
+from one node: the results are the same bit for bit. The data-parallel replicas subclass it to make
+their groups' exchanges one collective (``shardkit.sharding.replicated_fused_lookup``).
 """
 
 from __future__ import annotations
