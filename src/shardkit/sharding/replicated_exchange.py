@@ -272,7 +272,7 @@ class DenseRowExchange:
             self._wire = torch.empty(world * width, dtype=torch.int32, device=rows.device)
         got = self._wire[: world * width]
         me = dist.get_rank(group)
-        self.write_block(got[me * width : (me + 1) * width], rows, most, fill)
+        self.write_block(got[me * width : (me + 1) * width], rows, most, head, fill)
         all_gather_blocks(got, group)
         self._gathered = (head, slots, width)
         return got.view(world, width)[:, :2].view(torch.int64).squeeze(1).tolist()
@@ -287,12 +287,16 @@ class DenseRowExchange:
         return head, slots, slots * self.dim
 
     def write_block(
-        self, send: torch.Tensor, rows: torch.Tensor, most: int, fill: Callable[[torch.Tensor], None]
+        self,
+        send: torch.Tensor,
+        rows: torch.Tensor,
+        most: int,
+        head: int,
+        fill: Callable[[torch.Tensor], None],
     ) -> None:
-        """This rank's block (int32 ``[width]`` of :meth:`gather_layout`) of a gather: its count, and,
-        when at most ``most``, its rows and (``fill``) their gradient rows."""
+        """This rank's block (int32 ``[width]``; ``head``: of :meth:`gather_layout` of ``most``) of a
+        gather: its count, and, when at most ``most``, its rows and (``fill``) their gradient rows."""
         count, dim = rows.numel(), self.dim
-        head = self.gather_layout(most)[0]
         send[:2].view(torch.int64).fill_(count)
         if count <= most:
             send[2 : 2 + 2 * count].copy_(rows.view(torch.int32))
@@ -388,17 +392,17 @@ def gather_groups(
     its blocks (an int32 ``[world, width]`` view; ``reshape(-1)`` of it is what
     :meth:`DenseRowExchange.step_gathered` reads): the same words its own gather would have given."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
-    widths = [part.exchange.gather_layout(part.most)[2] for part in parts]
-    total = sum(widths)
+    layouts = [part.exchange.gather_layout(part.most) for part in parts]
+    total = sum(width for _, _, width in layouts)
     got = wire.take(world * total, parts[0].rows.device)
     start = me * total
-    for part, width in zip(parts, widths):
-        part.exchange.write_block(got[start : start + width], part.rows, part.most, part.fill)
+    for part, (head, _, width) in zip(parts, layouts):
+        part.exchange.write_block(got[start : start + width], part.rows, part.most, head, part.fill)
         start += width
     all_gather_blocks(got, group)
     blocks = got.view(world, total)
     out, start = [], 0
-    for width in widths:
+    for _, _, width in layouts:
         mine = blocks[:, start : start + width]
         out.append((mine[:, :2].view(torch.int64).squeeze(1).tolist(), mine))
         start += width

@@ -139,14 +139,14 @@ class _ReplicatedGroupsFn(FusedGroupsLookup):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if ctx.lookups[0].world_size == 1:  # nothing to exchange: the unsharded module's fused backward
+            return FusedGroupsLookup.backward(ctx, grad_out)
         joint, dense = [], []
         for lookup, x, grad in zip(ctx.lookups, ctx.inputs, grad_out.split(ctx.widths, dim=1)):
             weight, world = lookup.weight, lookup.world_size
             step = lookup.optimizer.step_args()
             args = (x.ids, x.offsets, x.bag_shift, x.weights, x.bag_scale, grad, True, x.batch_major)
-            if world == 1:  # nothing to exchange: the unsharded module's fused backward
-                embedding_fused_backward(weight, *args[:6], True, step, False, x.batch_major)
-            elif lookup.dense_next:
+            if lookup.dense_next:
                 exchange = lookup.dense_exchange(weight)
                 fill = _dense_fill(args, world, dist.get_rank(lookup.process_group))
                 if 4 * exchange.words() <= JOINT_DENSE_BYTES:
