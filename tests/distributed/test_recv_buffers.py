@@ -5,6 +5,7 @@ the ops and of sharded modules over several steps stay those of fresh buffers.""
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -20,6 +21,23 @@ BIG = scratch.MIN_BYTES // 4  # fp32 elements of a buffer at the threshold
 def _in_pool(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` lies in one of the pool's kept buffers."""
     return tensor.untyped_storage()._cdata in {kept.storage._cdata for kept in scratch._kept}
+
+
+def _settle(*holding: torch.Tensor, timeout_s: float = 10.0) -> bool:
+    """Wait until no kept buffer is in use but those under ``holding`` (True), or ``timeout_s`` (False).
+
+    Why: gloo's worker thread drops its reference to a finished collective's tensors a moment after
+    ``wait()`` returns (on a busy machine, milliseconds later), and until then the pool rightly
+    refuses those buffers. Tests that count buffers wait for that moment to pass; a buffer that
+    something really keeps stays in use, and the counts that follow show it.
+    """
+    mine = {t.untyped_storage()._cdata for t in holding}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(kept.free() or kept.storage._cdata in mine for kept in scratch._kept):
+            return True
+        time.sleep(0.001)
+    return False
 
 
 @pytest.fixture(autouse=True)
@@ -195,10 +213,12 @@ def _ops_reuse_free_buffers_and_keep_held_ones():
         return torch.cat([data(seed, r)[rank * 64 : rank * 64 + 64] for r in range(world)], dim=1)
 
     held = alltoall_pooled(data(1, rank), batch, dims).wait()
+    ok = [_settle(held)]
     second = alltoall_pooled(data(2, rank), batch, dims).wait()  # the first is held: its own buffer
-    ok = [torch.equal(held, expected(1)), torch.equal(second, expected(2))]
+    ok += [torch.equal(held, expected(1)), torch.equal(second, expected(2))]
     kept = scratch.kept_bytes()  # the first's and the second's receive buffers and outputs
     del second
+    ok.append(_settle(held))
     third = alltoall_pooled(data(3, rank), batch, dims).wait()  # the second was dropped: its buffers
     reused = scratch.kept_bytes() == kept and _in_pool(third)
     ok += [torch.equal(third, expected(3)), torch.equal(held, expected(1))]
@@ -216,6 +236,7 @@ def _ops_reuse_free_buffers_and_keep_held_ones():
     sum_ptr = first_sum.data_ptr()
     ok.append(torch.equal(first_sum, rs_expected(1)))
     del first_sum
+    ok.append(_settle(held, third))
     second_sum = reduce_scatter_base_pooled(rs_data(2, rank)).wait()
     reused_sum = second_sum.data_ptr() == sum_ptr
     ok.append(torch.equal(second_sum, rs_expected(2)))
@@ -240,11 +261,12 @@ def _placed_backward_reuses_its_buffers():
     width, blocks = 64, 4 * world  # rank r computes blocks r, r + W, ...: interleaved in the output
     placement = ColumnPlacement(width, [list(range(r, blocks, world)) for r in range(world)])
     batch = [1024] * world  # each rank's gradient [1024, blocks * width] fp32: 2 MiB with 2 ranks
-    results, kept = [], []
+    results, kept, settled = [], [], []
     for seed in (1, 2, 3):
         gen = torch.Generator().manual_seed(seed * 10 + rank)
         x = torch.randn(sum(batch), placement.columns(rank), generator=gen, requires_grad=True)
         out = alltoall_pooled_placed(x, batch, placement).wait()
+        settled.append(_settle(out))  # the forward's receive buffer, copied into out, free again
         weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
         (out * weight).sum().backward()
         # x's rows of rank s got rank s's gradient of x's blocks (weight is the same on every rank),
@@ -254,16 +276,17 @@ def _placed_backward_reuses_its_buffers():
             torch.equal(x.grad, mine.repeat(world, 1) / world) and _in_pool(out) and _in_pool(x.grad)
         )
         del out, x  # the output and the input gradient (the backward's receive buffer) dropped
+        settled.append(_settle())
         kept.append(scratch.kept_bytes())
-    return kept, results
+    return kept, results, settled
 
 
 def test_placed_forward_and_backward_reuse_their_buffers():
-    for kept, exact in run_world(_placed_backward_reuses_its_buffers, 2):
+    for kept, exact, settled in run_world(_placed_backward_reuses_its_buffers, 2):
         # the first step's buffers (the forward's receive buffer and output, the backward's send
         # and receive buffers, 2 MiB each, some shared) serve the later steps: nothing new
         assert 0 < kept[0] <= 4 * (2 << 20) and kept[1] == kept[0] and kept[2] == kept[0]
-        assert exact == [True, True, True]
+        assert exact == [True, True, True] and settled == [True] * 6
 
 
 # --------------------------------------------------------------------------------------------------
@@ -376,6 +399,7 @@ def _kjt_exchange_reuses_its_receive_buffers():
         out = KJTAllToAll(None, [1, 1])(kjt(step, rank)).wait().wait()
         ok.append(torch.equal(out.values(), expected(step)) and _in_pool(out.values()))
         del out
+        ok.append(_settle(held.values()))
         counts = scratch.counts()
     ok.append(torch.equal(held.values(), expected(0)))  # held through three more exchanges
     return ok, counts

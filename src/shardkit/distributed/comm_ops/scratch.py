@@ -15,9 +15,12 @@ concatenation into one. Contents are undefined, as ``torch.empty``'s. A CPU requ
 count is the pool's own reference alone, and no Python object holds the pool's storage object). A buffer
 that anything still refers to (the caller's output held by the user, autograd's saved tensors, a
 gradient stolen into ``.grad``, a view, a ``numpy()`` array, a collective's work) is never handed out
-again; otherwise a new buffer is allocated (``huge_pages.empty``) and kept. No caller gives a buffer
-back: dropping every reference to it is what frees it. Each handed-out tensor is made with ``set_`` on
-the storage (no view of a pool tensor), so holding it or anything made from it holds the storage.
+again; otherwise a new buffer is allocated (``huge_pages.empty``) and kept. A collective's buffers stay
+in use a moment after its ``wait()`` returns (gloo's worker thread drops its reference to the work then,
+milliseconds later on a busy machine): a request in that moment gets a new buffer, kept from then on.
+No caller gives a buffer back: dropping every reference to it is what frees it. Each handed-out
+tensor is made with ``set_`` on the storage (no view of a pool tensor), so holding it or anything
+made from it holds the storage.
 
 At most :data:`MAX_KEPT` buffers of :data:`MAX_KEPT_BYTES` in all (a single larger one alone) are kept,
 the most recently handed out; a forgotten one lives on while its user holds it, then goes back to the
