@@ -71,16 +71,25 @@ def test_runs_and_bad_placements():
         ColumnPlacement(2, [[0, 1], [1]])
 
 
-def test_the_copier_takes_consecutive_runs_and_the_index_fallback_not_round_robin_blocks():
-    # one strided run per rank (round-robin tables): torch's strided copy, no copier
-    round_robin = ColumnPlacement(8, [list(range(0, 64, 2)), list(range(1, 64, 2))], copy_column_ranges_torch)
-    assert round_robin._ranges == [None, None]
-    # consecutive blocks merged into column ranges (source column, output column, columns)
-    consecutive = ColumnPlacement(2, [[2, 3, 4], [0, 1, 5]], copy_column_ranges_torch)
+def test_the_copier_takes_the_placements_and_row_counts_it_moves_cheaper():
+    copier = copy_column_ranges_torch
+    # one strided run of 32 separate blocks per rank (round-robin tables): torch's strided copy past a
+    # few rows (a memcpy per row and block against one op)
+    round_robin = ColumnPlacement(8, [list(range(0, 64, 2)), list(range(1, 64, 2))], copier)
+    assert round_robin.uses_copier(0, 8) and not round_robin.uses_copier(0, 256)
+    # consecutive blocks merged into column ranges (source column, output column, columns): the copier
+    consecutive = ColumnPlacement(2, [[2, 3, 4], [0, 1, 5]], copier)
     assert [r[0].tolist() for r in consecutive._ranges] == [[[0, 4, 6]], [[0, 0, 4], [4, 10, 2]]]
-    # more runs than MAX_RUNS (the index fallback's case): the copier
+    assert all(consecutive.uses_copier(r, rows) for r in (0, 1) for rows in (1, 256, 2048))
+    # a rank's lookup groups of two widths (the demo's rank 0: 4 runs, 5 ranges of 1-2 blocks): the
+    # copier at the batches of training (strided: 2-4x as long in the micro-benchmark)
+    groups = ColumnPlacement(16, [[0, 1, 4, 10, 2, 3, 11, 12], [5, 6, 7, 8, 9]], copier)
+    assert all(groups.uses_copier(0, rows) for rows in (32, 256, 2048))
+    # more runs than MAX_RUNS (the index fallback's case): the copier at any row count
     blocks = 6 * MAX_RUNS
     shuffled = torch.randperm(blocks, generator=torch.Generator().manual_seed(0)).tolist()
     scattered, rest = shuffled[: blocks // 2], shuffled[blocks // 2 :]
-    irregular = ColumnPlacement(1, [scattered, rest], copy_column_ranges_torch)
-    assert len(arithmetic_runs(scattered)) > MAX_RUNS and irregular._ranges[0] is not None
+    irregular = ColumnPlacement(1, [scattered, rest], copier)
+    assert len(arithmetic_runs(scattered)) > MAX_RUNS and irregular.uses_copier(0, 1 << 20)
+    # without a copier: never
+    assert not ColumnPlacement(2, [[2, 3, 4], [0, 1, 5]]).uses_copier(0, 1)

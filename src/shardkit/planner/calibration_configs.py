@@ -139,6 +139,11 @@ def calibration_configs(world: int, big_bytes: int = BIG_BYTES) -> List[StepConf
     configs += [StepConfig(tw * k, tiny_rows, dim_step=GROUP_DIM_STEP, batch=BIG_BATCH) for k in (4, 16)]
     configs.append(StepConfig(tw * 16, tiny_rows, batch=BIG_BATCH))
     configs.append(StepConfig(("row_wise",) * 16, tiny_rows, dim_step=GROUP_DIM_STEP))
+    # EXPERIMENT: mid-size tables at a moderate batch
+    mid = dict(batch=256, pooling=4)
+    configs.append(StepConfig(tw * 4, 16384, 16, **mid))
+    configs.append(StepConfig(("row_wise",) * 4, 16384, 16, **mid))
+    configs.append(StepConfig(("column_wise",) * 4, 16384, 16, **mid))
     return configs
 
 

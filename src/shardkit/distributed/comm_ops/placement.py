@@ -12,9 +12,10 @@ Each rank's output blocks are cut into arithmetic runs (table-wise tables placed
 run per rank, stride ``W``), each moved by one strided ``copy_``; a rank whose blocks make more than
 ``MAX_RUNS`` runs is moved by one ``index_copy_`` / ``index_select`` instead. Given a ``copier`` (the
 native ``shardkit.kernels.column_copy.copy_column_ranges``, handed over by the sharding layer, which
-may import kernels), CPU tensors are moved by it instead: the blocks merged into ranges of consecutive
-columns, one memcpy per row and range (a rank of tables of many widths has one range per table, and
-the index copy of its 4-column blocks took 5-13x as long at 32-2048 rows, docs/performance.md).
+may import kernels), CPU tensors are moved by it instead wherever it is the cheaper way for the
+placement and the row count (``uses_copier``): the blocks merged into ranges of consecutive columns,
+one memcpy per row and range (a rank of tables of many widths has one range per table, and the index
+copy of its 4-column blocks took 5-13x as long at 32-2048 rows, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ import torch
 from shardkit.distributed.comm_ops import scratch
 
 MAX_RUNS = 8
+# What moving a rank's columns costs each way, in nanoseconds (2-core AMD EPYC Zen 3, fp32 blocks of
+# 16 columns, docs/performance.md): a strided run is one torch op (dispatch, TensorIterator set-up)
+# plus a small per row and block cost; the copier makes one memcpy call per row and range. Only their
+# ratios decide: which way is cheaper for a placement and a row count (``ColumnPlacement.uses_copier``)
+STRIDED_RUN_NS = 8000.0
+STRIDED_BLOCK_NS = 5.0
+COPIER_RANGE_NS = 9.0
 
 Run = Tuple[int, int, int, int]  # (first source block, blocks, first output block, output stride)
 
@@ -72,16 +80,23 @@ class ColumnPlacement:
         # per rank, int64 [K, 3] (source column, output column, columns) of its received columns: runs
         # of blocks consecutive in both merged; the same rows with the first two swapped for ``take``
         self._ranges: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None] * len(self.dest)
+        # per rank, the copier is cheaper at fewer rows than this (inf: always; 0: never). It makes a
+        # memcpy per row and range, a strided run one torch op over all its rows and blocks: a few
+        # runs of many separate blocks (tables placed round-robin, stride W) are faster strided at any
+        # row count past a few dozen (64 tables of 16 columns, one run, 256 rows: 52 against 107 us);
+        # runs of a block or two each (a rank's lookup groups of several widths, each group's tables
+        # in the output's order) are faster by the copier (the demo's tables, 4 runs of 5 ranges, 256
+        # rows: 17 against 38 us); more runs than MAX_RUNS (the index fallback) always by the copier
+        self._copier_rows: List[float] = [0.0] * len(self.dest)
         if copier is not None:
             for r, d in enumerate(self.dest):
-                ranges = self._column_ranges(d)
-                # the copier makes a memcpy per row and range, a strided run one copy of all its rows and
-                # blocks: where the runs hold many separate blocks (tables placed round-robin, stride
-                # W), their few strided copies are faster (64 tables of 16 columns, one run, 256 rows:
-                # 70 against 116 us); where the runs are consecutive columns, or too many (the index
-                # fallback), the copier is (16 runs of 8-132 columns: 65 us, index 727, strided 175)
-                if len(self._runs[r]) > MAX_RUNS or ranges[0].size(0) <= len(self._runs[r]):
-                    self._ranges[r] = ranges
+                self._ranges[r] = ranges = self._column_ranges(d)
+                runs = len(self._runs[r])
+                per_row = ranges[0].size(0) * COPIER_RANGE_NS - len(d) * STRIDED_BLOCK_NS
+                if runs > MAX_RUNS or per_row <= 0:
+                    self._copier_rows[r] = float("inf")
+                else:
+                    self._copier_rows[r] = runs * STRIDED_RUN_NS / per_row
 
     def _column_ranges(self, dest: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
         ranges: List[List[int]] = []
@@ -93,9 +108,14 @@ class ColumnPlacement:
         forward = torch.tensor(ranges, dtype=torch.int64).view(-1, 3)
         return forward, forward[:, [1, 0, 2]].contiguous()
 
+    def uses_copier(self, rank: int, rows: int) -> bool:
+        """Whether the copier moves rank ``rank``'s columns of ``rows`` rows (CPU, contiguous tensors):
+        given one, where it is the cheaper way (the constants above)."""
+        return rows < self._copier_rows[rank]
+
     def _copies(self, rank: int, *tensors: torch.Tensor) -> bool:
         """Whether the copier moves rank ``rank``'s columns of these tensors (CPU, contiguous)."""
-        return self._ranges[rank] is not None and all(
+        return self.uses_copier(rank, tensors[0].size(0)) and all(
             t.device.type == "cpu" and t.is_contiguous() for t in tensors
         )
 
