@@ -335,3 +335,102 @@ def _both_backends(kind, ids, offsets, shift, psw, grad, initial, batch, block_b
             )
         results[backend] = (weight, state)
     return results
+
+
+# --------------------------------------------------------------------------------------------------
+# column slices: several lookup groups' outputs side by side (modules.fused_groups) are written and
+# their gradients read in place
+
+
+def _slice_of_wider(rows: int, cols: int, dtype, seed: int, left: int = 5, right: int = 3):
+    """A ``[rows, cols]`` column slice (unit column stride, rows ``left + cols + right`` apart) of a
+    random wider matrix, and that matrix."""
+    wide = torch.randn(rows, left + cols + right, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return wide[:, left : left + cols], wide
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("native", marks=needs_native)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pooled, batch", [(True, 0), (True, 10), (False, 0)])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dim", [DIM, 16, 128])  # the generic loop and the vector-register one
+def test_forward_writes_a_column_slice_in_place(backend, dtype, pooled, batch, weighted, dim):
+    ids, offsets, shift, psw, scale = _batch(seed=3)
+    psw = psw if weighted else None
+    weight = torch.randn(ROWS, dim, generator=torch.Generator().manual_seed(4)).to(dtype)
+    with kernel_backend(backend):
+        plain = embedding_forward(weight, ids, offsets, shift, psw, scale, pooled, batch_major=batch)
+        out, wide = _slice_of_wider(plain.size(0), plain.size(1), dtype, seed=5)
+        before = wide.clone()
+        result = embedding_forward(
+            weight, ids, offsets, shift, psw, scale, pooled, batch_major=batch, out=out
+        )
+    assert result is out and torch.equal(out, plain)
+    # the columns around the slice are untouched
+    assert torch.equal(wide[:, :5], before[:, :5]) and torch.equal(wide[:, -3:], before[:, -3:])
+
+
+@needs_native
+def test_forward_into_a_matrix_of_other_strides_or_shape():
+    ids, offsets, shift, psw, scale = _batch(seed=3)
+    weight = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(4))
+    plain = embedding_forward(weight, ids, offsets, shift, None, None, True)
+    # columns two apart: not written in place, but the result is the same
+    strided = torch.zeros(BAGS, 2 * DIM)[:, ::2]
+    assert torch.equal(embedding_forward(weight, ids, offsets, shift, None, None, True, out=strided), plain)
+    with pytest.raises(RuntimeError, match=rf"out must be a \[{BAGS}, {DIM}\] matrix"):
+        native_ops().embedding_forward_into(
+            weight, ids, offsets, shift, None, None, True, 0, 16, torch.empty(BAGS, DIM + 1)
+        )
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("native", marks=needs_native)])
+@pytest.mark.parametrize("kind", ["SGD", "ROWWISE_ADAGRAD", "ADAM"])
+@pytest.mark.parametrize("pooled, batch", [(True, 0), (True, 10), (False, 0)])
+@pytest.mark.parametrize("weighted", [False, True])  # weighted: the ids keyed by position
+@pytest.mark.parametrize("dim", [DIM, 8, 128])  # 8 and 128: each row's run summed in registers
+def test_fused_backward_reads_a_column_slice_in_place(backend, kind, pooled, batch, weighted, dim):
+    ids, offsets, shift, psw, scale = _batch(seed=8)
+    psw = psw if weighted else None
+    weight = torch.randn(ROWS, dim, generator=torch.Generator().manual_seed(9))
+    rows, cols = (batch, BAGS // batch * dim) if batch else (BAGS if pooled else ids.numel(), dim)
+    grad, _ = _slice_of_wider(rows, cols, torch.float32, seed=10)
+    assert not grad.is_contiguous()
+    tables, states, psw_grads = [], [], []
+    for g in (grad.contiguous(), grad):
+        table, state = weight.clone(), _state(kind, dim=dim)
+        with kernel_backend(backend):
+            psw_grads.append(
+                embedding_fused_backward(
+                    table,
+                    ids,
+                    offsets,
+                    shift,
+                    psw,
+                    scale,
+                    g,
+                    pooled,
+                    RowOptimizerArgs(kind, 0.1, eps=1e-8, state=state),
+                    want_psw_grad=weighted and pooled,
+                    batch_major=batch,
+                )
+            )
+        tables.append(table)
+        states.append(state)
+    assert torch.equal(tables[0], tables[1]) and not torch.equal(tables[0], weight)
+    assert all(torch.equal(a, b) for a, b in zip(*states))
+    if weighted and pooled:  # the per-id weights' gradient reads the slice too
+        assert torch.equal(psw_grads[0], psw_grads[1])
+    else:
+        assert psw_grads == [None, None]
+
+
+@needs_native
+def test_native_backward_names_a_gradient_of_the_wrong_shape():
+    ids, offsets, shift, _, _ = _batch(seed=8)
+    weight = torch.randn(ROWS, DIM)
+    wrong = torch.randn(BAGS, DIM + 4)[:, : DIM - 1]  # a slice one column short
+    with pytest.raises(RuntimeError, match=rf"grad must be contiguous fp32 with {BAGS} x {DIM} elements"):
+        native_ops().embedding_fused_backward(
+            weight, ids, offsets, shift, None, None, wrong, True, 0, 0, 0.1, 0.0, 0.0, 0.0, 0.0, [], False
+        )

@@ -72,6 +72,28 @@ def test_native_scatter_without_pooling_reads_one_gradient_row_per_id():
     assert torch.equal(got, want) and torch.equal(seen, want_seen) and count == want_count
 
 
+@pytest.mark.parametrize("backend", [pytest.param("native", marks=needs_native), "torch"])
+@pytest.mark.parametrize("pooled, batch_major", [(True, 0), (True, 8), (False, 0)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_scatter_reads_a_column_slice_of_a_wider_gradient_in_place(backend, pooled, batch_major, weighted):
+    # several lookup groups' gradients side by side (modules.fused_groups): each group's columns are
+    # read where they are, with the same sums as from a contiguous copy
+    ids, offsets, shift, psw, scale = _lookup(torch.int64, seed=2)
+    dim = 16
+    rows, cols = (
+        (batch_major, BAGS // batch_major * dim) if batch_major else (BAGS if pooled else ids.numel(), dim)
+    )
+    wide = torch.randn(rows, cols + 7, generator=torch.Generator().manual_seed(3))
+    grad = wide[:, 4 : 4 + cols]
+    psw, scale = (psw, scale) if weighted else (None, None)
+    results = []
+    for g in (grad.contiguous(), grad):
+        args = (ids, offsets, shift, psw, scale, g, pooled, batch_major)
+        results.append(_scatter(backend, ROWS, dim, args, 0.5))
+    (got, seen, count), (want, want_seen, want_count) = results[1], results[0]
+    assert torch.equal(got, want) and torch.equal(seen, want_seen) and count == want_count > 0
+
+
 @needs_native
 def test_native_touched_rows_and_positions_match_the_twin_and_leave_the_marks_clear():
     ids, offsets, shift, _, _ = _lookup(torch.int64, seed=2)

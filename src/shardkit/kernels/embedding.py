@@ -123,6 +123,19 @@ def select_backend(weight: torch.Tensor, ids: torch.Tensor) -> str:
     return "native" if _native_can_run(weight, ids) else "torch"
 
 
+def rows_of_unit_stride(matrix: torch.Tensor) -> torch.Tensor:
+    """``matrix`` itself where the native kernels read it in place (2-D, unit column stride: a column
+    slice of a wider matrix, such as one lookup group's part of several groups' output gradient), else
+    a contiguous copy."""
+    if (
+        matrix.dim() == 2
+        and (matrix.size(1) <= 1 or matrix.stride(1) == 1)
+        and matrix.stride(0) >= matrix.size(1)
+    ):
+        return matrix
+    return matrix.contiguous()
+
+
 def _native_args(ids, offsets, bag_shift, per_sample_weights, bag_scale):
     return (
         ids.contiguous(),
@@ -143,12 +156,15 @@ def embedding_forward(
     pooled: bool = True,
     batch_major: int = 0,
     check_ids: bool = True,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``[B, D]`` (pooled), ``[S, B / S * D]`` (batch_major S) or ``[N, D]`` rows in weight's dtype.
 
     Not differentiable (see the module doc). ``check_ids=False``: the caller guarantees every buffer
     row is in ``[0, R)`` (slot ids from a row cache), so the Triton kernel skips its bounds check and
     the host sync that reads it; never for ids from a user (an id outside the buffer then adds zeros).
+    ``out``: written with the result and returned (its shape and weight's dtype; a column slice of a
+    wider matrix is written in place by the native kernel, with a copy by the others).
     """
     if not pooled:  # one row per id: nothing to weight or scale
         per_sample_weights = bag_scale = None
@@ -157,18 +173,22 @@ def embedding_forward(
         ids, offsets, bag_shift, psw, bag_scale = _native_args(
             ids, offsets, bag_shift, per_sample_weights, bag_scale
         )
-        return native_ops().embedding_forward(
-            weight, ids, offsets, bag_shift, psw, bag_scale, pooled, batch_major, prefetch_rows()
-        )
-    if backend == "triton":
-        out = _triton_module().embedding_forward(
+        args = (weight, ids, offsets, bag_shift, psw, bag_scale, pooled, batch_major, prefetch_rows())
+        if out is not None and rows_of_unit_stride(out) is out:
+            native_ops().embedding_forward_into(*args, out)
+            return out
+        result = native_ops().embedding_forward(*args)
+    elif backend == "triton":
+        result = _triton_module().embedding_forward(
             weight, ids, offsets, bag_shift, per_sample_weights, bag_scale, pooled, check_ids
         )
-        return embedding_torch.to_batch_major(out, batch_major)
-    with torch.no_grad():
-        return embedding_torch.embedding_forward(
-            weight, ids, offsets, bag_shift, per_sample_weights, bag_scale, pooled, batch_major
-        )
+        result = embedding_torch.to_batch_major(result, batch_major)
+    else:
+        with torch.no_grad():
+            result = embedding_torch.embedding_forward(
+                weight, ids, offsets, bag_shift, per_sample_weights, bag_scale, pooled, batch_major
+            )
+    return result if out is None else out.copy_(result)
 
 
 def embedding_fused_backward(
@@ -187,7 +207,7 @@ def embedding_fused_backward(
     """Apply ``optimizer`` to every row the forward read, in place; ``weight`` gets no gradient.
 
     grad: ``[B, D]`` (pooled), ``[S, B / S * D]`` (batch_major S) or ``[N, D]``, any float dtype (used in
-    fp32). Each distinct row is
+    fp32; the native kernel reads an fp32 column slice of a wider matrix in place). Each distinct row is
     updated once with the fp32 sum over its ids of ``w_i * scale_b * grad[b]``, summed in id order.
     Returns the per-sample weights' gradient (fp32 ``[N]``: ``scale_b * <grad[b], row before the
     update>``) when ``want_psw_grad``, else None.
@@ -207,7 +227,7 @@ def embedding_fused_backward(
             bag_shift,
             psw,
             bag_scale,
-            grad.to(torch.float32).contiguous(),
+            rows_of_unit_stride(grad.to(torch.float32)),
             pooled,
             batch_major,
             optimizer.code,

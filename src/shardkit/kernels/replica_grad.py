@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from shardkit.kernels import embedding_torch
-from shardkit.kernels.embedding import native_for
+from shardkit.kernels.embedding import native_for, rows_of_unit_stride
 from shardkit.kernels.row_optimizer import RowOptimizerArgs
 
 
@@ -108,7 +108,7 @@ def grad_scatter(
             shift,
             psw,
             scale,
-            grad.to(torch.float32).contiguous(),
+            rows_of_unit_stride(grad.to(torch.float32)),
             pooled,
             batch_major,
             factor,

@@ -6,8 +6,11 @@ call, :class:`~shardkit.modules.lookup_kernels.FusedLookup` node and a cat of th
 of Python and autograd work beyond its kernels (one process, 8 groups of 64 bags, forward + fused SGD
 backward: 1.14 ms a step against 0.28 ms with the kernels called from one node).
 :class:`FusedGroupsLookup` makes the same kernel calls, with the same arguments and in the same order,
-from one node: the results are the same bit for bit. The data-parallel replicas subclass it to make
-their groups' exchanges one collective (``shardkit.sharding.replicated_fused_lookup``).
+from one node: the results are the same bit for bit. Each group's kernel writes its columns of the one
+output, and its backward reads its columns of the output's gradient where they are (the native kernels
+take rows a stride apart): no concatenation forward and no contiguous copy of each group's gradient
+backward (2-10 % of a 2-rank step of 3-16 widths, docs/performance.md). The data-parallel replicas
+subclass it to make their groups' exchanges one collective (``shardkit.sharding.replicated_fused_lookup``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
+from shardkit import huge_pages
 from shardkit.kernels import embedding_fused_backward
 from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup
 from shardkit.sparse import KeyedJaggedTensor
@@ -32,11 +36,16 @@ class FusedGroupsLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, lookups, inputs, *buffers):
-        outputs = [lookup.run_kernel(group_inputs) for lookup, group_inputs in zip(lookups, inputs)]
+        # each group's kernel writes its columns of one output (no concatenation), and its backward
+        # reads its columns of the output's gradient in place (no copy)
         ctx.lookups = lookups
         ctx.inputs = inputs
-        ctx.widths = [output.size(1) for output in outputs]
-        return torch.cat(outputs, dim=1)
+        ctx.widths = [(len(x.bag_bounds) - 1) * lookup.embedding_dim for lookup, x in zip(lookups, inputs)]
+        first = buffers[0]
+        out = huge_pages.empty(inputs[0].batch_major, sum(ctx.widths), dtype=first.dtype, device=first.device)
+        for lookup, group_inputs, part in zip(lookups, inputs, out.split(ctx.widths, dim=1)):
+            lookup.run_kernel(group_inputs, out=part)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -19,6 +19,7 @@ from torch import nn
 
 from shardkit import huge_pages
 from shardkit.distributed.validation import host_checks_enabled
+from shardkit.kernels import embedding_forward
 from shardkit.modules.embedding_configs import BaseEmbeddingConfig, PoolingType
 from shardkit.modules.fused_optimizers import FusedOptimizerConfig, SparseRowOptimizer
 from shardkit.modules.lookup_kernels import lookup
@@ -249,10 +250,15 @@ class GroupedEmbeddingLookup(nn.Module):
         bag_scale = self._mean_scale(offsets, bags_per_feature) if self._has_mean else None
         return KernelInputs(ids, offsets, bag_shift, weights, bag_scale, batch_major, bag_bounds)
 
-    def run_kernel(self, inputs: KernelInputs) -> torch.Tensor:
+    def run_kernel(self, inputs: KernelInputs, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The kernel call of :meth:`kernel_inputs`' result (the forward's output; differentiable as the
-        forward is). With validation off, an id outside the buffer raises the forward's IndexError."""
+        forward is). With validation off, an id outside the buffer raises the forward's IndexError.
+        ``out``: the result is written into it (the output's shape and dtype, unit column stride; see
+        ``kernels.embedding_forward``) and it is returned: not differentiable, for a caller that is
+        itself an autograd node (``modules.fused_groups``)."""
         try:
+            if out is not None:
+                return self._run_kernel(*inputs[:6], out=out)
             return self._run_kernel(*inputs[:6])
         except IndexError:
             # validation was off and an id left the buffer (the kernel read nothing): name its feature
@@ -282,8 +288,14 @@ class GroupedEmbeddingLookup(nn.Module):
         weights: Optional[torch.Tensor],
         bag_scale: Optional[torch.Tensor],
         batch_major: int,
+        out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """The one kernel call over the buffer (a quantized group overrides it: shardkit.quant)."""
+        """The one kernel call over the buffer (a quantized group overrides it: shardkit.quant); into
+        ``out`` when given (:meth:`run_kernel`)."""
+        if out is not None:
+            return embedding_forward(
+                self.weight, ids, offsets, bag_shift, weights, bag_scale, self.pooled, batch_major, out=out
+            )
         return lookup(
             self.weight, ids, offsets, bag_shift, weights, bag_scale, self.pooled, self.optimizer, batch_major
         )

@@ -381,9 +381,13 @@ class ReplicatedFusedLookup(GroupedEmbeddingLookup):
         if self.world_size > 1 and self.weight.device.type != "meta" and dist.is_initialized():
             dist.broadcast(self.weight.data, group_src=0, group=self.process_group)
 
-    def _run_kernel(self, ids, offsets, bag_shift, weights, bag_scale, batch_major) -> torch.Tensor:
-        if self.optimizer is None or not (torch.is_grad_enabled() and self.weight.requires_grad):
-            return super()._run_kernel(ids, offsets, bag_shift, weights, bag_scale, batch_major)
+    def _run_kernel(self, ids, offsets, bag_shift, weights, bag_scale, batch_major, out=None) -> torch.Tensor:
+        if (
+            out is not None
+            or self.optimizer is None
+            or not (torch.is_grad_enabled() and self.weight.requires_grad)
+        ):
+            return super()._run_kernel(ids, offsets, bag_shift, weights, bag_scale, batch_major, out)
         return _ReplicatedFusedFn.apply(
             self.weight, weights, ids, offsets, bag_shift, bag_scale, self.pooled, batch_major, self
         )

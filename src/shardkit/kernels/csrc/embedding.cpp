@@ -81,7 +81,7 @@ inline void with_block_width(int64_t dim, F&& f) {
 template <int64_t W, typename scalar_t, typename index_t>
 int64_t forward_kernel(const at::Tensor& weight, const at::Tensor& ids, const at::Tensor& offsets,
                        const int64_t* shift, const float* psw, const float* scale, bool pooled,
-                       int64_t batch, int64_t prefetch, at::Tensor& out) {
+                       int64_t batch, int64_t prefetch, at::Tensor& out, int64_t ld) {
   const int64_t num_rows = weight.size(0), dim = weight.size(1);
   const int64_t width = W > 0 ? W : dim;  // columns summed per pass over a bag's ids
   const int64_t bags = offsets.numel() - 1;
@@ -90,16 +90,16 @@ int64_t forward_kernel(const at::Tensor& weight, const at::Tensor& ids, const at
   const int64_t* off = offsets.data_ptr<int64_t>();
   scalar_t* dst = out.data_ptr<scalar_t>();
   const int64_t total = off[bags];
-  const int64_t features = batch > 0 ? bags / batch : 1;
   std::vector<int64_t> first_bad(at::get_num_threads() + 1, std::numeric_limits<int64_t>::max());
   at::parallel_for(0, bags, 64, [&](int64_t b0, int64_t b1) {
     std::vector<float> acc_storage(width);
     float* acc = acc_storage.data();
     int64_t bad = std::numeric_limits<int64_t>::max();
-    // bag b's output row, bag_row(b, batch, features), kept up to date without a division per bag
+    // where bag b's output row starts, grad_offset(b, batch, dim, ld), kept up to date without a
+    // division per bag (out's rows are ld values apart: a column slice of several groups' output)
     int64_t sample = batch > 0 ? b0 % batch : 0, feature = batch > 0 ? b0 / batch : 0;
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t out_row = batch > 0 ? sample * features + feature : b;
+      const int64_t out_at = batch > 0 ? sample * ld + feature * dim : b * ld;
       if (batch > 0 && ++sample == batch) {
         sample = 0;
         ++feature;
@@ -116,7 +116,7 @@ int64_t forward_kernel(const at::Tensor& weight, const at::Tensor& ids, const at
             continue;
           }
           const scalar_t* src = table + row * dim;
-          std::copy(src, src + dim, dst + i * dim);
+          std::copy(src, src + dim, dst + i * ld);
         }
         continue;
       }
@@ -159,7 +159,7 @@ int64_t forward_kernel(const at::Tensor& weight, const at::Tensor& ids, const at
                 a[k] += v;
               }
             }
-            float* o = dst + out_row * dim + c0;
+            float* o = dst + out_at + c0;
             if (scale) {
               const float c = scale[b];
 #pragma GCC unroll 8
@@ -196,7 +196,7 @@ int64_t forward_kernel(const at::Tensor& weight, const at::Tensor& ids, const at
             for (int64_t j = 0; j < width; ++j) a[j] += to_float(src[j]);
           }
         }
-        scalar_t* o = dst + out_row * dim + c0;
+        scalar_t* o = dst + out_at + c0;
         const float c = scale ? scale[b] : 1.0f;
         if (scale) {
           for (int64_t j = 0; j < width; ++j) o[j] = from_float<scalar_t>(a[j] * c);
@@ -213,23 +213,13 @@ int64_t forward_kernel(const at::Tensor& weight, const at::Tensor& ids, const at
   return bad == std::numeric_limits<int64_t>::max() ? -1 : bad;
 }
 
-// Returns [bags, dim] (pooled; [batch, bags / batch * dim] when batch > 0) or [ids, dim] in weight's
-// dtype. Raises IndexError naming the first id whose row is outside the buffer.
-at::Tensor embedding_forward(const at::Tensor& weight, const at::Tensor& ids, const at::Tensor& offsets,
-                             const c10::optional<at::Tensor>& bag_shift,
-                             const c10::optional<at::Tensor>& per_sample_weights,
-                             const c10::optional<at::Tensor>& bag_scale, bool pooled, int64_t batch,
-                             int64_t prefetch) {
-  check_common(weight, ids, offsets, bag_shift, per_sample_weights, bag_scale);
-  TORCH_CHECK(prefetch >= 0, "prefetch (rows ahead) must be >= 0, got ", prefetch);
-  // read through the pointer: offsets[-1].item() would dispatch two more ops per call
-  TORCH_CHECK(offsets.data_ptr<int64_t>()[offsets.numel() - 1] == ids.numel(), "offsets must end at the number of ids");
-  const int64_t rows_out = pooled ? offsets.numel() - 1 : ids.numel();
-  TORCH_CHECK(batch == 0 || (pooled && batch > 0 && rows_out % batch == 0),
-              "batch must be 0 or divide the number of bags of a pooled lookup");
-  at::Tensor out = batch > 0 ? at::empty({batch, rows_out / batch * weight.size(1)}, weight.options())
-                             : at::empty({rows_out, weight.size(1)}, weight.options());
-  advise_huge_pages(out);
+// Writes the lookup into out: [bags, dim] (pooled; [batch, bags / batch * dim] when batch > 0) or
+// [ids, dim] in weight's dtype, rows ld values apart. Raises IndexError naming the first id whose row
+// is outside the buffer.
+void forward_into(const at::Tensor& weight, const at::Tensor& ids, const at::Tensor& offsets,
+                  const c10::optional<at::Tensor>& bag_shift, const c10::optional<at::Tensor>& per_sample_weights,
+                  const c10::optional<at::Tensor>& bag_scale, bool pooled, int64_t batch, int64_t prefetch,
+                  at::Tensor& out, int64_t ld) {
   const int64_t* shift = bag_shift ? bag_shift->data_ptr<int64_t>() : nullptr;
   const float* psw = per_sample_weights ? per_sample_weights->data_ptr<float>() : nullptr;
   const float* scale = bag_scale ? bag_scale->data_ptr<float>() : nullptr;
@@ -239,10 +229,10 @@ at::Tensor embedding_forward(const at::Tensor& weight, const at::Tensor& ids, co
       constexpr int64_t W = decltype(w)::value;
       if (ids.scalar_type() == at::kLong) {
         bad = forward_kernel<W, scalar_t, int64_t>(weight, ids, offsets, shift, psw, scale, pooled, batch,
-                                                    prefetch, out);
+                                                    prefetch, out, ld);
       } else {
         bad = forward_kernel<W, scalar_t, int32_t>(weight, ids, offsets, shift, psw, scale, pooled, batch,
-                                                    prefetch, out);
+                                                    prefetch, out, ld);
       }
     });
   });
@@ -254,7 +244,58 @@ at::Tensor embedding_forward(const at::Tensor& weight, const at::Tensor& ids, co
     TORCH_CHECK_INDEX(false, "id at position ", bad, " maps to buffer row ", row, ", outside [0, ",
                       weight.size(0), ")");
   }
+}
+
+// The output's rows and columns: [rows_out, dim], or [batch, rows_out / batch * dim] when batch > 0.
+std::pair<int64_t, int64_t> check_forward(const at::Tensor& weight, const at::Tensor& ids, const at::Tensor& offsets,
+                                          const c10::optional<at::Tensor>& bag_shift,
+                                          const c10::optional<at::Tensor>& per_sample_weights,
+                                          const c10::optional<at::Tensor>& bag_scale, bool pooled, int64_t batch,
+                                          int64_t prefetch) {
+  check_common(weight, ids, offsets, bag_shift, per_sample_weights, bag_scale);
+  TORCH_CHECK(prefetch >= 0, "prefetch (rows ahead) must be >= 0, got ", prefetch);
+  // read through the pointer: offsets[-1].item() would dispatch two more ops per call
+  TORCH_CHECK(offsets.data_ptr<int64_t>()[offsets.numel() - 1] == ids.numel(), "offsets must end at the number of ids");
+  const int64_t rows_out = pooled ? offsets.numel() - 1 : ids.numel();
+  TORCH_CHECK(batch == 0 || (pooled && batch > 0 && rows_out % batch == 0),
+              "batch must be 0 or divide the number of bags of a pooled lookup");
+  return batch > 0 ? std::make_pair(batch, rows_out / batch * weight.size(1))
+                   : std::make_pair(rows_out, weight.size(1));
+}
+
+// Returns [bags, dim] (pooled; [batch, bags / batch * dim] when batch > 0) or [ids, dim] in weight's
+// dtype. Raises IndexError naming the first id whose row is outside the buffer.
+at::Tensor embedding_forward(const at::Tensor& weight, const at::Tensor& ids, const at::Tensor& offsets,
+                             const c10::optional<at::Tensor>& bag_shift,
+                             const c10::optional<at::Tensor>& per_sample_weights,
+                             const c10::optional<at::Tensor>& bag_scale, bool pooled, int64_t batch,
+                             int64_t prefetch) {
+  const auto shape = check_forward(weight, ids, offsets, bag_shift, per_sample_weights, bag_scale, pooled, batch,
+                                   prefetch);
+  at::Tensor out = at::empty({shape.first, shape.second}, weight.options());
+  advise_huge_pages(out);
+  forward_into(weight, ids, offsets, bag_shift, per_sample_weights, bag_scale, pooled, batch, prefetch, out,
+               shape.second);
   return out;
+}
+
+// embedding_forward's result written into out (weight's dtype, the result's shape, unit column stride,
+// rows at least a row's values apart: a column slice of a wider matrix, such as several lookup groups'
+// outputs side by side, which then need no concatenation).
+void embedding_forward_into(const at::Tensor& weight, const at::Tensor& ids, const at::Tensor& offsets,
+                            const c10::optional<at::Tensor>& bag_shift,
+                            const c10::optional<at::Tensor>& per_sample_weights,
+                            const c10::optional<at::Tensor>& bag_scale, bool pooled, int64_t batch,
+                            int64_t prefetch, at::Tensor& out) {
+  const auto shape = check_forward(weight, ids, offsets, bag_shift, per_sample_weights, bag_scale, pooled, batch,
+                                   prefetch);
+  TORCH_CHECK(out.scalar_type() == weight.scalar_type() && out.dim() == 2 && out.size(0) == shape.first &&
+                  out.size(1) == shape.second && (shape.second <= 1 || out.stride(1) == 1) &&
+                  (shape.first <= 1 || out.stride(0) >= shape.second),
+              "out must be a [", shape.first, ", ", shape.second, "] matrix of the weight's dtype with unit column ",
+              "stride, got ", out.scalar_type(), " sizes ", out.sizes(), " strides ", out.strides());
+  forward_into(weight, ids, offsets, bag_shift, per_sample_weights, bag_scale, pooled, batch, prefetch, out,
+               shape.first <= 1 ? shape.second : out.stride(0));
 }
 
 }  // namespace
@@ -264,6 +305,12 @@ TORCH_LIBRARY(shardkit_native, m) {
   m.def(
       "embedding_forward(Tensor weight, Tensor ids, Tensor offsets, Tensor? bag_shift, "
       "Tensor? per_sample_weights, Tensor? bag_scale, bool pooled, int batch, int prefetch=16) -> Tensor");
+  m.def(
+      "embedding_forward_into(Tensor weight, Tensor ids, Tensor offsets, Tensor? bag_shift, "
+      "Tensor? per_sample_weights, Tensor? bag_scale, bool pooled, int batch, int prefetch, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(shardkit_native, CPU, m) { m.impl("embedding_forward", &embedding_forward); }
+TORCH_LIBRARY_IMPL(shardkit_native, CPU, m) {
+  m.impl("embedding_forward", &embedding_forward);
+  m.impl("embedding_forward_into", &embedding_forward_into);
+}

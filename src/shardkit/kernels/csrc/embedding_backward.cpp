@@ -21,9 +21,10 @@
 
 namespace {
 
-using shardkit_embedding::bag_row;
 using shardkit_embedding::check_common;
 using shardkit_embedding::from_float;
+using shardkit_embedding::grad_offset;
+using shardkit_embedding::gradient_row_distance;
 using shardkit_embedding::kPrefetch;
 using shardkit_embedding::prefetch_row;
 using shardkit_embedding::to_float;
@@ -238,7 +239,7 @@ void update_by_row_runs(scalar_t* table, const uint64_t* keys, int64_t n, const 
       do {
         if (k + kPrefetch < n) {
           const uint64_t ahead = keys[k + kPrefetch];
-          prefetch_row(grad + static_cast<int64_t>(ahead & 0xffffffffu) * kDim, kDim);
+          prefetch_row(grad + static_cast<int64_t>(ahead & 0xffffffffu), kDim);
           if ((ahead >> 32) != (keys[k + kPrefetch - 1] >> 32)) {  // a row's first key: its weights, state
             const int64_t arow = static_cast<int64_t>(ahead >> 32);
             prefetch_row(table + arow * kDim, kDim);
@@ -246,7 +247,7 @@ void update_by_row_runs(scalar_t* table, const uint64_t* keys, int64_t n, const 
             if (state_b) prefetch_row(state_b + arow * state_width, state_width);
           }
         }
-        const float* g = grad + static_cast<int64_t>(keys[k] & 0xffffffffu) * kDim;
+        const float* g = grad + static_cast<int64_t>(keys[k] & 0xffffffffu);
 #pragma GCC unroll 8
         for (int64_t v = 0; v < kVecs; ++v) {
           vec x;
@@ -279,7 +280,7 @@ void update_by_row_runs(scalar_t* table, const uint64_t* keys, int64_t n, const 
 template <int64_t kDim, typename scalar_t, typename index_t>
 void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::Tensor& offsets,
                            const int64_t* shift, const float* psw, const float* scale, const float* grad,
-                           bool pooled, int64_t batch, const OptimArgs& optim, float* psw_grad,
+                           int64_t ld, bool pooled, int64_t batch, const OptimArgs& optim, float* psw_grad,
                            int64_t block_bytes) {
   // a compile-time row width keeps a row's sums in vector registers
   const int64_t num_rows = weight.size(0), dim = kDim > 0 ? kDim : weight.size(1);
@@ -287,11 +288,12 @@ void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::
   scalar_t* table = weight.data_ptr<scalar_t>();
   const index_t* id = ids.data_ptr<index_t>();
   const int64_t* off = offsets.data_ptr<int64_t>();
-  const int64_t features = batch > 0 ? bags / batch : 1;
 
-  // 1. per id a sort key: its row, packed with the row of grad it reads (unweighted, unscaled bags:
-  //    the sum needs nothing else) or with its position (weighted or scaled: the bag and the weight
-  //    are looked up by position); the sort's digits are counted on the way (per thread, then summed)
+  // 1. per id a sort key: its row, packed with where its gradient row starts in grad (the element
+  //    offset; unweighted, unscaled bags: the sum needs nothing else) or with its position (weighted or
+  //    scaled: the bag and the weight are looked up by position); the sort's digits are counted on the
+  //    way (per thread, then summed). grad's rows are ld floats apart (a column slice of a wider
+  //    gradient: several lookup groups' outputs side by side), so no copy makes them contiguous
   const bool by_position = psw != nullptr || scale != nullptr;
   // unweighted, unscaled bags (or one row per id): an id's term is its gradient row alone
   constexpr bool kVectorRows = kDim > 0 && kDim % 8 == 0;
@@ -307,10 +309,10 @@ void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::
   int32_t* bag_of = bag_storage.get();  // by_position only
   at::parallel_for(0, bags, 256, [&](int64_t b0, int64_t b1) {
     int64_t* hist = thread_hist.data() + at::get_thread_num() * hist_size;
-    // bag b's grad row, bag_row(b, batch, features), kept up to date without a division per bag
+    // bag b's grad row's offset, grad_offset(b, batch, dim, ld), kept up to date without a division per bag
     int64_t sample = batch > 0 ? b0 % batch : 0, feature = batch > 0 ? b0 / batch : 0;
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t grad_row = batch > 0 ? sample * features + feature : b;
+      const int64_t grad_at = batch > 0 ? sample * ld + feature * dim : b * ld;
       if (batch > 0 && ++sample == batch) {
         sample = 0;
         ++feature;
@@ -320,7 +322,7 @@ void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::
         const int64_t row = static_cast<int64_t>(id[i]) + s;
         TORCH_CHECK(row >= 0 && row < num_rows, "id at position ", i, " maps to row ", row,
                     " outside the buffer of ", num_rows, " rows");
-        const uint64_t payload = by_position || !pooled ? i : grad_row;
+        const uint64_t payload = by_position ? i : pooled ? grad_at : i * ld;
         keys[i] = (static_cast<uint64_t>(row) << 32) | payload;
         for (int pass = 0; pass < plan.passes; ++pass) {
           ++hist[pass * plan.buckets() + plan.digit_of(keys[i], pass)];
@@ -340,7 +342,7 @@ void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t b = bag_of[i];
         const scalar_t* w = table + static_cast<int64_t>(keys[i] >> 32) * dim;
-        const float* g = grad + bag_row(b, batch, features) * dim;
+        const float* g = grad + grad_offset(b, batch, dim, ld);
         const float c = scale ? scale[b] : 1.0f;
         float dot = 0.0f;
         for (int64_t j = 0; j < dim; ++j) dot += (g[j] * c) * to_float(w[j]);
@@ -387,10 +389,10 @@ void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::
     const float* state_a = optim.kind == kSGD ? nullptr : optim.state0;
     const float* state_b = optim.kind == kAdam ? optim.state1 : nullptr;
     const int64_t state_width = optim.kind == kRowwiseAdagrad ? 1 : d;
-    // the row of grad that the id of a sorted key reads
+    // where the row of grad that the id of a sorted key reads starts
     auto source_of = [=](uint64_t key) -> int64_t {
       const int64_t payload = static_cast<int64_t>(key & 0xffffffffu);
-      return by_bag ? bag_row(bag_of[payload], batch, features) : payload;
+      return by_bag ? grad_offset(bag_of[payload], batch, d, ld) : payload;
     };
     int64_t k = k0;
     while (k < k1) {
@@ -400,7 +402,7 @@ void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::
       for (; k < n && static_cast<int64_t>(keys[k] >> shift_bits) == block; ++k) {
         if (k + kPrefetch < n) {  // a repeated row is asked for again: cheap, it is in cache by then
           const uint64_t ahead = keys[k + kPrefetch];
-          prefetch_row(grad + source_of(ahead) * d, d);
+          prefetch_row(grad + source_of(ahead), d);
           const int64_t arow = static_cast<int64_t>(ahead >> 32);
           prefetch_row(table + arow * d, d);
           if (state_a) prefetch_row(state_a + arow * state_width, state_width);
@@ -409,7 +411,7 @@ void fused_backward_kernel(at::Tensor& weight, const at::Tensor& ids, const at::
         const uint64_t key = keys[k];
         const int64_t local = static_cast<int64_t>(key >> 32) - base;
         float* __restrict__ acc = sums.get() + local * d;
-        const float* __restrict__ g = grad + source_of(key) * d;
+        const float* __restrict__ g = grad + source_of(key);
         if (stamp[local] != block) {  // the row's first id: its sum starts at 0
           stamp[local] = block;
           touched.push_back(static_cast<int32_t>(local));
@@ -471,8 +473,8 @@ at::Tensor embedding_fused_backward(at::Tensor& weight, const at::Tensor& ids, c
   const int64_t grad_rows = pooled ? offsets.numel() - 1 : n;
   TORCH_CHECK(batch == 0 || (pooled && batch > 0 && grad_rows % batch == 0),
               "batch must be 0 or divide the number of bags of a pooled lookup");
-  TORCH_CHECK(grad.scalar_type() == at::kFloat && grad.is_contiguous() && grad.numel() == grad_rows * dim,
-              "grad must be contiguous fp32 with ", grad_rows, " x ", dim, " elements");
+  // grad may be a column slice of a wider gradient (several lookup groups' outputs), read in place
+  const int64_t ld = gradient_row_distance(grad, grad_rows, dim, batch);
   const size_t needed = optimizer == kSGD ? 0 : (optimizer == kAdam ? 2 : 1);
   TORCH_CHECK(state.size() == needed, "optimizer ", optimizer, " needs ", needed, " state tensors");
   for (const auto& t : state) {
@@ -498,11 +500,11 @@ at::Tensor embedding_fused_backward(at::Tensor& weight, const at::Tensor& ids, c
       constexpr int64_t kDim = decltype(width)::value;
       if (ids.scalar_type() == at::kLong) {
         fused_backward_kernel<kDim, scalar_t, int64_t>(weight, ids, offsets, shift, psw, scale,
-                                                       grad.data_ptr<float>(), pooled, batch, o, psw_grad_ptr,
+                                                       grad.data_ptr<float>(), ld, pooled, batch, o, psw_grad_ptr,
                                                        block_bytes);
       } else {
         fused_backward_kernel<kDim, scalar_t, int32_t>(weight, ids, offsets, shift, psw, scale,
-                                                       grad.data_ptr<float>(), pooled, batch, o, psw_grad_ptr,
+                                                       grad.data_ptr<float>(), ld, pooled, batch, o, psw_grad_ptr,
                                                        block_bytes);
       }
     });

@@ -38,11 +38,34 @@ inline void prefetch_row(const T* p, int64_t count) {
   for (int64_t k = 0; k < count * static_cast<int64_t>(sizeof(T)); k += 64) __builtin_prefetch(bytes + k, 0, 1);
 }
 
-// Row of the [bags, dim] view of a pooled output (or gradient) that holds bag b. batch == 0: row b.
-// batch > 0: bags are feature-major (b = f * batch + s) and the tensor is sample-major
-// [batch, features * dim] (a KeyedTensor's values), so bag b is row s * features + f of its view.
-inline int64_t bag_row(int64_t b, int64_t batch, int64_t features) {
-  return batch > 0 ? (b % batch) * features + b / batch : b;
+// Where bag b's row starts in a pooled output or gradient whose rows are ld values apart: [bags, dim]
+// (batch 0), or batch-major [batch, bags / batch x dim] (bag b = feature b / batch of sample b % batch)
+inline int64_t grad_offset(int64_t b, int64_t batch, int64_t dim, int64_t ld) {
+  return batch > 0 ? (b % batch) * ld + (b / batch) * dim : b * ld;
+}
+
+// The distance between grad's rows (values) for a backward reading grad_rows x dim gradient values
+// ([grad_rows, dim], or [batch, grad_rows / batch x dim] when batch > 0): contiguous (any shape), or
+// that matrix with unit column stride and rows at least its columns apart (a column slice of a wider
+// gradient, read in place). The result's element offsets fit in 32 bits (the sort keys carry them).
+inline int64_t gradient_row_distance(const at::Tensor& grad, int64_t grad_rows, int64_t dim, int64_t batch) {
+  const int64_t cols = batch > 0 ? grad_rows / batch * dim : dim;
+  const int64_t lines = batch > 0 ? batch : grad_rows;
+  TORCH_CHECK(grad.scalar_type() == at::kFloat, "grad must be fp32");
+  int64_t ld = cols;
+  if (grad.is_contiguous()) {
+    TORCH_CHECK(grad.numel() == grad_rows * dim, "grad must be contiguous fp32 with ", grad_rows, " x ", dim,
+                " elements");
+  } else {
+    TORCH_CHECK(grad.dim() == 2 && grad.size(0) == lines && grad.size(1) == cols &&
+                    (cols <= 1 || grad.stride(1) == 1) && grad.stride(0) >= cols,
+                "grad must be contiguous fp32 with ", grad_rows, " x ", dim, " elements, or a [", lines, ", ",
+                cols, "] matrix of unit column stride, got sizes ", grad.sizes(), " strides ", grad.strides());
+    ld = grad.stride(0);
+  }
+  TORCH_CHECK(lines == 0 || (lines - 1) * ld + cols < (int64_t(1) << 32),
+              "the native backward handles gradients spanning < 2^32 values per call");
+  return ld;
 }
 
 // Checks the arguments both ops take (shapes, dtypes, contiguity); raises naming the argument.

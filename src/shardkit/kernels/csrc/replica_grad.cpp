@@ -16,7 +16,12 @@
 #include <cstdint>
 #include <vector>
 
+#include "embedding_common.h"
+
 namespace {
+
+using shardkit_embedding::grad_offset;
+using shardkit_embedding::gradient_row_distance;
 
 constexpr int64_t kAhead = 16;     // ids ahead whose target row is prefetched
 constexpr int64_t kBagsAhead = 8;  // bags ahead whose gradient row is prefetched
@@ -25,10 +30,6 @@ constexpr int64_t kBagsAhead = 8;  // bags ahead whose gradient row is prefetche
 inline void prefetch_row(const float* p, int64_t count) {
   const char* bytes = reinterpret_cast<const char*>(p);
   for (int64_t k = 0; k < count * 4; k += 64) __builtin_prefetch(bytes + k, 0, 1);
-}
-
-inline int64_t bag_row_of(int64_t b, int64_t batch, int64_t features) {
-  return batch > 0 ? (b % batch) * features + b / batch : b;
 }
 
 // Calls f(std::integral_constant<int64_t, D>) with D = dim for the common widths, else D = 0.
@@ -132,10 +133,9 @@ at::Tensor replica_touched_rows(at::Tensor& marks, at::Tensor& position, const a
 template <int64_t kDim, typename index_t>
 int64_t scatter_kernel(float* out, float* seen, int64_t targets, const index_t* id, const int64_t* off,
                        const int64_t* shift, const float* psw, const float* scale, const float* grad,
-                       bool pooled, int64_t run_time_dim, int64_t bags, int64_t batch, float factor,
+                       int64_t ld, bool pooled, int64_t run_time_dim, int64_t bags, int64_t batch, float factor,
                        const int64_t* position, int64_t num_rows) {
   const int64_t dim = kDim > 0 ? kDim : run_time_dim;
-  const int64_t features = batch > 0 ? bags / batch : 1;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_rows / 4096 + 1));
   std::vector<int64_t> counts(threads, 0);
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
@@ -146,17 +146,18 @@ int64_t scatter_kernel(float* out, float* seen, int64_t targets, const index_t* 
       std::vector<float> storage(kDim > 0 ? 0 : dim);
       float* term = kDim > 0 ? fixed : storage.data();  // one id's contribution
       const int64_t n = off[bags];
-      // bag b's gradient row, kept up to date without a division per bag (bag_row_of)
+      // where bag b's gradient row starts (grad_offset; rows ld values apart: a column slice of several
+      // groups' gradient), kept up to date without a division per bag
       int64_t sample = 0, feature = 0;
       for (int64_t b = 0; b < bags; ++b) {
-        const int64_t bag_row = batch > 0 ? sample * features + feature : b;
+        const int64_t bag_at = batch > 0 ? sample * ld + feature * dim : b * ld;
         if (batch > 0 && ++sample == batch) {
           sample = 0;
           ++feature;
         }
         // the gradient rows of feature-major bags in a sample-major gradient are a whole row of the
         // KeyedTensor apart (pages apart): ask for a later bag's row now, as its rows' are asked below
-        if (pooled && b + kBagsAhead < bags) prefetch_row(grad + bag_row_of(b + kBagsAhead, batch, features) * dim, dim);
+        if (pooled && b + kBagsAhead < bags) prefetch_row(grad + grad_offset(b + kBagsAhead, batch, dim, ld), dim);
         const int64_t s = shift ? shift[b] : 0;
         for (int64_t i = off[b]; i < off[b + 1]; ++i) {
         const int64_t row = static_cast<int64_t>(id[i]) + s;
@@ -177,7 +178,7 @@ int64_t scatter_kernel(float* out, float* seen, int64_t targets, const index_t* 
         }
         const int64_t target = position ? position[row] : row;
         float* o = out + target * dim;
-        const float* g = grad + (pooled ? bag_row : i) * dim;
+        const float* g = grad + (pooled ? bag_at : i * ld);
         const float c = scale ? scale[b] : 1.0f;
         const float w = psw ? psw[i] : 1.0f;
         // the fused backward's sum: acc = 0, then per id in order acc += g * c (or fma(w, g * c, acc)); here
@@ -232,10 +233,9 @@ int64_t replica_grad_scatter(at::Tensor& out, at::Tensor& seen, const at::Tensor
   TORCH_CHECK(seen.scalar_type() == at::kFloat && seen.is_contiguous() && seen.numel() == targets,
               "seen must be contiguous fp32 [targets]");
   const int64_t grad_rows = pooled ? bags : ids.numel();
-  TORCH_CHECK(grad.scalar_type() == at::kFloat && grad.is_contiguous() && grad.numel() == grad_rows * dim,
-              "grad must be contiguous fp32 with ", grad_rows, " x ", dim, " elements");
   TORCH_CHECK(batch == 0 || (pooled && batch > 0 && bags % batch == 0),
               "batch must be 0 or divide the number of bags of a pooled lookup");
+  const int64_t ld = gradient_row_distance(grad, grad_rows, dim, batch);
   if (per_sample_weights) {
     TORCH_CHECK(per_sample_weights->scalar_type() == at::kFloat && per_sample_weights->is_contiguous() &&
                     per_sample_weights->numel() == ids.numel(),
@@ -265,12 +265,12 @@ int64_t replica_grad_scatter(at::Tensor& out, at::Tensor& seen, const at::Tensor
     if (ids.scalar_type() == at::kLong) {
       check_rows(ids.data_ptr<int64_t>(), off, shift, bags, num_rows);
       count = scatter_kernel<kDim, int64_t>(o, s, targets, ids.data_ptr<int64_t>(), off, shift, psw, scale,
-                                            grad.data_ptr<float>(), pooled, dim, bags, batch, static_cast<float>(factor),
+                                            grad.data_ptr<float>(), ld, pooled, dim, bags, batch, static_cast<float>(factor),
                                             pos, num_rows);
     } else {
       check_rows(ids.data_ptr<int32_t>(), off, shift, bags, num_rows);
       count = scatter_kernel<kDim, int32_t>(o, s, targets, ids.data_ptr<int32_t>(), off, shift, psw, scale,
-                                            grad.data_ptr<float>(), pooled, dim, bags, batch, static_cast<float>(factor),
+                                            grad.data_ptr<float>(), ld, pooled, dim, bags, batch, static_cast<float>(factor),
                                             pos, num_rows);
     }
   });
