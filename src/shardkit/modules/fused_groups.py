@@ -9,7 +9,7 @@ backward: 1.14 ms a step against 0.28 ms with the kernels called from one node).
 from one node: the results are the same bit for bit. Each group's kernel writes its columns of the one
 output, and its backward reads its columns of the output's gradient where they are (the native kernels
 take rows a stride apart): no concatenation forward and no contiguous copy of each group's gradient
-backward (2-10 % of a 2-rank step of 3-16 widths, docs/performance.md). The data-parallel replicas
+backward (row-wise 2-rank steps of 3-16 widths 4-9 % faster, docs/performance.md). The data-parallel replicas
 subclass it to make their groups' exchanges one collective (``shardkit.sharding.replicated_fused_lookup``).
 """
 
