@@ -20,7 +20,13 @@ from shardkit.planner import (
     PlannerError,
     Topology,
 )
-from shardkit.planner.estimators import CACHE_LOAD_FACTOR, distinct_rows, replica_exchange, replica_groups
+from shardkit.planner.estimators import (
+    CACHE_LOAD_FACTOR,
+    distinct_rows,
+    rank_footprint_bytes,
+    replica_exchange,
+    replica_groups,
+)
 from shardkit.planner.types import TableInfo
 from tests.planner._sharder import ebc_sharder, ec_sharder, meta_ebc, meta_ec
 
@@ -292,6 +298,30 @@ def test_the_miss_term_grows_with_the_table_and_vanishes_in_the_cache():
     assert times[-1] < no_miss + 40 * 1e-6  # at most every id misses
     # a larger cache never costs more
     assert table_wise_compute(10_000, cache=40_000.0) < table_wise_compute(10_000, cache=4000.0)
+
+
+def test_a_shard_among_others_misses_as_its_ranks_share_of_all_tables():
+    # four tables of 4000 bytes on 2 ranks: a rank's share is 8000 bytes, more than any one shard
+    tables = [
+        EmbeddingBagConfig(num_embeddings=100, embedding_dim=10, name=f"t{i}", feature_names=[f"f{i}"])
+        for i in range(4)
+    ]
+    topology = Topology(world_size=2, compute_device="cpu", cost_model=MISS)
+    enumerator = EmbeddingEnumerator(topology, batch_size=10, constraints=None)
+    found = enumerator.tables(meta_ebc(tables), [ebc_sharder()])
+    options = [o for table, sharder in found for o in enumerator.enumerate(table, sharder)]
+    assert rank_footprint_bytes(options, 2) == 4 * 4000 / 2  # each table once, whatever its options
+    EmbeddingStorageEstimator().estimate(options, topology)
+    EmbeddingPerfEstimator().estimate(options, topology)
+    with_misses = {id(o): o.compute.clone() for o in options}
+    EmbeddingPerfEstimator().estimate(options, Topology(world_size=2, compute_device="cpu", cost_model=MODEL))
+    missed = {
+        (o.table.fqn, o.sharding_type, o.compute_kernel): with_misses[id(o)] - o.compute for o in options
+    }
+    # table-wise (a 4000-byte shard) and row-wise (two of 2000 bytes) alike at 1 - 1000 / 8000, one id a
+    # bag: 20 ids a table, 10 a row-wise shard (a table alone: 0.75 and 0.5, the tests above)
+    assert missed[("t0", "table_wise", "fused")].tolist() == pytest.approx([20 * 1e-6 * 0.875])
+    assert missed[("t0", "row_wise", "fused")].tolist() == pytest.approx([10 * 1e-6 * 0.875] * 2)
 
 
 def test_offloading_kernels_are_not_charged_the_miss_term():

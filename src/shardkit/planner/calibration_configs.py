@@ -4,7 +4,8 @@ cost model's constants to them).
 The configurations (``calibration_configs``) are synthetic, never the model being planned: tiny tables
 (``BATCH`` bags of one id) of each type alone at ``COUNTS`` shards per rank, table-wise with each other
 type and all four together (the fixed costs); table-wise tables of 1 to ``BIG_BYTES`` at ``BIG_BATCH``
-bags of ``BIG_POOLING`` ids, and at widths 16 and 128 (per id, per miss and per byte costs); row- and
+bags of ``BIG_POOLING`` ids, and at widths 16 and 128 (per id, per miss and per byte costs), two of the
+wide ones a rank (a rank's footprint past any one table: the miss term's second size); row- and
 column-wise tables of ``BIG_BYTES`` / 4 and ``BIG_BYTES`` (their routing per id); one data-parallel table of
 ``BIG_BYTES`` / 4 at ``BATCH`` bags of one id and at ``BIG_BATCH`` bags of ``BIG_POOLING`` ids (its
 per-id work and its update of every rank's touched rows), the same bytes at 16 columns and one of
@@ -81,6 +82,11 @@ def calibration_configs(world: int, big_bytes: int = BIG_BYTES) -> List[StepConf
     # terms were set by 512-bag steps and the tiny steps' fixed costs alone, and a fit that put the
     # fixed costs low (noisy tiny steps) extrapolated a 4x larger batch 1.4x too slow
     configs.append(StepConfig(tw, big_bytes // 512, 128, batch=4 * BIG_BATCH, pooling=BIG_POOLING))
+    # two such tables a rank: the misses of a rank whose shards share its caches (the miss term prices
+    # a shard by at least the rank's share of all tables' bytes, estimators.rank_footprint_bytes: here
+    # 2 x big_bytes, the one size past big_bytes, which the cache size and the per-miss cost need to be
+    # told apart once the row- and column-wise steps' halves are priced at their whole tables)
+    configs.append(StepConfig(tw * 2, big_bytes // 512, 128, **big))
     # one id per bag at many bags: the pooled rows sent (bags x columns) against the ids and bytes read
     # (at 20 ids per bag the dists' bytes are a fixed mix of the two; the tiny steps have too few)
     many_bags = dict(batch=BIG_BATCH * 8, pooling=1)
@@ -139,11 +145,6 @@ def calibration_configs(world: int, big_bytes: int = BIG_BYTES) -> List[StepConf
     configs += [StepConfig(tw * k, tiny_rows, dim_step=GROUP_DIM_STEP, batch=BIG_BATCH) for k in (4, 16)]
     configs.append(StepConfig(tw * 16, tiny_rows, batch=BIG_BATCH))
     configs.append(StepConfig(("row_wise",) * 16, tiny_rows, dim_step=GROUP_DIM_STEP))
-    # EXPERIMENT: mid-size tables at a moderate batch
-    mid = dict(batch=256, pooling=4)
-    configs.append(StepConfig(tw * 4, 16384, 16, **mid))
-    configs.append(StepConfig(("row_wise",) * 4, 16384, 16, **mid))
-    configs.append(StepConfig(("column_wise",) * 4, 16384, 16, **mid))
     return configs
 
 

@@ -76,9 +76,10 @@ class CostModel:
             a type not named costs nothing per id.
         id_miss_s: seconds per id whose row is not in the CPU's (or GPU's) cache, beside the bytes:
             the memory latency of a random row. A shard of ``S`` weight bytes misses with probability
-            ``max(0, 1 - lookup_cache_bytes / S)`` (uniform ids over its rows), so a table that fits
-            the cache pays nothing and one much larger pays it on nearly every id. Offloading kernels
-            are not charged it (their tiers have their own bandwidths).
+            ``max(0, 1 - lookup_cache_bytes / max(S, F))`` (uniform ids over its rows; ``F`` the rank's
+            share of all tables' bytes, ``estimators.rank_footprint_bytes``: its shards share the
+            cache), so a table that fits the cache pays nothing and one much larger pays it on nearly
+            every id. Offloading kernels are not charged it (their tiers have their own bandwidths).
         lookup_cache_bytes: the cache a rank's lookups are served from (the ``C`` above; calibrate()
             picks it among powers of two by the fit's residual).
         miss_latency_bytes: the bytes of a missed row that stream from memory in one ``id_miss_s``:
@@ -181,7 +182,8 @@ class CostModel:
     def miss_rate(self, shard_bytes):
         """Share of a shard's lookups whose row is not in ``lookup_cache_bytes`` of cache (uniform ids over
         its rows): ``max(0, 1 - lookup_cache_bytes / shard_bytes)``; a float or a float64 tensor of
-        shards' weight bytes (an empty shard misses nothing)."""
+        shards' weight bytes, or the bytes competing for the cache (the estimator passes the larger of a
+        shard's and its rank's share of all tables'); an empty shard misses nothing."""
         if isinstance(shard_bytes, (int, float)):
             return max(0.0, 1.0 - self.lookup_cache_bytes / shard_bytes) if shard_bytes > 0 else 0.0
         return (1.0 - self.lookup_cache_bytes / shard_bytes.clamp(min=1e-30)).clamp(min=0.0)
