@@ -64,10 +64,13 @@ inline void advise_huge_pages(const at::Tensor& t) {
 // Calls f(std::integral_constant<int64_t, W>) with the widest block W in {128, 64, 32, 16, 8} that
 // divides dim, or W = 0 (run-time width) when none does: fixed-width blocks keep the accumulators in
 // vector registers, which a loop over a run-time dim does not. 128 (one pass over a bag's ids at dim
-// 128 instead of two of 64) pays with the vector-register sums below: 8 zmm registers on AVX-512.
+// 128 instead of two of 64) pays with the vector-register sums below: 8 zmm registers on AVX-512; on
+// AVX2 it would take all 16 ymm registers, and two passes of 64 measured 0.67x its time (Zen 3).
+constexpr int64_t kLanes = shardkit_embedding::kVectorLanes;
+
 template <typename F>
 inline void with_block_width(int64_t dim, F&& f) {
-  if (dim % 128 == 0) f(std::integral_constant<int64_t, 128>());
+  if (dim % 128 == 0 && kLanes == 16) f(std::integral_constant<int64_t, 128>());
   else if (dim % 64 == 0) f(std::integral_constant<int64_t, 64>());
   else if (dim % 32 == 0) f(std::integral_constant<int64_t, 32>());
   else if (dim % 16 == 0) f(std::integral_constant<int64_t, 16>());
@@ -122,20 +125,20 @@ int64_t forward_kernel(const at::Tensor& weight, const at::Tensor& ids, const at
       }
       // past this bag, the next bag's shift is right for most ids (a wrong guess costs nothing)
       const int64_t s_next = shift && b + 1 < bags ? shift[b + 1] : s;
-      // fp32 unweighted bags: the sums in vector registers (GCC vector type; the same adds in the
-      // same order, so the same bits). The generic loop below keeps them in a stack array that gcc 12
+      // fp32 unweighted bags: the sums in vector registers of the target's width (kLanes floats; GCC
+      // vector type; the same adds in the same order, so the same bits). The generic loop below keeps them in a stack array that gcc 12
       // spilled and reloaded on every id at W = 128. Rows are prefetched into L1 (prefetcht0) here:
       // with register sums that measured 0.86-0.94x the time of L2 prefetches at dims 128 / 64 and
       // equal at 16 (Zen 5, loaded; docs/performance.md, session 13), the reverse of the
       // generic loop's finding (prefetch_row's comment).
-      if constexpr (std::is_same<scalar_t, float>::value && W >= 16 && W % 16 == 0) {
+      if constexpr (std::is_same<scalar_t, float>::value && W >= kLanes && W % kLanes == 0) {
         if (!psw) {
-          typedef float vec16 __attribute__((vector_size(64)));
-          constexpr int64_t kVecs = W / 16;
+          typedef float lanes_t __attribute__((vector_size(kLanes * 4)));
+          constexpr int64_t kVecs = W / kLanes;
           for (int64_t c0 = 0; c0 < dim; c0 += W) {
-            vec16 a[kVecs];
+            lanes_t a[kVecs];
 #pragma GCC unroll 8
-            for (int64_t k = 0; k < kVecs; ++k) a[k] = vec16{};
+            for (int64_t k = 0; k < kVecs; ++k) a[k] = lanes_t{};
             for (int64_t i = lo; i < hi; ++i) {
               const int64_t ahead = i + prefetch;
               if (prefetch > 0 && ahead < total) {
@@ -154,8 +157,8 @@ int64_t forward_kernel(const at::Tensor& weight, const at::Tensor& ids, const at
               const float* src = table + row * dim + c0;
 #pragma GCC unroll 8
               for (int64_t k = 0; k < kVecs; ++k) {
-                vec16 v;
-                std::memcpy(&v, src + 16 * k, sizeof(v));
+                lanes_t v;
+                std::memcpy(&v, src + kLanes * k, sizeof(v));
                 a[k] += v;
               }
             }
@@ -166,7 +169,7 @@ int64_t forward_kernel(const at::Tensor& weight, const at::Tensor& ids, const at
               for (int64_t k = 0; k < kVecs; ++k) a[k] *= c;
             }
 #pragma GCC unroll 8
-            for (int64_t k = 0; k < kVecs; ++k) std::memcpy(o + 16 * k, &a[k], sizeof(vec16));
+            for (int64_t k = 0; k < kVecs; ++k) std::memcpy(o + kLanes * k, &a[k], sizeof(lanes_t));
           }
           continue;
         }

@@ -26,6 +26,7 @@ using shardkit_embedding::from_float;
 using shardkit_embedding::grad_offset;
 using shardkit_embedding::gradient_row_distance;
 using shardkit_embedding::kPrefetch;
+using shardkit_embedding::kVectorLanes;
 using shardkit_embedding::prefetch_row;
 using shardkit_embedding::to_float;
 
@@ -218,8 +219,9 @@ inline void rowwise_adagrad_registers(const OptimArgs& o, int64_t row, float* __
 template <int64_t kDim, typename scalar_t>
 void update_by_row_runs(scalar_t* table, const uint64_t* keys, int64_t n, const float* grad,
                         const OptimArgs& optim) {
-  // 16-float vectors (a zmm register each on AVX-512), 8-float ones for an 8-wide row
-  constexpr int64_t kLanes = kDim % 16 == 0 ? 16 : 8;
+  // the register's vectors: 16 floats (a zmm) on AVX-512 where the row is a multiple of 16, else 8 (a
+  // ymm; on an AVX2 CPU 16-float vectors are split and cost more than the block loop)
+  constexpr int64_t kLanes = kVectorLanes == 16 && kDim % 16 == 0 ? 16 : 8;
   static_assert(kDim > 0 && kDim % kLanes == 0, "row runs are summed in whole vectors");
   typedef float vec __attribute__((vector_size(kLanes * 4)));
   constexpr int64_t kVecs = kDim / kLanes;

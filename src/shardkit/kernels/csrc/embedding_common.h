@@ -29,6 +29,16 @@ inline scalar_t from_float(float x) { return static_cast<scalar_t>(x); }
 // for gradient rows.
 constexpr int64_t kPrefetch = 16;
 
+// Floats in one vector register of the build's target (-march=native): 16 (a zmm) with AVX-512, else 8
+// (a ymm, AVX2). Sums kept in GCC vectors wider than the registers cost 1.6-4.5x the time of the plain
+// loop on an AVX2 CPU (Zen 3, forward at dims 16-128, fp32, docs/performance.md): the vector code is
+// only worth it at the register's width.
+#if defined(__AVX512F__)
+constexpr int64_t kVectorLanes = 16;
+#else
+constexpr int64_t kVectorLanes = 8;
+#endif
+
 // Asks for every cache line of `count` elements at `p` (one prefetch covers 64 bytes only), into L2
 // (locality 1, prefetcht2) rather than L1: with 16 rows in flight this measured 0.85-0.89x fbgemm's TBE
 // forward time where prefetcht0 gave 1.01-1.09x (vs_fbgemm_kernel.py, this repository's 2-core machine).
