@@ -197,6 +197,64 @@ def test_shardkit_native_0_switches_the_native_path_off(tmp_path):
     assert "native False" in done.stdout and "SHARDKIT_NATIVE=0" in done.stderr
 
 
+_WIDTHS_CHILD = """
+import torch
+from shardkit.kernels import RowOptimizerArgs, embedding_forward, embedding_fused_backward, kernel_backend
+from shardkit.kernels import native_failure, native_ops
+assert native_ops() is not None, native_failure()
+gen = torch.Generator().manual_seed(0)
+lengths = torch.randint(0, 5, (64,), generator=gen)
+offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+ids = torch.randint(0, 90, (int(lengths.sum()),), generator=gen)
+for dim in (16, 32, 48, 64, 128):
+    weight = torch.randn(100, dim, generator=gen)
+    outs = {}
+    for backend in ("native", "torch"):
+        with kernel_backend(backend):
+            outs[backend] = embedding_forward(weight, ids, offsets, None, None, None, True, batch_major=8)
+    assert torch.equal(outs["native"], outs["torch"]), dim
+    grad = torch.randn(8, 8 * dim, generator=gen)
+    for kind in ("SGD", "ROWWISE_ADAGRAD"):
+        tables = {}
+        for backend in ("native", "torch"):
+            table = weight.clone()
+            state = (torch.zeros(100),) if kind == "ROWWISE_ADAGRAD" else ()
+            with kernel_backend(backend):
+                embedding_fused_backward(table, ids, offsets, None, None, None, grad, True,
+                                         RowOptimizerArgs(kind, 0.1, eps=1e-8, state=state), batch_major=8)
+            tables[backend] = table
+        assert torch.equal(tables["native"], tables["torch"]), (dim, kind)
+print("widths ok")
+"""
+
+
+def _has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512f" in line for line in f)
+    except OSError:
+        return False
+
+
+@needs_native
+def test_the_other_vector_width_sums_as_the_torch_path(tmp_path):
+    # the kernels' register sums are 16 floats wide on AVX-512 and 8 elsewhere (kVectorLanes); the
+    # other tests check this machine's width. The other one, forced in a fresh build (~1.5 min), gives
+    # the pure-torch path's bits too (fp32 forward, SGD and row-wise Adagrad backward; dims 16-128 take
+    # the vector code): gcc compiles 16-float vectors on any x86-64 CPU (split where the registers are
+    # narrower) and 8-float ones on AVX-512
+    lanes = "8" if _has_avx512() else "16"
+    done = _run_child(_WIDTHS_CHILD, SHARDKIT_NATIVE_VECTOR_LANES=lanes, SHARDKIT_CACHE=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "widths ok" in done.stdout
+
+
+def test_a_vector_width_other_than_8_or_16_is_refused_with_a_notice(tmp_path):
+    done = _run_child(_CHILD, SHARDKIT_NATIVE_VECTOR_LANES="12", SHARDKIT_CACHE=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "native False" in done.stdout and "SHARDKIT_NATIVE_VECTOR_LANES must be 8 or 16" in done.stderr
+
+
 @needs_native
 @pytest.mark.parametrize("kind", ["SGD", "ADAGRAD"])
 def test_collection_trains_the_same_on_both_backends(kind):

@@ -70,6 +70,10 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
+# forces the kernels' vector width (csrc/embedding_common.h kVectorLanes), else the target's; for tests
+VECTOR_LANES_ENV = "SHARDKIT_NATIVE_VECTOR_LANES"
+
+
 def _flags() -> List[str]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # -ffp-contract=off: no fused multiply-add, so `a + b * c` rounds twice as in torch's kernels;
@@ -77,7 +81,11 @@ def _flags() -> List[str]:
     # -fno-math-errno: std::sqrt need not set errno, so gcc vectorizes the Adagrad / Adam loops over a
     # row (with errno, each element was a scalar sqrtss plus a branch: Adagrad's fused backward ran 8-10x
     # slower than SGD's). IEEE sqrt is correctly rounded either way: the results do not change
-    return [
+    lanes = os.environ.get(VECTOR_LANES_ENV, "").strip()
+    if lanes not in ("", "8", "16"):
+        raise RuntimeError(f"{VECTOR_LANES_ENV} must be 8 or 16 (floats a vector sum), got {lanes!r}")
+    forced = [f"-DSHARDKIT_VECTOR_LANES={lanes}"] if lanes else []
+    return forced + [
         "-O3",
         "-march=native",
         "-mprefer-vector-width=512",

@@ -33,11 +33,16 @@ constexpr int64_t kPrefetch = 16;
 // (a ymm, AVX2). Sums kept in GCC vectors wider than the registers cost 1.6-4.5x the time of the plain
 // loop on an AVX2 CPU (Zen 3, forward at dims 16-128, fp32, docs/performance.md): the vector code is
 // only worth it at the register's width.
-#if defined(__AVX512F__)
+// SHARDKIT_VECTOR_LANES (from $SHARDKIT_NATIVE_VECTOR_LANES, native_build.py) forces one: the tests
+// build the AVX-512 width on an AVX2 machine to check its results.
+#if defined(SHARDKIT_VECTOR_LANES)
+constexpr int64_t kVectorLanes = SHARDKIT_VECTOR_LANES;
+#elif defined(__AVX512F__)
 constexpr int64_t kVectorLanes = 16;
 #else
 constexpr int64_t kVectorLanes = 8;
 #endif
+static_assert(kVectorLanes == 8 || kVectorLanes == 16, "SHARDKIT_VECTOR_LANES must be 8 or 16");
 
 // Asks for every cache line of `count` elements at `p` (one prefetch covers 64 bytes only), into L2
 // (locality 1, prefetcht2) rather than L1: with 16 rows in flight this measured 0.85-0.89x fbgemm's TBE
