@@ -225,6 +225,11 @@ void update_by_row_runs(scalar_t* table, const uint64_t* keys, int64_t n, const 
   static_assert(kDim > 0 && kDim % kLanes == 0, "row runs are summed in whole vectors");
   typedef float vec __attribute__((vector_size(kLanes * 4)));
   constexpr int64_t kVecs = kDim / kLanes;
+  // accumulators summed at a time: all of them, but 8 ymm on AVX2 (dim 128 would take all 16 ymm
+  // registers and spill): the rest of the row in further passes over the run's keys, each column's
+  // adds in the same order
+  constexpr int64_t kChunk = kLanes == 8 && kVecs > 8 ? 8 : kVecs;
+  static_assert(kVecs % kChunk == 0, "a row's vectors are summed in whole chunks");
   const float* state_a = optim.kind == kSGD ? nullptr : optim.state0;
   const float* state_b = optim.kind == kAdam ? optim.state1 : nullptr;
   const int64_t state_width = optim.kind == kRowwiseAdagrad ? 1 : kDim;
@@ -235,9 +240,10 @@ void update_by_row_runs(scalar_t* table, const uint64_t* keys, int64_t n, const 
     int64_t k = k0;
     while (k < k1) {
       const uint64_t run_row = keys[k] >> 32;
-      vec a[kVecs];
+      const int64_t run_start = k;
+      vec a[kChunk];
 #pragma GCC unroll 8
-      for (int64_t v = 0; v < kVecs; ++v) a[v] = vec{};
+      for (int64_t v = 0; v < kChunk; ++v) a[v] = vec{};
       do {
         if (k + kPrefetch < n) {
           const uint64_t ahead = keys[k + kPrefetch];
@@ -251,23 +257,41 @@ void update_by_row_runs(scalar_t* table, const uint64_t* keys, int64_t n, const 
         }
         const float* g = grad + static_cast<int64_t>(keys[k] & 0xffffffffu);
 #pragma GCC unroll 8
-        for (int64_t v = 0; v < kVecs; ++v) {
+        for (int64_t v = 0; v < kChunk; ++v) {
           vec x;
           std::memcpy(&x, g + kLanes * v, sizeof(x));
           a[v] += x;
         }
         ++k;
       } while (k < n && (keys[k] >> 32) == run_row);
+      if constexpr (kChunk < kVecs) {  // the row's other columns, chunk by chunk, over the same keys
+        for (int64_t c = kChunk; c < kVecs; c += kChunk) {
+          vec b[kChunk];
+#pragma GCC unroll 8
+          for (int64_t v = 0; v < kChunk; ++v) b[v] = vec{};
+          for (int64_t j = run_start; j < k; ++j) {
+            const float* g = grad + static_cast<int64_t>(keys[j] & 0xffffffffu) + kLanes * c;
+#pragma GCC unroll 8
+            for (int64_t v = 0; v < kChunk; ++v) {
+              vec x;
+              std::memcpy(&x, g + kLanes * v, sizeof(x));
+              b[v] += x;
+            }
+          }
+#pragma GCC unroll 8
+          for (int64_t v = 0; v < kChunk; ++v) std::memcpy(sum + kLanes * (c + v), &b[v], sizeof(vec));
+        }
+      }
       const int64_t row = static_cast<int64_t>(run_row);
       scalar_t* w = table + row * kDim;
-      if constexpr (std::is_same<scalar_t, float>::value && kLanes == 16) {
+      if constexpr (std::is_same<scalar_t, float>::value && kLanes == 16 && kChunk == kVecs) {
         if (optim.kind == kRowwiseAdagrad) {  // apply_rule's row-wise Adagrad on the registers
           rowwise_adagrad_registers<kVecs>(optim, row, w, a);
           continue;
         }
       }
 #pragma GCC unroll 8
-      for (int64_t v = 0; v < kVecs; ++v) std::memcpy(sum + kLanes * v, &a[v], sizeof(vec));
+      for (int64_t v = 0; v < kChunk; ++v) std::memcpy(sum + kLanes * v, &a[v], sizeof(vec));
       if constexpr (std::is_same<scalar_t, float>::value) {
         apply_rule<kDim>(optim, row, kDim, w, sum);
       } else {
