@@ -126,11 +126,11 @@ int64_t forward_kernel(const at::Tensor& weight, const at::Tensor& ids, const at
       // past this bag, the next bag's shift is right for most ids (a wrong guess costs nothing)
       const int64_t s_next = shift && b + 1 < bags ? shift[b + 1] : s;
       // fp32 unweighted bags: the sums in vector registers of the target's width (kLanes floats; GCC
-      // vector type; the same adds in the same order, so the same bits). The generic loop below keeps them in a stack array that gcc 12
-      // spilled and reloaded on every id at W = 128. Rows are prefetched into L1 (prefetcht0) here:
-      // with register sums that measured 0.86-0.94x the time of L2 prefetches at dims 128 / 64 and
-      // equal at 16 (Zen 5, loaded; docs/performance.md, session 13), the reverse of the
-      // generic loop's finding (prefetch_row's comment).
+      // vector type; the same adds in the same order, so the same bits). The generic loop below keeps
+      // them in a stack array that gcc 12 spilled and reloaded on every id at W = 128. Rows are
+      // prefetched into L1 (prefetcht0) here: with register sums that measured 0.86-0.94x the time of
+      // L2 prefetches at dims 128 / 64 and equal at 16 (Zen 5, loaded; docs/performance.md, session 13),
+      // the reverse of the generic loop's finding (prefetch_row's comment).
       if constexpr (std::is_same<scalar_t, float>::value && W >= kLanes && W % kLanes == 0) {
         if (!psw) {
           typedef float lanes_t __attribute__((vector_size(kLanes * 4)));
