@@ -199,6 +199,9 @@ def test_shardkit_native_0_switches_the_native_path_off(tmp_path):
 
 _WIDTHS_CHILD = """
 import torch
+from shardkit.kernels import native_build
+# the two sources with the vector sums (and the namespace's TORCH_LIBRARY): a third of the full build
+native_build._SOURCES[:] = ["embedding.cpp", "embedding_backward.cpp"]
 from shardkit.kernels import RowOptimizerArgs, embedding_forward, embedding_fused_backward, kernel_backend
 from shardkit.kernels import native_failure, native_ops
 assert native_ops() is not None, native_failure()
@@ -239,10 +242,10 @@ def _has_avx512() -> bool:
 @needs_native
 def test_the_other_vector_width_sums_as_the_torch_path(tmp_path):
     # the kernels' register sums are 16 floats wide on AVX-512 and 8 elsewhere (kVectorLanes); the
-    # other tests check this machine's width. The other one, forced in a fresh build (~1.5 min), gives
-    # the pure-torch path's bits too (fp32 forward, SGD and row-wise Adagrad backward; dims 16-128 take
-    # the vector code): gcc compiles 16-float vectors on any x86-64 CPU (split where the registers are
-    # narrower) and 8-float ones on AVX-512
+    # other tests check this machine's width. The other one, forced in a fresh build of the two sources
+    # that hold the vector sums (~40 s), gives the pure-torch path's bits too (fp32 forward, SGD and
+    # row-wise Adagrad backward; dims 16-128 take the vector code): gcc compiles 16-float vectors on any
+    # x86-64 CPU (split where the registers are narrower) and 8-float ones on AVX-512
     lanes = "8" if _has_avx512() else "16"
     done = _run_child(_WIDTHS_CHILD, SHARDKIT_NATIVE_VECTOR_LANES=lanes, SHARDKIT_CACHE=str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
