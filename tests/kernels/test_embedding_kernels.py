@@ -65,9 +65,11 @@ def test_native_kernels_build_on_this_machine():
 @pytest.mark.parametrize("pooled", [True, False])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("scaled", [False, True])
-# 24: 8-wide blocks; 48: 16-wide blocks, three passes; 128: one 128-wide pass (fp32 unweighted bags take
-# the vector-register sums from 16-wide blocks up)
-@pytest.mark.parametrize("dim", [DIM, 48, 128])
+# the blocks of whole vectors up to 64 (AVX2) / 128 (AVX-512) columns that divide the dim: 24 and 40 one
+# pass of 3 / 5 ymm on AVX2 (8-wide passes on AVX-512), 48 one pass (three of 16 on AVX-512), 96 two of 48
+# (one of 96), 128 two of 64 (one of 128); 20 a run-time width (fp32 unweighted bags take the
+# vector-register sums)
+@pytest.mark.parametrize("dim", [DIM, 20, 40, 48, 96, 128])
 def test_forward_matches_torch(dtype, id_dtype, pooled, weighted, scaled, dim):
     weight = torch.randn(ROWS, dim, generator=torch.Generator().manual_seed(3)).to(dtype)
     ids, offsets, shift, psw, scale = _batch(id_dtype)
@@ -90,8 +92,9 @@ def test_forward_matches_torch(dtype, id_dtype, pooled, weighted, scaled, dim):
 @pytest.mark.parametrize("pooled", [True, False])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# a run-time width, and compile-time ones (8: column blocks; 128: the sweep's widest)
-@pytest.mark.parametrize("dim", [DIM, 8, 16, 128])
+# compile-time widths (8: column blocks; 24, 48, 96: 3, 6, 12 ymm on AVX2, the last in two chunks of 6;
+# 128: the sweep's widest) and run-time ones (40)
+@pytest.mark.parametrize("dim", [DIM, 8, 16, 40, 48, 96, 128])
 def test_fused_backward_matches_torch(kind, pooled, weighted, dtype, dim):
     ids, offsets, shift, psw, scale = _batch(seed=1)
     results = {}
@@ -209,7 +212,7 @@ gen = torch.Generator().manual_seed(0)
 lengths = torch.randint(0, 5, (64,), generator=gen)
 offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
 ids = torch.randint(0, 90, (int(lengths.sum()),), generator=gen)
-for dim in (16, 32, 48, 64, 128):
+for dim in (16, 24, 32, 40, 48, 64, 96, 128):
     weight = torch.randn(100, dim, generator=gen)
     outs = {}
     for backend in ("native", "torch"):
@@ -449,7 +452,7 @@ def test_forward_into_a_matrix_of_other_strides_or_shape():
 @pytest.mark.parametrize("kind", ["SGD", "ROWWISE_ADAGRAD", "ADAM"])
 @pytest.mark.parametrize("pooled, batch", [(True, 0), (True, 10), (False, 0)])
 @pytest.mark.parametrize("weighted", [False, True])  # weighted: the ids keyed by position
-@pytest.mark.parametrize("dim", [DIM, 8, 128])  # 8 and 128: each row's run summed in registers
+@pytest.mark.parametrize("dim", [DIM, 8, 96, 128])  # each row's run summed in registers (96: two chunks)
 def test_fused_backward_reads_a_column_slice_in_place(backend, kind, pooled, batch, weighted, dim):
     ids, offsets, shift, psw, scale = _batch(seed=8)
     psw = psw if weighted else None

@@ -128,7 +128,9 @@ def test_choose_takes_the_smallest_within_tolerance():
 @needs_native
 @pytest.mark.parametrize("distance", DISTANCES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dim", [16, 24, 128])  # block widths 16, 8 (run-time passes), 64 (two passes)
+# block widths on AVX2: 16, 24 (one pass of 3 ymm; three passes of 8 on AVX-512), 48 of 96 (two passes),
+# 64 of 128 (two passes)
+@pytest.mark.parametrize("dim", [16, 24, 96, 128])
 @pytest.mark.parametrize("mode", ["plain", "weighted_scaled_batch_major", "rows"])
 def test_forward_is_bitwise_the_same_at_every_distance(distance, dtype, dim, mode):
     gen = torch.Generator().manual_seed(dim)

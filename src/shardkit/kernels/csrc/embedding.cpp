@@ -61,20 +61,34 @@ inline void advise_huge_pages(const at::Tensor& t) {
 #endif
 }
 
-// Calls f(std::integral_constant<int64_t, W>) with the widest block W in {128, 64, 32, 16, 8} that
-// divides dim, or W = 0 (run-time width) when none does: fixed-width blocks keep the accumulators in
-// vector registers, which a loop over a run-time dim does not. 128 (one pass over a bag's ids at dim
-// 128 instead of two of 64) pays with the vector-register sums below: 8 zmm registers on AVX-512; on
+// Calls f(std::integral_constant<int64_t, W>) with the widest block W of whole vectors (kLanes floats)
+// up to kMaxBlock that divides dim, else W = 8 where 8 divides dim, else W = 0 (run-time width):
+// fixed-width blocks keep the accumulators in vector registers, which a loop over a run-time dim does
+// not, and each block is one more pass over a bag's ids. So dim 24 / 40 / 48 on AVX2 is one pass (3, 5,
+// 6 ymm), not three to five passes of 8 or 16 (0.6-0.7x the time, benchmarks/results
+// kernel_block_widths_*_session23.txt), and dim 96 two passes of 48. 128 (one pass over a bag's ids at
+// dim 128 instead of two of 64) pays with the vector-register sums below: 8 zmm registers on AVX-512; on
 // AVX2 it would take all 16 ymm registers, and two passes of 64 measured 0.67x its time (Zen 3).
 constexpr int64_t kLanes = shardkit_embedding::kVectorLanes;
+constexpr int64_t kMaxBlock = kLanes == 16 ? 128 : 64;
+
+template <int64_t W, typename F>
+inline bool with_vector_block(int64_t dim, F& f) {
+  if constexpr (W < kLanes) {
+    return false;
+  } else {
+    if (dim % W == 0) {
+      f(std::integral_constant<int64_t, W>());
+      return true;
+    }
+    return with_vector_block<W - kLanes>(dim, f);
+  }
+}
 
 template <typename F>
 inline void with_block_width(int64_t dim, F&& f) {
-  if (dim % 128 == 0 && kLanes == 16) f(std::integral_constant<int64_t, 128>());
-  else if (dim % 64 == 0) f(std::integral_constant<int64_t, 64>());
-  else if (dim % 32 == 0) f(std::integral_constant<int64_t, 32>());
-  else if (dim % 16 == 0) f(std::integral_constant<int64_t, 16>());
-  else if (dim % 8 == 0) f(std::integral_constant<int64_t, 8>());
+  if (with_vector_block<kMaxBlock>(dim, f)) return;
+  if (dim % 8 == 0) f(std::integral_constant<int64_t, 8>());
   else f(std::integral_constant<int64_t, 0>());
 }
 
