@@ -14,9 +14,11 @@ are nearly all touched, at two sizes (the dense all-reduce's fixed cost against 
 passes), a group of small replicas that fit the caches at a batch touching thousands of their rows
 (the update per row and value where no miss pays for it), and 4 and 16 tiny replicas of as many
 widths (one lookup group each), at ``BATCH`` bags (the sparse way) and at ``DENSE_BATCH`` (the dense
-way), and 8 tiny replicas of 4 widths in turn at both batches (interleaved groups); table-wise steps of
-4 and 16 widths again at ``BIG_BATCH`` bags beside 16 one-width tables there (a lookup group's cost per
-bag). How the other fixed costs grow with the batch is measured only through the per-id terms.
+way), and 8 tiny replicas of 4 widths in turn at both batches (interleaved groups); ``GROUP_TABLES``
+small tables of 3 widths in turn, table-wise, row-wise and data-parallel, beside the same sharded tables
+at one width, at ``GROUP_BATCHES`` bags (lookup groups as models have them: their cost and its cost per
+bag); 16 one-width tiny tables at ``BIG_BATCH`` bags. How the other fixed costs grow with the batch is
+measured only through the per-id terms.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import dataclasses
 from typing import List, Tuple
 
 TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel")
-GROUP_DIM_STEP = 4  # the width step between the tables of the lookup-group steps (8, 12, 16, ...)
+# the lookup-group steps: GROUP_TABLES tables of GROUP_ROWS rows a step, at each of GROUP_BATCHES bags
+GROUP_TABLES, GROUP_ROWS, GROUP_BATCHES = 24, 1000, (64, 256)
 COUNTS = (1, 4, 16, 48)  # shards of one type per rank in the tiny steps the per-shard cost is fitted from
 DIM = 8  # columns per rank's shard of the tiny tables
 BATCH = 32  # bags per rank of the tiny tables, one id each: the bytes terms stay negligible
@@ -135,16 +138,27 @@ def calibration_configs(world: int, big_bytes: int = BIG_BYTES) -> List[StepConf
         StepConfig(("data_parallel",) * 8, tiny_rows, dim_step=DIM, cycle=4, batch=b)
         for b in (BATCH, DENSE_BATCH)
     ]
-    # sharded tables of different widths: one lookup group each on its rank (the tiny steps above hold
-    # one width: their shards share one group per rank and type), table-wise at 4 and 16 widths per
-    # rank and row-wise at 16 (every rank holds a shard of each)
-    configs += [StepConfig(tw * k, tiny_rows, dim_step=GROUP_DIM_STEP) for k in (4, 16)]
-    # the same at BIG_BATCH bags, and 16 tiny tables of one width there: a group is a kernel call over
-    # every bag the rank serves, forward and backward, and copies of its output block, so an extra group
-    # cost more at more bags (2 ranks: ~0.21 ms at 64 bags a rank, ~0.53 ms at 2048): lookup_group_bag_s
-    configs += [StepConfig(tw * k, tiny_rows, dim_step=GROUP_DIM_STEP, batch=BIG_BATCH) for k in (4, 16)]
+    # lookup groups as models have them: small tables (GROUP_ROWS rows) of 3 widths in turn (8, 16, 24:
+    # three groups a rank, their features interleaved), table-wise (12 a rank) and row-wise (24), beside
+    # the same tables at one width (one group), at GROUP_BATCHES bags of 2 ids: a group's cost and its
+    # cost per bag (lookup_group_s, lookup_group_bag_s). Until the twenty-third session these steps held
+    # one table per width at 4 and 16 widths a rank: their extra groups cost ~0.12 ms each at 2 ranks,
+    # the groups of the demo's and many_small's plans (3 widths, 2-16 tables each) ~0.2-0.3 ms, and the
+    # calibrated estimates of those plans were 10-20 % low at 2 and 4 ranks (docs/planner/calibration.md)
+    group_tables = dict(rows=GROUP_ROWS, pooling=2)
+    interleaved = dict(dim=8, dim_step=8, cycle=3)
+    for batch in GROUP_BATCHES:
+        for types in (tw * (GROUP_TABLES // 2), ("row_wise",) * GROUP_TABLES):
+            configs.append(StepConfig(types, batch=batch, **interleaved, **group_tables))
+            configs.append(StepConfig(types, dim=16, batch=batch, **group_tables))
+        # the same as replicas, of two sizes (the update of their touched rows in and out of the
+        # smaller caches): data-parallel plans of small tables were estimated 15-20 % low without them
+        for rows in (GROUP_ROWS, 8 * GROUP_ROWS):
+            configs.append(
+                StepConfig(("data_parallel",) * GROUP_TABLES, rows, batch=batch, pooling=2, **interleaved)
+            )
+    # 16 tiny tables of one width at BIG_BATCH bags: the fixed costs at a large batch
     configs.append(StepConfig(tw * 16, tiny_rows, batch=BIG_BATCH))
-    configs.append(StepConfig(("row_wise",) * 16, tiny_rows, dim_step=GROUP_DIM_STEP))
     return configs
 
 
@@ -166,7 +180,9 @@ __all__ = [
     "COUNTS",
     "DENSE_BATCH",
     "DIM",
-    "GROUP_DIM_STEP",
+    "GROUP_BATCHES",
+    "GROUP_ROWS",
+    "GROUP_TABLES",
     "MIB",
     "SMALL_REPLICA_ROWS",
     "StepConfig",

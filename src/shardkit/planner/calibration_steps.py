@@ -261,9 +261,11 @@ def config_features(
     values["lookup_group"] = est(zero.replace(lookup_group_s=1.0))
     values["lookup_group_bag"] = est(zero.replace(lookup_group_bag_s=1.0))
     values["id_miss"] = 0.0
-    # no shard is larger than its table: a cache of the largest table's bytes serves every id
-    widest = max(config.width(i) for i in range(len(config.types)))
-    largest = config.rows * widest * (world if "column_wise" in used else 1) * 4
+    # a shard misses as the larger of its bytes and its rank's share of all tables' bytes
+    # (estimators.rank_footprint_bytes), neither more than the largest table or the whole share: a cache
+    # of that size serves every id (the miss feature is 0 there without an estimate)
+    widths = [config.width(i) * (world if t == "column_wise" else 1) for i, t in enumerate(config.types)]
+    largest = max(config.rows * max(widths) * 4, config.rows * sum(widths) * 4 / world)
     miss = [
         est(zero.replace(id_miss_s=1.0, lookup_cache_bytes=c, miss_latency_bytes=k)) if c < largest else 0.0
         for c in caches
