@@ -311,6 +311,11 @@ def test_a_shard_among_others_misses_as_its_ranks_share_of_all_tables():
     found = enumerator.tables(meta_ebc(tables), [ebc_sharder()])
     options = [o for table, sharder in found for o in enumerator.enumerate(table, sharder)]
     assert rank_footprint_bytes(options, 2) == 4 * 4000 / 2  # each table once, whatever its options
+    # a replica is whole on every rank: a table whose only options are data-parallel counts whole
+    replicas = [o for o in options if o.sharding_type == "data_parallel"]
+    assert rank_footprint_bytes(replicas, 2) == 4 * 4000
+    t0_replicated = [o for o in options if o.table.fqn != "t0" or o.sharding_type == "data_parallel"]
+    assert rank_footprint_bytes(t0_replicated, 2) == 4000 + 3 * 4000 / 2
     EmbeddingStorageEstimator().estimate(options, topology)
     EmbeddingPerfEstimator().estimate(options, topology)
     with_misses = {id(o): o.compute.clone() for o in options}

@@ -261,11 +261,12 @@ def config_features(
     values["lookup_group"] = est(zero.replace(lookup_group_s=1.0))
     values["lookup_group_bag"] = est(zero.replace(lookup_group_bag_s=1.0))
     values["id_miss"] = 0.0
-    # a shard misses as the larger of its bytes and its rank's share of all tables' bytes
-    # (estimators.rank_footprint_bytes), neither more than the largest table or the whole share: a cache
+    # a shard misses as the larger of its bytes and its rank's share of all tables' bytes (replicas
+    # whole: estimators.rank_footprint_bytes), neither more than the largest table or that share: a cache
     # of that size serves every id (the miss feature is 0 there without an estimate)
     widths = [config.width(i) * (world if t == "column_wise" else 1) for i, t in enumerate(config.types)]
-    largest = max(config.rows * max(widths) * 4, config.rows * sum(widths) * 4 / world)
+    share = sum(w * (world if t == "data_parallel" else 1) for w, t in zip(widths, config.types)) / world
+    largest = config.rows * max(max(widths), share) * 4
     miss = [
         est(zero.replace(id_miss_s=1.0, lookup_cache_bytes=c, miss_latency_bytes=k)) if c < largest else 0.0
         for c in caches

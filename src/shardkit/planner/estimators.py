@@ -165,13 +165,21 @@ def lookup_group_keys(o: ShardingOption) -> List[Optional[tuple]]:
 
 def rank_footprint_bytes(options: Sequence[ShardingOption], world: int) -> float:
     """A rank's share of the weight bytes of every table ``options`` cover (each table once, whatever its
-    options): ``sum(rows x cols x element_size) / world``. The miss term prices a shard's ids by the
+    options): ``rows x cols x element_size / world`` a table, or the whole table where its only options
+    are data-parallel (a replica is whole on every rank). The miss term prices a shard's ids by the
     larger of its own bytes and this: the lookups of all of a rank's shards share its caches, so a
     shard among others misses as the rank's footprint does (four 102 MB tables on 2 ranks measured
     alike table-wise and row-wise, 205 MB a rank either way, while the row-wise shards are half the
-    size), and the share is known before placement, so the partitioner's sums stay additive."""
-    tables = {id(o.table): o.table for o in options}
-    return sum(t.rows * t.cols * float(t.element_size) for t in tables.values()) / max(world, 1)
+    size), and the share is known before placement, so the partitioner's sums stay additive (a table
+    that may still be placed either way counts as sharded)."""
+    tables: dict = {}
+    for o in options:
+        table, replicated = tables.get(id(o.table), (o.table, True))
+        tables[id(o.table)] = (table, replicated and o.sharding_type == _DP)
+    return sum(
+        t.rows * t.cols * float(t.element_size) / (1 if replicated else max(world, 1))
+        for t, replicated in tables.values()
+    )
 
 
 def lookup_group_bags(o: ShardingOption, world: int) -> float:
