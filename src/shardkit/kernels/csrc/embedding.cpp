@@ -65,7 +65,7 @@ inline void advise_huge_pages(const at::Tensor& t) {
 // up to kMaxBlock that divides dim, else W = 8 where 8 divides dim, else W = 0 (run-time width):
 // fixed-width blocks keep the accumulators in vector registers, which a loop over a run-time dim does
 // not, and each block is one more pass over a bag's ids. So dim 24 / 40 / 48 on AVX2 is one pass (3, 5,
-// 6 ymm), not three to five passes of 8 or 16 (0.6-0.7x the time, benchmarks/results
+// 6 ymm), not three to five passes of 8 or 16 (0.5-0.7x the time, benchmarks/results
 // kernel_block_widths_*_session23.txt), and dim 96 two passes of 48. 128 (one pass over a bag's ids at
 // dim 128 instead of two of 64) pays with the vector-register sums below: 8 zmm registers on AVX-512; on
 // AVX2 it would take all 16 ymm registers, and two passes of 64 measured 0.67x its time (Zen 3).

@@ -33,7 +33,7 @@ using shardkit_embedding::to_float;
 enum Optim : int64_t { kSGD = 0, kAdagrad = 1, kRowwiseAdagrad = 2, kAdam = 3 };
 
 // Calls f(std::integral_constant<int64_t, D>) with D = dim for the common row widths, else D = 0 (the
-// block loop, not the row runs: 1.3-1.6x the time at dims 24 / 48 / 96; each width compiled is ~4 s
+// block loop, not the row runs: 1.4-1.8x the time at dims 24 / 48 / 96; each width compiled is ~4 s
 // more of the first build)
 template <typename F>
 inline void with_row_width(int64_t dim, F&& f) {
