@@ -19,7 +19,7 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
-from shardkit import huge_pages
+from shardkit.distributed.comm_ops import scratch
 from shardkit.kernels import embedding_fused_backward
 from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup
 from shardkit.sparse import KeyedJaggedTensor
@@ -42,7 +42,8 @@ class FusedGroupsLookup(torch.autograd.Function):
         ctx.inputs = inputs
         ctx.widths = [(len(x.bag_bounds) - 1) * lookup.embedding_dim for lookup, x in zip(lookups, inputs)]
         first = buffers[0]
-        out = huge_pages.empty(inputs[0].batch_major, sum(ctx.widths), dtype=first.dtype, device=first.device)
+        # a kept buffer where it is large on the CPU (lookup_kernels.lookup_output's reason)
+        out = scratch.empty((inputs[0].batch_major, sum(ctx.widths)), first.dtype, first.device)
         for lookup, group_inputs, part in zip(lookups, inputs, out.split(ctx.widths, dim=1)):
             lookup.run_kernel(group_inputs, out=part)
         return out

@@ -17,10 +17,42 @@ from typing import Optional
 
 import torch
 
+from shardkit.distributed.comm_ops import scratch
 from shardkit.kernels import embedding_forward, embedding_fused_backward, embedding_torch
+from shardkit.kernels.embedding import select_backend
 from shardkit.modules.fused_optimizers import SparseRowOptimizer
 
-__all__ = ["FusedLookup", "lookup"]
+__all__ = ["FusedLookup", "lookup", "lookup_output"]
+
+
+def lookup_output(
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    bag_shift: Optional[torch.Tensor],
+    weights: Optional[torch.Tensor],
+    bag_scale: Optional[torch.Tensor],
+    pooled: bool,
+    batch_major: int,
+) -> torch.Tensor:
+    """``kernels.embedding_forward``'s result (same arguments, same values). Where the native kernels run
+    it, written into a buffer of ``distributed.comm_ops.scratch``: a large output (MiBs at large
+    batches) is then a kept buffer, handed out again once nothing refers to it, not fresh pages that
+    the kernel faults in and zeroes every step (sweep row 40's 32 MiB output: 11.7 ms a call with a
+    fresh output, 7.8 ms into a kept one; docs/performance.md, twenty-third session)."""
+    if select_backend(weight, ids) != "native":
+        return embedding_forward(weight, ids, offsets, bag_shift, weights, bag_scale, pooled, batch_major)
+    dim = weight.size(1)
+    if not pooled:
+        shape = (ids.numel(), dim)
+    elif batch_major:
+        shape = (batch_major, (offsets.numel() - 1) // batch_major * dim)
+    else:
+        shape = (offsets.numel() - 1, dim)
+    out = scratch.empty(shape, weight.dtype, weight.device)
+    return embedding_forward(
+        weight, ids, offsets, bag_shift, weights, bag_scale, pooled, batch_major, out=out
+    )
 
 
 class FusedLookup(torch.autograd.Function):
@@ -53,7 +85,7 @@ class FusedLookup(torch.autograd.Function):
         ctx.pooled = pooled
         ctx.batch_major = batch_major
         ctx.save_for_backward(ids, offsets, bag_shift, weights, bag_scale)
-        return embedding_forward(weight, ids, offsets, bag_shift, weights, bag_scale, pooled, batch_major)
+        return lookup_output(weight, ids, offsets, bag_shift, weights, bag_scale, pooled, batch_major)
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -43,11 +43,12 @@ import torch
 import torch.distributed as dist
 
 from shardkit.distributed.comm_ops import get_gradient_division
-from shardkit.kernels import embedding_forward, embedding_fused_backward, embedding_torch
+from shardkit.kernels import embedding_fused_backward, embedding_torch
 from shardkit.kernels.replica_grad import grad_scatter
 from shardkit.kernels.row_optimizer import RowOptimizerArgs
 from shardkit.modules.fused_groups import FusedGroupsLookup
 from shardkit.modules.grouped_lookup import GroupedEmbeddingLookup
+from shardkit.modules.lookup_kernels import lookup_output
 from shardkit.sharding.embedding_lookup import ShardedGroupedLookup
 from shardkit.sharding.replicated_exchange import (
     JOINT_DENSE_BYTES,
@@ -74,7 +75,7 @@ class _ReplicatedFusedFn(torch.autograd.Function):
         ctx.weight = weight  # by reference: the backward updates it in place (as FusedLookup)
         ctx.lookup, ctx.pooled, ctx.batch_major = lookup, pooled, batch_major
         ctx.save_for_backward(ids, offsets, bag_shift, weights, bag_scale)
-        return embedding_forward(weight, ids, offsets, bag_shift, weights, bag_scale, pooled, batch_major)
+        return lookup_output(weight, ids, offsets, bag_shift, weights, bag_scale, pooled, batch_major)
 
     @staticmethod
     def backward(ctx, grad_out):

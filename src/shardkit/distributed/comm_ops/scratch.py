@@ -1,7 +1,8 @@
 """Large CPU receive / output buffers kept across steps and handed out again once provably free.
 
 Why: a training step allocates the same multi-MiB buffers every step (the all-to-all's receive
-buffer, the pooled output, the reduce-scatter's sum, the gradient's send buffer). Torch's CPU
+buffer, the pooled output, the reduce-scatter's sum, the gradient's send buffer, the lookups' outputs:
+``modules.lookup_kernels.lookup_output``). Torch's CPU
 allocator hands sizes past glibc's mmap threshold back to the OS when they are freed, so each fresh
 buffer is fresh pages that the first write faults in and zeroes one by one (a 32 MiB buffer: ~12 ms
 of CPU on one core, against ~1.3 ms to write it again), on the main thread or on the gloo thread
