@@ -113,6 +113,23 @@ def test_native_touched_rows_and_positions_match_the_twin_and_leave_the_marks_cl
 
 
 @needs_native
+@pytest.mark.parametrize("rows", [1, 31, 32, 33, 1000, 4099])
+def test_native_touched_rows_of_sparse_marks_over_many_rows(rows):
+    """A few ids over many rows (the native read-back skips unmarked spans): the first and last rows,
+    rows at and beside the spans' edges, repeats, and a tail that is not a whole span."""
+    picks = [0, rows - 1, 31, 32, 33, 63, 64, rows // 2, rows - 33, 5, 5, rows - 1]
+    ids = torch.tensor([p for p in picks if 0 <= p < rows], dtype=torch.int64)
+    offsets = torch.tensor([0, ids.numel() // 2, ids.numel()], dtype=torch.int64)
+    marks = torch.zeros(rows, dtype=torch.bool)
+    position = torch.full((rows,), -1, dtype=torch.int64)
+    with kernel_backend("native"):
+        got = touched_rows(marks, position, ids, offsets, None)
+    assert not marks.any()
+    assert torch.equal(got, torch.unique(ids))
+    assert torch.equal(position[got], torch.arange(got.numel()))
+
+
+@needs_native
 @pytest.mark.parametrize("backend", ["native", "torch"])
 def test_scatter_into_the_touched_rows_by_their_positions(backend):
     """The sparse exchange's form: targets are the touched rows' positions, every one touched."""

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "embedding_common.h"
@@ -117,13 +118,25 @@ at::Tensor replica_touched_rows(at::Tensor& marks, at::Tensor& position, const a
   at::Tensor rows = at::empty({count}, ids.options().dtype(at::kLong));
   int64_t* out = rows.data_ptr<int64_t>();
   int64_t k = 0;
-  for (int64_t r = 0; r < num_rows; ++r) {
-    if (mark[r]) {
-      mark[r] = 0;
-      pos[r] = k;
-      out[k++] = r;
+  auto take = [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      if (mark[r]) {
+        mark[r] = 0;
+        pos[r] = k;
+        out[k++] = r;
+      }
     }
+  };
+  // the marks are sparse when a few thousand ids touch a table of 1e5+ rows: skip them 32 bytes at a
+  // time (a byte-by-byte read of every mark cost ~0.8 ns a row, 0.2 ms a step at 256k rows)
+  constexpr int64_t kSpan = 32;
+  const int64_t whole = num_rows - num_rows % kSpan;
+  for (int64_t r = 0; r < whole; r += kSpan) {
+    uint64_t words[kSpan / 8];
+    std::memcpy(words, mark + r, kSpan);
+    if ((words[0] | words[1] | words[2] | words[3]) != 0) take(r, r + kSpan);
   }
+  take(whole, num_rows);
   return rows;
 }
 
