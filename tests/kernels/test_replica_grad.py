@@ -116,8 +116,9 @@ def test_native_touched_rows_and_positions_match_the_twin_and_leave_the_marks_cl
 @pytest.mark.parametrize("rows", [1, 31, 32, 33, 1000, 4099])
 def test_native_touched_rows_of_sparse_marks_over_many_rows(rows):
     """A few ids over many rows: the first and last rows, rows at and beside the 32-byte spans' edges,
-    repeats, a tail that is not a whole span. Up to 33 rows the native op reads the marks back (skipping
-    unmarked spans); from 1000 rows (ids sparser than 1 in 64) it sorts its list of them instead."""
+    repeats, a tail that is not a whole span. The native op sorts its list of the rows at 1 row and at
+    4099 (10 rows: sparse enough, ``sort_beats_read``) and reads the marks back, skipping unmarked
+    spans, at 31-1000 rows."""
     picks = [0, rows - 1, 31, 32, 33, 63, 64, rows // 2, rows - 33, 5, 5, rows - 1]
     ids = torch.tensor([p for p in picks if 0 <= p < rows], dtype=torch.int64)
     offsets = torch.tensor([0, ids.numel() // 2, ids.numel()], dtype=torch.int64)

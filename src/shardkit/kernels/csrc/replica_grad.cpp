@@ -26,10 +26,15 @@ using shardkit_embedding::gradient_row_distance;
 
 constexpr int64_t kAhead = 16;     // ids ahead whose target row is prefetched
 constexpr int64_t kBagsAhead = 8;  // bags ahead whose gradient row is prefetched
-// touched rows sparser than 1 in kSparse of a table are put in order by a sort of their list, denser
-// ones by a read of every mark (one call, 1024 ids, caches cold: 1e6 rows 190 -> 120 us, 2.56e5 rows
-// 145 -> 107 us; scratch timing of the twenty-fourth session)
-constexpr int64_t kSparse = 64;
+// Putting U touched rows of a table of R in order: a sort of their list costs ~3 ns x U log2 U, a read
+// of every mark ~0.08 ns a row (one call, one thread, Zen 3, warm caches: sort 1024 rows 25-31 us, 4096
+// 141 us, 8192 424 us; read 1e6 marks 87 us, 2.56e5 22-34 us). The sort is taken where U log2 U x
+// kMarksPerSortStep < R (twenty-fourth session's timings, tests/kernels/test_replica_grad.py has both ways).
+constexpr int64_t kMarksPerSortStep = 40;
+
+inline bool sort_beats_read(int64_t count, int64_t num_rows) {
+  return count <= 1 || count * (64 - __builtin_clzll(static_cast<uint64_t>(count))) * kMarksPerSortStep < num_rows;
+}
 
 // Asks for every cache line of `count` floats at `p` (into L2: prefetcht2, as the lookup kernels).
 inline void prefetch_row(const float* p, int64_t count) {
@@ -133,8 +138,8 @@ at::Tensor replica_touched_rows(at::Tensor& marks, at::Tensor& position, const a
   const int64_t count = ids.scalar_type() == at::kLong
                             ? mark_rows(mark, pos, out, ids.data_ptr<int64_t>(), off, shift, bags, num_rows)
                             : mark_rows(mark, pos, out, ids.data_ptr<int32_t>(), off, shift, bags, num_rows);
-  if (count * kSparse < num_rows) {
-    // few rows of many (a few thousand ids in a 1e5+-row table): sorting them beats reading every mark
+  if (sort_beats_read(count, num_rows)) {
+    // few rows of many (a thousand ids in a 1e6-row table): sorting them beats reading every mark
     std::sort(out, out + count);
     for (int64_t k = 0; k < count; ++k) {
       mark[out[k]] = 0;
@@ -142,26 +147,29 @@ at::Tensor replica_touched_rows(at::Tensor& marks, at::Tensor& position, const a
     }
     return found.narrow(0, 0, count);
   }
+  // the read-back, 8 marks (bytes of 0 or 1) a word: a word's set bits are its marked rows, lowest
+  // address first on a little-endian CPU, found by counting trailing zeros (a byte-by-byte read of every
+  // mark cost ~1 ns a row: 0.2 ms a step at 256k rows); whole spans of 32 unmarked bytes are skipped.
+  // The rows overwrite the list, which is never ahead of them (k <= count).
+  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the marks' read-back assumes little-endian words");
   int64_t k = 0;
-  auto take = [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) {
-      if (mark[r]) {
-        mark[r] = 0;
-        pos[r] = k;
-        out[k++] = r;
-      }
+  auto take_word = [&](int64_t r, uint64_t word) {
+    for (; word != 0; word &= word - 1) {
+      const int64_t row = r + (__builtin_ctzll(word) >> 3);
+      mark[row] = 0;
+      pos[row] = k;
+      out[k++] = row;
     }
   };
-  // skip unmarked spans 32 bytes at a time (a byte-by-byte read of every mark cost ~0.8 ns a row, 0.2
-  // ms a step at 256k rows); the rows overwrite the list, which is never ahead of them (k <= count)
   constexpr int64_t kSpan = 32;
   const int64_t whole = num_rows - num_rows % kSpan;
   for (int64_t r = 0; r < whole; r += kSpan) {
     uint64_t words[kSpan / 8];
     std::memcpy(words, mark + r, kSpan);
-    if ((words[0] | words[1] | words[2] | words[3]) != 0) take(r, r + kSpan);
+    if ((words[0] | words[1] | words[2] | words[3]) == 0) continue;
+    for (int64_t w = 0; w < kSpan / 8; ++w) take_word(r + 8 * w, words[w]);
   }
-  take(whole, num_rows);
+  for (int64_t r = whole; r < num_rows; ++r) take_word(r, mark[r]);
   return found.narrow(0, 0, count);
 }
 
