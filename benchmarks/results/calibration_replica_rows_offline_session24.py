@@ -9,7 +9,7 @@ from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
 sh = [EmbeddingBagCollectionSharder()]
 AB = {"data_parallel": "DP", "table_wise": "TW", "row_wise": "RW", "column_wise": "CW"}
 d = json.load(open(sys.argv[1])); W = d["world"]
-exec(open("/work/n24/joint_dp.py").read().split("extras, labels = [], []")[1].split("configs = base + extras")[0].replace("extras.append", "EX.append").replace("labels.append", "LB.append"), {"StepConfig": StepConfig, "EX": (EX := []), "LB": (LB := [])})
+exec(open("benchmarks/results/calibration_replica_rows_joint_session24.py").read().split("extras, labels = [], []")[1].split("configs = base + extras")[0].replace("extras.append", "EX.append").replace("labels.append", "LB.append"), {"StepConfig": StepConfig, "EX": (EX := []), "LB": (LB := [])})
 base_cfgs = calibration_configs(W)
 allc = base_cfgs + EX
 assert [describe(c) for c in allc] == d["configs"]
