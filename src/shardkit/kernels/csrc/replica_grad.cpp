@@ -205,6 +205,16 @@ int64_t scatter_kernel(float* out, float* seen, int64_t targets, const index_t* 
         // KeyedTensor apart (pages apart): ask for a later bag's row now, as its rows' are asked below
         if (pooled && b + kBagsAhead < bags) prefetch_row(grad + grad_offset(b + kBagsAhead, batch, dim, ld), dim);
         const int64_t s = shift ? shift[b] : 0;
+        const float c = scale ? scale[b] : 1.0f;
+        // one id's contribution before its weight: the same for every id of a pooled bag, made once
+        auto make_term = [&](const float* g) {
+          if (scale) {
+            for (int64_t j = 0; j < dim; ++j) term[j] = (g[j] * c) * factor;
+          } else {
+            for (int64_t j = 0; j < dim; ++j) term[j] = g[j] * factor;
+          }
+        };
+        if (pooled && off[b + 1] > off[b]) make_term(grad + bag_at);
         for (int64_t i = off[b]; i < off[b + 1]; ++i) {
         const int64_t row = static_cast<int64_t>(id[i]) + s;
         if (row < lo || row >= hi) continue;
@@ -224,8 +234,7 @@ int64_t scatter_kernel(float* out, float* seen, int64_t targets, const index_t* 
         }
         const int64_t target = position ? position[row] : row;
         float* o = out + target * dim;
-        const float* g = grad + (pooled ? bag_at : i * ld);
-        const float c = scale ? scale[b] : 1.0f;
+        if (!pooled) make_term(grad + i * ld);
         const float w = psw ? psw[i] : 1.0f;
         // the fused backward's sum: acc = 0, then per id in order acc += g * c (or fma(w, g * c, acc)); here
         // each term times factor, the first one written into the (unspecified) target row as 0 + term
@@ -233,11 +242,6 @@ int64_t scatter_kernel(float* out, float* seen, int64_t targets, const index_t* 
         if (first) {
           seen[target] = 1.0f;
           ++count;
-        }
-        if (scale) {
-          for (int64_t j = 0; j < dim; ++j) term[j] = (g[j] * c) * factor;
-        } else {
-          for (int64_t j = 0; j < dim; ++j) term[j] = g[j] * factor;
         }
         if (first) {
           if (psw) {
