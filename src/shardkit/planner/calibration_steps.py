@@ -77,7 +77,8 @@ TW_EXTENDED_BY = {"table_wise": ("column_wise",)}
 # over rounds spreads by 1.5-4x (min to max) and the median of 5 rounds of one plan moved by up to 1.6x
 # between two copies of it (docs/planner/plan_quality.md); 9 rounds cost ~1.8x the time of 5. 25: on an
 # idle 2-rank machine, calibrations at 9 rounds put the demo's row-wise plan at 1.14-1.32x its table-wise
-# one, at 25-27 rounds 1.16-1.19x (calibrate() 8-10 s -> 17 s; docs/planner/calibration.md)
+# one, at 25-27 rounds 1.16-1.19x (calibrate() at 2 ranks 8-10 s -> 15-17 s, at 4 ranks on 2 cores 20-22 s ->
+# 38-49 s; docs/planner/calibration.md)
 ROUNDS = 25
 STEPS_PER_ROUND = 2
 CACHE_CANDIDATES = tuple(float(MIB << k) for k in range(10))  # 1 MiB .. 512 MiB
