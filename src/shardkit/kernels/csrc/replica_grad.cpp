@@ -206,7 +206,9 @@ int64_t scatter_kernel(float* out, float* seen, int64_t targets, const index_t* 
         if (pooled && b + kBagsAhead < bags) prefetch_row(grad + grad_offset(b + kBagsAhead, batch, dim, ld), dim);
         const int64_t s = shift ? shift[b] : 0;
         const float c = scale ? scale[b] : 1.0f;
-        // one id's contribution before its weight: the same for every id of a pooled bag, made once
+        // one id's contribution before its weight: the same for every id of a pooled bag, made once, at
+        // the bag's first id this thread owns (a thread owning none of a bag's rows makes none)
+        bool term_made = false;
         auto make_term = [&](const float* g) {
           if (scale) {
             for (int64_t j = 0; j < dim; ++j) term[j] = (g[j] * c) * factor;
@@ -214,7 +216,6 @@ int64_t scatter_kernel(float* out, float* seen, int64_t targets, const index_t* 
             for (int64_t j = 0; j < dim; ++j) term[j] = g[j] * factor;
           }
         };
-        if (pooled && off[b + 1] > off[b]) make_term(grad + bag_at);
         for (int64_t i = off[b]; i < off[b + 1]; ++i) {
         const int64_t row = static_cast<int64_t>(id[i]) + s;
         if (row < lo || row >= hi) continue;
@@ -234,7 +235,12 @@ int64_t scatter_kernel(float* out, float* seen, int64_t targets, const index_t* 
         }
         const int64_t target = position ? position[row] : row;
         float* o = out + target * dim;
-        if (!pooled) make_term(grad + i * ld);
+        if (!pooled) {
+          make_term(grad + i * ld);
+        } else if (!term_made) {
+          make_term(grad + bag_at);
+          term_made = true;
+        }
         const float w = psw ? psw[i] : 1.0f;
         // the fused backward's sum: acc = 0, then per id in order acc += g * c (or fma(w, g * c, acc)); here
         // each term times factor, the first one written into the (unspecified) target row as 0 + term
