@@ -15,9 +15,9 @@ fits its own constants, so estimates from separate runs differ by their calibrat
 separate runs of one kind put the same plans at 0.89x and 1.61x their measurement).
 
 Each row gives the variant's measured time (the slowest rank's median over rounds of its round mean), the
-calibrated estimate (``EmbeddingShardingPlanner.estimate``) and their ratio. The last line is ``shared``:
-the groups' times summed less the whole plan's time, over the number of groups less one, for the
-measurement and for the estimate. That is the part of a step the groups share, which each group alone
+calibrated estimate (``EmbeddingShardingPlanner.estimate``) and their ratio. Each kind's last line is
+``shared``: the groups' times summed less the whole plan's time, over the number of groups less one,
+for the measurement and for the estimate. That is the part of a step the groups share, which each group alone
 pays and a plan of several groups pays once. A model whose shared part is larger than the measured one
 charges each extra group too little. ``./dev bench --quick plan_groups`` is a seconds-long smoke run.
 """
