@@ -25,6 +25,7 @@ charges each extra group too little. ``./dev bench --quick plan_groups`` is a se
 from __future__ import annotations
 
 import argparse
+import itertools
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -57,7 +58,7 @@ def worker(set_name: str, kinds: List[str], rounds: int, steps: int, quick: bool
     calibrated = calibrate("cpu")
     tables, batch = table_sets(quick)[set_name]
     names, estimates, step_fns = [], [], []
-    for kind, (name, index) in [(k, v) for k in kinds for v in _variants(tables).items()]:
+    for kind, (name, index) in itertools.product(kinds, _variants(tables).items()):
         subset = [tables[i] for i in index]
         meta = _Model(subset, torch.device("meta"))
         sharders = [EmbeddingBagCollectionSharder()]
