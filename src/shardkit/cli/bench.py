@@ -110,6 +110,7 @@ _NOT_BENCHMARKS = {
     "vs_megatron_ce_dtype",
     "prefetch_vs_fbgemm",  # needs fbgemm: runs only in the torchrec peer venv (docs/performance.md)
     "sweep_kernel_vs_fbgemm",  # needs fbgemm: runs only in the torchrec peer venv (docs/performance.md)
+    "plan_refit",  # times nothing: refits recorded plan_quality runs (docs/planner/plan_quality.md)
 }
 
 
