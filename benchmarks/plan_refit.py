@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import statistics
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -59,7 +58,7 @@ def refit(
     recorded = recorded_model(calibration["constants"])
     defined = {describe(c): c for c in calibration_configs(world)}
     timed = {s["config"]: s["measured_s"] for s in calibration["fit"]["steps"]}
-    dropped = [name for name in timed if any(text in name for text in drop)]
+    dropped = [name for name in timed if any(text and text in name for text in drop)]
     used = [name for name in timed if name in defined and name not in dropped]
     fitted = fit_constants([defined[n] for n in used], [timed[n] for n in used], world, recorded)
     constants = {k: v for k, v in fitted.items() if k in _FIELDS}
@@ -194,9 +193,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         with open(path) as f:
             run = json.load(f)
         run_rows, run_fits = refit_run(run, args.drop_step)
-        name = os.path.basename(path)
-        rows += [{"run": name, **r} for r in run_rows]
-        fits += [{"run": name, **f} for f in run_fits]
+        rows += [{"run": path, **r} for r in run_rows]
+        fits += [{"run": path, **f} for f in run_fits]
     verdicts = [summary(rows, column) for column in ("recorded_ms", "refit_ms")]
     recorded_bias, refit_bias = type_bias(rows, "recorded_ms"), type_bias(rows, "refit_ms")
     bias_rows = [
