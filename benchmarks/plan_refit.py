@@ -5,12 +5,14 @@
 timed (``config.calibrated.W<n>.fit.steps``) are fitted again by this checkout's
 ``calibration_steps.fit_constants``, and each plan the run measured is estimated with the refitted
 constants. The plans are rebuilt as the run built them (its recorded constants, or the default ones for
-the ``planner`` row), so only the estimates change. Printed per plan: the measured time, the recorded
-estimate and the refitted one; per case and in all: the share of estimates within 25 % and the pairs
-ordered beyond the noise (plan_quality's verdicts, on the recorded 95 % intervals of the medians), the
-mean ``|log(estimate / measured)|``, and each uniform plan's bias (its estimate / measured over the
-case's median of that ratio: a type the model prices too high or too low against the others, whatever
-the machine's speed in that launch).
+the ``planner`` row) by this checkout's planner, so only the estimates change (a change to how the
+planner places tables, rather than to what it estimates, is not judged here: its plans may differ from
+the measured ones). Printed per plan: the measured time, the recorded estimate and the refitted one;
+over all the runs, for each column: the estimates within 25 % and the pairs ordered beyond the noise
+(plan_quality's verdicts, on the recorded 95 % intervals of the medians), the mean
+``|log(estimate / measured)|``, and each uniform plan's bias (its estimate / measured over the case's
+median of that ratio in the same run, the median over runs: a type the model prices too high or too
+low against the others, whatever the machine's speed in that launch).
 
 Why: launches of plan_quality differ by as much as the effects of a cost-model change (the machine's
 speed drifts between calibrate() and the measured plans), so a change measured in new launches against
@@ -39,6 +41,7 @@ from benchmarks.round_noise import overlaps
 from shardkit.planner.calibration_configs import calibration_configs, describe
 from shardkit.planner.calibration_steps import fit_constants
 from shardkit.planner.cost_model import CostModel
+from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
 
 _FIELDS = {f.name for f in dataclasses.fields(CostModel)}
 
@@ -60,6 +63,11 @@ def refit(
     timed = {s["config"]: s["measured_s"] for s in calibration["fit"]["steps"]}
     dropped = [name for name in timed if any(text and text in name for text in drop)]
     used = [name for name in timed if name in defined and name not in dropped]
+    if not used:
+        raise ValueError(
+            f"plan_refit: no calibration step at {world} ranks left to fit ({len(timed)} recorded, "
+            f"{len(dropped)} dropped by --drop-step {list(drop)}, the rest not defined by this code)"
+        )
     fitted = fit_constants([defined[n] for n in used], [timed[n] for n in used], world, recorded)
     constants = {k: v for k, v in fitted.items() if k in _FIELDS}
     model = recorded.replace(ddr_lookup_bw=fitted["lookup_bw"], intra_node_bw=fitted["comm_bw"], **constants)
@@ -89,8 +97,6 @@ def refit_run(
     run: Dict[str, Any], drop: Sequence[str] = ()
 ) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
     """One plan_quality run's plans with their refitted estimates (rows) and its fits (one per world)."""
-    from shardkit.sharding.embeddingbag import EmbeddingBagCollectionSharder
-
     sets = table_sets(bool(run["config"]["quick"]))
     sharders = [EmbeddingBagCollectionSharder()]
     rows, fits = [], []

@@ -75,6 +75,8 @@ def test_dropped_and_unknown_steps_are_left_out_of_the_fit_and_counted(recorded_
     assert (info["steps"], info["steps_dropped"]) == (len(steps) - dropped, dropped)
     _, info = refit(calibration, 2, drop=[""])  # an empty text (a shell's "") drops nothing
     assert (info["steps"], info["steps_dropped"]) == (len(steps), 0)
+    with pytest.raises(ValueError, match="no calibration step at 2 ranks"):
+        refit(calibration, 2, drop=[":"])  # every step's description has one
     without_first = {**calibration, "fit": {"steps": steps[1:]}}
     _, info = refit(without_first, 2)
     assert info["steps_untimed"] == 1
