@@ -99,6 +99,7 @@ def refit_run(
     """One plan_quality run's plans with their refitted estimates (rows) and its fits (one per world)."""
     sets = table_sets(bool(run["config"]["quick"]))
     sharders = [EmbeddingBagCollectionSharder()]
+    metas: Dict[str, _Model] = {}
     rows, fits = [], []
     for key, calibration in run["config"]["calibrated"].items():
         world = int(key[1:])
@@ -111,7 +112,9 @@ def refit_run(
             if case_world != key:
                 continue
             tables, batch = sets[set_name]
-            meta = _Model(tables, torch.device("meta"))
+            if set_name not in metas:
+                metas[set_name] = _Model(tables, torch.device("meta"))
+            meta = metas[set_name]
             labels = joined.split("/")
             plan_model, sharding_type = _plan_model(labels, recorded)
             plan = _planner(tables, batch, world, plan_model, sharding_type).plan(meta, sharders)
@@ -131,7 +134,15 @@ def refit_run(
     return rows, fits
 
 
-def _order_beyond_noise(estimates: List[float], rows: List[Dict[str, Any]]) -> Tuple[int, int]:
+def _by_case(rows: List[Dict[str, Any]]) -> List[List[Dict[str, Any]]]:
+    """``rows`` grouped by case of each run (``run`` absent: one run)."""
+    cases: Dict[Tuple[Any, str], List[Dict[str, Any]]] = {}
+    for r in rows:
+        cases.setdefault((r.get("run"), r["case"]), []).append(r)
+    return list(cases.values())
+
+
+def _ordered_pairs(estimates: List[float], rows: List[Dict[str, Any]]) -> Tuple[int, int]:
     """(pairs ordered right, pairs the measurement separates): plan_quality's verdict on the recorded
     intervals of the medians (overlapping intervals are ties, not scored)."""
     right = pairs = 0
@@ -147,14 +158,11 @@ def _order_beyond_noise(estimates: List[float], rows: List[Dict[str, Any]]) -> T
 def summary(rows: List[Dict[str, Any]], column: str) -> Dict[str, Any]:
     """Verdicts of the estimates in ``column`` (``recorded_ms`` / ``refit_ms``) over ``rows`` (each case
     of each run scored alone, then summed)."""
-    cases: Dict[Tuple[Any, str], List[Dict[str, Any]]] = {}
-    for r in rows:
-        cases.setdefault((r.get("run"), r["case"]), []).append(r)
     within = right = pairs = 0
     logs = []
-    for case_rows in cases.values():
+    for case_rows in _by_case(rows):
         estimates = [r[column] for r in case_rows]
-        ok, n = _order_beyond_noise(estimates, case_rows)
+        ok, n = _ordered_pairs(estimates, case_rows)
         right, pairs = right + ok, pairs + n
         for r, e in zip(case_rows, estimates):
             within += abs(e / r["measured_ms"] - 1.0) <= 0.25
@@ -169,18 +177,10 @@ def summary(rows: List[Dict[str, Any]], column: str) -> Dict[str, Any]:
 
 def type_bias(rows: List[Dict[str, Any]], column: str) -> Dict[Tuple[str, str], List[float]]:
     """(case, uniform type) -> over the runs, that plan's estimate / measured over the median of that
-    ratio among the case's uniform plans of the same run (the ``rows`` of several runs: a case's rows of
-    one run are consecutive)."""
+    ratio among the case's uniform plans of the same run."""
     out: Dict[Tuple[str, str], List[float]] = {}
-    groups: List[List[Dict[str, Any]]] = []
-    for r in rows:
-        if r["uniform"] is None:
-            continue
-        if groups and groups[-1][0]["run"] == r["run"] and groups[-1][0]["case"] == r["case"]:
-            groups[-1].append(r)
-        else:
-            groups.append([r])
-    for group in groups:
+    for case_rows in _by_case(rows):
+        group = [r for r in case_rows if r["uniform"] is not None]
         ratios = [r[column] / r["measured_ms"] for r in group]
         middle = statistics.median(ratios)
         for r, ratio in zip(group, ratios):
