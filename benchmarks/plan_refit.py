@@ -181,6 +181,8 @@ def type_bias(rows: List[Dict[str, Any]], column: str) -> Dict[Tuple[str, str], 
     out: Dict[Tuple[str, str], List[float]] = {}
     for case_rows in _by_case(rows):
         group = [r for r in case_rows if r["uniform"] is not None]
+        if not group:  # a case of the planner's plans only: no type to score
+            continue
         ratios = [r[column] / r["measured_ms"] for r in group]
         middle = statistics.median(ratios)
         for r, ratio in zip(group, ratios):
