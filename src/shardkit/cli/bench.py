@@ -70,6 +70,7 @@ QUICK_ARGS: Dict[str, List[str]] = {
     "offload": ["--quick"],
     "offload_row_io": ["--quick"],
     "offload_slot_map": ["--quick"],
+    "column_placement": ["--rows", "32", "2048", "--rounds", "1"],
     "fresh_pages": ["--mib", "8", "--calls", "1", "--rounds", "1"],
     "ec_dedup": ["--batch", "64"],
     "serving": ["--tables", "2", "--max-rows", "100", "--batch-sizes", "1", "4", "--repeats", "3"],

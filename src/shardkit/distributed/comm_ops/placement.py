@@ -12,10 +12,19 @@ Each rank's output blocks are cut into arithmetic runs (table-wise tables placed
 run per rank, stride ``W``), each moved by one strided ``copy_``; a rank whose blocks make more than
 ``MAX_RUNS`` runs is moved by one ``index_copy_`` / ``index_select`` instead. Given a ``copier`` (the
 native ``shardkit.kernels.column_copy.copy_column_ranges``, handed over by the sharding layer, which
-may import kernels), CPU tensors are moved by it instead wherever it is the cheaper way for the
-placement and the row count (``uses_copier``): the blocks merged into ranges of consecutive columns,
-one memcpy per row and range (a rank of tables of many widths has one range per table, and the index
-copy of its 4-column blocks took 5-13x as long at 32-2048 rows, docs/performance.md).
+may import kernels), CPU tensors are moved by it instead wherever it is the faster way for the rank's
+blocks and the row count (``uses_copier``): the blocks merged into ranges of consecutive columns, one
+memcpy per row and range (a rank of tables of many widths has one range per table, and the index copy
+of its 4-column blocks took 5-13x as long at 32-2048 rows, docs/performance.md).
+
+Which way is faster depends on the layout and on the machine, and no fixed rule got both right: a
+strided run costs one torch op (4.5 us on an AMD EPYC Zen 4, 8 us on a Zen 3) plus a per row and
+block cost that depends on the run's shape (1.2 ns for runs of one block, 3.6 ns for runs of eight,
+2048 rows, Zen 4), the copier ~1.3 us plus 4-9 ns per row and range. So each rank's two ways are
+timed on the layout itself when the placement is built with a copier (``copy_choice``: a ``place``
+and a ``take`` on fp32 matrices at a few row counts, ~1-40 ms once per layout and process, kept in
+:data:`_TRIALS`), and a call compares their times interpolated at its own row count. Either way moves
+the same values: the choice changes the time only.
 """
 
 from __future__ import annotations
@@ -25,15 +34,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from shardkit.distributed.comm_ops import scratch
+from shardkit.distributed.comm_ops.copy_choice import Trial, Ways, first_is_faster, time_trials
 
 MAX_RUNS = 8
-# What moving a rank's columns costs each way, in nanoseconds (2-core AMD EPYC Zen 3, fp32 blocks of
-# 16 columns, docs/performance.md): a strided run is one torch op (dispatch, TensorIterator set-up)
-# plus a small per row and block cost; the copier makes one memcpy call per row and range. Only their
-# ratios decide: which way is cheaper for a placement and a row count (``ColumnPlacement.uses_copier``)
-STRIDED_RUN_NS = 8000.0
-STRIDED_BLOCK_NS = 5.0
-COPIER_RANGE_NS = 9.0
+# (width, blocks, a rank's dest, copier) -> the copier's and the strided copies' trials (copy_choice)
+_TRIALS: Dict[Tuple[int, int, Tuple[int, ...], Callable], Tuple[Trial, ...]] = {}
+# the choices a placement made, per (rank, rows), before it stops remembering new ones
+_DECIDED_MAX = 4096
 
 Run = Tuple[int, int, int, int]  # (first source block, blocks, first output block, output stride)
 
@@ -80,23 +87,13 @@ class ColumnPlacement:
         # per rank, int64 [K, 3] (source column, output column, columns) of its received columns: runs
         # of blocks consecutive in both merged; the same rows with the first two swapped for ``take``
         self._ranges: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None] * len(self.dest)
-        # per rank, the copier is cheaper at fewer rows than this (inf: always; 0: never). It makes a
-        # memcpy per row and range, a strided run one torch op over all its rows and blocks: a few
-        # runs of many separate blocks (tables placed round-robin, stride W) are faster strided at any
-        # row count past a few dozen (64 tables of 16 columns, one run, 256 rows: 52 against 107 us);
-        # runs of a block or two each (a rank's lookup groups of several widths, each group's tables
-        # in the output's order) are faster by the copier (the demo's tables, 4 runs of 5 ranges, 256
-        # rows: 17 against 38 us); more runs than MAX_RUNS (the index fallback) always by the copier
-        self._copier_rows: List[float] = [0.0] * len(self.dest)
+        # per rank: the copier's and the strided copies' times at a few row counts (module doc); per
+        # (rank, rows): the choice made from them (the hot path's look-up)
+        self._trials: List[Tuple[Trial, ...]] = [()] * len(self.dest)
+        self._decided: Dict[Tuple[int, int], bool] = {}
         if copier is not None:
-            for r, d in enumerate(self.dest):
-                self._ranges[r] = ranges = self._column_ranges(d)
-                runs = len(self._runs[r])
-                per_row = ranges[0].size(0) * COPIER_RANGE_NS - len(d) * STRIDED_BLOCK_NS
-                if runs > MAX_RUNS or per_row <= 0:
-                    self._copier_rows[r] = float("inf")
-                else:
-                    self._copier_rows[r] = runs * STRIDED_RUN_NS / per_row
+            self._ranges = [self._column_ranges(d) for d in self.dest]
+            self._trials = measure_trials(self)
 
     def _column_ranges(self, dest: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
         ranges: List[List[int]] = []
@@ -105,13 +102,20 @@ class ColumnPlacement:
                 ranges[-1][2] += self.width
             else:
                 ranges.append([k * self.width, block * self.width, self.width])
-        forward = torch.tensor(ranges, dtype=torch.int64).view(-1, 3)
+        # the copier's, a CPU op: on the CPU even under a ``torch.device`` context
+        forward = torch.tensor(ranges, dtype=torch.int64, device="cpu").view(-1, 3)
         return forward, forward[:, [1, 0, 2]].contiguous()
 
     def uses_copier(self, rank: int, rows: int) -> bool:
         """Whether the copier moves rank ``rank``'s columns of ``rows`` rows (CPU, contiguous tensors):
-        given one, where it is the cheaper way (the constants above)."""
-        return rows < self._copier_rows[rank]
+        given one, where its time interpolated at ``rows`` is below the strided copies' (module doc)."""
+        choice = self._decided.get((rank, rows))
+        if choice is None:
+            trials = self._trials[rank]
+            choice = bool(trials) and first_is_faster(trials, rows)
+            if len(self._decided) < _DECIDED_MAX:
+                self._decided[(rank, rows)] = choice
+        return choice
 
     def _copies(self, rank: int, *tensors: torch.Tensor) -> bool:
         """Whether the copier moves rank ``rank``'s columns of these tensors (CPU, contiguous)."""
@@ -143,8 +147,16 @@ class ColumnPlacement:
         if rows == 0 or not self.dest[rank]:
             return
         if self._copies(rank, out, piece):
-            self.copier(out.view(rows, -1), piece.view(rows, -1), self._ranges[rank][0])
-            return
+            self._place_copied(out, rank, piece)
+        else:
+            self._place_strided(out, rank, piece)
+
+    def _place_copied(self, out: torch.Tensor, rank: int, piece: torch.Tensor) -> None:
+        rows = out.size(0)
+        self.copier(out.view(rows, -1), piece.view(rows, -1), self._ranges[rank][0])
+
+    def _place_strided(self, out: torch.Tensor, rank: int, piece: torch.Tensor) -> None:
+        rows = out.size(0)
         out_blocks = out.view(rows, self.blocks, self.width)
         src = piece.view(rows, len(self.dest[rank]), self.width)
         runs = self._runs[rank]
@@ -158,17 +170,23 @@ class ColumnPlacement:
         """Copy rank ``rank``'s columns of ``grad`` (``[rows, blocks * width]``, contiguous) into
         ``chunk`` (``rows x columns(rank)`` values, contiguous, any shape): :meth:`place`'s inverse.
         ``divisor`` > 1: divided by it on the way (``torch.div``'s values, as ``div_`` after the copy)."""
-        rows = grad.size(0)
-        n_r = len(self.dest[rank])
-        if rows == 0 or n_r == 0:
+        if grad.size(0) == 0 or not self.dest[rank]:
             return
         if self._copies(rank, grad, chunk):
-            self.copier(chunk.view(rows, -1), grad.view(rows, -1), self._ranges[rank][1])
-            if divisor > 1:
-                chunk.div_(divisor)
-            return
+            self._take_copied(grad, rank, chunk, divisor)
+        else:
+            self._take_strided(grad, rank, chunk, divisor)
+
+    def _take_copied(self, grad: torch.Tensor, rank: int, chunk: torch.Tensor, divisor: int = 1) -> None:
+        rows = grad.size(0)
+        self.copier(chunk.view(rows, -1), grad.view(rows, -1), self._ranges[rank][1])
+        if divisor > 1:
+            chunk.div_(divisor)
+
+    def _take_strided(self, grad: torch.Tensor, rank: int, chunk: torch.Tensor, divisor: int = 1) -> None:
+        rows = grad.size(0)
         grad_blocks = grad.view(rows, self.blocks, self.width)
-        chunk_blocks = chunk.view(rows, n_r, self.width)
+        chunk_blocks = chunk.view(rows, len(self.dest[rank]), self.width)
         runs = self._runs[rank]
         if len(runs) > MAX_RUNS:
             torch.index_select(grad_blocks, 1, self._indexes(grad.device)[rank], out=chunk_blocks)
@@ -207,4 +225,41 @@ class ColumnPlacement:
         return send, chunks
 
 
-__all__ = ["ColumnPlacement", "arithmetic_runs"]
+def measure_trials(placement: ColumnPlacement) -> List[Tuple[Trial, ...]]:
+    """Per rank of ``placement`` (built with a copier): the copier's and the strided copies' (or the
+    index fallback's) seconds for one ``place`` and one ``take`` of its blocks (a step's forward and
+    backward), fp32, at ``copy_choice.TRIAL_ROWS`` (``copy_choice.time_trials``). Kept per layout in
+    :data:`_TRIALS`, so that one process times a layout once; a rank with no blocks has no trials."""
+    trials = []
+    for rank, dest in enumerate(placement.dest):
+        key = (placement.width, placement.blocks, tuple(dest), placement.copier)
+        if key not in _TRIALS:
+            _TRIALS[key] = (
+                time_trials(_trial_ways(placement, rank), 4 * placement.blocks * placement.width)
+                if dest
+                else ()
+            )
+        trials.append(_TRIALS[key])
+    return trials
+
+
+def _trial_ways(placement: ColumnPlacement, rank: int) -> Callable[[int], Ways]:
+    def make(rows: int) -> Ways:
+        # on the CPU explicitly: a module built under a ``torch.device("meta")`` context times real copies
+        out = torch.zeros(rows, placement.blocks * placement.width, device="cpu")
+        piece = torch.zeros(rows * placement.columns(rank), device="cpu")
+
+        def copied() -> None:
+            placement._place_copied(out, rank, piece)
+            placement._take_copied(out, rank, piece)
+
+        def strided() -> None:
+            placement._place_strided(out, rank, piece)
+            placement._take_strided(out, rank, piece)
+
+        return copied, strided
+
+    return make
+
+
+__all__ = ["ColumnPlacement", "arithmetic_runs", "measure_trials"]
