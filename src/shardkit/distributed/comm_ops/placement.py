@@ -22,9 +22,9 @@ strided run costs one torch op (4.5 us on an AMD EPYC Zen 4, 8 us on a Zen 3) pl
 block cost that depends on the run's shape (1.2 ns for runs of one block, 3.6 ns for runs of eight,
 2048 rows, Zen 4), the copier ~1.3 us plus 4-9 ns per row and range. So each rank's two ways are
 timed on the layout itself when the placement is built with a copier (``copy_choice``: a ``place``
-and a ``take`` on fp32 matrices at a few row counts, ~1-40 ms once per layout and process, kept in
-:data:`_TRIALS`), and a call compares their times interpolated at its own row count. Either way moves
-the same values: the choice changes the time only.
+and a ``take`` on fp32 matrices at a few row counts, 2-40 ms for a rank's blocks on a Zen 4, once
+per layout and process, kept in :data:`_TRIALS`), and a call compares their times interpolated at
+its own row count. Either way moves the same values: the choice changes the time only.
 """
 
 from __future__ import annotations
