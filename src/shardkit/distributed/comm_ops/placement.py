@@ -67,7 +67,9 @@ class ColumnPlacement:
 
     ``dest`` must cover every output block exactly once (a permutation of ``range(blocks)``).
     ``copier(dst, src, ranges)``: moves column ranges of CPU matrices (module doc); None: the strided
-    copies and the index fallback. Depends on the plan only: built once, not per step.
+    copies and the index fallback. Given a copier, building it times both ways on each rank's blocks
+    (:func:`measure_trials`; once per layout and process). Depends on the plan only: built once, not
+    per step.
     """
 
     def __init__(
