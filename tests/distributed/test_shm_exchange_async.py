@@ -117,31 +117,31 @@ def _skips(skipper: int, timeout_s: float) -> dict:
     out = torch.empty_like(send)
     try:
         all_to_all_single(out, send, [], [], group, async_op=False)  # set up, one call on every rank
+        prefix = shm_exchange.exchange_for(group).prefix  # its files: gone once the world is done
         if rank == skipper:  # stalls (and then leaves: the others must have given up by then)
             time.sleep(timeout_s + 2.0)
-            return {"skipped": True}
+            return {"skipped": True, "prefix": prefix}
         start = time.monotonic()
         try:
             all_to_all_single(out, send, [], [], group, async_op=False)
         except CollectiveTimeoutError as err:
-            return {"error": str(err), "after_s": time.monotonic() - start}
-        return {"error": None}
+            return {"error": str(err), "after_s": time.monotonic() - start, "prefix": prefix}
+        return {"error": None, "prefix": prefix}
     finally:
         shm_exchange.set_shm_exchange(False)
         shm_exchange.close_all()
 
 
 def test_a_rank_that_skips_an_exchange_is_named_by_the_others_within_the_timeout():
-    before = set(glob.glob(FILES))
     got = run_world(_skips, 3, 1, 3.0)
-    assert got[1] == {"skipped": True}
+    assert got[1]["skipped"] is True
     for rank in (0, 2):
         message = got[rank]["error"]
         assert message is not None, got
         assert "rank(s) [1 (global 1)] did not publish call 1" in message, message
         assert "group of 3" in message and "of call 1" in message, message
         assert got[rank]["after_s"] < 3.0 + 2.0, got[rank]
-    assert set(glob.glob(FILES)) <= before
+    _assert_files_removed(got)
 
 
 def _no_space_on(rank_without: int, limit: int) -> dict:
@@ -211,7 +211,7 @@ def _filled_sums_without_space(rank_without: int, limit: int) -> dict:
             exchange.all_reduce_sum(got, lambda out, term=terms[rank]: out.copy_(term)).wait()
             same.append(torch.equal(got, sum(terms)))
             gloo_only.append(exchange._gloo_only)
-        return {"same": same, "gloo_only": gloo_only}
+        return {"same": same, "gloo_only": gloo_only, "prefix": exchange.prefix}
     finally:
         shm_control.reserve = real
         shm_exchange.set_shm_exchange(False)
@@ -219,10 +219,18 @@ def _filled_sums_without_space(rank_without: int, limit: int) -> dict:
 
 
 def test_an_all_reduce_whose_terms_are_made_in_shared_buffers_falls_back_to_gloo_whole():
-    before = set(glob.glob(FILES))
-    for result in run_world(_filled_sums_without_space, 3, 2, 1 << 20):
-        assert result == {"same": [True] * 3, "gloo_only": [False, True, True]}, result
-    assert set(glob.glob(FILES)) <= before
+    got = run_world(_filled_sums_without_space, 3, 2, 1 << 20)
+    for result in got:
+        assert (result["same"], result["gloo_only"]) == ([True] * 3, [False, True, True]), result
+    _assert_files_removed(got)
+
+
+def _assert_files_removed(got: list) -> None:
+    """Every rank used one exchange, and none of its files is left (its own prefix only: another
+    test's world may run beside this one, its files in the same directory)."""
+    prefixes = {g["prefix"] for g in got}
+    assert len(prefixes) == 1 and next(iter(prefixes)).startswith(FILES[:-1]), prefixes
+    assert glob.glob(next(iter(prefixes)) + "*") == []
 
 
 def _disagree() -> str:

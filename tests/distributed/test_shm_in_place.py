@@ -72,7 +72,7 @@ def _parts(shared: bool, limit: int) -> dict:
                     "packed": sorted(packed),
                 }
             )
-        return {"results": results, "gloo_only": exchange._gloo_only}
+        return {"results": results, "gloo_only": exchange._gloo_only, "prefix": exchange.prefix}
     finally:
         shm_control.reserve = real
         shm_exchange.set_shm_exchange(False)
@@ -82,14 +82,17 @@ def _parts(shared: bool, limit: int) -> dict:
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("shared", [False, True])
 def test_parts_written_and_read_in_place_arrive_as_sent(world, shared):
-    before = set(glob.glob(FILES))
-    for rank, got in enumerate(run_world(_parts, world, shared, 0)):
+    got_all = run_world(_parts, world, shared, 0)
+    for rank, got in enumerate(got_all):
         assert not got["gloo_only"]
         for result in got["results"]:
             assert result["same"], got
             # a shared chunk is written once, whatever the peers; otherwise once per peer
             assert result["packed"] == ([-1] if shared else [r for r in range(world) if r != rank]), got
-    assert set(glob.glob(FILES)) <= before
+    # this world's files are all removed (its own prefix: another test's world may run beside it)
+    prefix = got_all[0]["prefix"]
+    assert prefix.startswith(FILES[:-1]) and {g["prefix"] for g in got_all} == {prefix}
+    assert glob.glob(prefix + "*") == []
 
 
 @pytest.mark.parametrize("shared", [False, True])

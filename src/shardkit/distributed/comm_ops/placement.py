@@ -8,23 +8,26 @@ unsharded key order (another copy, and two more in backward). A ``ColumnPlacemen
 copied straight to their places in forward, and in backward the gradient's blocks straight into the
 send buffer. Copies only: the results are bitwise those of the concatenation and permutation.
 
-Each rank's output blocks are cut into arithmetic runs (table-wise tables placed round-robin give one
-run per rank, stride ``W``), each moved by one strided ``copy_``; a rank whose blocks make more than
-``MAX_RUNS`` runs is moved by one ``index_copy_`` / ``index_select`` instead. Given a ``copier`` (the
-native ``shardkit.kernels.column_copy.copy_column_ranges``, handed over by the sharding layer, which
-may import kernels), CPU tensors are moved by it instead wherever it is the faster way for the rank's
-blocks and the row count (``uses_copier``): the blocks merged into ranges of consecutive columns, one
-memcpy per row and range (a rank of tables of many widths has one range per table, and the index copy
-of its 4-column blocks took 5-13x as long at 32-2048 rows, docs/performance.md).
+A rank's blocks move one of three ways (``WAYS``), each giving the same values:
 
-Which way is faster depends on the layout and on the machine, and no fixed rule got both right: a
-strided run costs one torch op (4.5 us on an AMD EPYC Zen 4, 8 us on a Zen 3) plus a per row and
-block cost that depends on the run's shape (1.2 ns for runs of one block, 3.6 ns for runs of eight,
-2048 rows, Zen 4), the copier ~1.3 us plus 4-9 ns per row and range. So each rank's two ways are
-timed on the layout itself when the placement is built with a copier (``copy_choice``: a ``place``
-and a ``take`` on fp32 matrices at a few row counts, 2-40 ms for a rank's blocks on a Zen 4, once
-per layout and process, kept in :data:`_TRIALS`), and a call compares their times interpolated at
-its own row count. Either way moves the same values: the choice changes the time only.
+- ``"copier"``: given a ``copier`` (the native ``shardkit.kernels.column_copy.copy_column_ranges``,
+  handed over by the sharding layer, which may import kernels) and CPU tensors, contiguous: the blocks
+  merged into ranges of consecutive columns, one memcpy per row and range;
+- ``"strided"``: the blocks cut into arithmetic runs (table-wise tables placed round-robin give one run
+  per rank, stride ``W``), one strided ``copy_`` a run;
+- ``"index"``: one ``index_copy_`` / ``index_select`` over all the rank's blocks.
+
+Which is fastest depends on the layout and on the machine, and no fixed rule got it right: a strided
+run costs one torch op (4.5 us on an AMD EPYC Zen 4, 8 us on a Zen 3) plus a per row and block cost
+that depends on the run's shape (1.2 ns for runs of one block, 3.6 ns for runs of eight, 2048 rows,
+Zen 4), the copier ~1.3 us plus 4-9 ns per row and range; the index copy is one op whose per-element
+cost grows with the block width (at 32 rows it beat 4-30 strided runs 2-9x, at 2048 rows of 64-column
+blocks it took 1.2-1.8x as long: docs/performance.md, twenty-seventh session). So every way a rank can
+take on the CPU is timed on the layout itself when the placement is built (``copy_choice``: a
+``place`` and a ``take`` on fp32 matrices at a few row counts, once per layout and process, kept in
+:data:`_TRIALS`), and a call on CPU tensors takes the way whose time interpolated at its row count is
+least. On other devices (nothing timed there) the strided runs, or the index copy past ``MAX_RUNS``
+runs.
 """
 
 from __future__ import annotations
@@ -34,12 +37,17 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from shardkit.distributed.comm_ops import scratch
-from shardkit.distributed.comm_ops.copy_choice import Trial, Ways, first_is_faster, time_trials
+from shardkit.distributed.comm_ops.copy_choice import Trial, fastest, time_trials
 
+# off the CPU (no trials): more runs than this go by the index copy
 MAX_RUNS = 8
-# (width, blocks, a rank's dest, copier) -> the copier's and the strided copies' trials (copy_choice)
-_TRIALS: Dict[Tuple[int, int, Tuple[int, ...], Callable], Tuple[Trial, ...]] = {}
-# the choices a placement made, per (rank, rows), before it stops remembering new ones
+# on the CPU, a rank of more runs than this is not timed strided (a torch op a run: 5-8 us each, so
+# a trial of thousands would take seconds) and goes by the copier or the index copy
+MAX_TIMED_RUNS = 256
+WAYS = ("copier", "strided", "index")
+# (width, blocks, a rank's dest, copier) -> its trials of the ways it can take (copy_choice)
+_TRIALS: Dict[Tuple[int, int, Tuple[int, ...], Optional[Callable]], Tuple[Trial, ...]] = {}
+# the choices a placement made, per (rank, rows, copier allowed), before it stops remembering new ones
 _DECIDED_MAX = 4096
 
 Run = Tuple[int, int, int, int]  # (first source block, blocks, first output block, output stride)
@@ -67,7 +75,7 @@ class ColumnPlacement:
 
     ``dest`` must cover every output block exactly once (a permutation of ``range(blocks)``).
     ``copier(dst, src, ranges)``: moves column ranges of CPU matrices (module doc); None: the strided
-    copies and the index fallback. Given a copier, building it times both ways on each rank's blocks
+    copies and the index copy only. Building it times the ways on each rank's blocks
     (:func:`measure_trials`; once per layout and process). Depends on the plan only: built once, not
     per step.
     """
@@ -89,13 +97,13 @@ class ColumnPlacement:
         # per rank, int64 [K, 3] (source column, output column, columns) of its received columns: runs
         # of blocks consecutive in both merged; the same rows with the first two swapped for ``take``
         self._ranges: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None] * len(self.dest)
-        # per rank: the copier's and the strided copies' times at a few row counts (module doc); per
-        # (rank, rows): the choice made from them (the hot path's look-up)
-        self._trials: List[Tuple[Trial, ...]] = [()] * len(self.dest)
-        self._decided: Dict[Tuple[int, int], bool] = {}
+        # the ways this placement can take on the CPU, in WAYS order; per rank, their times at a few row
+        # counts (module doc); per (rank, rows, copier allowed): the way chosen (the hot path's look-up)
+        self.ways = WAYS if copier is not None else WAYS[1:]
+        self._decided: Dict[Tuple[int, int, bool], str] = {}
         if copier is not None:
             self._ranges = [self._column_ranges(d) for d in self.dest]
-            self._trials = measure_trials(self)
+        self._trials: List[Tuple[Trial, ...]] = measure_trials(self)
 
     def _column_ranges(self, dest: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
         ranges: List[List[int]] = []
@@ -108,22 +116,29 @@ class ColumnPlacement:
         forward = torch.tensor(ranges, dtype=torch.int64, device="cpu").view(-1, 3)
         return forward, forward[:, [1, 0, 2]].contiguous()
 
-    def uses_copier(self, rank: int, rows: int) -> bool:
-        """Whether the copier moves rank ``rank``'s columns of ``rows`` rows (CPU, contiguous tensors):
-        given one, where its time interpolated at ``rows`` is below the strided copies' (module doc)."""
-        choice = self._decided.get((rank, rows))
-        if choice is None:
-            trials = self._trials[rank]
-            choice = bool(trials) and first_is_faster(trials, rows)
+    def way(self, rank: int, rows: int, copier_allowed: bool = True) -> str:
+        """The way (one of :attr:`ways`) that moves rank ``rank``'s columns of ``rows`` rows of CPU
+        tensors: the least time interpolated at ``rows`` (module doc), the copier only where
+        ``copier_allowed`` (contiguous tensors)."""
+        key = (rank, rows, copier_allowed)
+        chosen = self._decided.get(key)
+        if chosen is None:
+            allowed = [copier_allowed or w != "copier" for w in self.ways]
+            chosen = self.ways[fastest(self._trials[rank], rows, allowed)]
             if len(self._decided) < _DECIDED_MAX:
-                self._decided[(rank, rows)] = choice
-        return choice
+                self._decided[key] = chosen
+        return chosen
 
-    def _copies(self, rank: int, *tensors: torch.Tensor) -> bool:
-        """Whether the copier moves rank ``rank``'s columns of these tensors (CPU, contiguous)."""
-        return self.uses_copier(rank, tensors[0].size(0)) and all(
-            t.device.type == "cpu" and t.is_contiguous() for t in tensors
-        )
+    def uses_copier(self, rank: int, rows: int) -> bool:
+        """Whether the copier moves rank ``rank``'s columns of ``rows`` rows of contiguous CPU tensors."""
+        return self.way(rank, rows) == "copier"
+
+    def _way_for(self, rank: int, *tensors: torch.Tensor) -> str:
+        """The way for these tensors: timed on the CPU; elsewhere the strided runs, or the index copy
+        past ``MAX_RUNS`` runs."""
+        if all(t.device.type == "cpu" for t in tensors):
+            return self.way(rank, tensors[0].size(0), all(t.is_contiguous() for t in tensors))
+        return "index" if len(self._runs[rank]) > MAX_RUNS else "strided"
 
     def columns(self, rank: int) -> int:
         """Columns rank ``rank`` sends."""
@@ -148,12 +163,9 @@ class ColumnPlacement:
         rows = out.size(0)
         if rows == 0 or not self.dest[rank]:
             return
-        if self._copies(rank, out, piece):
-            self._place_copied(out, rank, piece)
-        else:
-            self._place_strided(out, rank, piece)
+        getattr(self, f"_place_{self._way_for(rank, out, piece)}")(out, rank, piece)
 
-    def _place_copied(self, out: torch.Tensor, rank: int, piece: torch.Tensor) -> None:
+    def _place_copier(self, out: torch.Tensor, rank: int, piece: torch.Tensor) -> None:
         rows = out.size(0)
         self.copier(out.view(rows, -1), piece.view(rows, -1), self._ranges[rank][0])
 
@@ -161,12 +173,13 @@ class ColumnPlacement:
         rows = out.size(0)
         out_blocks = out.view(rows, self.blocks, self.width)
         src = piece.view(rows, len(self.dest[rank]), self.width)
-        runs = self._runs[rank]
-        if len(runs) > MAX_RUNS:
-            out_blocks.index_copy_(1, self._indexes(out.device)[rank], src)
-            return
-        for s0, n, d0, step in runs:
+        for s0, n, d0, step in self._runs[rank]:
             out_blocks[:, d0 : d0 + (n - 1) * step + 1 : step].copy_(src[:, s0 : s0 + n])
+
+    def _place_index(self, out: torch.Tensor, rank: int, piece: torch.Tensor) -> None:
+        rows = out.size(0)
+        src = piece.view(rows, len(self.dest[rank]), self.width)
+        out.view(rows, self.blocks, self.width).index_copy_(1, self._indexes(out.device)[rank], src)
 
     def take(self, grad: torch.Tensor, rank: int, chunk: torch.Tensor, divisor: int = 1) -> None:
         """Copy rank ``rank``'s columns of ``grad`` (``[rows, blocks * width]``, contiguous) into
@@ -174,12 +187,9 @@ class ColumnPlacement:
         ``divisor`` > 1: divided by it on the way (``torch.div``'s values, as ``div_`` after the copy)."""
         if grad.size(0) == 0 or not self.dest[rank]:
             return
-        if self._copies(rank, grad, chunk):
-            self._take_copied(grad, rank, chunk, divisor)
-        else:
-            self._take_strided(grad, rank, chunk, divisor)
+        getattr(self, f"_take_{self._way_for(rank, grad, chunk)}")(grad, rank, chunk, divisor)
 
-    def _take_copied(self, grad: torch.Tensor, rank: int, chunk: torch.Tensor, divisor: int = 1) -> None:
+    def _take_copier(self, grad: torch.Tensor, rank: int, chunk: torch.Tensor, divisor: int = 1) -> None:
         rows = grad.size(0)
         self.copier(chunk.view(rows, -1), grad.view(rows, -1), self._ranges[rank][1])
         if divisor > 1:
@@ -189,18 +199,20 @@ class ColumnPlacement:
         rows = grad.size(0)
         grad_blocks = grad.view(rows, self.blocks, self.width)
         chunk_blocks = chunk.view(rows, len(self.dest[rank]), self.width)
-        runs = self._runs[rank]
-        if len(runs) > MAX_RUNS:
-            torch.index_select(grad_blocks, 1, self._indexes(grad.device)[rank], out=chunk_blocks)
-            if divisor > 1:
-                chunk_blocks.div_(divisor)
-            return
-        for s0, n, d0, step in runs:
+        for s0, n, d0, step in self._runs[rank]:
             src = grad_blocks[:, d0 : d0 + (n - 1) * step + 1 : step]
             if divisor > 1:
                 torch.div(src, divisor, out=chunk_blocks[:, s0 : s0 + n])
             else:
                 chunk_blocks[:, s0 : s0 + n].copy_(src)
+
+    def _take_index(self, grad: torch.Tensor, rank: int, chunk: torch.Tensor, divisor: int = 1) -> None:
+        rows = grad.size(0)
+        grad_blocks = grad.view(rows, self.blocks, self.width)
+        chunk_blocks = chunk.view(rows, len(self.dest[rank]), self.width)
+        torch.index_select(grad_blocks, 1, self._indexes(grad.device)[rank], out=chunk_blocks)
+        if divisor > 1:
+            chunk_blocks.div_(divisor)
 
     def split(self, grad: torch.Tensor) -> List[torch.Tensor]:
         """Gradient ``[rows, blocks * width]`` -> each rank's ``[rows, columns(r)]`` blocks, back to back
@@ -228,10 +240,10 @@ class ColumnPlacement:
 
 
 def measure_trials(placement: ColumnPlacement) -> List[Tuple[Trial, ...]]:
-    """Per rank of ``placement`` (built with a copier): the copier's and the strided copies' (or the
-    index fallback's) seconds for one ``place`` and one ``take`` of its blocks (a step's forward and
-    backward), fp32, at ``copy_choice.TRIAL_ROWS`` (``copy_choice.time_trials``). Kept per layout in
-    :data:`_TRIALS`, so that one process times a layout once; a rank with no blocks has no trials."""
+    """Per rank of ``placement``: the seconds of each of its :attr:`~ColumnPlacement.ways` for one
+    ``place`` and one ``take`` of the rank's blocks (a step's forward and backward), fp32 CPU tensors,
+    at ``copy_choice.TRIAL_ROWS`` (``copy_choice.time_trials``). Kept per layout in :data:`_TRIALS`, so
+    that one process times a layout once; a rank with no blocks has no trials (nothing to move)."""
     trials = []
     for rank, dest in enumerate(placement.dest):
         key = (placement.width, placement.blocks, tuple(dest), placement.copier)
@@ -245,23 +257,26 @@ def measure_trials(placement: ColumnPlacement) -> List[Tuple[Trial, ...]]:
     return trials
 
 
-def _trial_ways(placement: ColumnPlacement, rank: int) -> Callable[[int], Ways]:
-    def make(rows: int) -> Ways:
+def _trial_ways(placement: ColumnPlacement, rank: int) -> Callable[[int], List[Optional[Callable[[], None]]]]:
+    def make(rows: int) -> List[Optional[Callable[[], None]]]:
         # on the CPU explicitly: a module built under a ``torch.device("meta")`` context times real copies
         out = torch.zeros(rows, placement.blocks * placement.width, device="cpu")
         piece = torch.zeros(rows * placement.columns(rank), device="cpu")
 
-        def copied() -> None:
-            placement._place_copied(out, rank, piece)
-            placement._take_copied(out, rank, piece)
+        def trial(way: str) -> Optional[Callable[[], None]]:
+            if way == "strided" and len(placement._runs[rank]) > MAX_TIMED_RUNS:
+                return None
+            place, take = getattr(placement, f"_place_{way}"), getattr(placement, f"_take_{way}")
 
-        def strided() -> None:
-            placement._place_strided(out, rank, piece)
-            placement._take_strided(out, rank, piece)
+            def call() -> None:
+                place(out, rank, piece)
+                take(out, rank, piece)
 
-        return copied, strided
+            return call
+
+        return [trial(way) for way in placement.ways]
 
     return make
 
 
-__all__ = ["ColumnPlacement", "arithmetic_runs", "measure_trials"]
+__all__ = ["MAX_RUNS", "MAX_TIMED_RUNS", "WAYS", "ColumnPlacement", "arithmetic_runs", "measure_trials"]
