@@ -21,13 +21,13 @@ Which is fastest depends on the layout and on the machine, and no fixed rule got
 run costs one torch op (4.5 us on an AMD EPYC Zen 4, 8 us on a Zen 3) plus a per row and block cost
 that depends on the run's shape (1.2 ns for runs of one block, 3.6 ns for runs of eight, 2048 rows,
 Zen 4), the copier ~1.3 us plus 4-9 ns per row and range; the index copy is one op whose per-element
-cost grows with the block width (at 32 rows it beat 4-30 strided runs 2-9x, at 2048 rows of 64-column
-blocks it took 1.2-1.8x as long: docs/performance.md, twenty-seventh session). So every way a rank can
-take on the CPU is timed on the layout itself when the placement is built (``copy_choice``: a
-``place`` and a ``take`` on fp32 matrices at a few row counts, once per layout and process, kept in
-:data:`_TRIALS`), and a call on CPU tensors takes the way whose time interpolated at its row count is
-least. On other devices (nothing timed there) the strided runs, or the index copy past ``MAX_RUNS``
-runs.
+cost grows with the block width (at 32 rows it beat 4-30 strided runs 1.9-8.7x, at 2048 rows of
+64-column blocks it took 1.2-1.7x as long: docs/performance.md, twenty-seventh session). So every
+way a rank can take on the CPU is timed on the layout itself when the placement is built
+(``copy_choice``: a ``place`` and a ``take`` on fp32 matrices at a few row counts, once per layout and
+process, kept in :data:`_TRIALS`), and a call on CPU tensors takes the way whose time interpolated at
+its row count is least. On other devices (nothing timed there) the strided runs, or the index copy
+past ``MAX_RUNS`` runs.
 """
 
 from __future__ import annotations
