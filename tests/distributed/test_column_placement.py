@@ -153,7 +153,7 @@ def test_each_rank_takes_the_way_its_trials_show_fastest(monkeypatch):
     trial = ColumnPlacement(8, dest, copier)
     assert trial.ways == ("copier", "strided", "index")
     assert timed == [4 * 64 * 8] * 2  # ranks with blocks only, bytes of an fp32 output row
-    assert trial.uses_copier(0, 32) and trial.uses_copier(1, 200) and trial.way(0, 1000) == "index"
+    assert trial.way(0, 32) == "copier" and trial.way(1, 200) == "copier" and trial.way(0, 1000) == "index"
     # not contiguous: the copier is not allowed, the fastest of the others
     assert trial.way(0, 32, copier_allowed=False) == "index"
     gen = torch.Generator().manual_seed(0)
@@ -161,7 +161,7 @@ def test_each_rank_takes_the_way_its_trials_show_fastest(monkeypatch):
     assert trial._way_for(0, grad_t, torch.empty(32 * 256)) == "index"
     # the same layout again in this process: its trials are reused, not timed again
     again = ColumnPlacement(8, dest, copier)
-    assert len(timed) == 2 and again.uses_copier(1, 64) and again.way(1, 4096) == "index"
+    assert len(timed) == 2 and again.way(1, 64) == "copier" and again.way(1, 4096) == "index"
     # consecutive blocks merged into column ranges (source column, output column, columns)
     consecutive = ColumnPlacement(2, [[2, 3, 4], [0, 1, 5]], copier)
     assert [r[0].tolist() for r in consecutive._ranges] == [[[0, 4, 6]], [[0, 0, 4], [4, 10, 2]]]
@@ -169,7 +169,6 @@ def test_each_rank_takes_the_way_its_trials_show_fastest(monkeypatch):
     monkeypatch.setattr(placement, "time_trials", lambda make, nbytes: ((32, (2.0, 1.0)),))
     plain = ColumnPlacement(2, [[2, 3, 4], [0, 1, 5]])
     assert plain.ways == ("strided", "index") and plain.way(0, 1) == "index"
-    assert not plain.uses_copier(0, 1)
 
 
 def test_off_the_cpu_the_runs_decide_and_too_many_runs_are_not_timed_strided():

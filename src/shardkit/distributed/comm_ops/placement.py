@@ -129,10 +129,6 @@ class ColumnPlacement:
                 self._decided[key] = chosen
         return chosen
 
-    def uses_copier(self, rank: int, rows: int) -> bool:
-        """Whether the copier moves rank ``rank``'s columns of ``rows`` rows of contiguous CPU tensors."""
-        return self.way(rank, rows) == "copier"
-
     def _way_for(self, rank: int, *tensors: torch.Tensor) -> str:
         """The way for these tensors: timed on the CPU; elsewhere the strided runs, or the index copy
         past ``MAX_RUNS`` runs."""
