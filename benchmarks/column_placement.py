@@ -20,15 +20,20 @@ The placement times its ways at ``copy_choice.TRIAL_ROWS`` only and interpolates
 from __future__ import annotations
 
 import argparse
-import math
-import time
 from typing import Dict, List, Sequence, Tuple
 
 import torch
 
 from benchmarks.common import write_results
 from shardkit.distributed.comm_ops import copy_choice
-from shardkit.distributed.comm_ops.placement import MAX_RUNS, WAYS, ColumnPlacement, arithmetic_runs
+from shardkit.distributed.comm_ops.copy_choice import time_trials
+from shardkit.distributed.comm_ops.placement import (
+    MAX_RUNS,
+    WAYS,
+    ColumnPlacement,
+    arithmetic_runs,
+    trial_ways,
+)
 from shardkit.kernels.column_copy import column_copier
 from shardkit.kernels.prefetch import cpu_model
 
@@ -68,19 +73,10 @@ def torch_rule(placement: ColumnPlacement, rank: int) -> str:
 
 
 def time_ways(placement: ColumnPlacement, rank: int, rows: int, rounds: int) -> Dict[str, float]:
-    """Microseconds of one place + take each way (fastest of ``rounds``, taking turns, one warm-up)."""
-    out = torch.randn(rows, placement.blocks * placement.width)
-    piece = torch.randn(rows * placement.columns(rank))
-    ways = {w: (getattr(placement, f"_place_{w}"), getattr(placement, f"_take_{w}")) for w in WAYS}
-    best = {name: math.inf for name in ways}
-    for sample in range(rounds + 1):
-        for name, (place, take) in ways.items():
-            start = time.perf_counter()
-            place(out, rank, piece)
-            take(out, rank, piece)
-            if sample:
-                best[name] = min(best[name], time.perf_counter() - start)
-    return {name: seconds * 1e6 for name, seconds in best.items()}
+    """Microseconds of one place + take each way (the placement's own trial calls, timed again here:
+    the fastest of ``rounds``, taking turns, after one warm-up)."""
+    ((_, seconds),) = time_trials(trial_ways(placement, rank), 0, row_counts=(rows,), samples=rounds)
+    return {way: s * 1e6 for way, s in zip(placement.ways, seconds)}
 
 
 def run(rows_list: Sequence[int], rounds: int) -> List[dict]:

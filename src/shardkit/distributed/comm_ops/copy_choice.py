@@ -28,19 +28,23 @@ Trial = Tuple[int, Tuple[float, ...]]  # (rows, seconds of each way)
 
 
 def time_trials(
-    make_ways: Callable[[int], Sequence[Optional[Callable[[], None]]]], bytes_per_row: int
+    make_ways: Callable[[int], Sequence[Optional[Callable[[], None]]]],
+    bytes_per_row: int,
+    row_counts: Sequence[int] = TRIAL_ROWS,
+    samples: int = TRIAL_SAMPLES,
 ) -> Tuple[Trial, ...]:
-    """Every way timed at each of :data:`TRIAL_ROWS` whose ``rows * bytes_per_row`` fits
-    :data:`TRIAL_BYTES` (always at least the first). ``make_ways(rows)`` returns the calls for ``rows``
-    rows (their tensors allocated once, outside the timing), in the same order at every row count; a
-    way given as None is not timed (its time is infinite: never the fastest)."""
+    """Every way timed (the fastest of ``samples`` calls after a warm-up) at each of ``row_counts``
+    whose ``rows * bytes_per_row`` fits :data:`TRIAL_BYTES` (always at least the first).
+    ``make_ways(rows)`` returns the calls for ``rows`` rows (their tensors allocated once, outside the
+    timing), in the same order at every row count; a way given as None is not timed (its time is
+    infinite: never the fastest)."""
     trials = []
-    for rows in TRIAL_ROWS:
+    for rows in row_counts:
         if trials and rows * bytes_per_row > TRIAL_BYTES:
             break
         ways = make_ways(rows)
         best = [math.inf] * len(ways)
-        for sample in range(TRIAL_SAMPLES + 1):
+        for sample in range(samples + 1):
             for i, way in enumerate(ways):
                 if way is None:
                     continue

@@ -159,7 +159,7 @@ class ColumnPlacement:
         rows = out.size(0)
         if rows == 0 or not self.dest[rank]:
             return
-        getattr(self, f"_place_{self._way_for(rank, out, piece)}")(out, rank, piece)
+        self._PLACE[self._way_for(rank, out, piece)](self, out, rank, piece)
 
     def _place_copier(self, out: torch.Tensor, rank: int, piece: torch.Tensor) -> None:
         rows = out.size(0)
@@ -183,7 +183,7 @@ class ColumnPlacement:
         ``divisor`` > 1: divided by it on the way (``torch.div``'s values, as ``div_`` after the copy)."""
         if grad.size(0) == 0 or not self.dest[rank]:
             return
-        getattr(self, f"_take_{self._way_for(rank, grad, chunk)}")(grad, rank, chunk, divisor)
+        self._TAKE[self._way_for(rank, grad, chunk)](self, grad, rank, chunk, divisor)
 
     def _take_copier(self, grad: torch.Tensor, rank: int, chunk: torch.Tensor, divisor: int = 1) -> None:
         rows = grad.size(0)
@@ -209,6 +209,10 @@ class ColumnPlacement:
         torch.index_select(grad_blocks, 1, self._indexes(grad.device)[rank], out=chunk_blocks)
         if divisor > 1:
             chunk_blocks.div_(divisor)
+
+    # each way's place and take (WAYS' names), looked up per call without building a name
+    _PLACE = {"copier": _place_copier, "strided": _place_strided, "index": _place_index}
+    _TAKE = {"copier": _take_copier, "strided": _take_strided, "index": _take_index}
 
     def split(self, grad: torch.Tensor) -> List[torch.Tensor]:
         """Gradient ``[rows, blocks * width]`` -> each rank's ``[rows, columns(r)]`` blocks, back to back
@@ -245,7 +249,7 @@ def measure_trials(placement: ColumnPlacement) -> List[Tuple[Trial, ...]]:
         key = (placement.width, placement.blocks, tuple(dest), placement.copier)
         if key not in _TRIALS:
             _TRIALS[key] = (
-                time_trials(_trial_ways(placement, rank), 4 * placement.blocks * placement.width)
+                time_trials(trial_ways(placement, rank), 4 * placement.blocks * placement.width)
                 if dest
                 else ()
             )
@@ -253,7 +257,11 @@ def measure_trials(placement: ColumnPlacement) -> List[Tuple[Trial, ...]]:
     return trials
 
 
-def _trial_ways(placement: ColumnPlacement, rank: int) -> Callable[[int], List[Optional[Callable[[], None]]]]:
+def trial_ways(placement: ColumnPlacement, rank: int) -> Callable[[int], List[Optional[Callable[[], None]]]]:
+    """``make_ways(rows)`` for ``copy_choice.time_trials``: per way of ``placement.ways``, one ``place``
+    and one ``take`` of rank ``rank``'s blocks on fp32 CPU matrices of ``rows`` rows (None: strided
+    past ``MAX_TIMED_RUNS`` runs, not timed)."""
+
     def make(rows: int) -> List[Optional[Callable[[], None]]]:
         # on the CPU explicitly: a module built under a ``torch.device("meta")`` context times real copies
         out = torch.zeros(rows, placement.blocks * placement.width, device="cpu")
@@ -262,11 +270,11 @@ def _trial_ways(placement: ColumnPlacement, rank: int) -> Callable[[int], List[O
         def trial(way: str) -> Optional[Callable[[], None]]:
             if way == "strided" and len(placement._runs[rank]) > MAX_TIMED_RUNS:
                 return None
-            place, take = getattr(placement, f"_place_{way}"), getattr(placement, f"_take_{way}")
+            place, take = ColumnPlacement._PLACE[way], ColumnPlacement._TAKE[way]
 
             def call() -> None:
-                place(out, rank, piece)
-                take(out, rank, piece)
+                place(placement, out, rank, piece)
+                take(placement, out, rank, piece)
 
             return call
 
@@ -275,4 +283,12 @@ def _trial_ways(placement: ColumnPlacement, rank: int) -> Callable[[int], List[O
     return make
 
 
-__all__ = ["MAX_RUNS", "MAX_TIMED_RUNS", "WAYS", "ColumnPlacement", "arithmetic_runs", "measure_trials"]
+__all__ = [
+    "MAX_RUNS",
+    "MAX_TIMED_RUNS",
+    "WAYS",
+    "ColumnPlacement",
+    "arithmetic_runs",
+    "measure_trials",
+    "trial_ways",
+]
